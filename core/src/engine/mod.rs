@@ -1,0 +1,1 @@
+//! Engine (placeholder, being written).

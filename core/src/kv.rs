@@ -1,0 +1,1 @@
+//! Paged KV block manager (placeholder, being written).

@@ -1,0 +1,3 @@
+//! Metrics (placeholder, being written).
+pub mod record;
+pub use record::RequestRecord;

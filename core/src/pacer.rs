@@ -1,0 +1,1 @@
+//! Token pacer (placeholder, being written).

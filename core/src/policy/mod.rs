@@ -1,0 +1,71 @@
+//! Instance-level scheduling: where a request runs, and whether it moves at `</think>`.
+//!
+//! Policies see only [`LoadReport`]s (what instances publish to the coordinator) so the same code
+//! runs in the simulator and in the coordinator process.
+
+use crate::ids::{InstanceId, RequestId};
+use crate::request::RequestSpec;
+use crate::rng::SimRng;
+use serde::{Deserialize, Serialize};
+
+/// What an instance publishes about itself (PASCAL's "instance monitor").
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoadReport {
+    pub instance: InstanceId,
+    /// KV blocks held on the GPU and in the CPU offload pool (PASCAL's m_i is their sum, in bytes).
+    pub gpu_used_blocks: u32,
+    pub cpu_used_blocks: u32,
+    pub gpu_total_blocks: u32,
+    pub block_bytes: u64,
+    /// r_i: requests in the reasoning phase (high-priority queue, not demoted).
+    pub reasoning_requests: u32,
+    /// a_i: answering requests that have not used up their first quantum.
+    pub fresh_answering_requests: u32,
+    /// All answering requests (including demoted reasoning ones).
+    pub answering_requests: u32,
+    /// Requests that have not started yet (no KV allocated).
+    pub waiting_requests: u32,
+    /// t_i: every answering request's token pacer is on pace (QoE so far ≥ the SLO threshold).
+    pub answering_slo_ok: bool,
+}
+
+impl LoadReport {
+    /// m_i of Alg. 1: total KV footprint, GPU + CPU, in bytes.
+    pub fn kv_footprint_bytes(&self) -> u64 {
+        (self.gpu_used_blocks as u64 + self.cpu_used_blocks as u64) * self.block_bytes
+    }
+    pub fn gpu_free_blocks(&self) -> u32 {
+        self.gpu_total_blocks.saturating_sub(self.gpu_used_blocks)
+    }
+}
+
+/// A request that just produced its last reasoning token.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PhaseChange {
+    pub request: RequestId,
+    pub current: InstanceId,
+    /// KV the request holds now (prompt + reasoning tokens), in blocks.
+    pub kv_blocks: u32,
+}
+
+/// What to do with a request at its phase boundary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PhaseDecision {
+    Stay,
+    Migrate { to: InstanceId },
+}
+
+/// A placement policy. Implementations are deterministic given the `rng` they are handed.
+pub trait InstancePolicy: Send + std::fmt::Debug {
+    fn name(&self) -> &str;
+    /// Pick an instance for a new request. `loads` is non-empty, one per live instance.
+    fn place(&mut self, request: &RequestSpec, loads: &[LoadReport], rng: &mut SimRng) -> InstanceId;
+    /// Decide at the `</think>` boundary. The default keeps the request where it is.
+    fn on_phase_change(&mut self, _change: &PhaseChange, _loads: &[LoadReport], _rng: &mut SimRng) -> PhaseDecision {
+        PhaseDecision::Stay
+    }
+    /// Whether `on_phase_change` can ever migrate (lets drivers skip the call).
+    fn migrates_at_phase_boundary(&self) -> bool {
+        false
+    }
+}

@@ -1,0 +1,1 @@
+//! Analytic roofline timing model (placeholder, being written).

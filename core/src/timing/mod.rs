@@ -1,0 +1,80 @@
+//! Where iteration time comes from: one trait, several models.
+//!
+//! - [`analytic`]: a roofline over model FLOPs and bytes vs the GPU's peak compute and bandwidth;
+//! - [`profile`]: interpolation over measured `decode(batch, context)` / `prefill(tokens)` tables;
+//! - `cuda` (worker feature, later): live kernels on a local GPU.
+//!
+//! Preemption costs (offload/reload) are bytes over the host link, also owned by the model.
+
+use crate::time::SimDuration;
+
+pub mod analytic;
+pub mod profile;
+
+/// The shape of one engine iteration: what the timing model needs, and nothing per-request.
+///
+/// Sums rather than vectors, so that building a shape is allocation-free on the hot path.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchShape {
+    /// Sequences that produce one token each in this iteration.
+    pub decode_seqs: u32,
+    /// Sum over decoding sequences of their context length, counting the token being produced.
+    pub decode_context_tokens: u64,
+    /// Prompts prefilled in this iteration (each produces its first output token).
+    pub prefill_seqs: u32,
+    /// Sum of the prefilled prompts' lengths.
+    pub prefill_tokens: u64,
+    /// Sum of squared prompt lengths (causal attention work is quadratic per prompt).
+    pub prefill_tokens_sq: u64,
+}
+
+impl BatchShape {
+    pub fn is_empty(&self) -> bool {
+        self.decode_seqs == 0 && self.prefill_seqs == 0
+    }
+    pub fn add_decode(&mut self, context_tokens: u32) {
+        self.decode_seqs += 1;
+        self.decode_context_tokens += context_tokens as u64;
+    }
+    pub fn add_prefill(&mut self, prompt_tokens: u32) {
+        self.prefill_seqs += 1;
+        self.prefill_tokens += prompt_tokens as u64;
+        self.prefill_tokens_sq += (prompt_tokens as u64) * (prompt_tokens as u64);
+    }
+}
+
+/// Iteration and transfer costs of one instance. Implementations are pure and cheap: the
+/// simulator calls `iteration` hundreds of millions of times.
+pub trait TimingModel: Send + Sync + std::fmt::Debug {
+    /// Name used in configs and reports (`analytic`, `profile`, ...).
+    fn name(&self) -> &str;
+    /// Duration of one iteration running `batch` (mixed prefill + decode costs by the model).
+    fn iteration(&self, batch: &BatchShape) -> SimDuration;
+    /// GPU → CPU copy of `bytes` of KV (preemption).
+    fn offload(&self, bytes: u64) -> SimDuration;
+    /// CPU → GPU copy of `bytes` of KV (resume).
+    fn reload(&self, bytes: u64) -> SimDuration;
+}
+
+/// A model with a fixed iteration time and free transfers: the paper's worked examples count
+/// time in iterations. Useful for tests and for reasoning about schedules by hand.
+#[derive(Clone, Debug)]
+pub struct FixedTiming {
+    pub iteration: SimDuration,
+    pub transfer: SimDuration,
+}
+
+impl TimingModel for FixedTiming {
+    fn name(&self) -> &str {
+        "fixed"
+    }
+    fn iteration(&self, _batch: &BatchShape) -> SimDuration {
+        self.iteration
+    }
+    fn offload(&self, bytes: u64) -> SimDuration {
+        if bytes == 0 { SimDuration::ZERO } else { self.transfer }
+    }
+    fn reload(&self, bytes: u64) -> SimDuration {
+        if bytes == 0 { SimDuration::ZERO } else { self.transfer }
+    }
+}

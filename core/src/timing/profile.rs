@@ -1,0 +1,1 @@
+//! Profile-table timing model (placeholder, being written).

@@ -1,0 +1,1 @@
+//! kvfleet-netmodel (placeholder, being written).

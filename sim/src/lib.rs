@@ -1,0 +1,1 @@
+//! kvfleet-sim (placeholder, being written).

@@ -1,0 +1,1 @@
+//! Helpers for cross-process tests: locate the built binaries, make temp dirs.
