@@ -1,1 +1,731 @@
-//! Engine (placeholder, being written).
+//! One serving instance's continuous-batching engine, sans-IO.
+//!
+//! The driver (simulator event loop or the worker's real-time loop) owns the clock and calls:
+//! - [`Engine::submit`] / [`Engine::attach`] when a request arrives (new or migrated in);
+//! - [`Engine::step`]`(now)` once per iteration: it completes the iteration that ends at `now`
+//!   (tokens, phase boundaries, finishes) and plans the next one, returning when it will end.
+//!   Drivers that must act between the two halves — the instance-level policy decides at
+//!   `</think>` before the next iteration is planned — call [`Engine::complete_iteration`] and
+//!   [`Engine::plan_iteration`] instead.
+//!
+//! Planning is "fit by priority": the [`sched::IntraScheduler`] orders requests, the engine walks
+//! them giving each the GPU blocks it needs for this iteration, and preempts (offloads to the CPU
+//! pool, or drops for recompute when that is full) resident requests that did not make the cut,
+//! lowest priority first and only as far as needed. Offload/reload time comes from the timing
+//! model and is added to the iteration. When nothing changed since the last plan and the batch
+//! can grow in free memory, the previous batch is reused (the common case; keeps the simulator fast).
+
+pub mod sched;
+
+use crate::ids::{InstanceId, RequestId};
+use crate::kv::{KvBlockManager, Tier};
+use crate::metrics::RequestRecord;
+use crate::pacer::TokenPacer;
+use crate::policy::LoadReport;
+use crate::request::RequestSpec;
+use crate::time::{SimDuration, SimTime};
+use crate::timing::{BatchShape, TimingModel};
+use sched::{Admission, IntraScheduler, Phase, SchedState};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Static configuration of one instance.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EngineConfig {
+    /// Tokens per KV block (vLLM: 16).
+    pub block_size: u32,
+    /// KV blocks that fit in GPU memory.
+    pub gpu_blocks: u32,
+    /// KV blocks in the CPU offload pool (0: preemption drops KV and recomputes).
+    pub cpu_blocks: u32,
+    /// Most sequences in one iteration (vLLM `max_num_seqs`).
+    pub max_num_seqs: u32,
+    /// Most prompt tokens prefilled in one iteration (one prompt is always allowed).
+    pub max_batched_tokens: u32,
+    /// Derived from the model spec.
+    pub kv_bytes_per_token: u64,
+    /// Token pacer pace: the user's expected time per output token.
+    pub tpot: SimDuration,
+    /// QoE below which an answering request counts as violating its SLO.
+    pub qoe_threshold: f64,
+}
+
+impl EngineConfig {
+    pub fn block_bytes(&self) -> u64 {
+        self.block_size as u64 * self.kv_bytes_per_token
+    }
+}
+
+/// What the engine reports to its driver.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineEvent {
+    /// The request produced its last reasoning token (`</think>`): time for PASCAL Alg. 2.
+    PhaseBoundary { request: RequestId, kv_blocks: u32 },
+    /// The request produced its last token; its KV is freed.
+    Finished(Box<RequestRecord>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    #[error("{request} needs {needed} KV blocks at its longest, but the instance has {capacity}")]
+    TooLarge { request: RequestId, needed: u32, capacity: u32 },
+    #[error("{0} is already on this instance")]
+    Duplicate(RequestId),
+    #[error("{0} is not on this instance")]
+    Unknown(RequestId),
+    #[error("{0} is not migrating out")]
+    NotMigrating(RequestId),
+    #[error("an iteration is in flight; call between iterations")]
+    IterationInFlight,
+    #[error("request {request} has answer_tokens = 0; every request produces at least one answer token")]
+    NoAnswer { request: RequestId },
+}
+
+/// Where a request's KV is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Residence {
+    /// No KV: not started, or dropped on preemption (prefill recomputes prompt + generated).
+    Waiting,
+    Gpu,
+    Cpu,
+    /// Frozen while its KV is copied to another instance; still holds its blocks.
+    MigratingOut,
+}
+
+#[derive(Debug)]
+struct Req {
+    spec: RequestSpec,
+    generated: u32,
+    residence: Residence,
+    sched: SchedState,
+    pacer: Option<TokenPacer>,
+    record: RequestRecord,
+    /// Reasoning ended and it has not been scheduled since (blocking latency).
+    awaiting_after_reasoning: bool,
+    /// Plan epoch in which it was selected (avoids a set per plan).
+    selected_epoch: u64,
+}
+
+impl Req {
+    fn phase(&self) -> Phase {
+        if self.generated >= self.spec.reasoning_tokens {
+            Phase::Answering
+        } else {
+            Phase::Reasoning
+        }
+    }
+    /// Tokens whose KV the request holds (prompt + generated).
+    fn context(&self) -> u32 {
+        self.spec.prompt_tokens + self.generated
+    }
+    fn done(&self) -> bool {
+        self.generated >= self.spec.output_tokens()
+    }
+}
+
+/// A request in transit between instances: everything the target needs to resume it.
+#[derive(Debug)]
+pub struct MigratedRequest {
+    pub spec: RequestSpec,
+    pub generated: u32,
+    pub record: RequestRecord,
+    pacer: Option<TokenPacer>,
+    awaiting_after_reasoning: bool,
+    demoted: bool,
+}
+
+impl MigratedRequest {
+    /// KV tokens that travel with it.
+    pub fn kv_tokens(&self) -> u32 {
+        self.spec.prompt_tokens + self.generated
+    }
+}
+
+/// Returned when a migration starts: what will be copied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MigrationOut {
+    pub kv_tokens: u32,
+    pub kv_blocks: u32,
+    pub kv_bytes: u64,
+}
+
+/// Counters over the engine's lifetime.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineStats {
+    pub iterations: u64,
+    pub busy_ns: u64,
+    pub tokens: u64,
+    pub preemptions: u64,
+    pub offloaded_bytes: u64,
+    pub reloaded_bytes: u64,
+    pub recomputed_tokens: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct BatchEntry {
+    slot: u32,
+    prefill: bool,
+}
+
+/// One instance.
+#[derive(Debug)]
+pub struct Engine {
+    instance: InstanceId,
+    cfg: EngineConfig,
+    timing: Arc<dyn TimingModel>,
+    sched: Box<dyn IntraScheduler>,
+    kv: KvBlockManager,
+    slots: Vec<Option<Req>>,
+    free_slots: Vec<u32>,
+    index: HashMap<RequestId, u32>,
+    /// Schedulable requests (everything here except those migrating out).
+    active: Vec<u32>,
+    batch: Vec<BatchEntry>,
+    inflight: Option<(SimTime, SimTime)>,
+    /// Something changed that can alter the batch: the next plan must be a full one.
+    dirty: bool,
+    epoch: u64,
+    slo_ok: bool,
+    stats: EngineStats,
+}
+
+impl Engine {
+    pub fn new(instance: InstanceId, cfg: EngineConfig, timing: Arc<dyn TimingModel>, sched: Box<dyn IntraScheduler>) -> Self {
+        let kv = KvBlockManager::new(cfg.block_size, cfg.gpu_blocks, cfg.cpu_blocks);
+        Engine {
+            instance,
+            cfg,
+            timing,
+            sched,
+            kv,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            index: HashMap::new(),
+            active: Vec::new(),
+            batch: Vec::new(),
+            inflight: None,
+            dirty: false,
+            epoch: 0,
+            slo_ok: true,
+            stats: EngineStats::default(),
+        }
+    }
+
+    pub fn instance(&self) -> InstanceId {
+        self.instance
+    }
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+    pub fn kv(&self) -> &KvBlockManager {
+        &self.kv
+    }
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+    pub fn scheduler_name(&self) -> &'static str {
+        self.sched.name()
+    }
+    /// End of the iteration in flight, if any.
+    pub fn next_wake(&self) -> Option<SimTime> {
+        self.inflight.map(|(_, end)| end)
+    }
+    /// Requests on this instance, including ones migrating out.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+    /// Whether the engine has work but no iteration planned (the driver should call `step`).
+    pub fn needs_step(&self) -> bool {
+        self.inflight.is_none() && !self.active.is_empty()
+    }
+
+    fn req(&self, slot: u32) -> &Req {
+        self.slots[slot as usize].as_ref().expect("live slot")
+    }
+    fn req_mut(&mut self, slot: u32) -> &mut Req {
+        self.slots[slot as usize].as_mut().expect("live slot")
+    }
+
+    fn insert(&mut self, req: Req) -> u32 {
+        let id = req.spec.id;
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.slots[s as usize] = Some(req);
+                s
+            }
+            None => {
+                self.slots.push(Some(req));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.index.insert(id, slot);
+        slot
+    }
+
+    fn remove(&mut self, slot: u32) -> Req {
+        let req = self.slots[slot as usize].take().expect("live slot");
+        self.index.remove(&req.spec.id);
+        self.free_slots.push(slot);
+        req
+    }
+
+    /// Accept a new request. Fails if it could never fit in GPU memory (it would block forever).
+    pub fn submit(&mut self, now: SimTime, spec: RequestSpec) -> Result<(), EngineError> {
+        let _ = now;
+        if spec.answer_tokens == 0 {
+            return Err(EngineError::NoAnswer { request: spec.id });
+        }
+        if self.index.contains_key(&spec.id) {
+            return Err(EngineError::Duplicate(spec.id));
+        }
+        let needed = self.kv.blocks_for(spec.max_context_tokens());
+        if needed > self.cfg.gpu_blocks {
+            return Err(EngineError::TooLarge { request: spec.id, needed, capacity: self.cfg.gpu_blocks });
+        }
+        let record = RequestRecord {
+            id: spec.id,
+            arrival: spec.arrival,
+            prompt_tokens: spec.prompt_tokens,
+            reasoning_tokens: spec.reasoning_tokens,
+            answer_tokens: spec.answer_tokens,
+            placed_on: self.instance,
+            ..RequestRecord::default()
+        };
+        let mut req = Req {
+            spec,
+            generated: 0,
+            residence: Residence::Waiting,
+            sched: SchedState::default(),
+            pacer: None,
+            record,
+            awaiting_after_reasoning: false,
+            selected_epoch: 0,
+        };
+        let phase = req.phase();
+        self.sched.on_enqueue(&mut req.sched, phase);
+        let slot = self.insert(req);
+        self.active.push(slot);
+        self.dirty = true;
+        Ok(())
+    }
+
+    /// Complete (if due) the iteration in flight and plan the next one. Returns the events of the
+    /// completed iteration and the end of the next one (None: idle).
+    pub fn step(&mut self, now: SimTime, events: &mut Vec<EngineEvent>) -> Option<SimTime> {
+        self.complete_iteration(now, events);
+        self.plan_iteration(now)
+    }
+
+    /// Finish the iteration in flight if it ends at or before `now`: every request in it gets its
+    /// token (timestamped at the iteration's end).
+    pub fn complete_iteration(&mut self, now: SimTime, events: &mut Vec<EngineEvent>) {
+        let Some((start, end)) = self.inflight else { return };
+        if end > now {
+            return;
+        }
+        self.inflight = None;
+        self.stats.iterations += 1;
+        self.stats.busy_ns += (end - start).as_nanos();
+        let mut finished_any = false;
+        for i in 0..self.batch.len() {
+            let BatchEntry { slot, prefill } = self.batch[i];
+            self.batch[i].prefill = false;
+            self.stats.tokens += 1;
+            let (changed, finished) = self.emit_token(slot, end, prefill, events);
+            self.dirty |= changed;
+            finished_any |= finished;
+        }
+        if finished_any {
+            let slots = &self.slots;
+            self.active.retain(|&s| slots[s as usize].is_some());
+            self.batch.retain(|e| slots[e.slot as usize].is_some());
+            self.dirty = true;
+        }
+        self.slo_ok = self.compute_slo_ok(end);
+    }
+
+    /// One token for the request in `slot` at time `t`. Returns (priority changed, finished).
+    fn emit_token(&mut self, slot: u32, t: SimTime, _prefill: bool, events: &mut Vec<EngineEvent>) -> (bool, bool) {
+        let instance = self.instance;
+        let tpot = self.cfg.tpot;
+        let req = self.slots[slot as usize].as_mut().expect("batched request is live");
+        req.generated += 1;
+        if req.record.first_token.is_none() {
+            req.record.first_token = Some(t);
+        }
+        let reasoning = req.spec.reasoning_tokens;
+        let mut changed = false;
+        if req.generated > reasoning {
+            if req.record.first_answer_token.is_none() {
+                req.record.first_answer_token = Some(t);
+            }
+            req.pacer.get_or_insert_with(|| TokenPacer::new(tpot)).on_answer_tokens(t, 1);
+        }
+        // The token was produced in the phase before this increment.
+        let phase_of_token = if req.generated > reasoning { Phase::Answering } else { Phase::Reasoning };
+        if req.done() {
+            let answer = req.spec.answer_tokens;
+            let mut req = self.remove(slot);
+            self.kv.free_request(req.spec.id);
+            req.record.finish = Some(t);
+            req.record.finished_on = Some(instance);
+            req.record.qoe = req.pacer.as_ref().map(|p| p.finish(answer));
+            events.push(EngineEvent::Finished(Box::new(req.record)));
+            return (true, true);
+        }
+        let context = req.context();
+        changed |= self.sched.on_token(&mut req.sched, phase_of_token, context);
+        if reasoning > 0 && req.generated == reasoning {
+            req.record.reasoning_end = Some(t);
+            req.awaiting_after_reasoning = true;
+            changed |= self.sched.on_phase_change(&mut req.sched);
+            let kv_blocks = self.kv.table(req.spec.id).map_or(0, |t| t.blocks.len() as u32);
+            events.push(EngineEvent::PhaseBoundary { request: req.spec.id, kv_blocks });
+        }
+        (changed, false)
+    }
+
+    fn compute_slo_ok(&self, now: SimTime) -> bool {
+        let thr = self.cfg.qoe_threshold;
+        self.active.iter().all(|&s| self.req(s).pacer.as_ref().is_none_or(|p| p.on_pace(now, thr)))
+    }
+
+    /// Plan the next iteration starting at `now` (no-op if one is in flight). Returns its end.
+    pub fn plan_iteration(&mut self, now: SimTime) -> Option<SimTime> {
+        if let Some((_, end)) = self.inflight {
+            return Some(end);
+        }
+        if self.active.is_empty() {
+            self.batch.clear();
+            return None;
+        }
+        let mut costs = SimDuration::ZERO;
+        if self.dirty || !self.grow_batch_in_place() {
+            costs = self.full_plan();
+        }
+        let mut shape = BatchShape::default();
+        for e in &self.batch {
+            let req = self.slots[e.slot as usize].as_mut().expect("batched request is live");
+            if e.prefill {
+                shape.add_prefill(req.context());
+            } else {
+                shape.add_decode(req.context() + 1);
+            }
+            if req.record.first_scheduled.is_none() {
+                req.record.first_scheduled = Some(now);
+            }
+            if req.awaiting_after_reasoning {
+                req.awaiting_after_reasoning = false;
+                req.record.first_scheduled_after_reasoning = Some(now);
+            }
+        }
+        debug_assert!(!shape.is_empty(), "a non-empty instance always runs something");
+        let end = now + costs + self.timing.iteration(&shape);
+        self.inflight = Some((now, end));
+        Some(end)
+    }
+
+    /// Fast path: same batch as last time, each member growing by its next token's block if needed.
+    fn grow_batch_in_place(&mut self) -> bool {
+        if self.batch.is_empty() {
+            return false;
+        }
+        let mut extra = 0u32;
+        for e in &self.batch {
+            let req = self.req(e.slot);
+            let held = self.kv.table(req.spec.id).map_or(0, |t| t.blocks.len() as u32);
+            extra += self.kv.blocks_for(req.context() + 1).saturating_sub(held);
+        }
+        if extra > self.kv.free(Tier::Gpu) {
+            return false;
+        }
+        for i in 0..self.batch.len() {
+            let slot = self.batch[i].slot;
+            let (id, tokens) = {
+                let r = self.req(slot);
+                (r.spec.id, r.context() + 1)
+            };
+            self.kv.grow(id, tokens).expect("growth checked against free blocks");
+        }
+        true
+    }
+
+    /// Order by priority, fit by priority, preempt what must go. Returns offload + reload time.
+    fn full_plan(&mut self) -> SimDuration {
+        self.dirty = false;
+        self.epoch += 1;
+        let epoch = self.epoch;
+        let mut active = std::mem::take(&mut self.active);
+        {
+            let slots = &self.slots;
+            active.sort_unstable_by_key(|&s| slots[s as usize].as_ref().expect("active is live").sched.key());
+        }
+        let admission = self.sched.admission();
+        let mut budget = self.cfg.gpu_blocks;
+        let mut seqs = 0u32;
+        let mut prefill_tokens = 0u32;
+        let mut blocked = false;
+        self.batch.clear();
+        for &slot in &active {
+            if seqs == self.cfg.max_num_seqs {
+                self.dirty = true; // others are waiting only for a batch slot: re-plan next time
+                break;
+            }
+            let req = self.slots[slot as usize].as_mut().expect("active is live");
+            let resident = req.residence == Residence::Gpu;
+            if blocked && !resident && admission == Admission::BlockBehind {
+                continue;
+            }
+            let prefill = req.residence == Residence::Waiting;
+            if prefill && prefill_tokens > 0 && prefill_tokens + req.context() > self.cfg.max_batched_tokens {
+                self.dirty = true; // waiting for prefill budget, not memory
+                if admission == Admission::BlockBehind {
+                    blocked = true;
+                }
+                continue;
+            }
+            let need = self.kv.blocks_for(req.context() + 1);
+            if need <= budget {
+                budget -= need;
+                seqs += 1;
+                if prefill {
+                    prefill_tokens += req.context();
+                }
+                req.selected_epoch = epoch;
+                self.batch.push(BatchEntry { slot, prefill });
+            } else if !resident {
+                blocked = true;
+            }
+        }
+
+        // Preempt: free GPU blocks for the selected requests, lowest priority first, only as needed.
+        let mut need_free: u32 = self
+            .batch
+            .iter()
+            .map(|e| {
+                let r = self.req(e.slot);
+                let held_on_gpu = match r.residence {
+                    Residence::Gpu => self.kv.table(r.spec.id).map_or(0, |t| t.blocks.len() as u32),
+                    _ => 0,
+                };
+                self.kv.blocks_for(r.context() + 1).saturating_sub(held_on_gpu)
+            })
+            .sum();
+        let mut costs = SimDuration::ZERO;
+        let mut offload_bytes = 0u64;
+        for &slot in active.iter().rev() {
+            if need_free <= self.kv.free(Tier::Gpu) {
+                break;
+            }
+            let req = self.slots[slot as usize].as_ref().expect("active is live");
+            if req.residence != Residence::Gpu || req.selected_epoch == epoch {
+                continue;
+            }
+            let id = req.spec.id;
+            let blocks = self.kv.table(id).map_or(0, |t| t.blocks.len() as u32);
+            let new_residence = if self.kv.move_to(id, Tier::Cpu).is_ok() {
+                offload_bytes += blocks as u64 * self.cfg.block_bytes();
+                Residence::Cpu
+            } else {
+                // CPU pool full: drop the KV; the request recomputes it when it runs again.
+                self.kv.free_request(id);
+                Residence::Waiting
+            };
+            let req = self.slots[slot as usize].as_mut().expect("active is live");
+            req.residence = new_residence;
+            req.record.preemptions += 1;
+            self.stats.preemptions += 1;
+        }
+        let _ = &mut need_free;
+
+        // Give the selected requests their blocks.
+        let mut reload_bytes = 0u64;
+        for i in 0..self.batch.len() {
+            let slot = self.batch[i].slot;
+            let req = self.slots[slot as usize].as_mut().expect("batched request is live");
+            let (id, tokens) = (req.spec.id, req.context() + 1);
+            match req.residence {
+                Residence::Gpu => {}
+                Residence::Cpu => {
+                    let moved = self.kv.move_to(id, Tier::Gpu).expect("planned within GPU capacity");
+                    reload_bytes += moved as u64 * self.cfg.block_bytes();
+                }
+                Residence::Waiting => {
+                    if req.generated > 0 {
+                        self.stats.recomputed_tokens += req.context() as u64;
+                    }
+                    self.kv.allocate(id, Tier::Gpu, req.context()).expect("planned within GPU capacity");
+                }
+                Residence::MigratingOut => unreachable!("migrating requests are not active"),
+            }
+            req.residence = Residence::Gpu;
+            self.kv.grow(id, tokens).expect("planned within GPU capacity");
+        }
+        self.active = active;
+        if offload_bytes > 0 {
+            self.stats.offloaded_bytes += offload_bytes;
+            costs += self.timing.offload(offload_bytes);
+        }
+        if reload_bytes > 0 {
+            self.stats.reloaded_bytes += reload_bytes;
+            costs += self.timing.reload(reload_bytes);
+        }
+        costs
+    }
+
+    /// Freeze a request for migration; its KV stays put until [`Engine::finish_migration_out`].
+    pub fn begin_migration_out(&mut self, request: RequestId) -> Result<MigrationOut, EngineError> {
+        if self.inflight.is_some() {
+            return Err(EngineError::IterationInFlight);
+        }
+        let slot = *self.index.get(&request).ok_or(EngineError::Unknown(request))?;
+        if self.req(slot).residence == Residence::MigratingOut {
+            return Err(EngineError::Duplicate(request));
+        }
+        let kv_blocks = self.kv.table(request).map_or(0, |t| t.blocks.len() as u32);
+        let req = self.req_mut(slot);
+        req.residence = Residence::MigratingOut;
+        let kv_tokens = req.context();
+        self.active.retain(|&s| s != slot);
+        self.batch.retain(|e| e.slot != slot);
+        self.dirty = true;
+        Ok(MigrationOut { kv_tokens, kv_blocks, kv_bytes: kv_tokens as u64 * self.cfg.kv_bytes_per_token })
+    }
+
+    /// The copy is done: release the source's blocks and hand the request over.
+    pub fn finish_migration_out(&mut self, request: RequestId) -> Result<MigratedRequest, EngineError> {
+        let slot = *self.index.get(&request).ok_or(EngineError::Unknown(request))?;
+        if self.req(slot).residence != Residence::MigratingOut {
+            return Err(EngineError::NotMigrating(request));
+        }
+        let req = self.remove(slot);
+        self.kv.free_request(request);
+        self.dirty = true;
+        Ok(MigratedRequest {
+            spec: req.spec,
+            generated: req.generated,
+            record: req.record,
+            pacer: req.pacer,
+            awaiting_after_reasoning: req.awaiting_after_reasoning,
+            demoted: req.sched.demoted,
+        })
+    }
+
+    /// The copy failed: the request carries on here as if nothing happened.
+    pub fn abort_migration_out(&mut self, request: RequestId) -> Result<(), EngineError> {
+        let slot = *self.index.get(&request).ok_or(EngineError::Unknown(request))?;
+        if self.req(slot).residence != Residence::MigratingOut {
+            return Err(EngineError::NotMigrating(request));
+        }
+        let residence = match self.kv.tier_of(request) {
+            Some(Tier::Gpu) => Residence::Gpu,
+            Some(Tier::Cpu) => Residence::Cpu,
+            None => Residence::Waiting,
+        };
+        self.req_mut(slot).residence = residence;
+        self.active.push(slot);
+        self.dirty = true;
+        Ok(())
+    }
+
+    /// Receive a migrated request. Its KV lands in GPU memory if there is room, else in the CPU
+    /// pool (reloaded when it is scheduled), else it is recomputed.
+    pub fn attach(&mut self, now: SimTime, m: MigratedRequest) -> Result<(), EngineError> {
+        let _ = now;
+        let id = m.spec.id;
+        if self.index.contains_key(&id) {
+            return Err(EngineError::Duplicate(id));
+        }
+        let needed = self.kv.blocks_for(m.spec.max_context_tokens());
+        if needed > self.cfg.gpu_blocks {
+            return Err(EngineError::TooLarge { request: id, needed, capacity: self.cfg.gpu_blocks });
+        }
+        let tokens = m.kv_tokens();
+        let residence = if self.kv.allocate(id, Tier::Gpu, tokens).is_ok() {
+            Residence::Gpu
+        } else if self.kv.allocate(id, Tier::Cpu, tokens).is_ok() {
+            Residence::Cpu
+        } else {
+            Residence::Waiting
+        };
+        let mut record = m.record;
+        record.migrations += 1;
+        let mut req = Req {
+            spec: m.spec,
+            generated: m.generated,
+            residence,
+            sched: SchedState { demoted: m.demoted, ..SchedState::default() },
+            pacer: m.pacer,
+            record,
+            awaiting_after_reasoning: m.awaiting_after_reasoning,
+            selected_epoch: 0,
+        };
+        let phase = req.phase();
+        self.sched.on_enqueue(&mut req.sched, phase);
+        let slot = self.insert(req);
+        self.active.push(slot);
+        self.dirty = true;
+        Ok(())
+    }
+
+    /// What this instance publishes to the instance-level scheduler.
+    pub fn load_report(&self) -> LoadReport {
+        let mut r = LoadReport {
+            instance: self.instance,
+            gpu_used_blocks: self.kv.used(Tier::Gpu),
+            cpu_used_blocks: self.kv.used(Tier::Cpu),
+            gpu_total_blocks: self.kv.capacity(Tier::Gpu),
+            block_bytes: self.cfg.block_bytes(),
+            answering_slo_ok: self.slo_ok,
+            ..LoadReport::default()
+        };
+        for &s in &self.active {
+            let req = self.req(s);
+            if req.residence == Residence::Waiting && req.generated == 0 {
+                r.waiting_requests += 1;
+            }
+            if req.sched.in_reasoning_queue() && req.phase() == Phase::Reasoning {
+                r.reasoning_requests += 1;
+            } else {
+                r.answering_requests += 1;
+                if req.sched.round == 0 {
+                    r.fresh_answering_requests += 1;
+                }
+            }
+        }
+        r
+    }
+
+    /// Verify KV accounting and that every request is where the engine thinks it is.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.kv.check_invariants()?;
+        for (id, &slot) in &self.index {
+            let req = self.req(slot);
+            let tier = self.kv.tier_of(*id);
+            let ok = match req.residence {
+                Residence::Waiting => tier.is_none(),
+                Residence::Gpu => tier == Some(Tier::Gpu),
+                Residence::Cpu => tier == Some(Tier::Cpu),
+                Residence::MigratingOut => true,
+            };
+            if !ok {
+                return Err(format!("{id} is {:?} but its KV is on {tier:?}", req.residence));
+            }
+            let in_active = self.active.contains(&slot);
+            if in_active == (req.residence == Residence::MigratingOut) {
+                return Err(format!("{id} active={in_active} while {:?}", req.residence));
+            }
+        }
+        if self.kv.requests() > self.index.len() {
+            return Err("KV held by requests that are not on this instance".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -3,6 +3,10 @@
 //! Policies see only [`LoadReport`]s (what instances publish to the coordinator) so the same code
 //! runs in the simulator and in the coordinator process.
 
+pub mod baselines;
+pub mod pascal;
+pub mod registry;
+
 use crate::ids::{InstanceId, RequestId};
 use crate::request::RequestSpec;
 use crate::rng::SimRng;

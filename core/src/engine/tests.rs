@@ -1,0 +1,270 @@
+//! Engine behaviour: PASCAL Fig. 2's worked example, phase handling, preemption, migration, and
+//! accounting invariants under random workloads.
+
+use super::sched::{build_scheduler, SchedulerParams};
+use super::*;
+use crate::timing::FixedTiming;
+use proptest::prelude::*;
+
+const UNIT: u64 = 1_000_000_000; // one "time unit" of the paper's figures = 1 s
+
+fn cfg(gpu_blocks: u32, cpu_blocks: u32) -> EngineConfig {
+    EngineConfig {
+        block_size: 16,
+        gpu_blocks,
+        cpu_blocks,
+        max_num_seqs: 256,
+        max_batched_tokens: 8192,
+        kv_bytes_per_token: 262_144,
+        tpot: SimDuration(UNIT),
+        qoe_threshold: 0.95,
+    }
+}
+
+fn engine(sched: &str, gpu_blocks: u32, cpu_blocks: u32, quantum: u32) -> Engine {
+    let timing = Arc::new(FixedTiming { iteration: SimDuration(UNIT), transfer: SimDuration::ZERO });
+    let params = SchedulerParams { quantum_tokens: quantum, demotion_tokens: 5000 };
+    Engine::new(InstanceId(0), cfg(gpu_blocks, cpu_blocks), timing, build_scheduler(sched, &params).unwrap())
+}
+
+fn spec(id: u64, arrival_units: u64, prompt: u32, reasoning: u32, answer: u32) -> RequestSpec {
+    RequestSpec { id: RequestId(id), arrival: SimTime(arrival_units * UNIT), prompt_tokens: prompt, reasoning_tokens: reasoning, answer_tokens: answer }
+}
+
+/// Drive one engine on the integer time grid: at each tick finish the iteration, admit arrivals,
+/// plan the next. Returns finished records by id.
+fn run(engine: &mut Engine, mut requests: Vec<RequestSpec>) -> Vec<RequestRecord> {
+    requests.sort_by_key(|r| r.arrival);
+    let mut events = Vec::new();
+    let mut done = Vec::new();
+    let mut next = 0;
+    for tick in 0..10_000u64 {
+        let now = SimTime(tick * UNIT);
+        engine.complete_iteration(now, &mut events);
+        while next < requests.len() && requests[next].arrival <= now {
+            engine.submit(now, requests[next].clone()).unwrap();
+            next += 1;
+        }
+        engine.plan_iteration(now);
+        engine.check_invariants().unwrap();
+        for e in events.drain(..) {
+            if let EngineEvent::Finished(r) = e {
+                done.push(*r);
+            }
+        }
+        if next == requests.len() && engine.is_empty() {
+            break;
+        }
+    }
+    done.sort_by_key(|r| r.id);
+    done
+}
+
+fn ttft_units(r: &RequestRecord) -> u64 {
+    (r.first_answer_token.unwrap() - r.arrival).as_nanos() / UNIT
+}
+
+/// PASCAL Fig. 2: A, B, C arrive at 0, 1, 2; memory holds two requests; each produces 8 tokens.
+fn fig2() -> Vec<RequestSpec> {
+    vec![spec(0, 0, 1, 0, 8), spec(1, 1, 1, 0, 8), spec(2, 2, 1, 0, 8)]
+}
+
+#[test]
+fn fig2_oracle_fcfs_rr_ttfts() {
+    // (scheduler, GPU blocks, quantum) → TTFT of A, B, C in time units, as the paper states.
+    let cases: &[(&str, u32, u32, [u64; 3])] = &[
+        ("fcfs", 64, 500, [1, 1, 1]), // (a) oracle: unlimited memory, everything starts on arrival
+        ("fcfs", 2, 500, [1, 1, 7]),  // (b) FCFS: C waits for A to finish, TTFT 7
+        ("rr", 2, 4, [1, 1, 3]),      // (c) RR, quantum 4: C joins when A is preempted at 4
+    ];
+    for &(sched, gpu, quantum, want) in cases {
+        let mut e = engine(sched, gpu, 64, quantum);
+        let done = run(&mut e, fig2());
+        let got: Vec<u64> = done.iter().map(ttft_units).collect();
+        assert_eq!(got, want, "{sched} with {gpu} blocks");
+    }
+}
+
+#[test]
+fn fig2_rr_preempts_b_for_three_units_and_c_at_eight() {
+    let mut e = engine("rr", 2, 64, 4);
+    let done = run(&mut e, fig2());
+    let (a, b, c) = (&done[0], &done[1], &done[2]);
+    // A: preempted at 4 (after 4 tokens), resumes at 5, finishes at 9.
+    assert_eq!(a.finish, Some(SimTime(9 * UNIT)));
+    // B: 4 tokens by 5, preempted 5..8 (3 units), 4 more tokens at 9..12.
+    assert_eq!(b.preemptions, 1);
+    assert_eq!(b.finish, Some(SimTime(12 * UNIT)));
+    // C: preempted at 8 after its 4-token quantum.
+    assert_eq!(c.preemptions, 1);
+    assert!(a.preemptions == 1);
+}
+
+#[test]
+fn reasoning_boundary_and_answer_timestamps() {
+    let mut e = engine("pascal", 64, 64, 500);
+    let mut events = Vec::new();
+    e.submit(SimTime(0), spec(7, 0, 10, 3, 2)).unwrap();
+    let mut t = e.step(SimTime(0), &mut events).unwrap();
+    let mut boundary_at = None;
+    let mut record = None;
+    while record.is_none() {
+        t = match e.step(t, &mut events) {
+            Some(next) => {
+                for ev in events.drain(..) {
+                    if let EngineEvent::PhaseBoundary { request, kv_blocks } = ev {
+                        assert_eq!(request, RequestId(7));
+                        assert_eq!(kv_blocks, 1, "13 tokens of context fit one block");
+                        boundary_at = Some(t);
+                    }
+                }
+                next
+            }
+            None => {
+                for ev in events.drain(..) {
+                    if let EngineEvent::Finished(r) = ev {
+                        record = Some(*r);
+                    }
+                }
+                t
+            }
+        };
+    }
+    let r = record.unwrap();
+    // Tokens at 1 (prefill), 2, 3 = reasoning; 4, 5 = answer.
+    assert_eq!(r.first_token, Some(SimTime(UNIT)));
+    assert_eq!(r.reasoning_end, Some(SimTime(3 * UNIT)));
+    assert_eq!(boundary_at, Some(SimTime(3 * UNIT)));
+    assert_eq!(r.first_scheduled_after_reasoning, Some(SimTime(3 * UNIT)), "no blocking");
+    assert_eq!(r.first_answer_token, Some(SimTime(4 * UNIT)));
+    assert_eq!(r.finish, Some(SimTime(5 * UNIT)));
+    assert_eq!(r.qoe, Some(1.0), "one token per TPOT is exactly on pace");
+}
+
+#[test]
+fn pascal_reasoning_preempts_answering_and_fcfs_does_not() {
+    // Instance holds 2 blocks. An answering request is running; a reasoning request arrives.
+    // PASCAL offloads the answering one; FCFS blocks the newcomer.
+    for (sched, newcomer_waits) in [("pascal", false), ("fcfs", true)] {
+        let mut e = engine(sched, 2, 64, 500);
+        let mut ev = Vec::new();
+        e.submit(SimTime(0), spec(1, 0, 17, 0, 10)).unwrap(); // 18 tokens → 2 blocks, answering
+        e.step(SimTime(0), &mut ev);
+        e.complete_iteration(SimTime(UNIT), &mut ev);
+        e.submit(SimTime(UNIT), spec(2, 1, 1, 5, 5)).unwrap(); // reasoning, 1 block
+        e.plan_iteration(SimTime(UNIT));
+        let report = e.load_report();
+        assert_eq!(report.reasoning_requests, 1);
+        let newcomer_running = e.kv().tier_of(RequestId(2)) == Some(Tier::Gpu);
+        assert_eq!(!newcomer_running, newcomer_waits, "{sched}");
+        if sched == "pascal" {
+            assert_eq!(e.kv().tier_of(RequestId(1)), Some(Tier::Cpu), "answering request offloaded");
+            assert_eq!(e.stats().preemptions, 1);
+        }
+        e.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn pascal_demotes_long_reasoning() {
+    let mut e = Engine::new(
+        InstanceId(0),
+        cfg(1024, 0),
+        Arc::new(FixedTiming { iteration: SimDuration(UNIT), transfer: SimDuration::ZERO }),
+        build_scheduler("pascal", &SchedulerParams { quantum_tokens: 500, demotion_tokens: 100 }).unwrap(),
+    );
+    let mut ev = Vec::new();
+    e.submit(SimTime(0), spec(1, 0, 90, 50, 5)).unwrap();
+    let mut t = SimTime(0);
+    for _ in 0..12 {
+        t = e.step(t, &mut ev).unwrap();
+    }
+    // After 11 tokens the context is 101 > 100: demoted, no longer counted in r_i.
+    let r = e.load_report();
+    assert_eq!((r.reasoning_requests, r.answering_requests), (0, 1));
+}
+
+#[test]
+fn too_large_and_duplicate_requests_are_refused() {
+    let mut e = engine("fcfs", 2, 0, 500);
+    assert_eq!(
+        e.submit(SimTime(0), spec(1, 0, 20, 10, 3)),
+        Err(EngineError::TooLarge { request: RequestId(1), needed: 3, capacity: 2 })
+    );
+    e.submit(SimTime(0), spec(2, 0, 1, 0, 1)).unwrap();
+    assert_eq!(e.submit(SimTime(0), spec(2, 0, 1, 0, 1)), Err(EngineError::Duplicate(RequestId(2))));
+    assert_eq!(e.submit(SimTime(0), spec(3, 0, 1, 1, 0)), Err(EngineError::NoAnswer { request: RequestId(3) }));
+}
+
+#[test]
+fn migration_moves_state_and_abort_keeps_request() {
+    let mut src = engine("pascal", 64, 64, 500);
+    let mut dst = Engine::new(
+        InstanceId(1),
+        cfg(64, 64),
+        Arc::new(FixedTiming { iteration: SimDuration(UNIT), transfer: SimDuration::ZERO }),
+        build_scheduler("pascal", &SchedulerParams::default()).unwrap(),
+    );
+    let mut ev = Vec::new();
+    src.submit(SimTime(0), spec(1, 0, 30, 2, 3)).unwrap();
+    src.step(SimTime(0), &mut ev);
+    src.complete_iteration(SimTime(UNIT), &mut ev);
+    src.plan_iteration(SimTime(UNIT));
+    src.complete_iteration(SimTime(2 * UNIT), &mut ev);
+    assert!(matches!(ev.last(), Some(EngineEvent::PhaseBoundary { .. })));
+    // Abort: the request stays and runs on the source.
+    let out = src.begin_migration_out(RequestId(1)).unwrap();
+    assert_eq!(out, MigrationOut { kv_tokens: 32, kv_blocks: 2, kv_bytes: 32 * 262_144 });
+    assert_eq!(src.plan_iteration(SimTime(2 * UNIT)), None, "a migrating request is frozen");
+    src.abort_migration_out(RequestId(1)).unwrap();
+    src.check_invariants().unwrap();
+    // Migrate for real.
+    src.begin_migration_out(RequestId(1)).unwrap();
+    let m = src.finish_migration_out(RequestId(1)).unwrap();
+    assert!(src.is_empty() && src.kv().used(Tier::Gpu) == 0);
+    dst.attach(SimTime(3 * UNIT), m).unwrap();
+    assert_eq!(dst.kv().tier_of(RequestId(1)), Some(Tier::Gpu));
+    let mut t = dst.step(SimTime(3 * UNIT), &mut ev).unwrap();
+    ev.clear();
+    while let Some(next) = dst.step(t, &mut ev) {
+        t = next;
+    }
+    let Some(EngineEvent::Finished(r)) = ev.pop() else { panic!("finished on target") };
+    assert_eq!((r.migrations, r.finished_on, r.placed_on), (1, Some(InstanceId(1)), InstanceId(0)));
+    assert_eq!(r.first_scheduled_after_reasoning, Some(SimTime(3 * UNIT)), "blocking latency spans the migration");
+    assert_eq!(r.first_answer_token, Some(SimTime(4 * UNIT)));
+    assert_eq!(r.finish, Some(SimTime(6 * UNIT)));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    /// Random arrivals on a tight instance: every request finishes exactly once, timestamps are
+    /// monotone, and KV accounting holds after every step, for every scheduler.
+    #[test]
+    fn every_request_finishes_once_with_monotone_timestamps(
+        sched in prop_oneof![Just("fcfs"), Just("rr"), Just("pascal")],
+        cpu in 0u32..8,
+        reqs in proptest::collection::vec((0u64..20, 1u32..40, 0u32..40, 1u32..30), 1..20),
+    ) {
+        let mut e = engine(sched, 8, cpu, 5);
+        let specs: Vec<RequestSpec> = reqs.iter().enumerate()
+            .map(|(i, &(at, p, r, a))| spec(i as u64, at, p, r, a))
+            .filter(|s| s.max_context_tokens() <= 8 * 16)
+            .collect();
+        let n = specs.len();
+        let done = run(&mut e, specs);
+        prop_assert_eq!(done.len(), n);
+        for r in &done {
+            let first = r.first_token.unwrap();
+            prop_assert!(r.arrival <= r.first_scheduled.unwrap() && r.first_scheduled.unwrap() < first);
+            if let Some(re) = r.reasoning_end {
+                prop_assert!(first <= re && re < r.first_answer_token.unwrap());
+                prop_assert!(r.first_scheduled_after_reasoning.unwrap() >= re);
+            }
+            prop_assert!(r.first_answer_token.unwrap() <= r.finish.unwrap());
+            let q = r.qoe.unwrap();
+            prop_assert!((0.0..=1.0).contains(&q));
+        }
+        prop_assert_eq!(e.kv().used(Tier::Gpu) + e.kv().used(Tier::Cpu), 0);
+    }
+}
