@@ -1,1 +1,216 @@
-fn main() {}
+//! `kvfleet`: the command line front door.
+//!
+//! - `kvfleet sim`: run a config (one run or a policies × rates sweep) in the deterministic
+//!   simulator; print a summary table; write JSON, CSV and SVG plots.
+//! - `kvfleet bench sim`: simulator speed (events/s) and the wall time of a large cluster run.
+//! - `kvfleet bench timing`: timing-model error on measured points held out of the profile.
+//!
+//! Exit codes: 0 success, 1 runtime failure, 2 invalid input (bad flag, bad config, missing file).
+
+mod bench;
+mod plots;
+mod report;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvfleet_sim::config::SimConfig;
+use kvfleet_sim::{run_one, RunResult, SimError};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+#[derive(Parser)]
+#[command(name = "kvfleet", version, about = "Emulate and simulate LLM-serving GPU clusters (PASCAL and baselines)")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run an experiment config in the deterministic simulator.
+    Sim(SimArgs),
+    /// Benchmarks that print figures (not tests).
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+#[derive(Args)]
+pub struct SimArgs {
+    /// Experiment config (TOML). See examples/pascal-8xh100.toml; every field has a default.
+    #[arg(short, long)]
+    config: PathBuf,
+    /// Run only this policy (preset or INTRA+INSTANCE); repeatable. Overrides `[sweep].policies`.
+    #[arg(long = "policy")]
+    policies: Vec<String>,
+    /// Run only this arrival rate (req/s); repeatable. Overrides `[sweep].rates`.
+    #[arg(long = "rate")]
+    rates: Vec<f64>,
+    /// Override the workload seed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Override the number of requests in the workload.
+    #[arg(long)]
+    requests: Option<u64>,
+    /// Directory for results.json, summary.csv, per-request CSVs and plots.
+    #[arg(short, long, default_value = "results/sim")]
+    out: PathBuf,
+    /// Do not draw plots.
+    #[arg(long)]
+    no_plots: bool,
+    /// Runs in parallel (default: number of CPUs).
+    #[arg(short = 'j', long)]
+    jobs: Option<usize>,
+    /// No progress bar.
+    #[arg(short, long)]
+    quiet: bool,
+}
+
+/// An error that is the user's input, not the program: exit code 2.
+#[derive(Debug)]
+pub struct InputError(pub String);
+
+impl std::fmt::Display for InputError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+impl std::error::Error for InputError {}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Sim(args) => cmd_sim(args),
+        Command::Bench(b) => bench::run(b),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            if e.downcast_ref::<InputError>().is_some() {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            } else {
+                eprintln!("error: {e:#}");
+                ExitCode::from(1)
+            }
+        }
+    }
+}
+
+/// Load a config, apply command-line overrides, and validate: every failure is an input error.
+pub fn load_config(
+    path: &Path,
+    policies: &[String],
+    rates: &[f64],
+    seed: Option<u64>,
+    requests: Option<u64>,
+) -> anyhow::Result<SimConfig> {
+    let mut cfg = SimConfig::load(path).map_err(|e| InputError(e.to_string()))?;
+    if let Some(s) = seed {
+        cfg.workload.seed = s;
+    }
+    if let Some(n) = requests {
+        cfg.workload.num_requests = Some(n);
+    }
+    if !policies.is_empty() || !rates.is_empty() {
+        let base_rates = cfg.sweep.as_ref().map(|s| s.rates.clone());
+        let base_policies = cfg.sweep.as_ref().map(|s| s.policies.clone());
+        let policies = if policies.is_empty() {
+            base_policies.unwrap_or_else(|| vec![cfg.scheduler.policy.clone()])
+        } else {
+            policies.to_vec()
+        };
+        match (rates.is_empty(), base_rates) {
+            (false, _) => cfg.sweep = Some(kvfleet_sim::config::SweepConfig { policies, rates: rates.to_vec() }),
+            (true, Some(r)) => cfg.sweep = Some(kvfleet_sim::config::SweepConfig { policies, rates: r }),
+            (true, None) => {
+                cfg.sweep = None;
+                cfg.scheduler.policy = policies[0].clone();
+                if policies.len() > 1 {
+                    let rate = kvfleet_sim::arrival_rate(&cfg.workload.arrivals)
+                        .ok_or_else(|| InputError("several --policy values on a trace workload need one run each".into()))?;
+                    cfg.sweep = Some(kvfleet_sim::config::SweepConfig { policies, rates: vec![rate] });
+                }
+            }
+        }
+    }
+    cfg.validate().map_err(|e| InputError(e.to_string()))?;
+    Ok(cfg)
+}
+
+fn cmd_sim(args: SimArgs) -> anyhow::Result<()> {
+    let cfg = load_config(&args.config, &args.policies, &args.rates, args.seed, args.requests)?;
+    let base_dir = args.config.parent().map(Path::to_path_buf).unwrap_or_default();
+    // Fail on workload/timing input errors before starting threads and progress bars.
+    kvfleet_core::workload::generate(&cfg.workload, &base_dir).map_err(|e| InputError(format!("workload: {e}")))?;
+    kvfleet_sim::timing_model(&cfg, &base_dir).map_err(|e| InputError(e.to_string()))?;
+
+    let runs = cfg.runs();
+    let started = Instant::now();
+    let results = run_parallel(&cfg, &runs, &base_dir, args.jobs, args.quiet)?;
+    let wall = started.elapsed().as_secs_f64();
+
+    println!("{}", report::summary_table(&results));
+    let events: u64 = results.iter().map(|r| r.events).sum();
+    println!(
+        "{} run(s), {} simulated events in {:.2} s wall ({:.2} M events/s); timing model: {}",
+        results.len(),
+        events,
+        wall,
+        events as f64 / wall.max(1e-9) / 1e6,
+        results.first().map_or("-", |r| r.timing.as_str())
+    );
+    let mut written = report::write_outputs(&args.out, &results)?;
+    if !args.no_plots {
+        written.extend(plots::write_plots(&args.out, &results)?);
+    }
+    println!("wrote {} files to {}", written.len(), args.out.display());
+    Ok(())
+}
+
+/// Run every (policy, rate) point on up to `jobs` threads; results come back in `runs` order.
+pub fn run_parallel(
+    cfg: &SimConfig,
+    runs: &[(String, Option<f64>)],
+    base_dir: &Path,
+    jobs: Option<usize>,
+    quiet: bool,
+) -> anyhow::Result<Vec<RunResult>> {
+    let jobs = jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1).min(runs.len().max(1));
+    let per_run_total = kvfleet_core::workload::generate(&cfg.workload, base_dir).map(|r| r.len()).unwrap_or(0) as u64;
+    let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(per_run_total * runs.len() as u64) };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests finished ({eta} left) {msg}")
+            .expect("static template"),
+    );
+    let finished_total = AtomicU64::new(0);
+    let next = AtomicU64::new(0);
+    let slots: Mutex<Vec<Option<Result<RunResult, SimError>>>> = Mutex::new((0..runs.len()).map(|_| None).collect());
+    std::thread::scope(|s| {
+        for _ in 0..jobs {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::SeqCst) as usize;
+                let Some((policy, rate)) = runs.get(i) else { break };
+                let mut last = 0u64;
+                let res = run_one(cfg, policy, *rate, base_dir, |p| {
+                    let f = p.finished as u64;
+                    finished_total.fetch_add(f - last, Ordering::Relaxed);
+                    last = f;
+                    bar.set_position(finished_total.load(Ordering::Relaxed));
+                });
+                bar.set_message(format!("done: {policy} @ {}", rate.map_or("trace".into(), |r| format!("{r} req/s"))));
+                slots.lock().expect("no thread panicked holding the lock")[i] = Some(res);
+            });
+        }
+    });
+    bar.finish_and_clear();
+    let mut out = Vec::with_capacity(runs.len());
+    for (i, slot) in slots.into_inner().expect("threads joined").into_iter().enumerate() {
+        let res = slot.with_context(|| format!("run {i} did not complete"))?;
+        out.push(res.with_context(|| format!("run {} @ {:?}", runs[i].0, runs[i].1))?);
+    }
+    Ok(out)
+}

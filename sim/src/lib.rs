@@ -1,1 +1,137 @@
-//! kvfleet-sim (placeholder, being written).
+//! kvfleet-sim: a deterministic discrete-event simulator of a kvfleet cluster.
+//!
+//! It drives the very same `kvfleet-core` engines, schedulers and instance policies as the
+//! emulator, in virtual time, with the `kvfleet-netmodel` fabric standing in for the network.
+//! Same config and seed → byte-identical records and summaries.
+//!
+//! - [`config`]: the experiment TOML (`SimConfig`), presets, instance sizing, validation;
+//! - [`cluster`]: the event loop;
+//! - [`run_one`] / [`run_all`]: one run or the whole sweep a config asks for.
+
+pub mod cluster;
+pub mod config;
+
+use cluster::{Cluster, ClusterOutcome, Progress};
+use config::{resolve_policy, ConfigError, SimConfig};
+use kvfleet_core::engine::EngineStats;
+use kvfleet_core::metrics::{summarize, tail_ttft_by_reasoning_bin, MigrationRecord, RequestRecord, RunSummary, TailBin};
+use kvfleet_core::policy::registry::build_policy;
+use kvfleet_core::timing::TimingModel;
+use kvfleet_core::workload::{generate, ArrivalConfig};
+use serde::Serialize;
+use std::path::Path;
+use std::sync::Arc;
+
+/// One finished run: inputs that identify it, per-request data, and the summary.
+#[derive(Debug, Serialize)]
+pub struct RunResult {
+    pub policy: String,
+    pub intra: String,
+    pub instance_policy: String,
+    /// The arrival rate this run used (req/s), when the workload has one.
+    pub rate: Option<f64>,
+    pub timing: String,
+    pub summary: RunSummary,
+    pub tail_ttft: Vec<TailBin>,
+    #[serde(skip)]
+    pub records: Vec<RequestRecord>,
+    #[serde(skip)]
+    pub migrations: Vec<MigrationRecord>,
+    #[serde(skip)]
+    pub instances: Vec<EngineStats>,
+    /// Simulated events processed (for the events/s benchmark).
+    pub events: u64,
+    /// Virtual time at which the last event happened, seconds.
+    pub sim_end_s: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("workload: {0}")]
+    Workload(String),
+    #[error("timing model: {0}")]
+    Timing(String),
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// Build the timing model a config asks for (shared by every instance of a run).
+pub fn timing_model(cfg: &SimConfig, base_dir: &Path) -> Result<Arc<dyn TimingModel>, SimError> {
+    let (model, gpu) = cfg.specs()?;
+    let dir = cfg.cluster.profile_dir.as_ref().map(|d| base_dir.join(d));
+    let t = kvfleet_core::timing::profile::build_timing(&cfg.cluster.timing, &model, &gpu, dir.as_deref())
+        .map_err(|e| SimError::Timing(e.to_string()))?;
+    Ok(Arc::from(t))
+}
+
+/// Set the workload's arrival rate (sweeps), whatever its arrival process.
+fn with_rate(cfg: &SimConfig, rate: Option<f64>) -> Result<SimConfig, SimError> {
+    let mut cfg = cfg.clone();
+    if let Some(r) = rate {
+        match &mut cfg.workload.arrivals {
+            ArrivalConfig::Poisson { rate } => *rate = r,
+            ArrivalConfig::Gamma { rate, .. } => *rate = r,
+            other => {
+                return Err(SimError::Workload(format!(
+                    "a sweep over rates needs a poisson or gamma arrival process, not {other:?}; use `workload.rate_scale` for traces"
+                )))
+            }
+        }
+    }
+    Ok(cfg)
+}
+
+/// The mean rate of a synthetic arrival process (None for traces).
+pub fn arrival_rate(a: &ArrivalConfig) -> Option<f64> {
+    match a {
+        ArrivalConfig::Poisson { rate } | ArrivalConfig::Gamma { rate, .. } => Some(*rate),
+        _ => None,
+    }
+}
+
+/// Run one (policy, rate) point of a config.
+pub fn run_one(
+    cfg: &SimConfig,
+    policy: &str,
+    rate: Option<f64>,
+    base_dir: &Path,
+    progress: impl FnMut(Progress),
+) -> Result<RunResult, SimError> {
+    let cfg = with_rate(cfg, rate)?;
+    let (intra, inst) = resolve_policy(policy)?;
+    let (model, gpu) = cfg.specs()?;
+    let engine = cfg.engine_config(&model, &gpu)?;
+    let timing = timing_model(&cfg, base_dir)?;
+    let requests = generate(&cfg.workload, base_dir).map_err(|e| SimError::Workload(e.to_string()))?;
+    let policy_impl = build_policy(&inst, &cfg.scheduler.instance).map_err(|e| SimError::Setup(e.to_string()))?;
+    let cluster = Cluster::new(
+        cfg.cluster.instances,
+        &engine,
+        timing.clone(),
+        &intra,
+        &cfg.scheduler.intra,
+        policy_impl,
+        cfg.link.clone(),
+        cfg.workload.seed,
+    )
+    .map_err(SimError::Setup)?;
+    let ClusterOutcome { records, migrations, instances, events, end } = cluster.run(&requests, progress);
+    let summary = summarize(&records, &migrations, &cfg.slo);
+    let tail_ttft = tail_ttft_by_reasoning_bin(&records, 256);
+    Ok(RunResult {
+        policy: policy.to_string(),
+        intra,
+        instance_policy: inst,
+        rate: rate.or_else(|| arrival_rate(&cfg.workload.arrivals)),
+        timing: timing.name().to_string(),
+        summary,
+        tail_ttft,
+        records,
+        migrations,
+        instances,
+        events,
+        sim_end_s: end.as_secs_f64(),
+    })
+}

@@ -47,8 +47,6 @@ pub struct EngineConfig {
     pub kv_bytes_per_token: u64,
     /// Token pacer pace: the user's expected time per output token.
     pub tpot: SimDuration,
-    /// QoE below which an answering request counts as violating its SLO.
-    pub qoe_threshold: f64,
 }
 
 impl EngineConfig {
@@ -183,6 +181,8 @@ pub struct Engine {
     active: Vec<u32>,
     batch: Vec<BatchEntry>,
     inflight: Option<(SimTime, SimTime)>,
+    /// Requests frozen while their KV is copied out (they hold blocks but do not run).
+    migrating_out: Vec<u32>,
     /// Something changed that can alter the batch: the next plan must be a full one.
     dirty: bool,
     epoch: u64,
@@ -205,6 +205,7 @@ impl Engine {
             active: Vec::new(),
             batch: Vec::new(),
             inflight: None,
+            migrating_out: Vec::new(),
             dirty: false,
             epoch: 0,
             slo_ok: true,
@@ -389,9 +390,12 @@ impl Engine {
         (changed, false)
     }
 
+    /// PASCAL's t_i (Alg. 1/2): the token pacer of every answering request still has tokens for
+    /// the user to read. An empty buffer means generation fell behind the reading pace right now
+    /// ("insufficient remaining tokens", §IV-B). Cumulative QoE would be the wrong signal: once a
+    /// user falls behind, the fluid reader never catches up, so it could never clear.
     fn compute_slo_ok(&self, now: SimTime) -> bool {
-        let thr = self.cfg.qoe_threshold;
-        self.active.iter().all(|&s| self.req(s).pacer.as_ref().is_none_or(|p| p.on_pace(now, thr)))
+        self.active.iter().all(|&s| self.req(s).pacer.as_ref().is_none_or(|p| p.buffered(now) >= 1.0))
     }
 
     /// Plan the next iteration starting at `now` (no-op if one is in flight). Returns its end.
@@ -423,7 +427,12 @@ impl Engine {
                 req.record.first_scheduled_after_reasoning = Some(now);
             }
         }
-        debug_assert!(!shape.is_empty(), "a non-empty instance always runs something");
+        if shape.is_empty() {
+            // Everything runnable is blocked behind KV frozen by outgoing migrations: idle until
+            // one finishes or aborts (both mark the engine dirty and the driver steps it again).
+            self.dirty = true;
+            return None;
+        }
         let end = now + costs + self.timing.iteration(&shape);
         self.inflight = Some((now, end));
         Some(end)
@@ -465,7 +474,19 @@ impl Engine {
             active.sort_unstable_by_key(|&s| slots[s as usize].as_ref().expect("active is live").sched.key());
         }
         let admission = self.sched.admission();
-        let mut budget = self.cfg.gpu_blocks;
+        // Requests migrating out are frozen: their GPU blocks cannot be reclaimed by preemption.
+        let frozen: u32 = self
+            .migrating_out
+            .iter()
+            .map(|&s| {
+                let id = self.req(s).spec.id;
+                match self.kv.table(id) {
+                    Some(t) if t.tier == Tier::Gpu => t.blocks.len() as u32,
+                    _ => 0,
+                }
+            })
+            .sum();
+        let mut budget = self.cfg.gpu_blocks.saturating_sub(frozen);
         let mut seqs = 0u32;
         let mut prefill_tokens = 0u32;
         let mut blocked = false;
@@ -503,7 +524,7 @@ impl Engine {
         }
 
         // Preempt: free GPU blocks for the selected requests, lowest priority first, only as needed.
-        let mut need_free: u32 = self
+        let need_free: u32 = self
             .batch
             .iter()
             .map(|e| {
@@ -540,7 +561,6 @@ impl Engine {
             req.record.preemptions += 1;
             self.stats.preemptions += 1;
         }
-        let _ = &mut need_free;
 
         // Give the selected requests their blocks.
         let mut reload_bytes = 0u64;
@@ -592,6 +612,7 @@ impl Engine {
         let kv_tokens = req.context();
         self.active.retain(|&s| s != slot);
         self.batch.retain(|e| e.slot != slot);
+        self.migrating_out.push(slot);
         self.dirty = true;
         Ok(MigrationOut { kv_tokens, kv_blocks, kv_bytes: kv_tokens as u64 * self.cfg.kv_bytes_per_token })
     }
@@ -604,6 +625,7 @@ impl Engine {
         }
         let req = self.remove(slot);
         self.kv.free_request(request);
+        self.migrating_out.retain(|&s| s != slot);
         self.dirty = true;
         Ok(MigratedRequest {
             spec: req.spec,
@@ -627,6 +649,7 @@ impl Engine {
             None => Residence::Waiting,
         };
         self.req_mut(slot).residence = residence;
+        self.migrating_out.retain(|&s| s != slot);
         self.active.push(slot);
         self.dirty = true;
         Ok(())

@@ -17,7 +17,6 @@ fn cfg(gpu_blocks: u32, cpu_blocks: u32) -> EngineConfig {
         max_batched_tokens: 8192,
         kv_bytes_per_token: 262_144,
         tpot: SimDuration(UNIT),
-        qoe_threshold: 0.95,
     }
 }
 
@@ -267,4 +266,22 @@ proptest! {
         }
         prop_assert_eq!(e.kv().used(Tier::Gpu) + e.kv().used(Tier::Cpu), 0);
     }
+}
+
+#[test]
+fn kv_frozen_by_outgoing_migration_is_not_planned_over() {
+    // 4 GPU blocks; A holds 2 and starts migrating out; B needs 3 blocks to start.
+    let mut e = engine("pascal", 4, 64, 500);
+    let mut ev = Vec::new();
+    e.submit(SimTime(0), spec(1, 0, 20, 1, 5)).unwrap();
+    let t = e.step(SimTime(0), &mut ev).unwrap();
+    e.complete_iteration(t, &mut ev);
+    e.begin_migration_out(RequestId(1)).unwrap();
+    e.submit(t, spec(2, 1, 40, 0, 5)).unwrap();
+    assert_eq!(e.plan_iteration(t), None, "B cannot start while A's blocks are frozen");
+    e.check_invariants().unwrap();
+    e.finish_migration_out(RequestId(1)).unwrap();
+    assert!(e.needs_step());
+    assert!(e.plan_iteration(t).is_some(), "B starts once the migration releases A's blocks");
+    assert_eq!(e.kv().tier_of(RequestId(2)), Some(Tier::Gpu));
 }

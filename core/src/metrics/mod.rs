@@ -1,3 +1,23 @@
-//! Metrics (placeholder, being written).
+//! Metrics: per-request records reduced to what PASCAL §V reports and SPEC "Metrics" asks for.
+//!
+//! | file | what lives there |
+//! |---|---|
+//! | [`record`] | [`RequestRecord`], every timestamp of one request (filled by the engine) |
+//! | [`migration`] | [`MigrationRecord`], one KV-cache transfer at a phase boundary |
+//! | [`percentile`] | nearest-rank percentiles (`P_q = x[ceil(q·n) − 1]`) and [`Distribution`] |
+//! | [`summary`] | [`SloTargets`] and [`summarize`] → [`RunSummary`] (one JSON object / CSV row per run) |
+//! | [`tail`] | tail TTFT per 256-token reasoning bin (Fig. 10) and the TTFT CDF |
+//!
+//! The per-request QoE itself is computed while the request runs, by [`crate::pacer::TokenPacer`].
+
+pub mod migration;
+pub mod percentile;
 pub mod record;
+pub mod summary;
+pub mod tail;
+
+pub use migration::MigrationRecord;
+pub use percentile::{nearest_rank, Distribution};
 pub use record::RequestRecord;
+pub use summary::{summarize, RunSummary, SloTargets};
+pub use tail::{tail_ttft_by_reasoning_bin, ttft_cdf, ttft_s, TailBin, TailStatistic};

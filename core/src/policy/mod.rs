@@ -7,6 +7,9 @@ pub mod baselines;
 pub mod pascal;
 pub mod registry;
 
+pub use pascal::{MigrationMode, PascalPolicy};
+pub use registry::{build_policy, policy_names, PolicyError, PolicyParams};
+
 use crate::ids::{InstanceId, RequestId};
 use crate::request::RequestSpec;
 use crate::rng::SimRng;

@@ -11,6 +11,9 @@ use crate::time::SimDuration;
 pub mod analytic;
 pub mod profile;
 
+pub use analytic::{AnalyticParams, AnalyticTiming};
+pub use profile::{build_timing, holdout_report, HoldoutReport, ProfileTiming, TimingError, TIMING_KINDS};
+
 /// The shape of one engine iteration: what the timing model needs, and nothing per-request.
 ///
 /// Sums rather than vectors, so that building a shape is allocation-free on the hot path.

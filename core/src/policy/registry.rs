@@ -1,0 +1,105 @@
+//! Instance policies by name, for configs and the CLI (`--policy pascal`).
+//!
+//! Names follow PASCAL's evaluation: `pascal` (§IV-B), its §V-D ablations `pascal-nonadaptive` and
+//! `pascal-nomigration`, and the baselines of [`super::baselines`].
+
+use super::baselines::{LeastKv, Random, RoundRobin};
+use super::pascal::{MigrationMode, PascalPolicy, DEFAULT_HEADROOM_BLOCKS};
+use super::InstancePolicy;
+use serde::{Deserialize, Serialize};
+
+const POLICY_NAMES: &[&str] =
+    &["pascal", "pascal-nonadaptive", "pascal-nomigration", "least-kv", "round-robin", "random"];
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    #[error("unknown instance policy `{name}` (valid: {valid})")]
+    Unknown { name: String, valid: String },
+}
+
+/// Tunables shared by the policies (TOML table `[policy]` or CLI flags); each has a default.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyParams {
+    /// PASCAL adaptive migration: free GPU blocks, beyond the request's own KV, that make an
+    /// instance's memory "sufficient" for the answering phase.
+    pub headroom_blocks: u32,
+}
+
+impl Default for PolicyParams {
+    fn default() -> Self {
+        PolicyParams { headroom_blocks: DEFAULT_HEADROOM_BLOCKS }
+    }
+}
+
+/// Every name [`build_policy`] accepts.
+pub fn policy_names() -> &'static [&'static str] {
+    POLICY_NAMES
+}
+
+/// Build the policy called `name`.
+pub fn build_policy(name: &str, params: &PolicyParams) -> Result<Box<dyn InstancePolicy>, PolicyError> {
+    let pascal = |mode| Box::new(PascalPolicy::new(mode, params.headroom_blocks)) as Box<dyn InstancePolicy>;
+    Ok(match name {
+        "pascal" => pascal(MigrationMode::Adaptive),
+        "pascal-nonadaptive" => pascal(MigrationMode::NonAdaptive),
+        "pascal-nomigration" => pascal(MigrationMode::NoMigration),
+        "least-kv" => Box::new(LeastKv),
+        "round-robin" => Box::new(RoundRobin::default()),
+        "random" => Box::new(Random),
+        _ => return Err(PolicyError::Unknown { name: name.into(), valid: POLICY_NAMES.join(", ") }),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::{InstanceId, RequestId};
+    use crate::policy::pascal::tests::{load, With};
+    use crate::policy::{PhaseChange, PhaseDecision};
+    use crate::rng::SimRng;
+
+    #[test]
+    fn every_name_builds_and_reports_its_name() {
+        for &name in policy_names() {
+            let policy = build_policy(name, &PolicyParams::default()).expect(name);
+            assert_eq!(policy.name(), name);
+        }
+    }
+
+    #[test]
+    fn unknown_name_lists_valid_names() {
+        let err = build_policy("pascl", &PolicyParams::default()).expect_err("must fail");
+        let msg = err.to_string();
+        assert!(msg.contains("`pascl`"), "{msg}");
+        for name in policy_names() {
+            assert!(msg.contains(name), "{msg} lacks {name}");
+        }
+    }
+
+    #[test]
+    fn params_parse_with_defaults_and_reject_unknown_fields() {
+        let empty: PolicyParams = toml::from_str("").expect("empty table");
+        assert_eq!(empty, PolicyParams::default());
+        let set: PolicyParams = toml::from_str("headroom_blocks = 4").expect("valid");
+        assert_eq!(set.headroom_blocks, 4);
+        let err = toml::from_str::<PolicyParams>("headroom = 4").expect_err("unknown field");
+        assert!(err.to_string().contains("headroom"), "{err}");
+        assert!(toml::from_str::<PolicyParams>("headroom_blocks = -1").is_err());
+    }
+
+    #[test]
+    fn headroom_reaches_the_policy() {
+        // Current instance has 0 free blocks; target has 5 but the request needs 10.
+        let loads = vec![load(0, true).queues(2, 0).gpu_free(0), load(1, true).queues(0, 0).gpu_free(5)];
+        let change = PhaseChange { request: RequestId(1), current: InstanceId(0), kv_blocks: 10 };
+        let decide = |headroom_blocks| {
+            let mut p = build_policy("pascal", &PolicyParams { headroom_blocks }).expect("pascal");
+            p.on_phase_change(&change, &loads, &mut SimRng::seed_from_u64(0))
+        };
+        // headroom 0: current (0 free) suffices, target (5 < 10) does not -> stay.
+        assert_eq!(decide(0), PhaseDecision::Stay);
+        // default 16: current is short too -> follow Alg. 2.
+        assert_eq!(decide(16), PhaseDecision::Migrate { to: InstanceId(1) });
+    }
+}

@@ -1,0 +1,310 @@
+//! The experiment configuration (TOML) shared by `kvfleet sim` and, later, `kvfleet up`.
+//!
+//! Every field has a default, so a config file only states what differs from PASCAL's setup
+//! (8 × H100 96 GB, 100 Gbps, DeepSeek-R1-Distill-Qwen-32B, profile timing).
+
+use kvfleet_core::engine::sched::{SchedulerParams, SCHEDULER_NAMES};
+use kvfleet_core::engine::EngineConfig;
+use kvfleet_core::metrics::SloTargets;
+use kvfleet_core::policy::registry::{policy_names, PolicyParams};
+use kvfleet_core::spec::{GpuSpec, ModelSpec};
+use kvfleet_core::time::SimDuration;
+use kvfleet_core::workload::WorkloadConfig;
+use kvfleet_netmodel::LinkParams;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("invalid config {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+/// A whole experiment.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimConfig {
+    pub cluster: ClusterConfig,
+    pub scheduler: SchedulerConfig,
+    pub slo: SloTargets,
+    pub link: LinkParams,
+    pub workload: WorkloadConfig,
+    /// Optional sweep: policies × arrival rates. Without it, one run of `scheduler.policy`.
+    pub sweep: Option<SweepConfig>,
+}
+
+/// The instances: how many, which model on which GPU, and how their memory is carved up.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    /// Number of serving instances (one GPU each).
+    pub instances: u32,
+    /// Built-in model name (`r1-distill-qwen-32b`, `llama-3-8b`, `qwen-7b`) or a model TOML path.
+    pub model: String,
+    /// Built-in GPU name (`h100-96gb`, `h100-80gb`, `a100-80gb`, `v100-32gb`, `l40s`) or a TOML path.
+    pub gpu: String,
+    /// Timing model: `auto` (profile where a table exists for the model, else analytic),
+    /// `profile` or `analytic`.
+    pub timing: String,
+    /// Directory with `decode.csv`/`prefill.csv`/`copy.csv` for `profile` timing of other GPUs/models.
+    pub profile_dir: Option<PathBuf>,
+    /// Fraction of GPU memory the engine may use (vLLM `gpu_memory_utilization`).
+    pub gpu_memory_utilization: f64,
+    /// KV cache per instance in GB (1e9 B). Overrides the memory-utilization arithmetic; use it
+    /// to cap memory as PASCAL §III does (50 % of the oracle capacity).
+    pub kv_cache_gb: Option<f64>,
+    /// CPU offload pool per instance in GB (preempted KV goes here; 0 = recompute instead).
+    pub cpu_swap_gb: f64,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Most sequences per iteration.
+    pub max_num_seqs: u32,
+    /// Most prompt tokens prefilled per iteration.
+    pub max_batched_tokens: u32,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            instances: 8,
+            model: "r1-distill-qwen-32b".into(),
+            gpu: "h100-96gb".into(),
+            timing: "auto".into(),
+            profile_dir: None,
+            gpu_memory_utilization: 0.9,
+            kv_cache_gb: None,
+            cpu_swap_gb: 64.0,
+            block_size: 16,
+            max_num_seqs: 256,
+            max_batched_tokens: 8192,
+        }
+    }
+}
+
+/// Which schedulers run, and their knobs.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SchedulerConfig {
+    /// A preset (`pascal`, `pascal-nomigration`, `pascal-nonadaptive`, `fcfs`, `rr`) or an explicit
+    /// `INTRA+INSTANCE` pair such as `rr+round-robin` (intra: fcfs, rr, pascal; instance: pascal,
+    /// pascal-nonadaptive, pascal-nomigration, least-kv, round-robin, random).
+    pub policy: String,
+    /// Intra-instance knobs (quantum, demotion threshold).
+    pub intra: SchedulerParams,
+    /// Instance-level knobs (adaptive-migration headroom).
+    pub instance: PolicyParams,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig { policy: "pascal".into(), intra: SchedulerParams::default(), instance: PolicyParams::default() }
+    }
+}
+
+/// A grid of runs.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SweepConfig {
+    /// Policies (presets or INTRA+INSTANCE pairs).
+    pub policies: Vec<String>,
+    /// Arrival rates in requests/s; each replaces the workload's arrival rate.
+    pub rates: Vec<f64>,
+}
+
+/// The presets of PASCAL §V: (name, intra-instance scheduler, instance-level policy).
+pub const PRESETS: &[(&str, &str, &str)] = &[
+    ("pascal", "pascal", "pascal"),
+    ("pascal-nomigration", "pascal", "pascal-nomigration"),
+    ("pascal-nonadaptive", "pascal", "pascal-nonadaptive"),
+    ("fcfs", "fcfs", "least-kv"),
+    ("rr", "rr", "least-kv"),
+];
+
+/// Resolve a policy name into (intra, instance) names, validating both.
+pub fn resolve_policy(name: &str) -> Result<(String, String), ConfigError> {
+    if let Some((_, intra, inst)) = PRESETS.iter().find(|(n, _, _)| *n == name) {
+        return Ok((intra.to_string(), inst.to_string()));
+    }
+    let presets: Vec<&str> = PRESETS.iter().map(|p| p.0).collect();
+    let (intra, inst) = name.split_once('+').ok_or_else(|| {
+        ConfigError::Invalid(format!(
+            "unknown policy `{name}`: use a preset ({}) or INTRA+INSTANCE with INTRA in {{{}}} and INSTANCE in {{{}}}",
+            presets.join(", "),
+            SCHEDULER_NAMES.join(", "),
+            policy_names().join(", ")
+        ))
+    })?;
+    if !SCHEDULER_NAMES.contains(&intra) {
+        return Err(ConfigError::Invalid(format!(
+            "unknown intra-instance scheduler `{intra}` in policy `{name}` (valid: {})",
+            SCHEDULER_NAMES.join(", ")
+        )));
+    }
+    if !policy_names().contains(&inst) {
+        return Err(ConfigError::Invalid(format!(
+            "unknown instance policy `{inst}` in policy `{name}` (valid: {})",
+            policy_names().join(", ")
+        )));
+    }
+    Ok((intra.to_string(), inst.to_string()))
+}
+
+impl SimConfig {
+    /// Parse a TOML file; relative paths inside resolve against its directory (see `base_dir`).
+    pub fn load(path: &Path) -> Result<SimConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io { path: path.display().to_string(), source })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    pub fn parse(text: &str, origin: &str) -> Result<SimConfig, ConfigError> {
+        let cfg: SimConfig = toml::from_str(text).map_err(|e| ConfigError::Parse { path: origin.into(), message: one_line(&e.to_string()) })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Everything that can be checked without running: names, ranges, model fits the GPU.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let c = &self.cluster;
+        if c.instances == 0 {
+            return Err(ConfigError::Invalid("`cluster.instances` must be at least 1".into()));
+        }
+        if !(c.gpu_memory_utilization > 0.0 && c.gpu_memory_utilization <= 1.0) {
+            return Err(ConfigError::Invalid(format!("`cluster.gpu_memory_utilization` must be in (0, 1], got {}", c.gpu_memory_utilization)));
+        }
+        if let Some(gb) = c.kv_cache_gb {
+            if !(gb.is_finite() && gb > 0.0) {
+                return Err(ConfigError::Invalid(format!("`cluster.kv_cache_gb` must be a positive number, got {gb}")));
+            }
+        }
+        if !(c.cpu_swap_gb.is_finite() && c.cpu_swap_gb >= 0.0) {
+            return Err(ConfigError::Invalid(format!("`cluster.cpu_swap_gb` must be ≥ 0, got {}", c.cpu_swap_gb)));
+        }
+        for (field, v) in [("block_size", c.block_size), ("max_num_seqs", c.max_num_seqs), ("max_batched_tokens", c.max_batched_tokens)] {
+            if v == 0 {
+                return Err(ConfigError::Invalid(format!("`cluster.{field}` must be > 0")));
+            }
+        }
+        for (field, v) in [("tpot_s", self.slo.tpot_s), ("ttfat_s", self.slo.ttfat_s)] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(ConfigError::Invalid(format!("`slo.{field}` must be > 0, got {v}")));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.slo.qoe_threshold) {
+            return Err(ConfigError::Invalid(format!("`slo.qoe_threshold` must be in [0, 1], got {}", self.slo.qoe_threshold)));
+        }
+        resolve_policy(&self.scheduler.policy)?;
+        if let Some(sweep) = &self.sweep {
+            if sweep.policies.is_empty() || sweep.rates.is_empty() {
+                return Err(ConfigError::Invalid("`sweep.policies` and `sweep.rates` must both be non-empty".into()));
+            }
+            for p in &sweep.policies {
+                resolve_policy(p)?;
+            }
+            for &r in &sweep.rates {
+                if !(r.is_finite() && r > 0.0) {
+                    return Err(ConfigError::Invalid(format!("`sweep.rates` must be positive request rates, got {r}")));
+                }
+            }
+        }
+        self.link.validate().map_err(|e| ConfigError::Invalid(format!("link: {e}")))?;
+        self.workload.validate().map_err(|e| ConfigError::Invalid(format!("workload: {e}")))?;
+        let (model, gpu) = self.specs()?;
+        self.engine_config(&model, &gpu)?;
+        Ok(())
+    }
+
+    pub fn specs(&self) -> Result<(ModelSpec, GpuSpec), ConfigError> {
+        let model = ModelSpec::load(&self.cluster.model).map_err(|e| ConfigError::Invalid(format!("`cluster.model`: {e}")))?;
+        let gpu = GpuSpec::load(&self.cluster.gpu).map_err(|e| ConfigError::Invalid(format!("`cluster.gpu`: {e}")))?;
+        Ok((model, gpu))
+    }
+
+    /// Size one instance: KV blocks on the GPU after weights (or `kv_cache_gb`), CPU pool, limits.
+    pub fn engine_config(&self, model: &ModelSpec, gpu: &GpuSpec) -> Result<EngineConfig, ConfigError> {
+        let c = &self.cluster;
+        let block_bytes = c.block_size as u64 * model.kv_bytes_per_token();
+        let kv_bytes = match c.kv_cache_gb {
+            Some(gb) => (gb * 1e9) as u64,
+            None => {
+                let usable = (gpu.memory_bytes() as f64 * c.gpu_memory_utilization) as u64;
+                usable.checked_sub(model.weight_bytes()).filter(|&b| b >= block_bytes).ok_or_else(|| {
+                    ConfigError::Invalid(format!(
+                        "model `{}` ({:.1} GB of weights) leaves no KV memory on `{}` at gpu_memory_utilization {}",
+                        model.name,
+                        model.weight_bytes() as f64 / 1e9,
+                        gpu.name,
+                        c.gpu_memory_utilization
+                    ))
+                })?
+            }
+        };
+        let gpu_blocks = u32::try_from(kv_bytes / block_bytes).unwrap_or(u32::MAX);
+        if gpu_blocks == 0 {
+            return Err(ConfigError::Invalid(format!("`cluster.kv_cache_gb` holds no {block_bytes}-byte block")));
+        }
+        Ok(EngineConfig {
+            block_size: c.block_size,
+            gpu_blocks,
+            cpu_blocks: u32::try_from((c.cpu_swap_gb * 1e9) as u64 / block_bytes).unwrap_or(u32::MAX),
+            max_num_seqs: c.max_num_seqs,
+            max_batched_tokens: c.max_batched_tokens,
+            kv_bytes_per_token: model.kv_bytes_per_token(),
+            tpot: SimDuration::from_secs_f64(self.slo.tpot_s),
+        })
+    }
+
+    /// The runs this config asks for: (policy, rate) pairs, in sweep order.
+    pub fn runs(&self) -> Vec<(String, Option<f64>)> {
+        match &self.sweep {
+            None => vec![(self.scheduler.policy.clone(), None)],
+            Some(s) => s.rates.iter().flat_map(|&r| s.policies.iter().map(move |p| (p.clone(), Some(r)))).collect(),
+        }
+    }
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_pascals_setup() {
+        let cfg = SimConfig::parse("", "<empty>").unwrap();
+        let (m, g) = cfg.specs().unwrap();
+        let e = cfg.engine_config(&m, &g).unwrap();
+        assert_eq!(cfg.cluster.instances, 8);
+        assert_eq!(e.block_bytes(), 16 * 262_144);
+        // 96 GB × 0.9 − 65.5 GB of weights ≈ 20.9 GB of KV ≈ 4,980 blocks of 4 MiB.
+        assert!((4_500..5_500).contains(&e.gpu_blocks), "{}", e.gpu_blocks);
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let cases = [
+            ("[scheduler]\npolicy = \"sjf\"", "unknown policy `sjf`"),
+            ("[scheduler]\npolicy = \"sjf+least-kv\"", "intra-instance scheduler `sjf`"),
+            ("[cluster]\ninstances = 0", "cluster.instances"),
+            ("[cluster]\nmodel = \"gpt-9\"", "cluster.model"),
+            ("[cluster]\nbogus = 1", "unknown field `bogus`"),
+            ("[sweep]\npolicies = [\"pascal\"]\nrates = [-1.0]", "sweep.rates"),
+            ("[cluster]\nmodel = \"r1-distill-qwen-32b\"\ngpu = \"v100-32gb\"", "leaves no KV memory"),
+        ];
+        for (text, want) in cases {
+            let e = SimConfig::parse(text, "x.toml").unwrap_err().to_string();
+            assert!(e.contains(want), "{text:?} → {e}");
+        }
+    }
+
+    #[test]
+    fn presets_and_pairs_resolve() {
+        assert_eq!(resolve_policy("fcfs").unwrap(), ("fcfs".into(), "least-kv".into()));
+        assert_eq!(resolve_policy("rr+random").unwrap(), ("rr".into(), "random".into()));
+    }
+}
