@@ -13,6 +13,9 @@ pub enum BenchCommand {
     /// Simulator speed: a large cluster (default 1000 instances) over a long workload (default
     /// one hour of arrivals); prints wall time, simulated events/s and requests/s.
     Sim(SimBench),
+    /// Timing-model error: the profile model on measured points held out of its own table
+    /// (leave-one-out), and the analytic roofline on every measured point; MAPE per regime.
+    Timing,
 }
 
 #[derive(Args)]
@@ -41,6 +44,12 @@ pub struct SimBench {
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Sim(b) => bench_sim(b),
+        BenchCommand::Timing => {
+            let report = kvfleet_core::timing::HoldoutReport::builtin_h100_qwen32b()
+                .map_err(|e| anyhow::anyhow!("building the held-out report: {e}"))?;
+            println!("{report}");
+            Ok(())
+        }
     }
 }
 
@@ -82,10 +91,12 @@ fn bench_sim(b: SimBench) -> anyhow::Result<()> {
     let r = &results[0];
     let tokens: u64 = r.instances.iter().map(|s| s.tokens).sum();
     let iterations: u64 = r.instances.iter().map(|s| s.iterations).sum();
+    let full_plans: u64 = r.instances.iter().map(|s| s.full_plans).sum();
     println!("  simulated span     {:>12.1} s (virtual)", r.sim_end_s);
     println!("  wall time          {:>12.2} s (workload generation {:.2} s)", wall, gen_s);
     println!("  events             {:>12} ({:.2} M events/s)", r.events, r.events as f64 / wall / 1e6);
     println!("  engine iterations  {:>12} ({:.2} M iterations/s)", iterations, iterations as f64 / wall / 1e6);
+    println!("  full re-plans      {:>12} ({:.1} % of iterations)", full_plans, 100.0 * full_plans as f64 / iterations.max(1) as f64);
     println!("  tokens generated   {:>12} ({:.1} M tokens/s)", tokens, tokens as f64 / wall / 1e6);
     println!("  speed-up vs real   {:>12.0}×", r.sim_end_s / wall);
     println!("  finished requests  {:>12} of {}", r.summary.requests_finished, r.summary.requests_total);

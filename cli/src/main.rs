@@ -47,7 +47,7 @@ pub struct SimArgs {
     #[arg(long = "policy")]
     policies: Vec<String>,
     /// Run only this arrival rate (req/s); repeatable. Overrides `[sweep].rates`.
-    #[arg(long = "rate")]
+    #[arg(long = "rate", allow_negative_numbers = true)]
     rates: Vec<f64>,
     /// Override the workload seed.
     #[arg(long)]
@@ -127,13 +127,9 @@ pub fn load_config(
             (false, _) => cfg.sweep = Some(kvfleet_sim::config::SweepConfig { policies, rates: rates.to_vec() }),
             (true, Some(r)) => cfg.sweep = Some(kvfleet_sim::config::SweepConfig { policies, rates: r }),
             (true, None) => {
-                cfg.sweep = None;
                 cfg.scheduler.policy = policies[0].clone();
-                if policies.len() > 1 {
-                    let rate = kvfleet_sim::arrival_rate(&cfg.workload.arrivals)
-                        .ok_or_else(|| InputError("several --policy values on a trace workload need one run each".into()))?;
-                    cfg.sweep = Some(kvfleet_sim::config::SweepConfig { policies, rates: vec![rate] });
-                }
+                // Several policies on the workload's own arrivals (a trace, or the configured rate).
+                cfg.sweep = (policies.len() > 1).then(|| kvfleet_sim::config::SweepConfig { policies, rates: Vec::new() });
             }
         }
     }

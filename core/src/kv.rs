@@ -11,7 +11,7 @@
 
 use crate::ids::RequestId;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use crate::idmap::IdMap;
 
 /// Where a request's KV lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -77,14 +77,14 @@ pub struct KvBlockManager {
     block_size: u32,
     gpu: Pool,
     cpu: Pool,
-    tables: HashMap<RequestId, BlockTable>,
+    tables: IdMap<RequestId, BlockTable>,
 }
 
 impl KvBlockManager {
     /// `block_size` tokens per block (vLLM default 16); pool capacities in blocks.
     pub fn new(block_size: u32, gpu_blocks: u32, cpu_blocks: u32) -> Self {
         assert!(block_size > 0, "block_size must be > 0");
-        KvBlockManager { block_size, gpu: Pool::new(gpu_blocks), cpu: Pool::new(cpu_blocks), tables: HashMap::new() }
+        KvBlockManager { block_size, gpu: Pool::new(gpu_blocks), cpu: Pool::new(cpu_blocks), tables: IdMap::default() }
     }
 
     pub fn block_size(&self) -> u32 {

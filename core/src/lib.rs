@@ -17,6 +17,7 @@
 //! | [`metrics`] | per-request records → TTFT/TTFAT/TPOT/E2E/QoE/tail-bin summaries |
 
 pub mod engine;
+pub mod idmap;
 pub mod ids;
 pub mod kv;
 pub mod metrics;

@@ -114,6 +114,19 @@ impl Cluster {
         self.loads[i as usize] = self.engines[i as usize].load_report();
     }
 
+    /// Every published load equals what its engine would report now (checked in debug builds).
+    fn loads_are_fresh(&self) -> bool {
+        self.engines.iter().zip(&self.loads).all(|(e, l)| e.load_report() == *l)
+    }
+
+    /// Instances changed earlier in this time slice publish their load before a policy reads it.
+    fn refresh_touched_loads(&mut self) {
+        for k in 0..self.touched.len() {
+            let i = self.touched[k];
+            self.loads[i as usize] = self.engines[i as usize].load_report();
+        }
+    }
+
     /// Run `requests` (sorted by arrival) to completion.
     pub fn run(mut self, requests: &[RequestSpec], mut progress: impl FnMut(Progress)) -> ClusterOutcome {
         let total = requests.len();
@@ -142,6 +155,8 @@ impl Cluster {
                         if let Some(next) = requests.get(idx as usize + 1) {
                             self.push(next.arrival.max(now), Event::Arrival(idx + 1));
                         }
+                        self.refresh_touched_loads();
+                        debug_assert!(self.loads_are_fresh(), "policy would see a stale load report");
                         let target = self.policy.place(spec, &self.loads, &mut self.rng);
                         let engine = &mut self.engines[target.0 as usize];
                         match engine.submit(now, spec.clone()) {
@@ -162,7 +177,8 @@ impl Cluster {
                                 }
                             }
                         }
-                        self.refresh_load(i);
+                        // Its load is refreshed when it is planned below, or before any policy
+                        // decision in this slice (refresh_touched_loads).
                         self.touch(i);
                     }
                     Event::FabricWake(gen) => {
@@ -202,8 +218,8 @@ impl Cluster {
                     if let Some(end) = self.engines[i as usize].plan_iteration(now) {
                         self.push(end, Event::IterationEnd(i));
                     }
-                    self.refresh_load(i);
                 }
+                self.refresh_load(i);
             }
             touched.clear();
             self.touched = touched;
@@ -222,6 +238,8 @@ impl Cluster {
         }
         // Loads as of this instant: the source's view must include the iteration that just ended.
         self.refresh_load(i);
+        self.refresh_touched_loads();
+        debug_assert!(self.loads_are_fresh(), "policy would see a stale load report");
         let change = PhaseChange { request, current: InstanceId(i), kv_blocks };
         let PhaseDecision::Migrate { to } = self.policy.on_phase_change(&change, &self.loads, &mut self.rng) else { return };
         if to.0 == i || to.0 as usize >= self.engines.len() {

@@ -111,7 +111,9 @@ impl Default for SchedulerConfig {
 pub struct SweepConfig {
     /// Policies (presets or INTRA+INSTANCE pairs).
     pub policies: Vec<String>,
-    /// Arrival rates in requests/s; each replaces the workload's arrival rate.
+    /// Arrival rates in requests/s; each replaces the workload's arrival rate. Empty: the
+    /// workload's own arrivals (e.g. a trace) for every policy.
+    #[serde(default)]
     pub rates: Vec<f64>,
 }
 
@@ -198,8 +200,8 @@ impl SimConfig {
         }
         resolve_policy(&self.scheduler.policy)?;
         if let Some(sweep) = &self.sweep {
-            if sweep.policies.is_empty() || sweep.rates.is_empty() {
-                return Err(ConfigError::Invalid("`sweep.policies` and `sweep.rates` must both be non-empty".into()));
+            if sweep.policies.is_empty() {
+                return Err(ConfigError::Invalid("`sweep.policies` must not be empty".into()));
             }
             for p in &sweep.policies {
                 resolve_policy(p)?;
@@ -261,6 +263,7 @@ impl SimConfig {
     pub fn runs(&self) -> Vec<(String, Option<f64>)> {
         match &self.sweep {
             None => vec![(self.scheduler.policy.clone(), None)],
+            Some(s) if s.rates.is_empty() => s.policies.iter().map(|p| (p.clone(), None)).collect(),
             Some(s) => s.rates.iter().flat_map(|&r| s.policies.iter().map(move |p| (p.clone(), Some(r)))).collect(),
         }
     }

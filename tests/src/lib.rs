@@ -1,1 +1,148 @@
 //! Helpers for cross-process tests: locate the built binaries, make temp dirs.
+//!
+//! The integration tests under `tests/tests/` run the real `kvfleet` executable the way a user
+//! does (exit code 0 on success, 1 on a runtime failure, 2 on invalid input, as `cli/src/main.rs`
+//! promises), so they exercise argument parsing, config loading and the files written to disk —
+//! the parts that in-process unit tests cannot reach. The binary is the one
+//! `cargo build --workspace --all-targets` puts next to the test executables; these helpers find
+//! it, give each test a private scratch directory, and read outputs back for comparison.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The `kvfleet` binary of the build that produced this test executable.
+///
+/// Test executables live in `<target>/<profile>/deps/`; the binary is `<target>/<profile>/kvfleet`.
+/// Panics (with what to run) when it is missing.
+pub fn kvfleet_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test executable knows its own path");
+    let deps = exe.parent().expect("the test executable lives in a directory");
+    // `<target>/<profile>/deps/test-exe`; tolerate an executable placed directly in `<profile>/`.
+    let profile_dir = if deps.file_name().is_some_and(|n| n == "deps") { deps.parent().unwrap_or(deps) } else { deps };
+    let bin = profile_dir.join(format!("kvfleet{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.is_file(),
+        "kvfleet binary not found at {}: run `cargo build --workspace --all-targets` first \
+         (with the same CARGO_TARGET_DIR and profile as the tests)",
+        bin.display()
+    );
+    bin
+}
+
+/// `tests/fixtures/<name>`: a config checked in for these tests.
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
+}
+
+/// Runs `kvfleet` with `args` (working directory: this crate's root) and returns what it did.
+pub fn run_kvfleet<I, S>(args: I) -> Output
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let bin = kvfleet_bin();
+    Command::new(&bin)
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()))
+}
+
+/// stdout and stderr of a finished command, for assertion messages.
+pub fn describe(out: &Output) -> String {
+    format!(
+        "exit {:?}\n--- stdout\n{}--- stderr\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Every regular file directly inside `dir`, by name, with its bytes (sorted by name).
+pub fn read_dir_files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let entries = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("cannot list {}: {e}", dir.display()));
+    let mut files = BTreeMap::new();
+    for entry in entries {
+        let entry = entry.unwrap_or_else(|e| panic!("cannot list {}: {e}", dir.display()));
+        let path = entry.path();
+        if path.is_file() {
+            let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+            files.insert(entry.file_name().to_string_lossy().into_owned(), bytes);
+        }
+    }
+    files
+}
+
+/// A fresh, empty directory under [`std::env::temp_dir`], removed with its contents on drop.
+#[derive(Debug)]
+pub struct TempDir {
+    path: PathBuf,
+}
+
+impl TempDir {
+    /// A new directory whose name contains `tag`, the process id and a per-process counter, so
+    /// concurrent tests (threads or processes) never share one.
+    pub fn new(tag: &str) -> TempDir {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("kvfleet-tests-{tag}-{}-{n}", std::process::id()));
+        // A leftover from a crashed run with a recycled pid: start clean.
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).unwrap_or_else(|e| panic!("cannot create {}: {e}", path.display()));
+        TempDir { path }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `self/<name>` (not created).
+    pub fn join(&self, name: &str) -> PathBuf {
+        self.path.join(name)
+    }
+
+    /// Writes `text` to `self/<name>` and returns its path.
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.join(name);
+        std::fs::write(&path, text).unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
+        path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn temp_dirs_are_distinct_and_removed_on_drop() {
+        let a = TempDir::new("unit");
+        let b = TempDir::new("unit");
+        assert_ne!(a.path(), b.path());
+        assert!(a.path().is_dir() && b.path().is_dir());
+        let file = a.write("x.txt", "hello");
+        std::fs::create_dir(a.join("sub")).unwrap();
+        a.write("sub/y.txt", "nested");
+        assert_eq!(
+            read_dir_files(a.path()).into_iter().collect::<Vec<_>>(),
+            vec![("x.txt".to_string(), b"hello".to_vec())]
+        );
+        let kept = a.path().to_path_buf();
+        drop(a);
+        assert!(!kept.exists() && !file.exists());
+        assert!(b.path().is_dir());
+    }
+
+    #[test]
+    fn fixtures_dir_is_this_crates() {
+        assert!(fixture("small-sweep.toml").is_file());
+        assert!(fixture("azure-code-trace.toml").is_file());
+    }
+}

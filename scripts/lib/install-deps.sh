@@ -1,0 +1,18 @@
+# Shared by scripts/quickstart.sh, scripts/test.sh and .ci/run: install what the build needs,
+# only when it is missing (apt needs root; sudo is used when available).
+install_deps() {
+  local missing=()
+  command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
+  if ((${#missing[@]})); then
+    local SUDO=""
+    if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+    echo "installing: ${missing[*]}" >&2
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+  command -v cargo >/dev/null 2>&1 || { echo "cargo not found: install Rust (https://rustup.rs)" >&2; exit 1; }
+  if ! cargo nextest --version >/dev/null 2>&1; then
+    echo "installing cargo-nextest" >&2
+    cargo install --locked cargo-nextest >/dev/null
+  fi
+}

@@ -1,0 +1,369 @@
+//! `kvfleet sim` end to end, as a separate process: invalid input is refused with exit code 2 and
+//! one line naming the problem; the same config and seed give byte-identical files whatever the
+//! parallelism; a policies × rates sweep (PASCAL §V's experiment shape) writes one summary row, one
+//! JSON run and one per-request CSV per point, plus the SVG plots; a trace-driven workload (Azure
+//! LLM inference trace, code) replays the trace's own arrivals and lengths.
+//!
+//! Workloads are a few hundred requests so the whole file runs in seconds on a debug build.
+
+use kvfleet_tests::{describe, fixture, read_dir_files, run_kvfleet, TempDir};
+use std::collections::BTreeSet;
+use std::path::Path;
+
+/// A small CSV (no quoted fields) as its header and rows.
+struct Csv {
+    header: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Csv {
+    fn read(path: &Path) -> Csv {
+        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+        assert!(!text.contains('"'), "{}: quoted fields are not expected here", path.display());
+        assert!(text.ends_with('\n'), "{}: last line is not terminated", path.display());
+        let mut lines = text.lines();
+        let header: Vec<String> = lines.next().unwrap_or_default().split(',').map(str::to_string).collect();
+        let rows: Vec<Vec<String>> = lines.map(|l| l.split(',').map(str::to_string).collect()).collect();
+        for (i, row) in rows.iter().enumerate() {
+            assert_eq!(
+                row.len(),
+                header.len(),
+                "{} row {}: {} cells for {} columns",
+                path.display(),
+                i + 1,
+                row.len(),
+                header.len()
+            );
+        }
+        Csv { header, rows }
+    }
+
+    fn col(&self, name: &str) -> usize {
+        self.header.iter().position(|h| h == name).unwrap_or_else(|| panic!("no column `{name}` in {:?}", self.header))
+    }
+
+    /// Column `name` of every row.
+    fn column(&self, name: &str) -> Vec<&str> {
+        let c = self.col(name);
+        self.rows.iter().map(|r| r[c].as_str()).collect()
+    }
+
+    /// Column `name` of every row, parsed as an integer.
+    fn counts(&self, name: &str) -> Vec<u64> {
+        self.column(name).iter().map(|v| v.parse().unwrap_or_else(|e| panic!("`{name}` = {v:?}: {e}"))).collect()
+    }
+}
+
+fn sim(args: &[&str]) -> std::process::Output {
+    let out = run_kvfleet(["sim"].iter().chain(args));
+    assert_eq!(out.status.code(), Some(0), "kvfleet sim {args:?} failed: {}", describe(&out));
+    out
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("temp paths are UTF-8")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Invalid input: exit code 2, one line on stderr naming the problem, nothing written.
+
+/// One invalid invocation: a config written to a temp dir (`None`: the config file is missing),
+/// extra flags, and what the error line must mention.
+struct BadInput {
+    name: &'static str,
+    config: Option<&'static str>,
+    args: &'static [&'static str],
+    mentions: &'static [&'static str],
+}
+
+/// A valid small workload the bad cases below add one mistake to.
+const OK_WORKLOAD: &str = "[workload]\nnum_requests = 5\n[workload.lengths]\nkind = \"fixed\"\n";
+
+const BAD_INPUTS: &[BadInput] = &[
+    BadInput {
+        name: "unknown policy in config",
+        config: Some("[scheduler]\npolicy = \"sjf\"\n"),
+        args: &[],
+        mentions: &["policy", "`sjf`"],
+    },
+    BadInput {
+        name: "unknown policy in sweep",
+        config: Some("[sweep]\npolicies = [\"pascal\", \"lottery\"]\nrates = [1.0]\n"),
+        args: &[],
+        mentions: &["policy", "`lottery`"],
+    },
+    BadInput {
+        name: "unknown instance policy in a pair",
+        config: Some("[scheduler]\npolicy = \"fcfs+hottest\"\n"),
+        args: &[],
+        mentions: &["instance policy", "`hottest`"],
+    },
+    BadInput {
+        name: "unknown policy flag",
+        config: Some(OK_WORKLOAD),
+        args: &["--policy", "nope"],
+        mentions: &["policy", "`nope`"],
+    },
+    BadInput { name: "negative rate flag", config: Some(OK_WORKLOAD), args: &["--rate=-1"], mentions: &["rate", "-1"] },
+    BadInput {
+        name: "zero rate flag",
+        config: Some(OK_WORKLOAD),
+        args: &["--rate", "0"],
+        mentions: &["rate", "got 0"],
+    },
+    BadInput { name: "NaN rate flag", config: Some(OK_WORKLOAD), args: &["--rate", "NaN"], mentions: &["rate", "NaN"] },
+    BadInput {
+        name: "negative rate in sweep",
+        config: Some("[sweep]\npolicies = [\"pascal\"]\nrates = [2.0, -1.0]\n"),
+        args: &[],
+        mentions: &["sweep.rates", "-1"],
+    },
+    BadInput { name: "missing config file", config: None, args: &[], mentions: &["cannot read config", "absent.toml"] },
+    BadInput {
+        name: "missing trace file",
+        config: Some(
+            "[workload]\nnum_requests = 5\n[workload.arrivals]\nkind = \"trace\"\n\
+             [workload.lengths]\nkind = \"trace\"\npath = \"traces/missing-trace.csv\"\nformat = \"azure\"\n",
+        ),
+        args: &[],
+        mentions: &["workload", "missing-trace.csv"],
+    },
+    BadInput {
+        name: "malformed trace row",
+        config: Some(
+            "[workload]\nnum_requests = 5\n[workload.arrivals]\nkind = \"trace\"\n\
+             [workload.lengths]\nkind = \"trace\"\npath = \"bad-trace.csv\"\nformat = \"azure\"\n",
+        ),
+        args: &[],
+        mentions: &["bad-trace.csv:2", "TIMESTAMP"],
+    },
+    BadInput {
+        name: "unknown field",
+        config: Some("[cluster]\ninstances = 2\nbogus_gb = 1\n"),
+        args: &[],
+        mentions: &["`bogus_gb`", "line 3"],
+    },
+    BadInput { name: "unknown table", config: Some("[clutser]\ninstances = 2\n"), args: &[], mentions: &["`clutser`"] },
+    BadInput {
+        name: "unknown model",
+        config: Some("[cluster]\nmodel = \"gpt-9\"\n"),
+        args: &[],
+        mentions: &["cluster.model", "`gpt-9`"],
+    },
+    BadInput {
+        name: "unknown gpu",
+        config: Some("[cluster]\ngpu = \"tpu-v9\"\n"),
+        args: &[],
+        mentions: &["cluster.gpu", "tpu-v9"],
+    },
+    BadInput {
+        name: "TOML syntax error",
+        config: Some("[cluster]\ninstances = [\n"),
+        args: &[],
+        mentions: &["invalid config", "line 2"],
+    },
+    BadInput {
+        name: "zero requests flag",
+        config: Some(OK_WORKLOAD),
+        args: &["--requests", "0"],
+        mentions: &["num_requests"],
+    },
+];
+
+/// Runs one bad invocation in a fresh temp dir and checks the refusal.
+fn assert_refused(case: &BadInput) {
+    let dir = TempDir::new("bad-input");
+    dir.write("bad-trace.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,10,5\n");
+    let config = match case.config {
+        Some(text) => dir.write("config.toml", text),
+        None => dir.join("absent.toml"),
+    };
+    let out_dir = dir.join("out");
+    let mut args = vec!["sim", "--config", path_str(&config), "--out", path_str(&out_dir), "-q"];
+    args.extend(case.args);
+    let out = run_kvfleet(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let context = format!("case `{}`: {}", case.name, describe(&out));
+    assert_eq!(out.status.code(), Some(2), "{context}");
+    assert_eq!(stderr.lines().count(), 1, "want exactly one stderr line; {context}");
+    assert!(stderr.starts_with("error: "), "{context}");
+    for want in case.mentions {
+        assert!(stderr.contains(want), "stderr should mention {want:?}; {context}");
+    }
+    assert!(out.stdout.is_empty(), "nothing on stdout for invalid input; {context}");
+    assert!(!out_dir.exists(), "invalid input must not create the output directory; {context}");
+}
+
+#[test]
+fn invalid_input_exits_2_with_one_line_naming_the_problem() {
+    for case in BAD_INPUTS {
+        assert_refused(case);
+    }
+}
+
+/// `--rate -1` (the value as a separate word) is the natural spelling; it must be refused the same
+/// way as `--rate=-1`, naming the rate.
+#[test]
+fn negative_rate_as_separate_word_is_refused_naming_the_rate() {
+    assert_refused(&BadInput {
+        name: "--rate -1",
+        config: Some(OK_WORKLOAD),
+        args: &["--rate", "-1"],
+        mentions: &["rate", "-1"],
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Determinism.
+
+/// The small sweep with fewer requests: enough for every output kind, fast to run repeatedly.
+fn small_sweep_into(out_dir: &Path, extra: &[&str]) {
+    let config = fixture("small-sweep.toml");
+    let mut args = vec!["--config", path_str(&config), "--requests", "100", "--out", path_str(out_dir), "-q"];
+    args.extend(extra);
+    sim(&args);
+}
+
+#[test]
+fn same_config_and_seed_give_byte_identical_files() {
+    let tmp = TempDir::new("determinism");
+    let (a, b, c, d) = (tmp.join("a"), tmp.join("b"), tmp.join("c"), tmp.join("d"));
+    // Different thread counts too: runs finish in a different order, the files must not care.
+    small_sweep_into(&a, &["--no-plots", "-j", "1"]);
+    small_sweep_into(&b, &["--no-plots", "-j", "2"]);
+    small_sweep_into(&c, &["-j", "2"]);
+    small_sweep_into(&d, &["-j", "1"]);
+    let (a, b, c, d) = (read_dir_files(&a), read_dir_files(&b), read_dir_files(&c), read_dir_files(&d));
+
+    assert!(a.len() >= 6, "results.json, summary.csv and 4 request CSVs at least: {:?}", a.keys());
+    assert!(!a.keys().any(|n| n.ends_with(".svg")), "--no-plots drew plots: {:?}", a.keys());
+    for (x, y, what) in [(&a, &b, "without plots"), (&c, &d, "with plots")] {
+        assert_eq!(x.keys().collect::<Vec<_>>(), y.keys().collect::<Vec<_>>(), "file sets differ {what}");
+        for (name, bytes) in x {
+            assert!(bytes == &y[name], "{name} differs between two identical runs {what}");
+        }
+    }
+    // Plots add files and change none of the others.
+    let svgs: Vec<&String> = c.keys().filter(|n| n.ends_with(".svg")).collect();
+    assert!(!svgs.is_empty(), "no plots drawn: {:?}", c.keys());
+    let c_data: Vec<&String> = c.keys().filter(|n| !n.ends_with(".svg")).collect();
+    assert_eq!(c_data, a.keys().collect::<Vec<_>>(), "drawing plots changed the set of data files");
+    for (name, bytes) in &a {
+        assert!(bytes == &c[name], "{name} differs between runs with and without plots");
+    }
+}
+
+#[test]
+fn a_different_seed_changes_every_request_log() {
+    let tmp = TempDir::new("seed");
+    let (a, b) = (tmp.join("a"), tmp.join("b"));
+    small_sweep_into(&a, &["--no-plots"]);
+    small_sweep_into(&b, &["--no-plots", "--seed", "12"]);
+    let (a, b) = (read_dir_files(&a), read_dir_files(&b));
+    let requests: Vec<&String> = a.keys().filter(|n| n.starts_with("requests-")).collect();
+    assert_eq!(requests.len(), 4, "{:?}", a.keys());
+    for name in requests {
+        let other = b.get(name).unwrap_or_else(|| panic!("{name} missing with --seed 12"));
+        assert!(&a[name] != other, "{name} is the same for seeds 11 and 12");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A sweep and its outputs.
+
+#[test]
+fn small_sweep_writes_every_output_and_finishes_every_request() {
+    const REQUESTS: u64 = 200;
+    let tmp = TempDir::new("sweep");
+    let out_dir = tmp.join("out");
+    let config = fixture("small-sweep.toml");
+    let out = sim(&["--config", path_str(&config), "--out", path_str(&out_dir), "-q"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let files = read_dir_files(&out_dir);
+    assert!(stdout.contains("4 run(s)"), "{stdout}");
+    assert!(stdout.contains(&format!("wrote {} files to ", files.len())), "{stdout}\nfiles: {:?}", files.keys());
+
+    // summary.csv: a header and one row per (policy, rate), rates outermost as in the config.
+    let summary = Csv::read(&out_dir.join("summary.csv"));
+    assert_eq!(&summary.header[..6], ["policy", "intra", "instance_policy", "rate", "timing", "requests_total"]);
+    let points: Vec<(&str, &str)> = summary.column("policy").into_iter().zip(summary.column("rate")).collect();
+    assert_eq!(points, [("pascal", "1"), ("fcfs", "1"), ("pascal", "2.5"), ("fcfs", "2.5")]);
+    assert_eq!(summary.column("instance_policy"), ["pascal", "least-kv", "pascal", "least-kv"]);
+    assert_eq!(summary.counts("requests_total"), [REQUESTS; 4]);
+    assert_eq!(summary.counts("requests_finished"), [REQUESTS; 4], "every request finishes");
+    assert_eq!(summary.counts("requests_rejected"), [0; 4]);
+    // The KV cap is there so memory matters: at the higher rate both policies preempt.
+    let preemptions = summary.counts("preemptions_total");
+    assert!(preemptions[2] > 0 && preemptions[3] > 0, "no preemption under a 3 GB KV cap: {preemptions:?}");
+    assert_eq!(summary.counts("migrations_total")[1], 0, "fcfs (least-kv placement) never migrates");
+
+    // results.json: the same four runs, same order.
+    let json: serde_json::Value = serde_json::from_slice(&files["results.json"]).expect("results.json parses");
+    let runs = json.as_array().expect("results.json is an array of runs");
+    assert_eq!(runs.len(), 4);
+    for (run, (policy, rate)) in runs.iter().zip(&points) {
+        assert_eq!(run["policy"], *policy);
+        assert_eq!(run["rate"].as_f64(), Some(rate.parse::<f64>().unwrap()));
+        assert_eq!(run["summary"]["requests_finished"].as_u64(), Some(REQUESTS));
+        assert!(run["tail_ttft"].is_array(), "{run}");
+    }
+
+    // One per-request CSV per run, one row per request id, every one finished.
+    for (policy, rate) in &points {
+        let csv = Csv::read(&out_dir.join(format!("requests-{policy}-{rate}.csv")));
+        let ids: BTreeSet<u64> = csv.counts("id").into_iter().collect();
+        assert_eq!(csv.rows.len() as u64, REQUESTS, "{policy} @ {rate}");
+        assert_eq!(ids, (0..REQUESTS).collect(), "{policy} @ {rate}: ids are not 0..{REQUESTS} once each");
+        assert!(csv.column("rejected").iter().all(|v| *v == "false"), "{policy} @ {rate}");
+        assert!(csv.column("finished_on").iter().all(|v| !v.is_empty()), "{policy} @ {rate}");
+        assert!(csv.column("e2e_s").iter().all(|v| v.parse::<f64>().is_ok_and(|s| s > 0.0)), "{policy} @ {rate}");
+    }
+
+    // Plots: per rate, and across rates.
+    for name in [
+        "ttft_cdf-rate-1.svg",
+        "ttft_cdf-rate-2.5.svg",
+        "tail_ttft-rate-1.svg",
+        "tail_ttft-rate-2.5.svg",
+        "slo_violation_vs_rate.svg",
+        "tail_ttft_p99_vs_rate.svg",
+    ] {
+        let svg = files.get(name).unwrap_or_else(|| panic!("plot {name} missing: {:?}", files.keys()));
+        let text = String::from_utf8_lossy(svg);
+        assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"), "{name} is not an SVG document");
+        assert!(text.contains("pascal") && text.contains("fcfs"), "{name} lacks a legend entry per policy");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Trace-driven workload.
+
+#[test]
+fn azure_code_trace_replays_its_arrivals_and_lengths() {
+    const REQUESTS: u64 = 300;
+    let tmp = TempDir::new("trace");
+    let out_dir = tmp.join("out");
+    let config = fixture("azure-code-trace.toml");
+    sim(&["--config", path_str(&config), "--out", path_str(&out_dir), "-q", "--no-plots"]);
+
+    let summary = Csv::read(&out_dir.join("summary.csv"));
+    assert_eq!(summary.rows.len(), 1);
+    assert_eq!(summary.column("rate"), [""], "a trace run has no arrival rate");
+    assert_eq!(summary.counts("requests_total"), [REQUESTS]);
+    assert_eq!(summary.counts("requests_finished"), [REQUESTS], "every request finishes");
+
+    let csv = Csv::read(&out_dir.join("requests-pascal-trace.csv"));
+    assert_eq!(csv.rows.len() as u64, REQUESTS);
+    // The first rows of data/traces/AzureLLMInferenceTrace_code.csv:
+    //   2023-11-16 18:17:03.9799600,4808,10
+    //   2023-11-16 18:17:04.0319600,3180,8
+    // arrivals start at zero and keep the trace's gaps; output = reasoning + answer.
+    let arrival = csv.column("arrival_s");
+    let prompt = csv.counts("prompt_tokens");
+    let output: Vec<u64> =
+        csv.counts("reasoning_tokens").iter().zip(csv.counts("answer_tokens")).map(|(r, a)| r + a).collect();
+    assert_eq!((arrival[0], prompt[0], output[0]), ("0.000000", 4808, 10));
+    assert_eq!((arrival[1], prompt[1], output[1]), ("0.052000", 3180, 8));
+    let arrivals: Vec<f64> = arrival.iter().map(|v| v.parse().expect("arrival_s is a number")).collect();
+    assert!(arrivals.windows(2).all(|w| w[0] <= w[1]), "trace arrivals are in order");
+}
