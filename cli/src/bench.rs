@@ -47,7 +47,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Timing => {
             let report = kvfleet_core::timing::HoldoutReport::builtin_h100_qwen32b()
                 .map_err(|e| anyhow::anyhow!("building the held-out report: {e}"))?;
-            println!("{report}");
+            crate::say!("{report}");
             Ok(())
         }
     }
@@ -78,7 +78,7 @@ fn bench_sim(b: SimBench) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let requests = kvfleet_core::workload::generate(&cfg.workload, &base).map_err(|e| InputError(e.to_string()))?;
     let gen_s = t0.elapsed().as_secs_f64();
-    println!(
+    crate::say!(
         "bench sim: {} instances, {:.0} s of Poisson arrivals at {rate} req/s = {} requests, policy {}, lengths {}",
         b.instances,
         b.duration_s,
@@ -92,13 +92,13 @@ fn bench_sim(b: SimBench) -> anyhow::Result<()> {
     let tokens: u64 = r.instances.iter().map(|s| s.tokens).sum();
     let iterations: u64 = r.instances.iter().map(|s| s.iterations).sum();
     let full_plans: u64 = r.instances.iter().map(|s| s.full_plans).sum();
-    println!("  simulated span     {:>12.1} s (virtual)", r.sim_end_s);
-    println!("  wall time          {:>12.2} s (workload generation {:.2} s)", wall, gen_s);
-    println!("  events             {:>12} ({:.2} M events/s)", r.events, r.events as f64 / wall / 1e6);
-    println!("  engine iterations  {:>12} ({:.2} M iterations/s)", iterations, iterations as f64 / wall / 1e6);
-    println!("  full re-plans      {:>12} ({:.1} % of iterations)", full_plans, 100.0 * full_plans as f64 / iterations.max(1) as f64);
-    println!("  tokens generated   {:>12} ({:.1} M tokens/s)", tokens, tokens as f64 / wall / 1e6);
-    println!("  speed-up vs real   {:>12.0}×", r.sim_end_s / wall);
-    println!("  finished requests  {:>12} of {}", r.summary.requests_finished, r.summary.requests_total);
+    crate::say!("  simulated span     {:>12.1} s (virtual)", r.sim_end_s);
+    crate::say!("  wall time          {:>12.2} s (workload generation {:.2} s)", wall, gen_s);
+    crate::say!("  events             {:>12} ({:.2} M events/s)", r.events, r.events as f64 / wall / 1e6);
+    crate::say!("  engine iterations  {:>12} ({:.2} M iterations/s)", iterations, iterations as f64 / wall / 1e6);
+    crate::say!("  full re-plans      {:>12} ({:.1} % of iterations)", full_plans, 100.0 * full_plans as f64 / iterations.max(1) as f64);
+    crate::say!("  tokens generated   {:>12} ({:.1} M tokens/s)", tokens, tokens as f64 / wall / 1e6);
+    crate::say!("  speed-up vs real   {:>12.0}×", r.sim_end_s / wall);
+    crate::say!("  finished requests  {:>12} of {}", r.summary.requests_finished, r.summary.requests_total);
     Ok(())
 }

@@ -69,6 +69,21 @@ pub struct SimArgs {
     quiet: bool,
 }
 
+/// Print a line to stdout. A closed pipe (`kvfleet sim … | head`) ends the program quietly, as
+/// Unix tools do, instead of panicking like `println!`.
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($arg)*) {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(0);
+            }
+            panic!("writing to stdout: {e}");
+        }
+    }};
+}
+
 /// An error that is the user's input, not the program: exit code 2.
 #[derive(Debug)]
 pub struct InputError(pub String);
@@ -149,9 +164,9 @@ fn cmd_sim(args: SimArgs) -> anyhow::Result<()> {
     let results = run_parallel(&cfg, &runs, &base_dir, args.jobs, args.quiet)?;
     let wall = started.elapsed().as_secs_f64();
 
-    println!("{}", report::summary_table(&results));
+    say!("{}", report::summary_table(&results));
     let events: u64 = results.iter().map(|r| r.events).sum();
-    println!(
+    say!(
         "{} run(s), {} simulated events in {:.2} s wall ({:.2} M events/s); timing model: {}",
         results.len(),
         events,
@@ -163,7 +178,7 @@ fn cmd_sim(args: SimArgs) -> anyhow::Result<()> {
     if !args.no_plots {
         written.extend(plots::write_plots(&args.out, &results)?);
     }
-    println!("wrote {} files to {}", written.len(), args.out.display());
+    say!("wrote {} files to {}", written.len(), args.out.display());
     Ok(())
 }
 

@@ -25,7 +25,7 @@ use crate::policy::LoadReport;
 use crate::request::RequestSpec;
 use crate::time::{SimDuration, SimTime};
 use crate::timing::{BatchShape, TimingModel};
-use sched::{Admission, IntraScheduler, Phase, SchedState};
+use sched::{Admission, IntraScheduler, Phase, SchedState, TokenProgress};
 use serde::{Deserialize, Serialize};
 use crate::idmap::IdMap;
 use std::sync::Arc;
@@ -385,8 +385,8 @@ impl Engine {
             events.push(EngineEvent::Finished(Box::new(req.record)));
             return (true, true);
         }
-        let context = req.context();
-        changed |= self.sched.on_token(&mut req.sched, phase_of_token, context);
+        let progress = TokenProgress { context_tokens: req.context(), generated_tokens: req.generated };
+        changed |= self.sched.on_token(&mut req.sched, phase_of_token, progress);
         if reasoning > 0 && req.generated == reasoning {
             req.record.reasoning_end = Some(t);
             req.awaiting_after_reasoning = true;

@@ -22,7 +22,7 @@ fn cfg(gpu_blocks: u32, cpu_blocks: u32) -> EngineConfig {
 
 fn engine(sched: &str, gpu_blocks: u32, cpu_blocks: u32, quantum: u32) -> Engine {
     let timing = Arc::new(FixedTiming { iteration: SimDuration(UNIT), transfer: SimDuration::ZERO });
-    let params = SchedulerParams { quantum_tokens: quantum, demotion_tokens: 5000 };
+    let params = SchedulerParams { quantum_tokens: quantum, ..SchedulerParams::default() };
     Engine::new(InstanceId(0), cfg(gpu_blocks, cpu_blocks), timing, build_scheduler(sched, &params).unwrap())
 }
 
@@ -170,7 +170,7 @@ fn pascal_demotes_long_reasoning() {
         InstanceId(0),
         cfg(1024, 0),
         Arc::new(FixedTiming { iteration: SimDuration(UNIT), transfer: SimDuration::ZERO }),
-        build_scheduler("pascal", &SchedulerParams { quantum_tokens: 500, demotion_tokens: 100 }).unwrap(),
+        build_scheduler("pascal", &SchedulerParams { demotion_tokens: 10, ..SchedulerParams::default() }).unwrap(),
     );
     let mut ev = Vec::new();
     e.submit(SimTime(0), spec(1, 0, 90, 50, 5)).unwrap();
@@ -178,7 +178,7 @@ fn pascal_demotes_long_reasoning() {
     for _ in 0..12 {
         t = e.step(t, &mut ev).unwrap();
     }
-    // After 11 tokens the context is 101 > 100: demoted, no longer counted in r_i.
+    // After 11 reasoning tokens (> 10): demoted, no longer counted in r_i.
     let r = e.load_report();
     assert_eq!((r.reasoning_requests, r.answering_requests), (0, 1));
 }
