@@ -148,6 +148,10 @@ impl Cluster {
                 }
                 self.queue.pop();
                 events += 1;
+                // The engine of the next event is cache-cold: start fetching its data now.
+                if let Some(&Reverse((_, _, Event::IterationEnd(j)))) = self.queue.peek() {
+                    self.engines[j as usize].prefetch();
+                }
                 match ev {
                     Event::Arrival(idx) => {
                         let spec = &requests[idx as usize];

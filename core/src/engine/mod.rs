@@ -734,6 +734,27 @@ impl Engine {
         r
     }
 
+    /// Hint the CPU to fetch what the next `complete_iteration` will touch first (the batch and
+    /// the start of the request slab). A simulator with thousands of instances handles each one
+    /// cache-cold; calling this one event ahead hides most of that latency. No effect on results.
+    #[inline]
+    pub fn prefetch(&self) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let lines: [*const i8; 4] = [
+                self.batch.as_ptr() as *const i8,
+                self.slots.as_ptr() as *const i8,
+                (self.slots.as_ptr() as *const i8).wrapping_add(64),
+                (self.slots.as_ptr() as *const i8).wrapping_add(std::mem::size_of::<Option<Req>>()),
+            ];
+            for p in lines {
+                // SAFETY: prefetch is a hint; it never faults, even on an invalid address.
+                unsafe { _mm_prefetch(p, _MM_HINT_T0) };
+            }
+        }
+    }
+
     /// Verify KV accounting and that every request is where the engine thinks it is.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.kv.check_invariants()?;
