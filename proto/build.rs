@@ -1,5 +1,7 @@
 fn main() {
     println!("cargo:rerun-if-changed=proto/kvfleet.proto");
-    // prost-build needs `protoc` (Debian: protobuf-compiler); `.ci/run` and scripts/quickstart.sh install it.
-    prost_build::compile_protos(&["proto/kvfleet.proto"], &["proto/"]).expect("compile kvfleet.proto (is protoc installed?)");
+    // Needs `protoc` (Debian: protobuf-compiler); scripts/lib/install-deps.sh installs it.
+    tonic_prost_build::configure()
+        .compile_protos(&["proto/kvfleet.proto"], &["proto/"])
+        .expect("compile proto/kvfleet.proto (is protoc installed?)");
 }

@@ -71,6 +71,17 @@ impl Pool {
     }
 }
 
+/// A whole-request move between tiers, recorded when journaling is on: the worker replays it on
+/// its real arenas (copy block `from[i]` of the `from_tier` arena to block `to[i]` of `to_tier`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvMove {
+    pub request: RequestId,
+    pub from_tier: Tier,
+    pub to_tier: Tier,
+    pub from: Vec<u32>,
+    pub to: Vec<u32>,
+}
+
 /// Paged KV accounting for one instance.
 #[derive(Clone, Debug)]
 pub struct KvBlockManager {
@@ -78,17 +89,27 @@ pub struct KvBlockManager {
     gpu: Pool,
     cpu: Pool,
     tables: IdMap<RequestId, BlockTable>,
+    /// Moves since the last `drain_moves`, when enabled (the simulator leaves it off).
+    journal: Option<Vec<KvMove>>,
 }
 
 impl KvBlockManager {
     /// `block_size` tokens per block (vLLM default 16); pool capacities in blocks.
     pub fn new(block_size: u32, gpu_blocks: u32, cpu_blocks: u32) -> Self {
         assert!(block_size > 0, "block_size must be > 0");
-        KvBlockManager { block_size, gpu: Pool::new(gpu_blocks), cpu: Pool::new(cpu_blocks), tables: IdMap::default() }
+        KvBlockManager { block_size, gpu: Pool::new(gpu_blocks), cpu: Pool::new(cpu_blocks), tables: IdMap::default(), journal: None }
     }
 
     pub fn block_size(&self) -> u32 {
         self.block_size
+    }
+    /// Record every tier move from now on (see [`KvMove`]).
+    pub fn enable_journal(&mut self) {
+        self.journal.get_or_insert_with(Vec::new);
+    }
+    /// Moves recorded since the last call (empty when journaling is off).
+    pub fn drain_moves(&mut self) -> Vec<KvMove> {
+        self.journal.as_mut().map(std::mem::take).unwrap_or_default()
     }
     /// Blocks needed to hold `tokens` tokens.
     pub fn blocks_for(&self, tokens: u32) -> u32 {
@@ -176,6 +197,9 @@ impl KvBlockManager {
         let table = self.tables.get_mut(&request).expect("checked above");
         let old = std::mem::replace(&mut table.blocks, fresh);
         table.tier = to;
+        if let Some(journal) = self.journal.as_mut() {
+            journal.push(KvMove { request, from_tier: from, to_tier: to, from: old.clone(), to: table.blocks.clone() });
+        }
         self.pool_mut(from).give_back(&old);
         Ok(n)
     }
@@ -254,6 +278,22 @@ mod tests {
         assert!(kv.grow(RequestId(1), 33).is_err());
         assert_eq!(kv.table(RequestId(1)).unwrap().tokens, 32, "failed grow leaves the table unchanged");
         kv.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn journal_records_moves_with_block_ids() {
+        let mut kv = KvBlockManager::new(16, 4, 4);
+        kv.allocate(RequestId(1), Tier::Gpu, 20).unwrap();
+        kv.move_to(RequestId(1), Tier::Cpu).unwrap();
+        assert!(kv.drain_moves().is_empty(), "journal off by default");
+        kv.enable_journal();
+        kv.move_to(RequestId(1), Tier::Gpu).unwrap();
+        let moves = kv.drain_moves();
+        assert_eq!(moves.len(), 1);
+        assert_eq!((moves[0].from_tier, moves[0].to_tier), (Tier::Cpu, Tier::Gpu));
+        assert_eq!(moves[0].to, kv.table(RequestId(1)).unwrap().blocks);
+        assert_eq!(moves[0].from.len(), 2);
+        assert!(kv.drain_moves().is_empty());
     }
 
     #[derive(Clone, Debug)]

@@ -24,7 +24,7 @@
 use crate::time::{SimDuration, SimTime};
 
 /// Andes' token pacer for one answering request: buffer level, digested curve, running QoE.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TokenPacer {
     /// The target time per output token, in ns (at least 1).
     tpot_ns: u64,

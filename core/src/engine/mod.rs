@@ -127,7 +127,8 @@ impl Req {
 }
 
 /// A request in transit between instances: everything the target needs to resume it.
-#[derive(Debug)]
+/// Serializable so that worker processes can hand it over the network.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MigratedRequest {
     pub spec: RequestSpec,
     pub generated: u32,
@@ -150,6 +151,17 @@ pub struct MigrationOut {
     pub kv_tokens: u32,
     pub kv_blocks: u32,
     pub kv_bytes: u64,
+}
+
+/// One token produced by a completed iteration (for drivers that stream tokens or write KV).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenEmitted {
+    pub request: RequestId,
+    /// 0-based output token index.
+    pub index: u32,
+    pub phase: Phase,
+    /// KV tokens the request holds after this token (its position in the KV is `context - 1`).
+    pub context_tokens: u32,
 }
 
 /// Counters over the engine's lifetime.
@@ -228,6 +240,18 @@ impl Engine {
     }
     pub fn kv(&self) -> &KvBlockManager {
         &self.kv
+    }
+    /// Turn on the KV move journal (workers mirror moves on their real arenas).
+    pub fn enable_kv_journal(&mut self) {
+        self.kv.enable_journal();
+    }
+    /// Tier moves (offloads, reloads) made by planning since the last call.
+    pub fn drain_kv_moves(&mut self) -> Vec<crate::kv::KvMove> {
+        self.kv.drain_moves()
+    }
+    /// Whether the request with this id is here (running, waiting or migrating out).
+    pub fn contains(&self, request: RequestId) -> bool {
+        self.index.contains_key(&request)
     }
     pub fn stats(&self) -> &EngineStats {
         &self.stats
@@ -331,6 +355,16 @@ impl Engine {
     /// Finish the iteration in flight if it ends at or before `now`: every request in it gets its
     /// token (timestamped at the iteration's end).
     pub fn complete_iteration(&mut self, now: SimTime, events: &mut Vec<EngineEvent>) {
+        self.complete_inner(now, events, None);
+    }
+
+    /// [`Engine::complete_iteration`], also listing every token produced (the worker streams
+    /// them and writes their KV).
+    pub fn complete_iteration_tokens(&mut self, now: SimTime, events: &mut Vec<EngineEvent>, tokens: &mut Vec<TokenEmitted>) {
+        self.complete_inner(now, events, Some(tokens));
+    }
+
+    fn complete_inner(&mut self, now: SimTime, events: &mut Vec<EngineEvent>, mut tokens: Option<&mut Vec<TokenEmitted>>) {
         let Some((start, end)) = self.inflight else { return };
         if end > now {
             return;
@@ -343,6 +377,11 @@ impl Engine {
             let BatchEntry { slot, prefill } = self.batch[i];
             self.batch[i].prefill = false;
             self.stats.tokens += 1;
+            if let Some(out) = tokens.as_deref_mut() {
+                let r = self.req(slot);
+                let phase = if r.generated >= r.spec.reasoning_tokens { Phase::Answering } else { Phase::Reasoning };
+                out.push(TokenEmitted { request: r.spec.id, index: r.generated, phase, context_tokens: r.context() + 1 });
+            }
             let (changed, finished) = self.emit_token(slot, end, prefill, events);
             self.dirty |= changed;
             finished_any |= finished;
