@@ -2,6 +2,7 @@
 //!
 //! - `kvfleet sim`: run a config (one run or a policies × rates sweep) in the deterministic
 //!   simulator; print a summary table; write JSON, CSV and SVG plots.
+//! - `kvfleet up`: a local multi-process cluster (etcd, coordinators, workers) replaying a workload.
 //! - `kvfleet bench sim`: simulator speed (events/s) and the wall time of a large cluster run.
 //! - `kvfleet bench timing`: timing-model error on measured points held out of the profile.
 //!
@@ -10,6 +11,7 @@
 mod bench;
 mod plots;
 mod report;
+mod up;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
@@ -33,6 +35,9 @@ struct Cli {
 enum Command {
     /// Run an experiment config in the deterministic simulator.
     Sim(SimArgs),
+    /// Start a local cluster (etcd if installed, two coordinators, N workers), replay a workload
+    /// through it in real time, print the results, and shut everything down.
+    Up(up::UpArgs),
     /// Benchmarks that print figures (not tests).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -100,6 +105,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Sim(args) => cmd_sim(args),
         Command::Bench(b) => bench::run(b),
+        Command::Up(args) => up::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

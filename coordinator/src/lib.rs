@@ -1,2 +1,13 @@
-//! kvfleet-coordinator: etcd registry, leader election and the instance-level scheduler driver. Filled by the multi-process emulator issue; today it re-exports the policies it will run.
-pub use kvfleet_core::policy;
+//! kvfleet-coordinator: the control plane of the emulator.
+//!
+//! | module | what lives there |
+//! |---|---|
+//! | [`state`] | sans-IO scheduling state: registry, request ownership, the instance-level policy from `kvfleet-core` |
+//! | [`leader`] | the leader's async driver: worker event logs, placement, migration, fenced writes |
+//! | [`node`] | one coordinator process: gRPC service, campaign loop, registry watch |
+//!
+//! The metadata-store layout is `kvfleet_meta::layout` (shared with workers).
+
+pub mod leader;
+pub mod node;
+pub mod state;

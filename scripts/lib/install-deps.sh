@@ -3,6 +3,8 @@
 install_deps() {
   local missing=()
   command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
+  # etcd: the emulator's metadata store (`kvfleet up` runs without it, with an embedded store).
+  command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
   if ((${#missing[@]})); then
     local SUDO=""
     if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi

@@ -1,2 +1,254 @@
-//! kvfleet-worker: the process that emulates one GPU instance (real-time driver of the core engine). The driver arrives with the multi-process emulator issue; today this crate only re-exports what it will drive.
-pub use kvfleet_core::engine;
+//! kvfleet-worker: one process = one emulated GPU serving instance (SPEC "Layout": `worker/`).
+//!
+//! The `core` [`Engine`] runs in real time on this host's clock, with a real KV arena in host
+//! memory, behind the `kvfleet.v1.Worker` gRPC service. No scheduling logic lives here: the engine
+//! decides, the worker keeps time, moves bytes and talks to the network (STYLE "Thin drivers").
+//!
+//! | module | what lives there |
+//! |---|---|
+//! | [`arena`] | the real KV arena: GPU + CPU pools (mmap), deterministic token content, checksums, verification, tier copies |
+//! | [`driver`] | the real-time engine loop on its own thread: deadline-based iterations, KV writes, events, commands |
+//! | [`events`] | the event log: dense sequence numbers, kept until acknowledged, replayable, bounded |
+//! | [`service`] | the tonic `Worker` service: validation, commands to the driver, event streams |
+//! | [`clock`] | cluster time (ns since the cluster epoch) ↔ `Instant` |
+//! | [`lateness`] | timer lateness histogram (p50/p99/max) |
+//! | [`options`] | flags / configuration, instance sizing from model and GPU specs |
+//! | [`register`] | joining the cluster: etcd registration under a lease, or through the coordinator |
+//!
+//! Start a worker in-process with [`start`] (returns a [`WorkerHandle`] with its address and info,
+//! the hook for registration with a coordinator) or [`run`] (until a future resolves); the
+//! `kvfleet-worker` binary is [`start`] plus signal handling.
+
+pub mod arena;
+pub mod clock;
+pub mod driver;
+pub mod events;
+pub mod lateness;
+pub mod options;
+pub mod register;
+pub mod service;
+
+pub use driver::{DriverReport, DriverStats};
+pub use options::WorkerOptions;
+pub use service::ShutdownTrigger;
+
+use driver::{Command, Driver, DriverConfig};
+use kvfleet_core::engine::sched::build_scheduler;
+use kvfleet_core::engine::Engine;
+use kvfleet_core::timing::{build_timing, TimingModel};
+use kvfleet_core::InstanceId;
+use kvfleet_proto::v1;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+/// How long the gRPC server may take to close its connections once the engine has stopped.
+const SERVER_STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error(transparent)]
+    Options(#[from] options::OptionsError),
+    #[error(transparent)]
+    Clock(#[from] clock::ClockError),
+    #[error(transparent)]
+    Arena(#[from] arena::ArenaError),
+    #[error("cannot listen on {addr}: {cause}")]
+    Bind { addr: SocketAddr, cause: std::io::Error },
+    #[error("TLS configuration: {0}")]
+    Tls(tonic::transport::Error),
+    #[error("gRPC server: {0}")]
+    Serve(tonic::transport::Error),
+    #[error("cannot start the engine thread: {0}")]
+    Thread(std::io::Error),
+    #[error("the engine thread panicked")]
+    DriverPanicked,
+}
+
+/// What a stopped worker reports.
+#[derive(Clone, Debug, Default)]
+pub struct WorkerReport {
+    pub driver: DriverReport,
+}
+
+/// A running worker. Dropping it starts a graceful stop (so a forgotten handle leaves no
+/// server behind); [`WorkerHandle::wait`] waits for the stop.
+pub struct WorkerHandle {
+    info: v1::WorkerInfo,
+    local_addr: SocketAddr,
+    shutdown: ShutdownTrigger,
+    commands: Sender<Command>,
+    done: Option<tokio::task::JoinHandle<Result<WorkerReport, WorkerError>>>,
+}
+
+impl std::fmt::Debug for WorkerHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerHandle")
+            .field("local_addr", &self.local_addr)
+            .field("info", &self.info)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkerHandle {
+    /// What the worker tells a coordinator about itself (the registration payload).
+    pub fn info(&self) -> &v1::WorkerInfo {
+        &self.info
+    }
+    /// The address the gRPC server is bound to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+    /// Begin a graceful stop: no new requests; stop once empty or after `--drain-grace-ms`.
+    pub fn shutdown(&self) {
+        self.shutdown.trigger();
+    }
+    /// A clonable trigger for the same stop (for signal handlers, registration watchdogs).
+    pub fn shutdown_trigger(&self) -> ShutdownTrigger {
+        self.shutdown.clone()
+    }
+    /// Timer lateness, engine, arena and log counters (None once the engine has stopped).
+    pub async fn stats(&self) -> Option<DriverStats> {
+        let (tx, rx) = oneshot::channel();
+        self.commands.send(Command::Stats { reply: tx }).ok()?;
+        rx.await.ok()
+    }
+    /// Wait until the worker has stopped (after a shutdown from any source) and the server closed.
+    pub async fn wait(mut self) -> Result<WorkerReport, WorkerError> {
+        match self.done.take() {
+            Some(done) => done.await.map_err(|_| WorkerError::DriverPanicked)?,
+            None => Err(WorkerError::DriverPanicked),
+        }
+    }
+}
+
+impl Drop for WorkerHandle {
+    fn drop(&mut self) {
+        if self.done.is_some() {
+            self.shutdown.trigger();
+        }
+    }
+}
+
+/// Build the instance, bind the listener, start the engine thread and the gRPC server.
+pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
+    let shape = opts.shape()?;
+    let timing: Arc<dyn TimingModel> = Arc::from(
+        build_timing(&opts.timing, &shape.model, &shape.gpu, opts.profile_dir.as_deref())
+            .map_err(options::OptionsError::Timing)?,
+    );
+    let sched = build_scheduler(&opts.scheduler, &shape.scheduler).map_err(options::OptionsError::Scheduler)?;
+    let clock = clock::ClusterClock::new(opts.epoch_unix_ns)?;
+    let (layout, fill, prefault) = (shape.layout, opts.kv_fill, opts.prefault);
+    // Pre-faulting gigabytes takes a while: keep it off the async threads.
+    let arena = tokio::task::spawn_blocking(move || arena::KvArena::new(layout, fill, prefault))
+        .await
+        .map_err(|_| WorkerError::DriverPanicked)??;
+    let listener = tokio::net::TcpListener::bind(opts.listen)
+        .await
+        .map_err(|cause| WorkerError::Bind { addr: opts.listen, cause })?;
+    let local_addr = listener.local_addr().map_err(|cause| WorkerError::Bind { addr: opts.listen, cause })?;
+    let info = v1::WorkerInfo {
+        instance: opts.instance,
+        model: shape.model.name.clone(),
+        kv_bytes_per_token: shape.engine.kv_bytes_per_token,
+        block_size: shape.engine.block_size,
+        gpu_blocks: shape.engine.gpu_blocks,
+        cpu_blocks: shape.engine.cpu_blocks,
+        scheduler: opts.scheduler.clone(),
+        timing: timing.name().to_string(),
+        advertise: opts.advertise.clone().unwrap_or_else(|| local_addr.to_string()),
+        kv_arena_bytes: arena.mapped_bytes(),
+    };
+    tracing::info!(
+        instance = info.instance,
+        model = %info.model,
+        gpu_blocks = info.gpu_blocks,
+        cpu_blocks = info.cpu_blocks,
+        kv_arena_bytes = info.kv_arena_bytes,
+        scheduler = %info.scheduler,
+        timing = %info.timing,
+        epoch_unix_ns = clock.epoch_unix_ns(),
+        "worker ready on {local_addr}"
+    );
+
+    let log = Arc::new(events::EventLog::new(opts.event_log_cap));
+    let engine = Engine::new(InstanceId(opts.instance), shape.engine, timing, sched);
+    let driver = Driver::new(DriverConfig {
+        engine,
+        arena,
+        clock,
+        log: log.clone(),
+        load_interval: Duration::from_millis(opts.load_interval_ms),
+        verify_kv: opts.verify_kv,
+    });
+    let (commands, rx) = std::sync::mpsc::channel();
+    let (report_tx, report_rx) = oneshot::channel();
+    std::thread::Builder::new()
+        .name(format!("kvfleet-engine-{}", opts.instance))
+        .spawn(move || {
+            let _ = report_tx.send(driver.run(rx));
+        })
+        .map_err(WorkerError::Thread)?;
+
+    let shutdown = ShutdownTrigger::new(commands.clone(), Duration::from_millis(opts.drain_grace_ms));
+    let svc = service::WorkerService::new(info.clone(), commands.clone(), log, shutdown.clone());
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = opts.tls.clone() {
+        server = server.tls_config(tls).map_err(WorkerError::Tls)?;
+    }
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let (stop_server, server_stopped) = oneshot::channel::<()>();
+    let serve = server.add_service(v1::worker_server::WorkerServer::new(svc)).serve_with_incoming_shutdown(
+        incoming,
+        async move {
+            let _ = server_stopped.await;
+        },
+    );
+    let mut server_task = tokio::spawn(serve);
+    let trigger = shutdown.clone();
+    let done = tokio::spawn(async move {
+        // The engine stops first (its log closes, so event streams end), then the server.
+        let report = tokio::select! {
+            r = report_rx => r.map_err(|_| WorkerError::DriverPanicked),
+            served = &mut server_task => {
+                // The server died on its own: stop the engine too.
+                trigger.trigger();
+                return match served {
+                    Ok(Err(e)) => Err(WorkerError::Serve(e)),
+                    _ => Err(WorkerError::DriverPanicked),
+                };
+            }
+        };
+        let _ = stop_server.send(());
+        match tokio::time::timeout(SERVER_STOP_TIMEOUT, &mut server_task).await {
+            Ok(Ok(Err(e))) => return Err(WorkerError::Serve(e)),
+            Ok(_) => {}
+            Err(_) => {
+                tracing::warn!(
+                    "gRPC connections still open {SERVER_STOP_TIMEOUT:?} after the engine stopped; closing them"
+                );
+                server_task.abort();
+            }
+        }
+        Ok(WorkerReport { driver: report? })
+    });
+    Ok(WorkerHandle { info, local_addr, shutdown, commands, done: Some(done) })
+}
+
+/// Run a worker until `shutdown` resolves (then stop gracefully) or it stops by itself (the
+/// `Shutdown` RPC). For the bound address, use [`start`] instead.
+pub async fn run(opts: WorkerOptions, shutdown: impl Future<Output = ()>) -> Result<WorkerReport, WorkerError> {
+    let handle = start(opts).await?;
+    let trigger = handle.shutdown_trigger();
+    let wait = handle.wait();
+    tokio::pin!(wait, shutdown);
+    tokio::select! {
+        r = &mut wait => return r,
+        _ = &mut shutdown => trigger.trigger(),
+    }
+    wait.await
+}

@@ -1,0 +1,347 @@
+//! `kvfleet up`: a local cluster on loopback. It starts etcd (when installed; else one
+//! coordinator with its embedded store), two coordinators and N workers, replays a workload
+//! through the leader in real time, prints the same table and files as `kvfleet sim`, and then
+//! shuts everything down, leaving no process behind.
+
+pub mod procs;
+pub mod replay;
+
+use crate::{report, say, InputError};
+use anyhow::{bail, Context};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use kvfleet_core::metrics::{summarize, tail_ttft_by_reasoning_bin};
+use kvfleet_sim::config::{resolve_policy, SimConfig};
+use procs::{find_etcd, sibling_binary, start_etcd, Proc};
+use replay::{replay, schedule, LeaderFinder, ReplayStats};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The embedded default: a small PASCAL cluster that finishes in about a minute on a laptop.
+pub const DEFAULT_CONFIG: &str = include_str!("default-up.toml");
+
+#[derive(Args)]
+pub struct UpArgs {
+    /// Experiment config (same format as `kvfleet sim`); default: the embedded small cluster
+    /// (4 workers, 32B model on H100 profile timing, 120 short reasoning requests at 4 req/s).
+    #[arg(short, long)]
+    config: Option<PathBuf>,
+    /// Number of worker processes (default: `cluster.instances` of the config).
+    #[arg(long)]
+    workers: Option<u32>,
+    /// Coordinators to start when etcd is available (the others stand by).
+    #[arg(long, default_value_t = 2)]
+    coordinators: u32,
+    /// Do not use etcd even if installed: one coordinator with its embedded store.
+    #[arg(long)]
+    no_etcd: bool,
+    /// Policy preset or INTRA+INSTANCE pair (default: the config's `scheduler.policy`).
+    #[arg(long)]
+    policy: Option<String>,
+    /// Arrival rate, requests/s (Poisson/gamma workloads).
+    #[arg(long, allow_negative_numbers = true)]
+    rate: Option<f64>,
+    /// Number of requests.
+    #[arg(long)]
+    requests: Option<u64>,
+    /// Workload seed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Real KV arena per worker (GPU pool), e.g. 1GiB. Capacity is scaled to the host; the per-token
+    /// size is the model's.
+    #[arg(long, default_value = "1GiB")]
+    kv_memory: String,
+    /// CPU offload arena per worker.
+    #[arg(long, default_value = "1GiB")]
+    cpu_memory: String,
+    /// KV content written per token: `full` (every byte) or `stamp` (first 64 bytes).
+    #[arg(long, default_value = "full")]
+    kv_fill: String,
+    /// Output directory (results, CSVs, plots, process logs).
+    #[arg(short, long, default_value = "results/up")]
+    out: PathBuf,
+    /// Fault injection: kill -9 the leader coordinator this many seconds into the replay.
+    #[arg(long)]
+    kill_leader_after_s: Option<f64>,
+    /// Fault injection: kill -9 worker 0 this many seconds into the replay.
+    #[arg(long)]
+    kill_worker_after_s: Option<f64>,
+    /// No progress bar.
+    #[arg(short, long)]
+    quiet: bool,
+}
+
+struct Cluster {
+    etcd: Option<(Proc, String)>,
+    coordinators: Vec<Proc>,
+    workers: Vec<Proc>,
+}
+
+impl Cluster {
+    /// Stop workers first (they drain), then coordinators, then etcd. Every child is reaped.
+    fn shutdown(&mut self) -> Vec<String> {
+        let mut report = Vec::new();
+        for p in self.workers.iter_mut().chain(self.coordinators.iter_mut()) {
+            let s = p.stop(Duration::from_secs(5));
+            report.push(format!("{}: {s}", p.name));
+        }
+        if let Some((p, _)) = self.etcd.as_mut() {
+            let s = p.stop(Duration::from_secs(5));
+            report.push(format!("etcd: {s}"));
+        }
+        report
+    }
+}
+
+pub fn run(args: UpArgs) -> anyhow::Result<()> {
+    let mut cfg = match &args.config {
+        Some(p) => SimConfig::load(p).map_err(|e| InputError(e.to_string()))?,
+        None => SimConfig::parse(DEFAULT_CONFIG, "<embedded default>").map_err(|e| InputError(e.to_string()))?,
+    };
+    let base_dir = args.config.as_ref().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default();
+    if let Some(p) = &args.policy {
+        cfg.scheduler.policy = p.clone();
+    }
+    if let Some(n) = args.requests {
+        cfg.workload.num_requests = Some(n);
+    }
+    if let Some(s) = args.seed {
+        cfg.workload.seed = s;
+    }
+    if let Some(w) = args.workers {
+        cfg.cluster.instances = w;
+    }
+    cfg.sweep = None;
+    cfg.validate().map_err(|e| InputError(e.to_string()))?;
+    let rate = match args.rate {
+        Some(r) if !(r.is_finite() && r > 0.0) => return Err(InputError(format!("--rate must be a positive number, got {r}")).into()),
+        r => r,
+    };
+    let (intra, instance_policy) = resolve_policy(&cfg.scheduler.policy).map_err(|e| InputError(e.to_string()))?;
+    let mut workload = cfg.workload.clone();
+    if let Some(r) = rate {
+        match &mut workload.arrivals {
+            kvfleet_core::workload::ArrivalConfig::Poisson { rate } | kvfleet_core::workload::ArrivalConfig::Gamma { rate, .. } => *rate = r,
+            _ => return Err(InputError("--rate needs a poisson or gamma workload".into()).into()),
+        }
+    }
+    let mut requests = kvfleet_core::workload::generate(&workload, &base_dir).map_err(|e| InputError(format!("workload: {e}")))?;
+    let coordinator_bin = sibling_binary("kvfleet-coordinator")?;
+    let worker_bin = sibling_binary("kvfleet-worker")?;
+    let logs = args.out.join("logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let epoch_unix_ns = replay::unix_now_ns();
+    let mut cluster = Cluster { etcd: None, coordinators: Vec::new(), workers: Vec::new() };
+    let result = (|| -> anyhow::Result<()> {
+        // etcd, or the embedded store.
+        let etcd = if args.no_etcd { None } else { find_etcd() };
+        let n_coord = if etcd.is_some() { args.coordinators.max(1) } else { 1 };
+        if let Some(bin) = etcd {
+            let dir = args.out.join("etcd");
+            std::fs::create_dir_all(&dir)?;
+            let _ = std::fs::remove_dir_all(dir.join("etcd-data"));
+            cluster.etcd = Some(start_etcd(&bin, &dir)?);
+            say!("etcd        {}", cluster.etcd.as_ref().map_or("", |e| e.1.as_str()));
+        } else {
+            say!("etcd        not used ({}): one coordinator with an embedded store", if args.no_etcd { "--no-etcd" } else { "not installed" });
+        }
+        let etcd_url = cluster.etcd.as_ref().map(|e| e.1.clone());
+        for i in 0..n_coord {
+            let mut a = vec![
+                "--policy".to_string(),
+                instance_policy.clone(),
+                "--model".into(),
+                cfg.cluster.model.clone(),
+                "--headroom-blocks".into(),
+                cfg.scheduler.instance.headroom_blocks.to_string(),
+                "--epoch-unix-ns".into(),
+                epoch_unix_ns.to_string(),
+            ];
+            if let Some(u) = &etcd_url {
+                a.extend(["--etcd".into(), u.clone()]);
+            }
+            let p = Proc::spawn(&format!("coordinator-{i}"), &coordinator_bin, &a, &logs.join(format!("coordinator-{i}.log")), Some(Duration::from_secs(30)))?;
+            say!("coordinator {} (pid {})", p.addr()?, p.pid());
+            cluster.coordinators.push(p);
+        }
+        let coord_addrs: Vec<String> = cluster.coordinators.iter().filter_map(|p| p.addr.clone()).collect();
+        let finder = LeaderFinder::new(coord_addrs.clone());
+        let (_, status) = rt.block_on(finder.leader(Duration::from_secs(30))).context("waiting for a leader")?;
+        say!("leader      {} (store: {})", status.leader, status.store);
+        for i in 0..cfg.cluster.instances {
+            let mut a = vec![
+                "--instance".to_string(),
+                i.to_string(),
+                "--model".into(),
+                cfg.cluster.model.clone(),
+                "--gpu".into(),
+                cfg.cluster.gpu.clone(),
+                "--timing".into(),
+                cfg.cluster.timing.clone(),
+                "--scheduler".into(),
+                intra.clone(),
+                "--quantum".into(),
+                cfg.scheduler.intra.quantum_tokens.to_string(),
+                "--demotion-tokens".into(),
+                cfg.scheduler.intra.demotion_tokens.to_string(),
+                "--tpot-ms".into(),
+                (cfg.slo.tpot_s * 1e3).to_string(),
+                "--block-size".into(),
+                cfg.cluster.block_size.to_string(),
+                "--max-num-seqs".into(),
+                cfg.cluster.max_num_seqs.to_string(),
+                "--kv-memory".into(),
+                args.kv_memory.clone(),
+                "--cpu-memory".into(),
+                args.cpu_memory.clone(),
+                "--kv-fill".into(),
+                args.kv_fill.clone(),
+                "--epoch-unix-ns".into(),
+                epoch_unix_ns.to_string(),
+            ];
+            match &etcd_url {
+                Some(u) => a.extend(["--etcd".into(), u.clone()]),
+                None => a.extend(["--coordinator".into(), coord_addrs.join(",")]),
+            }
+            let p = Proc::spawn(&format!("worker-{i}"), &worker_bin, &a, &logs.join(format!("worker-{i}.log")), Some(Duration::from_secs(30)))?;
+            cluster.workers.push(p);
+        }
+        // All workers registered and visible to the leader.
+        let want = cfg.cluster.instances as usize;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (_, s) = rt.block_on(finder.leader(Duration::from_secs(10)))?;
+            let alive = s.instances.iter().filter(|i| i.alive).count();
+            if alive >= want {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("only {alive} of {want} workers registered within 30 s; see {}", logs.display());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        say!("workers     {want} registered ({} scheduler, {} KV arena each)", intra, args.kv_memory);
+        // Every child's pid, so callers (and tests) can check that none outlives `kvfleet up`.
+        let pids: Vec<String> = cluster.etcd.iter().map(|e| &e.0).chain(&cluster.coordinators).chain(&cluster.workers).map(|p| format!("{} {}", p.pid(), p.name)).collect();
+        std::fs::write(args.out.join("pids.txt"), pids.join("\n") + "\n")?;
+
+        // Replay.
+        schedule(&mut requests, epoch_unix_ns, Duration::from_millis(300));
+        let total = requests.len() as u64;
+        let stats = Arc::new(ReplayStats::default());
+        let bar = if args.quiet { ProgressBar::hidden() } else { ProgressBar::new(total) };
+        bar.set_style(ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests finished {msg}").expect("static template"));
+        let started = Instant::now();
+        let mut failover_ms: Option<u128> = None;
+        let records = rt.block_on(async {
+            let replay_task = tokio::spawn(replay(finder.clone(), requests.clone(), epoch_unix_ns, stats.clone(), Duration::from_secs(30)));
+            let mut chaos_leader = args.kill_leader_after_s.map(|s| started + Duration::from_secs_f64(s));
+            let mut chaos_worker = args.kill_worker_after_s.map(|s| started + Duration::from_secs_f64(s));
+            while !replay_task.is_finished() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                bar.set_position(stats.finished.load(Ordering::Relaxed));
+                bar.set_message(format!("({} tokens streamed)", stats.tokens.load(Ordering::Relaxed)));
+                if chaos_leader.is_some_and(|t| Instant::now() >= t) {
+                    chaos_leader = None;
+                    if let Ok((_, s)) = finder.leader(Duration::from_secs(5)).await {
+                        if let Some(p) = cluster.coordinators.iter_mut().find(|p| p.addr.as_deref() == Some(s.leader.as_str())) {
+                            bar.suspend(|| say!("{}", format!("chaos: kill -9 leader {} (pid {})", s.leader, p.pid())));
+                            p.kill9();
+                            let killed_at = Instant::now();
+                            // Failover time: until another coordinator answers as leader.
+                            let deadline = killed_at + Duration::from_secs(30);
+                            while Instant::now() < deadline {
+                                if let Ok((_, s2)) = finder.leader(Duration::from_millis(200)).await {
+                                    if s2.leader != s.leader {
+                                        let ms = killed_at.elapsed().as_millis();
+                                        bar.suspend(|| say!("{}", format!("failover: new leader {} after {ms} ms", s2.leader)));
+                                        failover_ms = Some(ms);
+                                        break;
+                                    }
+                                }
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                            }
+                        }
+                    }
+                }
+                if chaos_worker.is_some_and(|t| Instant::now() >= t) {
+                    chaos_worker = None;
+                    if let Some(p) = cluster.workers.first_mut() {
+                        bar.suspend(|| say!("{}", format!("chaos: kill -9 worker-0 (pid {})", p.pid())));
+                        p.kill9();
+                    }
+                }
+            }
+            replay_task.await.unwrap_or_default()
+        });
+        bar.finish_and_clear();
+        let wall = started.elapsed().as_secs_f64();
+        let mut ok = Vec::new();
+        let mut failed = Vec::new();
+        for r in records {
+            match r {
+                Ok(rec) => ok.push(rec),
+                Err(e) => failed.push(e),
+            }
+        }
+        ok.sort_by_key(|r| r.id);
+        let summary = summarize(&ok, &[], &cfg.slo);
+        let tail_ttft = tail_ttft_by_reasoning_bin(&ok, 256);
+        let migrated = ok.iter().filter(|r| r.migrations > 0).count();
+        let run = kvfleet_sim::RunResult {
+            policy: cfg.scheduler.policy.clone(),
+            intra: intra.clone(),
+            instance_policy: instance_policy.clone(),
+            rate: rate.or_else(|| kvfleet_sim::arrival_rate(&workload.arrivals)),
+            timing: cfg.cluster.timing.clone(),
+            summary,
+            tail_ttft,
+            records: ok.clone(),
+            migrations: Vec::new(),
+            instances: Vec::new(),
+            events: 0,
+            sim_end_s: wall,
+        };
+        say!("{}", report::summary_table(std::slice::from_ref(&run)));
+        say!(
+            "{} of {} requests finished ({} failed) in {:.1} s; {} migrated at </think>; {} resumed after a leader change; {} client retries",
+            ok.len(),
+            total,
+            failed.len(),
+            wall,
+            migrated,
+            stats.resumed.load(Ordering::Relaxed),
+            stats.retries.load(Ordering::Relaxed)
+        );
+        if let Some(ms) = failover_ms {
+            say!("leader failover took {ms} ms (kill -9 → a new leader answering)");
+        }
+        for e in failed.iter().take(5) {
+            say!("  failed: {e}");
+        }
+        let mut written = report::write_outputs(&args.out, std::slice::from_ref(&run))?;
+        written.extend(crate::plots::write_plots(&args.out, std::slice::from_ref(&run))?);
+        say!("wrote {} files to {} (process logs in {})", written.len(), args.out.display(), logs.display());
+        if !failed.is_empty() {
+            bail!("{} requests did not complete", failed.len());
+        }
+        let mut ids: Vec<u64> = ok.iter().map(|r| r.id.0).collect();
+        ids.dedup();
+        if ids.len() != ok.len() {
+            bail!("duplicate records: a request completed more than once");
+        }
+        Ok(())
+    })();
+    for line in cluster.shutdown() {
+        tracing_line(&line);
+    }
+    result
+}
+
+fn tracing_line(line: &str) {
+    eprintln!("stopped {line}");
+}

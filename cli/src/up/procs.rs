@@ -1,0 +1,157 @@
+//! Child processes of `kvfleet up`: started with their output captured, their advertised address
+//! read from the first `listening on ADDR` line, and killed when dropped, so that no process
+//! outlives the command, not even on an error or a panic.
+
+use anyhow::{anyhow, bail, Context};
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// A child process we own.
+pub struct Proc {
+    pub name: String,
+    child: Child,
+    /// The address it printed (`listening on ADDR`), if it prints one.
+    pub addr: Option<String>,
+}
+
+impl Proc {
+    /// Start `program args…`, stderr appended to `log`. With `wait_addr`, block until the child
+    /// prints `listening on ADDR` on stdout (or fail naming the log when it exits or times out).
+    pub fn spawn(name: &str, program: &Path, args: &[String], log: &Path, wait_addr: Option<Duration>) -> anyhow::Result<Proc> {
+        let log_file = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let mut child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log_file)
+            .spawn()
+            .with_context(|| format!("starting {} ({})", name, program.display()))?;
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut proc = Proc { name: name.to_string(), child, addr: None };
+        if let Some(limit) = wait_addr {
+            let deadline = Instant::now() + limit;
+            loop {
+                if let Ok(Some(status)) = proc.child.try_wait() {
+                    bail!("{name} exited with {status} before it was ready; see {}", log.display());
+                }
+                match rx.recv_timeout(Duration::from_millis(50)) {
+                    Ok(line) => {
+                        if let Some(addr) = line.strip_prefix("listening on ") {
+                            proc.addr = Some(addr.trim().to_string());
+                            break;
+                        }
+                    }
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        bail!("{name} closed its output before it was ready; see {}", log.display())
+                    }
+                }
+                if Instant::now() > deadline {
+                    bail!("{name} was not ready within {limit:?}; see {}", log.display());
+                }
+            }
+        }
+        Ok(proc)
+    }
+
+    pub fn addr(&self) -> anyhow::Result<&str> {
+        self.addr.as_deref().ok_or_else(|| anyhow!("{} has no address", self.name))
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Ask it to stop (SIGTERM), wait up to `grace`, then SIGKILL. Returns its exit status text.
+    pub fn stop(&mut self, grace: Duration) -> String {
+        if let Ok(Some(s)) = self.child.try_wait() {
+            return s.to_string();
+        }
+        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return s.to_string();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        self.child.wait().map(|s| format!("{s} (killed after {grace:?})")).unwrap_or_else(|e| e.to_string())
+    }
+
+    /// SIGKILL now (fault injection).
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A free loopback TCP port (bound, read, released).
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The sibling binary `name` of the running `kvfleet` (they are built together).
+pub fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
+    let me = std::env::current_exe().context("locating the kvfleet binary")?;
+    let dir = me.parent().ok_or_else(|| anyhow!("kvfleet binary has no directory"))?;
+    // Integration tests run from target/<profile>/deps.
+    for d in [dir.to_path_buf(), dir.parent().map(Path::to_path_buf).unwrap_or_default()] {
+        let p = d.join(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!("`{name}` not found next to {}; build it with `cargo build --release --workspace`", me.display())
+}
+
+/// `etcd` on PATH, if installed.
+pub fn find_etcd() -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| std::env::split_paths(&paths).map(|d| d.join("etcd")).find(|p| p.is_file()))
+}
+
+/// A private single-member etcd on free loopback ports, data in `dir`.
+pub fn start_etcd(etcd: &Path, dir: &Path) -> anyhow::Result<(Proc, String)> {
+    let client = free_port()?;
+    let peer = free_port()?;
+    let url = format!("http://127.0.0.1:{client}");
+    let args: Vec<String> = vec![
+        "--name".into(),
+        "kvfleet-up".into(),
+        "--data-dir".into(),
+        dir.join("etcd-data").display().to_string(),
+        "--listen-client-urls".into(),
+        url.clone(),
+        "--advertise-client-urls".into(),
+        url.clone(),
+        "--listen-peer-urls".into(),
+        format!("http://127.0.0.1:{peer}"),
+        "--initial-advertise-peer-urls".into(),
+        format!("http://127.0.0.1:{peer}"),
+        "--initial-cluster".into(),
+        format!("kvfleet-up=http://127.0.0.1:{peer}"),
+    ];
+    let proc = Proc::spawn("etcd", etcd, &args, &dir.join("etcd.log"), None)?;
+    Ok((proc, url))
+}

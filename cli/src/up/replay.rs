@@ -1,0 +1,173 @@
+//! The load generator of `kvfleet up`: submits every request of a workload at its arrival time
+//! (on the cluster clock) through the leader and follows it to its final record. A broken stream
+//! (the leader died) is resumed through the new leader, so every request ends with exactly one
+//! record.
+
+use kvfleet_core::metrics::RequestRecord;
+use kvfleet_core::{RequestSpec, SimTime};
+use kvfleet_proto::v1;
+use kvfleet_proto::v1::coordinator_client::CoordinatorClient;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tonic::transport::{Channel, Endpoint};
+use tonic::Code;
+
+/// Counters the progress bar and the summary show.
+#[derive(Debug, Default)]
+pub struct ReplayStats {
+    pub submitted: AtomicU64,
+    pub finished: AtomicU64,
+    pub resumed: AtomicU64,
+    pub retries: AtomicU64,
+    pub tokens: AtomicU64,
+}
+
+/// Finds and talks to the current leader among `coordinators`.
+#[derive(Clone)]
+pub struct LeaderFinder {
+    coordinators: Vec<String>,
+}
+
+fn channel(addr: &str) -> Result<Channel, tonic::Status> {
+    Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| tonic::Status::invalid_argument(format!("bad address {addr}: {e}")))
+        .map(|e| e.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true).connect_lazy())
+}
+
+impl LeaderFinder {
+    pub fn new(coordinators: Vec<String>) -> Self {
+        LeaderFinder { coordinators }
+    }
+
+    /// The leader's client, asking every coordinator until one names a live leader.
+    pub async fn leader(&self, deadline: Duration) -> Result<(CoordinatorClient<Channel>, v1::ClusterStatus), tonic::Status> {
+        let until = tokio::time::Instant::now() + deadline;
+        let mut last = tonic::Status::unavailable("no coordinator answered");
+        loop {
+            for addr in &self.coordinators {
+                let mut c = CoordinatorClient::new(channel(addr)?);
+                match c.status(v1::StatusRequest {}).await {
+                    Ok(s) => {
+                        let s = s.into_inner();
+                        if s.leader.is_empty() {
+                            last = tonic::Status::unavailable("no leader elected yet");
+                            continue;
+                        }
+                        let mut lc = CoordinatorClient::new(channel(&s.leader)?);
+                        if let Ok(ls) = lc.status(v1::StatusRequest {}).await {
+                            return Ok((lc, ls.into_inner()));
+                        }
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            if tokio::time::Instant::now() >= until {
+                return Err(last);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+pub fn unix_now_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Run one request to its final record. `spec.arrival` is on the cluster clock.
+pub async fn run_request(finder: LeaderFinder, spec: RequestSpec, stats: Arc<ReplayStats>, failover_wait: Duration) -> Result<RequestRecord, String> {
+    let mut submitted = false;
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        if attempts > 200 {
+            return Err(format!("request {} gave up after {attempts} attempts", spec.id.0));
+        }
+        let (mut client, _) = finder.leader(failover_wait).await.map_err(|e| format!("request {}: no leader: {e}", spec.id.0))?;
+        let stream = if submitted {
+            stats.resumed.fetch_add(1, Ordering::Relaxed);
+            client.resume(v1::ResumeRequest { request_id: spec.id.0 }).await
+        } else {
+            client.submit(v1::ClientSubmit { spec: Some((&spec).into()) }).await
+        };
+        let mut stream = match stream {
+            Ok(s) => s.into_inner(),
+            Err(e) if e.code() == Code::AlreadyExists => {
+                // Our earlier submit reached a leader that died before answering: resume it.
+                submitted = true;
+                continue;
+            }
+            Err(e) if e.code() == Code::NotFound && submitted => {
+                // The new leader never saw it (the old one died before storing it): submit again.
+                submitted = false;
+                continue;
+            }
+            Err(e) if matches!(e.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded) => {
+                stats.retries.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            Err(e) => return Err(format!("request {}: {e}", spec.id.0)),
+        };
+        if !submitted {
+            stats.submitted.fetch_add(1, Ordering::Relaxed);
+        }
+        loop {
+            match stream.message().await {
+                Ok(Some(ev)) => match ev.event {
+                    Some(v1::client_event::Event::AcceptedOn(_)) => {}
+                    Some(v1::client_event::Event::Tokens(t)) => {
+                        stats.tokens.fetch_add(t.count as u64, Ordering::Relaxed);
+                    }
+                    Some(v1::client_event::Event::Finished(r)) => {
+                        stats.finished.fetch_add(1, Ordering::Relaxed);
+                        return Ok(RequestRecord::from(&r));
+                    }
+                    None => {}
+                },
+                // The leader went away mid-stream: find the new one and resume.
+                Ok(None) | Err(_) => {
+                    submitted = true;
+                    stats.retries.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Submit every request at `epoch + arrival` (cluster clock) and wait for all records.
+pub async fn replay(
+    finder: LeaderFinder,
+    requests: Vec<RequestSpec>,
+    epoch_unix_ns: u64,
+    stats: Arc<ReplayStats>,
+    failover_wait: Duration,
+) -> Vec<Result<RequestRecord, String>> {
+    let mut tasks = Vec::with_capacity(requests.len());
+    for spec in requests {
+        let finder = finder.clone();
+        let stats = stats.clone();
+        tasks.push(tokio::spawn(async move {
+            let due_unix = epoch_unix_ns + spec.arrival.0;
+            let now = unix_now_ns();
+            if due_unix > now {
+                tokio::time::sleep(Duration::from_nanos(due_unix - now)).await;
+            }
+            run_request(finder, spec, stats, failover_wait).await
+        }));
+    }
+    let mut out = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        out.push(t.await.unwrap_or_else(|e| Err(format!("client task failed: {e}"))));
+    }
+    out
+}
+
+/// Shift a workload (arrivals from 0) to start `lead` after now, on the cluster clock.
+pub fn schedule(requests: &mut [RequestSpec], epoch_unix_ns: u64, lead: Duration) {
+    let start = unix_now_ns().saturating_sub(epoch_unix_ns) + lead.as_nanos() as u64;
+    for r in requests {
+        r.arrival = SimTime(start + r.arrival.0);
+    }
+}

@@ -1,0 +1,463 @@
+//! The leader: turns worker events into [`ClusterState`] calls and executes its decisions.
+//!
+//! Invariants it keeps (the emulator issue's "no request lost, none run twice"):
+//! - a request's ownership is written to the store, fenced on the leader key, *before* the
+//!   client is told it was accepted; a new leader reloads every unfinished one;
+//! - a worker forgets an event only after the leader acknowledged it, and the leader acknowledges
+//!   a finished record only after storing it; results are keyed by request id, so a replayed
+//!   record is stored twice at most, never counted twice;
+//! - a refused fenced write means another coordinator leads: this one stops at once (`deposed`).
+
+use kvfleet_meta::layout::{self as keys, WorkerRecord};
+use crate::state::{ClusterState, OwnedPhase, Ownership};
+use kvfleet_core::metrics::RequestRecord;
+use kvfleet_core::policy::{LoadReport, PhaseDecision};
+use kvfleet_core::{InstanceId, RequestId, RequestSpec};
+use kvfleet_meta::{Condition, LeaderKey, MetaStore};
+use kvfleet_proto::v1;
+use kvfleet_proto::v1::worker_client::WorkerClient;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tonic::transport::{Channel, Endpoint};
+use tonic::Status;
+
+/// Where a client's stream of events goes.
+pub type ClientTx = mpsc::Sender<Result<v1::ClientEvent, Status>>;
+
+/// Counters shown by `Status` and `kvfleet up`.
+#[derive(Debug, Default)]
+pub struct LeaderStats {
+    pub accepted: AtomicU64,
+    pub finished: AtomicU64,
+    pub migrations: AtomicU64,
+    pub migration_failures: AtomicU64,
+    pub replaced: AtomicU64,
+    pub dropped_token_events: AtomicU64,
+}
+
+struct WorkerLink {
+    client: WorkerClient<Channel>,
+    pump: JoinHandle<()>,
+}
+
+pub struct Leader {
+    store: Arc<dyn MetaStore>,
+    fence: LeaderKey,
+    state: Mutex<ClusterState>,
+    links: Mutex<BTreeMap<InstanceId, WorkerLink>>,
+    subscribers: Mutex<HashMap<RequestId, ClientTx>>,
+    pub stats: LeaderStats,
+    deposed_tx: watch::Sender<bool>,
+    pub deposed: watch::Receiver<bool>,
+    connector: Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LeaderError {
+    #[error("no longer the leader (a fenced write was refused)")]
+    Deposed,
+    #[error("metadata store: {0}")]
+    Store(#[from] kvfleet_meta::MetaError),
+    #[error("{0}")]
+    State(#[from] crate::state::StateError),
+}
+
+impl From<LeaderError> for Status {
+    fn from(e: LeaderError) -> Status {
+        match e {
+            LeaderError::State(crate::state::StateError::Duplicate(id)) => {
+                Status::already_exists(format!("request {id} was already submitted; use Resume"))
+            }
+            LeaderError::State(e @ crate::state::StateError::NoWorkers(_)) => Status::unavailable(e.to_string()),
+            other => Status::unavailable(other.to_string()),
+        }
+    }
+}
+
+/// A plaintext channel factory (TLS channels come from `tls.rs`).
+pub fn plaintext_connector() -> Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync> {
+    Arc::new(|addr: &str| {
+        Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| format!("bad worker address {addr}: {e}"))
+            .map(|e| e.connect_timeout(Duration::from_secs(2)).tcp_nodelay(true).connect_lazy())
+    })
+}
+
+fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("plain data serializes")
+}
+
+impl Leader {
+    pub fn new(
+        store: Arc<dyn MetaStore>,
+        fence: LeaderKey,
+        state: ClusterState,
+        connector: Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync>,
+    ) -> Arc<Leader> {
+        let (deposed_tx, deposed) = watch::channel(false);
+        Arc::new(Leader {
+            store,
+            fence,
+            state: Mutex::new(state),
+            links: Mutex::new(BTreeMap::new()),
+            subscribers: Mutex::new(HashMap::new()),
+            stats: LeaderStats::default(),
+            deposed_tx,
+            deposed,
+            connector,
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, ClusterState> {
+        self.state.lock().expect("state lock not poisoned")
+    }
+
+    pub fn is_deposed(&self) -> bool {
+        *self.deposed.borrow()
+    }
+
+    /// Write fenced on our leadership; a refusal deposes this leader.
+    async fn persist(&self, key: &str, value: &[u8]) -> Result<(), LeaderError> {
+        if self.is_deposed() {
+            return Err(LeaderError::Deposed);
+        }
+        match self.store.put_if(key, value, None, &[Condition::leader(&self.fence)]).await? {
+            Some(_) => Ok(()),
+            None => {
+                let _ = self.deposed_tx.send(true);
+                Err(LeaderError::Deposed)
+            }
+        }
+    }
+
+    async fn persist_ownership(&self, id: RequestId) -> Result<(), LeaderError> {
+        let o = self.state().ownership(id).cloned();
+        match o {
+            Some(o) => self.persist(&keys::request(id.0), &json(&o)).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Reload what a previous leader left: unfinished ownership records.
+    pub async fn restore(self: &Arc<Self>) -> Result<usize, LeaderError> {
+        let owned = self.store.get_prefix(keys::REQUESTS).await?;
+        let done = self.store.get_prefix(keys::RESULTS).await?;
+        let finished: std::collections::HashSet<String> =
+            done.kvs.iter().map(|kv| kv.key.trim_start_matches(keys::RESULTS).to_string()).collect();
+        let mut restored = Vec::new();
+        for kv in owned.kvs {
+            let Ok(mut o) = serde_json::from_slice::<Ownership>(&kv.value) else {
+                tracing::error!(key = %kv.key, "unreadable ownership record; skipped");
+                continue;
+            };
+            if finished.contains(kv.key.trim_start_matches(keys::REQUESTS)) {
+                o.phase = OwnedPhase::Finished;
+            }
+            restored.push(o);
+        }
+        let n = restored.iter().filter(|o| o.phase != OwnedPhase::Finished).count();
+        self.state().restore(restored);
+        Ok(n)
+    }
+
+    /// A worker registered (or re-registered). Refuses a model mismatch.
+    pub fn admit(self: &Arc<Self>, rec: &WorkerRecord) -> Result<(), String> {
+        let id = InstanceId(rec.instance);
+        self.state().join(id, rec.address.clone(), &rec.model, rec.kv_bytes_per_token).map_err(|e| e.to_string())?;
+        let mut links = self.links.lock().expect("links lock");
+        if let Some(l) = links.get(&id) {
+            if !l.pump.is_finished() {
+                return Ok(());
+            }
+        }
+        let channel = (self.connector)(&rec.address)?;
+        let client = WorkerClient::new(channel).max_decoding_message_size(64 << 20);
+        let pump = tokio::spawn(self.clone().pump(id, client.clone()));
+        links.insert(id, WorkerLink { client, pump });
+        tracing::info!(instance = id.0, address = %rec.address, "worker joined");
+        Ok(())
+    }
+
+    /// A worker's registration lapsed: it is dead. Its unfinished requests start over elsewhere.
+    pub async fn evict(self: &Arc<Self>, instance: InstanceId) {
+        if let Some(l) = self.links.lock().expect("links lock").remove(&instance) {
+            l.pump.abort();
+        }
+        let orphans = self.state().leave(instance);
+        tracing::warn!(instance = instance.0, orphans = orphans.len(), "worker left; re-placing its requests");
+        for id in orphans {
+            self.stats.replaced.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = self.replace(id).await {
+                tracing::error!(request = id.0, "re-placing failed: {e}");
+            }
+        }
+    }
+
+    async fn replace(self: &Arc<Self>, id: RequestId) -> Result<(), LeaderError> {
+        let to = self.state().replace(id)?;
+        self.persist_ownership(id).await?;
+        let spec = self.state().ownership(id).map(|o| o.spec.clone());
+        if let Some(spec) = spec {
+            self.submit_to_worker(to, &spec).await;
+        }
+        Ok(())
+    }
+
+    fn client(&self, instance: InstanceId) -> Option<WorkerClient<Channel>> {
+        self.links.lock().expect("links lock").get(&instance).map(|l| l.client.clone())
+    }
+
+    /// Accept a client's request: place, persist, then hand it to the worker.
+    pub async fn submit(self: &Arc<Self>, spec: RequestSpec, tx: ClientTx) -> Result<InstanceId, LeaderError> {
+        let to = self.state().place(&spec)?;
+        if let Err(e) = self.persist_ownership(spec.id).await {
+            self.state().on_finished(spec.id);
+            return Err(e);
+        }
+        self.stats.accepted.fetch_add(1, Ordering::Relaxed);
+        self.subscribers.lock().expect("subscribers lock").insert(spec.id, tx.clone());
+        let _ = tx.send(Ok(v1::ClientEvent { event: Some(v1::client_event::Event::AcceptedOn(to.0)) })).await;
+        self.submit_to_worker(to, &spec).await;
+        Ok(to)
+    }
+
+    /// Re-attach a client to a request (after a leader change). Finished: the record at once.
+    pub async fn resume(self: &Arc<Self>, id: RequestId, tx: ClientTx) -> Result<(), Status> {
+        if let Some(kv) = self.store.get(&keys::result(id.0)).await.map_err(|e| Status::unavailable(e.to_string()))? {
+            let rec: RequestRecord =
+                serde_json::from_slice(&kv.value).map_err(|e| Status::internal(format!("stored result: {e}")))?;
+            let _ = tx.send(Ok(finished_event(&rec))).await;
+            return Ok(());
+        }
+        let owned = self.state().ownership(id).cloned();
+        match owned {
+            Some(o) => {
+                let _ = tx.send(Ok(v1::ClientEvent { event: Some(v1::client_event::Event::AcceptedOn(o.instance.0)) })).await;
+                self.subscribers.lock().expect("subscribers lock").insert(id, tx);
+                Ok(())
+            }
+            None => Err(Status::not_found(format!("request {id} is unknown to the cluster"))),
+        }
+    }
+
+    /// Hand a placed request to its worker; retried, then re-placed if the worker is unreachable.
+    async fn submit_to_worker(self: &Arc<Self>, to: InstanceId, spec: &RequestSpec) {
+        let msg = v1::SubmitRequest { spec: Some(spec.into()) };
+        for attempt in 0..3u32 {
+            let Some(mut client) = self.client(to) else { break };
+            match client.submit(msg.clone()).await {
+                Ok(reply) => {
+                    let reply = reply.into_inner();
+                    if !reply.accepted {
+                        // Can never fit that instance: finished as rejected (not lost).
+                        let rec = RequestRecord {
+                            id: spec.id,
+                            arrival: spec.arrival,
+                            prompt_tokens: spec.prompt_tokens,
+                            reasoning_tokens: spec.reasoning_tokens,
+                            answer_tokens: spec.answer_tokens,
+                            placed_on: to,
+                            rejected: true,
+                            ..RequestRecord::default()
+                        };
+                        tracing::warn!(request = spec.id.0, reason = %reply.reason, "request rejected by its worker");
+                        let _ = self.finish(rec).await;
+                    }
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(request = spec.id.0, instance = to.0, attempt, "submit failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+                }
+            }
+        }
+        // The registry will evict a dead worker and re-place; nothing else to do here.
+    }
+
+    /// Store a finished record, then tell the client. Idempotent.
+    async fn finish(&self, rec: RequestRecord) -> Result<(), LeaderError> {
+        self.persist(&keys::result(rec.id.0), &json(&rec)).await?;
+        let first = self.state().on_finished(rec.id);
+        if first {
+            self.stats.finished.fetch_add(1, Ordering::Relaxed);
+        }
+        let tx = self.subscribers.lock().expect("subscribers lock").remove(&rec.id);
+        if let Some(tx) = tx {
+            let _ = tx.send(Ok(finished_event(&rec))).await;
+        }
+        Ok(())
+    }
+
+    /// Follow one worker's event log for as long as it is registered.
+    async fn pump(self: Arc<Self>, instance: InstanceId, mut client: WorkerClient<Channel>) {
+        let mut after_seq = 0u64;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            if self.is_deposed() {
+                return;
+            }
+            let stream = client.events(v1::EventsRequest { after_seq }).await;
+            let mut stream = match stream {
+                Ok(s) => {
+                    backoff = Duration::from_millis(50);
+                    s.into_inner()
+                }
+                Err(e) => {
+                    tracing::debug!(instance = instance.0, "events stream: {e}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    continue;
+                }
+            };
+            let mut unacked = 0u32;
+            loop {
+                let ev = match stream.message().await {
+                    Ok(Some(ev)) => ev,
+                    Ok(None) | Err(_) => break,
+                };
+                after_seq = ev.seq;
+                let must_ack = match ev.event {
+                    Some(v1::worker_event::Event::Tokens(t)) => {
+                        self.forward_tokens(t);
+                        false
+                    }
+                    Some(v1::worker_event::Event::Boundary(b)) => {
+                        self.on_boundary(b);
+                        false
+                    }
+                    Some(v1::worker_event::Event::Finished(r)) => {
+                        let mut rec = RequestRecord::from(&r);
+                        if r.kv_rematerialized {
+                            tracing::debug!(request = r.id, "finished after a re-materialised migration");
+                        }
+                        rec.finished_on = rec.finished_on.or(Some(instance));
+                        if self.finish(rec).await.is_err() {
+                            return;
+                        }
+                        true
+                    }
+                    Some(v1::worker_event::Event::Load(l)) => {
+                        self.state().on_load(LoadReport::from(&l));
+                        false
+                    }
+                    None => false,
+                };
+                unacked += 1;
+                if must_ack || unacked >= 256 {
+                    unacked = 0;
+                    let _ = client.ack(v1::AckRequest { up_to_seq: after_seq }).await;
+                }
+            }
+            tokio::time::sleep(backoff).await;
+        }
+    }
+
+    fn forward_tokens(&self, t: v1::Tokens) {
+        let tx = self.subscribers.lock().expect("subscribers lock").get(&RequestId(t.request_id)).cloned();
+        if let Some(tx) = tx {
+            let ev = v1::ClientEvent { event: Some(v1::client_event::Event::Tokens(t)) };
+            if tx.try_send(Ok(ev)).is_err() {
+                // A slow or gone client loses token notifications, never its final record.
+                self.stats.dropped_token_events.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn on_boundary(self: &Arc<Self>, b: v1::PhaseBoundary) {
+        let id = RequestId(b.request_id);
+        let from = InstanceId(b.instance);
+        let decision = self.state().on_boundary(id, from, b.kv_blocks);
+        if let PhaseDecision::Migrate { to } = decision {
+            tokio::spawn(self.clone().migrate(id, from, to));
+        }
+    }
+
+    /// Move a request between workers. The KV is re-materialised on the target (the QUIC issue
+    /// replaces this with a real copy). On any failure the request keeps running on its source.
+    async fn migrate(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId) {
+        let (Some(mut src), Some(mut dst)) = (self.client(from), self.client(to)) else {
+            self.state().migration_done(id, None);
+            return;
+        };
+        let out = match src.migrate_out(v1::MigrateOutRequest { request_id: id.0, target: to.0 }).await {
+            Ok(r) => r.into_inner(),
+            Err(e) => {
+                // Nothing moved (finished meanwhile, or an iteration boundary refused it).
+                tracing::debug!(request = id.0, "migrate-out refused: {e}");
+                self.stats.migration_failures.fetch_add(1, Ordering::Relaxed);
+                self.state().migration_done(id, None);
+                return;
+            }
+        };
+        let attach = v1::AttachRequest { state: out.state.clone(), kv_rematerialized: true };
+        match dst.attach(attach.clone()).await {
+            Ok(_) => {
+                self.state().migration_done(id, Some(to));
+                self.stats.migrations.fetch_add(1, Ordering::Relaxed);
+                let _ = self.persist_ownership(id).await;
+            }
+            Err(e) => {
+                tracing::warn!(request = id.0, from = from.0, to = to.0, "attach failed ({e}); returning the request to its source");
+                self.stats.migration_failures.fetch_add(1, Ordering::Relaxed);
+                self.state().migration_done(id, None);
+                if src.attach(attach).await.is_err() {
+                    // Source gone too: start it over elsewhere rather than lose it.
+                    let _ = self.replace(id).await;
+                }
+            }
+        }
+    }
+
+    pub fn status(&self, leader: &str, epoch_unix_ns: u64) -> v1::ClusterStatus {
+        let state = self.state();
+        let instances = state
+            .members()
+            .iter()
+            .map(|(id, m)| v1::InstanceStatus {
+                info: Some(v1::WorkerInfo { instance: id.0, advertise: m.address.clone(), ..Default::default() }),
+                load: Some((&m.load).into()),
+                alive: m.alive,
+            })
+            .collect();
+        v1::ClusterStatus {
+            leader: leader.to_string(),
+            epoch_unix_ns,
+            instances,
+            requests_in_flight: state.in_flight() as u64,
+            requests_finished: self.stats.finished.load(Ordering::Relaxed),
+            migrations: self.stats.migrations.load(Ordering::Relaxed),
+            store: self.store.store_kind().to_string(),
+        }
+    }
+
+    /// Unfinished requests and where they are owned (a new leader re-submits them: workers treat
+    /// a known request id as already accepted, so nothing runs twice).
+    pub async fn resubmit_unfinished(self: &Arc<Self>) {
+        let todo: Vec<(InstanceId, RequestSpec)> = self
+            .state()
+            .requests()
+            .values()
+            .filter(|o| o.phase != OwnedPhase::Finished)
+            .map(|o| (o.instance, o.spec.clone()))
+            .collect();
+        for (to, spec) in todo {
+            self.submit_to_worker(to, &spec).await;
+        }
+    }
+
+    /// Stop: abort every worker pump (a deposed leader must stop scheduling at once).
+    pub fn stop(&self) {
+        let _ = self.deposed_tx.send(true);
+        for (_, l) in std::mem::take(&mut *self.links.lock().expect("links lock")) {
+            l.pump.abort();
+        }
+    }
+}
+
+fn finished_event(rec: &RequestRecord) -> v1::ClientEvent {
+    v1::ClientEvent { event: Some(v1::client_event::Event::Finished(rec.into())) }
+}

@@ -1,0 +1,109 @@
+//! `kvfleet-coordinator`: one coordinator process. Two or more campaign for leadership through
+//! etcd; only the leader schedules. Without `--etcd`, one coordinator runs with an in-process store.
+
+use anyhow::Context;
+use clap::Parser;
+use kvfleet_coordinator::node::{serve, Node, NodeOptions};
+use kvfleet_coordinator::state::ClusterModel;
+use kvfleet_core::policy::registry::PolicyParams;
+use kvfleet_core::spec::ModelSpec;
+use kvfleet_meta::{EtcdOptions, MemStore, MetaStore};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Parser, Debug)]
+#[command(name = "kvfleet-coordinator", version, about = "kvfleet coordinator: registry, leader election, instance-level scheduling")]
+struct Args {
+    /// Address to listen on for the gRPC API (port 0: any free port; printed as `listening on ADDR`).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    /// Address workers and clients should use (default: the bound listen address).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379). Absent: embedded store.
+    #[arg(long, value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// etcd user name (with --etcd-password).
+    #[arg(long, env = "KVFLEET_ETCD_USER")]
+    etcd_user: Option<String>,
+    /// etcd password.
+    #[arg(long, env = "KVFLEET_ETCD_PASSWORD")]
+    etcd_password: Option<String>,
+    /// CA certificate (PEM) that signed etcd's server certificate: enables TLS to etcd.
+    #[arg(long)]
+    etcd_ca: Option<std::path::PathBuf>,
+    /// Client certificate (PEM) for mutual TLS with etcd (with --etcd-key).
+    #[arg(long)]
+    etcd_cert: Option<std::path::PathBuf>,
+    /// Client key (PEM) for mutual TLS with etcd.
+    #[arg(long)]
+    etcd_key: Option<std::path::PathBuf>,
+    /// Instance-level policy: pascal, pascal-nonadaptive, pascal-nomigration, least-kv, round-robin, random.
+    #[arg(long, default_value = "pascal")]
+    policy: String,
+    /// Adaptive migration headroom, KV blocks.
+    #[arg(long, default_value_t = 16)]
+    headroom_blocks: u32,
+    /// Model the cluster serves (built-in name or TOML path); workers must match it.
+    #[arg(long, default_value = "r1-distill-qwen-32b")]
+    model: String,
+    /// Leadership lease TTL in milliseconds (etcd rounds up to whole seconds, minimum ~2 s).
+    #[arg(long, default_value_t = 2000)]
+    lease_ttl_ms: u64,
+    /// Embedded mode: worker registrations expire after this many milliseconds without a refresh.
+    #[arg(long, default_value_t = 3000)]
+    worker_ttl_ms: u64,
+    /// Cluster clock origin (Unix ns) if this coordinator founds the cluster (default: now).
+    #[arg(long)]
+    epoch_unix_ns: Option<u64>,
+    /// Seed of the policy's random choices.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt().with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).with_writer(std::io::stderr).init();
+    let args = Args::parse();
+    let store: Arc<dyn MetaStore> = if args.etcd.is_empty() {
+        tracing::warn!("no --etcd endpoint given: running with an EMBEDDED in-process store (single coordinator, no failover)");
+        Arc::new(MemStore::new())
+    } else {
+        let mut opts = EtcdOptions { username: args.etcd_user.clone(), password: args.etcd_password.clone(), ..EtcdOptions::default() };
+        if args.etcd_ca.is_some() || args.etcd_cert.is_some() {
+            opts.tls = Some(kvfleet_meta::EtcdTls {
+                ca_cert_pem: args.etcd_ca.clone(),
+                client_cert_pem: args.etcd_cert.clone(),
+                client_key_pem: args.etcd_key.clone(),
+                domain_name: None,
+            });
+        }
+        tracing::info!(endpoints = ?args.etcd, "connecting to etcd");
+        Arc::new(kvfleet_meta::EtcdStore::connect_with_retry(&args.etcd, &opts, Duration::from_secs(60)).await.context("connecting to etcd")?)
+    };
+    let spec = ModelSpec::load(&args.model).with_context(|| format!("--model {}", args.model))?;
+    let listener = tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+    let bound = listener.local_addr()?;
+    let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
+    println!("listening on {bound}");
+    let opts = NodeOptions {
+        advertise: advertise.clone(),
+        policy: args.policy.clone(),
+        policy_params: PolicyParams { headroom_blocks: args.headroom_blocks },
+        model: ClusterModel { model: spec.name.clone(), kv_bytes_per_token: spec.kv_bytes_per_token() },
+        lease_ttl: Duration::from_millis(args.lease_ttl_ms),
+        worker_ttl: Duration::from_millis(args.worker_ttl_ms),
+        seed: args.seed,
+        epoch_unix_ns: args.epoch_unix_ns,
+    };
+    let node = Node::new(opts, store).await.context("joining the cluster")?;
+    tracing::info!(%advertise, policy = %args.policy, "coordinator up; campaigning for leadership");
+    tokio::spawn(node.clone().campaign_loop());
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! { _ = term.recv() => {}, _ = tokio::signal::ctrl_c() => {} }
+        tracing::info!("shutting down");
+    };
+    serve(node, listener, shutdown).await.context("serving")?;
+    Ok(())
+}

@@ -1,0 +1,288 @@
+//! One coordinator process: serves the `Coordinator` gRPC API, campaigns for leadership, and
+//! while leader runs a [`Leader`]; standbys answer `Status` and point clients at the leader.
+
+use kvfleet_meta::layout::{self as keys, ClusterRecord, WorkerRecord};
+use crate::leader::{plaintext_connector, ClientTx, Leader};
+use crate::state::{ClusterModel, ClusterState};
+use kvfleet_core::policy::registry::{build_policy, PolicyParams};
+use kvfleet_core::{InstanceId, RequestId};
+use kvfleet_meta::{spawn_keep_alive, EventKind, LeaseId, MetaStore};
+use kvfleet_proto::v1;
+use kvfleet_proto::v1::coordinator_server::{Coordinator, CoordinatorServer};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc, RwLock};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+use tonic::{Request, Response, Status};
+
+/// How a coordinator runs.
+#[derive(Clone, Debug)]
+pub struct NodeOptions {
+    /// Address clients and workers use to reach this coordinator.
+    pub advertise: String,
+    pub policy: String,
+    pub policy_params: PolicyParams,
+    pub model: ClusterModel,
+    /// Leadership lease: a dead leader is replaced within about this long.
+    pub lease_ttl: Duration,
+    /// Embedded mode: how long a worker registration lives without a refresh.
+    pub worker_ttl: Duration,
+    pub seed: u64,
+    /// Clock origin to record if this coordinator founds the cluster (default: now).
+    pub epoch_unix_ns: Option<u64>,
+}
+
+/// Shared between the gRPC service and the campaign loop.
+pub struct Node {
+    pub opts: NodeOptions,
+    pub store: Arc<dyn MetaStore>,
+    leader: RwLock<Option<Arc<Leader>>>,
+    cluster: ClusterRecord,
+    /// Embedded-mode worker leases (the leader keeps them alive on each Register).
+    worker_leases: Mutex<HashMap<u32, LeaseId>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("metadata store: {0}")]
+    Store(#[from] kvfleet_meta::MetaError),
+    #[error("cluster record at {key} is unreadable: {0}", key = keys::CLUSTER)]
+    BadCluster(String),
+    #[error("this coordinator runs model `{ours}` ({ours_bytes} B/token) but the cluster in the store runs `{theirs}` ({theirs_bytes} B/token)")]
+    ModelMismatch { ours: String, ours_bytes: u64, theirs: String, theirs_bytes: u64 },
+    #[error("unknown policy: {0}")]
+    Policy(String),
+}
+
+fn unix_now_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+impl Node {
+    /// Join (or found) the cluster: the first coordinator writes the cluster record.
+    pub async fn new(opts: NodeOptions, store: Arc<dyn MetaStore>) -> Result<Arc<Node>, NodeError> {
+        build_policy(&opts.policy, &opts.policy_params).map_err(|e| NodeError::Policy(e.to_string()))?;
+        let proposed = ClusterRecord { model: opts.model.clone(), epoch_unix_ns: opts.epoch_unix_ns.unwrap_or_else(unix_now_ns) };
+        let bytes = serde_json::to_vec(&proposed).expect("plain data");
+        store.put_if(keys::CLUSTER, &bytes, None, &[kvfleet_meta::Condition::absent(keys::CLUSTER)]).await?;
+        let kv = store.get(keys::CLUSTER).await?.ok_or_else(|| NodeError::BadCluster("vanished".into()))?;
+        let cluster: ClusterRecord = serde_json::from_slice(&kv.value).map_err(|e| NodeError::BadCluster(e.to_string()))?;
+        if cluster.model != opts.model {
+            return Err(NodeError::ModelMismatch {
+                ours: opts.model.model.clone(),
+                ours_bytes: opts.model.kv_bytes_per_token,
+                theirs: cluster.model.model,
+                theirs_bytes: cluster.model.kv_bytes_per_token,
+            });
+        }
+        Ok(Arc::new(Node { opts, store, leader: RwLock::new(None), cluster, worker_leases: Mutex::new(HashMap::new()) }))
+    }
+
+    pub fn epoch_unix_ns(&self) -> u64 {
+        self.cluster.epoch_unix_ns
+    }
+
+    pub async fn current_leader(&self) -> Option<Arc<Leader>> {
+        self.leader.read().await.clone()
+    }
+
+    /// Campaign forever: lead until deposed or the lease is lost, then stand by and campaign again.
+    pub async fn campaign_loop(self: Arc<Self>) {
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            match self.clone().lead_once().await {
+                Ok(()) => backoff = Duration::from_millis(200),
+                Err(e) => {
+                    tracing::warn!("leadership attempt ended: {e}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    async fn lead_once(self: Arc<Self>) -> Result<(), NodeError> {
+        let lease = self.store.grant_lease(self.opts.lease_ttl).await?;
+        let keeper = spawn_keep_alive(self.store.clone(), lease, self.opts.lease_ttl);
+        let fence = self.store.campaign(keys::ELECTION, self.opts.advertise.as_bytes(), lease).await?;
+        let started = std::time::Instant::now();
+        let policy = build_policy(&self.opts.policy, &self.opts.policy_params).map_err(|e| NodeError::Policy(e.to_string()))?;
+        let state = ClusterState::new(self.opts.model.clone(), policy, self.opts.seed);
+        let leader = Leader::new(self.store.clone(), fence.clone(), state, plaintext_connector());
+        let restored = leader.restore().await.map_err(|e| NodeError::BadCluster(e.to_string()))?;
+        // Workers already registered, then every change after that listing.
+        let listing = self.store.get_prefix(keys::WORKERS).await?;
+        for kv in &listing.kvs {
+            admit(&leader, &kv.value);
+        }
+        *self.leader.write().await = Some(leader.clone());
+        leader.resubmit_unfinished().await;
+        tracing::info!(
+            advertise = %self.opts.advertise,
+            store = self.store.store_kind(),
+            restored,
+            workers = listing.kvs.len(),
+            took_ms = started.elapsed().as_millis() as u64,
+            "became leader"
+        );
+        let mut watch = self.store.watch_prefix(keys::WORKERS, Some(kvfleet_meta::Revision(listing.revision.0 + 1))).await?;
+        let mut deposed = leader.deposed.clone();
+        let outcome = loop {
+            tokio::select! {
+                ev = watch.next() => match ev {
+                    Some(Ok(ev)) => match ev.kind {
+                        EventKind::Put => admit(&leader, &ev.value),
+                        EventKind::Delete => {
+                            if let Some(i) = ev.key.strip_prefix(keys::WORKERS).and_then(|s| s.parse::<u32>().ok()) {
+                                leader.evict(InstanceId(i)).await;
+                            }
+                        }
+                    },
+                    Some(Err(e)) => break Err(NodeError::Store(e)),
+                    None => break Ok(()),
+                },
+                reason = keeper.lost() => {
+                    tracing::error!("leadership lease lost ({reason}); stepping down");
+                    break Ok(());
+                }
+                _ = deposed.changed() => {
+                    tracing::error!("deposed: a fenced write was refused; stepping down");
+                    break Ok(());
+                }
+            }
+        };
+        leader.stop();
+        *self.leader.write().await = None;
+        let _ = self.store.resign(&fence).await;
+        drop(keeper);
+        outcome
+    }
+
+    /// Embedded mode: a worker registers through the leader, which stores it under a lease.
+    async fn register(&self, info: v1::WorkerInfo) -> Result<v1::RegisterReply, Status> {
+        if info.model != self.opts.model.model || info.kv_bytes_per_token != self.opts.model.kv_bytes_per_token {
+            return Err(Status::failed_precondition(format!(
+                "worker {} serves model `{}` ({} B/token) but the cluster runs `{}` ({} B/token)",
+                info.instance, info.model, info.kv_bytes_per_token, self.opts.model.model, self.opts.model.kv_bytes_per_token
+            )));
+        }
+        if info.advertise.is_empty() {
+            return Err(Status::invalid_argument("`advertise` must name the worker's address"));
+        }
+        let existing = self.worker_leases.lock().expect("lease map").get(&info.instance).copied();
+        let lease = match existing {
+            Some(l) if self.store.keep_alive(l).await.is_ok() => l,
+            _ => {
+                let l = self.store.grant_lease(self.opts.worker_ttl).await.map_err(|e| Status::unavailable(e.to_string()))?;
+                self.worker_leases.lock().expect("lease map").insert(info.instance, l);
+                l
+            }
+        };
+        let rec = WorkerRecord {
+            instance: info.instance,
+            address: info.advertise.clone(),
+            model: info.model.clone(),
+            kv_bytes_per_token: info.kv_bytes_per_token,
+            gpu_blocks: info.gpu_blocks,
+            scheduler: info.scheduler.clone(),
+        };
+        let bytes = serde_json::to_vec(&rec).expect("plain data");
+        let key = keys::worker(info.instance);
+        let current = self.store.get(&key).await.map_err(|e| Status::unavailable(e.to_string()))?;
+        if current.as_ref().map(|kv| kv.value.as_slice()) != Some(bytes.as_slice()) {
+            self.store.put_with_lease(&key, &bytes, lease).await.map_err(|e| Status::unavailable(e.to_string()))?;
+        }
+        Ok(v1::RegisterReply { ttl_ms: self.opts.worker_ttl.as_millis() as u32, epoch_unix_ns: self.cluster.epoch_unix_ns })
+    }
+
+    pub fn service(self: &Arc<Self>) -> CoordinatorServer<CoordinatorService> {
+        CoordinatorServer::new(CoordinatorService { node: self.clone() })
+    }
+}
+
+fn admit(leader: &Arc<Leader>, value: &[u8]) {
+    match serde_json::from_slice::<WorkerRecord>(value) {
+        Ok(rec) => {
+            if let Err(e) = leader.admit(&rec) {
+                tracing::error!(instance = rec.instance, "worker refused: {e}");
+            }
+        }
+        Err(e) => tracing::error!("unreadable worker registration: {e}"),
+    }
+}
+
+pub struct CoordinatorService {
+    node: Arc<Node>,
+}
+
+type EventStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<v1::ClientEvent, Status>> + Send>>;
+
+impl CoordinatorService {
+    async fn leader_or_redirect(&self) -> Result<Arc<Leader>, Status> {
+        if let Some(l) = self.node.current_leader().await {
+            if !l.is_deposed() {
+                return Ok(l);
+            }
+        }
+        let hint = self.node.store.leader(keys::ELECTION).await.ok().flatten().map(|v| String::from_utf8_lossy(&v).into_owned());
+        Err(Status::unavailable(match hint {
+            Some(addr) => format!("not the leader; the leader is at {addr}"),
+            None => "no leader elected yet; retry".to_string(),
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl Coordinator for CoordinatorService {
+    type SubmitStream = EventStream;
+    type ResumeStream = EventStream;
+
+    async fn submit(&self, req: Request<v1::ClientSubmit>) -> Result<Response<EventStream>, Status> {
+        let spec = kvfleet_proto::require_spec(req.get_ref().spec.as_ref())?;
+        let leader = self.leader_or_redirect().await?;
+        let (tx, rx): (ClientTx, _) = mpsc::channel(1024);
+        leader.submit(spec, tx).await?;
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn resume(&self, req: Request<v1::ResumeRequest>) -> Result<Response<EventStream>, Status> {
+        let leader = self.leader_or_redirect().await?;
+        let (tx, rx): (ClientTx, _) = mpsc::channel(1024);
+        leader.resume(RequestId(req.get_ref().request_id), tx).await?;
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn status(&self, _req: Request<v1::StatusRequest>) -> Result<Response<v1::ClusterStatus>, Status> {
+        let leader_addr = self.node.store.leader(keys::ELECTION).await.ok().flatten().map(|v| String::from_utf8_lossy(&v).into_owned()).unwrap_or_default();
+        let status = match self.node.current_leader().await {
+            Some(l) => l.status(&leader_addr, self.node.epoch_unix_ns()),
+            None => v1::ClusterStatus {
+                leader: leader_addr,
+                epoch_unix_ns: self.node.epoch_unix_ns(),
+                store: self.node.store.store_kind().into(),
+                ..Default::default()
+            },
+        };
+        Ok(Response::new(status))
+    }
+
+    async fn register(&self, req: Request<v1::WorkerInfo>) -> Result<Response<v1::RegisterReply>, Status> {
+        self.leader_or_redirect().await?;
+        Ok(Response::new(self.node.register(req.into_inner()).await?))
+    }
+}
+
+/// Serve the coordinator API on `listener` until `shutdown` resolves.
+pub async fn serve(node: Arc<Node>, listener: tokio::net::TcpListener, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<(), tonic::transport::Error> {
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tonic::transport::Server::builder().add_service(node.service()).serve_with_incoming_shutdown(incoming, shutdown).await
+}
+
+/// For logs: the socket address a listener got.
+pub fn bound(listener: &tokio::net::TcpListener) -> Option<SocketAddr> {
+    listener.local_addr().ok()
+}

@@ -1,0 +1,152 @@
+//! Keeping a lease alive in the background and noticing promptly when it is lost.
+//!
+//! Workers register under a lease and coordinators campaign under one (SPEC "Coordinator and
+//! etcd"). [`spawn_keep_alive`] refreshes the lease every ttl/3 and publishes
+//! [`LeaseStatus::Lost`] through a `watch` channel as soon as the lease is known gone
+//! (the store says so) or can no longer be assumed alive (no successful refresh sent within one
+//! TTL, e.g. etcd unreachable). A leader stops scheduling on that signal; fencing by revision
+//! (see the crate docs) covers the window before it sees it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::{LeaseId, MetaError, MetaStore};
+
+/// Shortest pause between refreshes, so a tiny TTL cannot turn into a busy loop.
+const MIN_REFRESH_INTERVAL: Duration = Duration::from_millis(10);
+/// Pause before retrying a refresh that failed for a transient reason.
+const RETRY_INTERVAL: Duration = Duration::from_millis(200);
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LeaseStatus {
+    Alive,
+    /// The lease expired, was revoked, or could not be refreshed within its TTL.
+    Lost {
+        reason: String,
+    },
+}
+
+/// Handle on a keep-alive task; dropping it stops refreshing (the lease then lapses by itself).
+pub struct LeaseKeeper {
+    lease: LeaseId,
+    status: watch::Receiver<LeaseStatus>,
+    task: JoinHandle<()>,
+}
+
+impl LeaseKeeper {
+    pub fn lease(&self) -> LeaseId {
+        self.lease
+    }
+
+    /// A receiver to `select!` on (`changed()`), e.g. in a leader's scheduling loop.
+    pub fn status(&self) -> watch::Receiver<LeaseStatus> {
+        self.status.clone()
+    }
+
+    pub fn is_lost(&self) -> bool {
+        matches!(*self.status.borrow(), LeaseStatus::Lost { .. })
+    }
+
+    /// Resolves when the lease is lost, with the reason.
+    pub async fn lost(&self) -> String {
+        let mut rx = self.status.clone();
+        loop {
+            if let LeaseStatus::Lost { reason } = &*rx.borrow_and_update() {
+                return reason.clone();
+            }
+            if rx.changed().await.is_err() {
+                // The task ended without reporting (cannot happen: it reports before returning).
+                return "keep-alive task ended".to_owned();
+            }
+        }
+    }
+}
+
+impl Drop for LeaseKeeper {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Spawns a tokio task refreshing `lease` (granted with `ttl`) every ttl/3 — or a third of the
+/// TTL the store reports, if shorter. Must be called inside a tokio runtime.
+///
+/// Transient errors are retried; the lease is reported lost when the store answers that it no
+/// longer exists, or when no refresh has succeeded for one TTL (measured from when the last
+/// successful refresh was *sent*, so the report comes no later than the store could expire it).
+pub fn spawn_keep_alive(store: Arc<dyn MetaStore>, lease: LeaseId, ttl: Duration) -> LeaseKeeper {
+    let (tx, status) = watch::channel(LeaseStatus::Alive);
+    let task = tokio::spawn(async move {
+        let reason = keep_alive_loop(store.as_ref(), lease, ttl).await;
+        tracing::warn!(lease = %lease, store = store.store_kind(), %reason, "lease lost");
+        let _ = tx.send(LeaseStatus::Lost { reason });
+    });
+    LeaseKeeper { lease, status, task }
+}
+
+/// Refreshes until the lease is lost; returns why.
+async fn keep_alive_loop(store: &dyn MetaStore, lease: LeaseId, ttl: Duration) -> String {
+    let mut last_ok_sent = Instant::now();
+    let mut effective_ttl = ttl;
+    loop {
+        let sent = Instant::now();
+        let expires = last_ok_sent + effective_ttl;
+        match tokio::time::timeout_at(expires, store.keep_alive(lease)).await {
+            Ok(Ok(granted)) => {
+                last_ok_sent = sent;
+                effective_ttl = if granted.is_zero() { ttl } else { ttl.min(granted) };
+                tokio::time::sleep((effective_ttl / 3).max(MIN_REFRESH_INTERVAL)).await;
+            }
+            Ok(Err(MetaError::LeaseNotFound(_))) => {
+                return format!("lease {lease} expired or was revoked");
+            }
+            Ok(Err(e)) => {
+                let now = Instant::now();
+                if now >= expires {
+                    return format!("no successful refresh within the {effective_ttl:?} TTL: {e}");
+                }
+                tracing::warn!(lease = %lease, error = %e, "lease refresh failed; retrying");
+                tokio::time::sleep(RETRY_INTERVAL.min(expires - now)).await;
+            }
+            Err(_) => {
+                return format!("no successful refresh within the {effective_ttl:?} TTL (timed out)");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemStore;
+
+    #[tokio::test]
+    async fn keeps_lease_alive_past_its_ttl_and_reports_revocation() {
+        let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
+        let ttl = Duration::from_millis(60);
+        let lease = store.grant_lease(ttl).await.unwrap();
+        store.put_with_lease("k", b"v", lease).await.unwrap();
+        let keeper = spawn_keep_alive(store.clone(), lease, ttl);
+        tokio::time::sleep(ttl * 4).await;
+        assert!(!keeper.is_lost());
+        assert!(store.get("k").await.unwrap().is_some(), "kept-alive key expired");
+        store.revoke(lease).await.unwrap();
+        let reason = tokio::time::timeout(ttl * 4, keeper.lost()).await.expect("loss not reported");
+        assert!(reason.contains("expired or was revoked"), "{reason}");
+    }
+
+    #[tokio::test]
+    async fn dropping_keeper_lets_lease_lapse() {
+        let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
+        let ttl = Duration::from_millis(40);
+        let lease = store.grant_lease(ttl).await.unwrap();
+        store.put_with_lease("k", b"v", lease).await.unwrap();
+        drop(spawn_keep_alive(store.clone(), lease, ttl));
+        tokio::time::sleep(ttl * 3).await;
+        assert!(store.get("k").await.unwrap().is_none());
+    }
+}

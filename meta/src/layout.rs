@@ -1,0 +1,53 @@
+//! The metadata-store layout shared by coordinators and workers, in one place.
+//!
+//! | key | value | written by |
+//! |---|---|---|
+//! | `/kvfleet/cluster` | JSON [`ClusterRecord`]: model, KV bytes/token, clock epoch | first coordinator (create-if-absent) |
+//! | `/kvfleet/workers/<instance>` | JSON `WorkerInfo`, attached to the worker's lease | worker (etcd) or leader on its behalf (embedded) |
+//! | `/kvfleet/requests/<id>` | JSON `Ownership` (coordinator `state.rs`: spec, instance, phase) | leader, fenced, before acknowledging |
+//! | `/kvfleet/results/<id>` | JSON `RequestRecord` | leader, fenced, before acknowledging to the worker |
+//! | `/kvfleet/leader/…` | election keys (value: the leader's advertised address) | `campaign` |
+
+use serde::{Deserialize, Serialize};
+
+/// What the cluster runs; a worker must match it to join.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterModel {
+    pub model: String,
+    pub kv_bytes_per_token: u64,
+}
+
+pub const CLUSTER: &str = "/kvfleet/cluster";
+pub const WORKERS: &str = "/kvfleet/workers/";
+pub const REQUESTS: &str = "/kvfleet/requests/";
+pub const RESULTS: &str = "/kvfleet/results/";
+pub const ELECTION: &str = "/kvfleet/leader";
+
+pub fn worker(instance: u32) -> String {
+    format!("{WORKERS}{instance}")
+}
+pub fn request(id: u64) -> String {
+    format!("{REQUESTS}{id:020}")
+}
+pub fn result(id: u64) -> String {
+    format!("{RESULTS}{id:020}")
+}
+
+/// What every process of a cluster must agree on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterRecord {
+    pub model: ClusterModel,
+    /// Cluster clock origin: `SimTime` 0 in every process, as Unix nanoseconds.
+    pub epoch_unix_ns: u64,
+}
+
+/// A worker's registration, as stored (the gRPC `WorkerInfo` in JSON-friendly form).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerRecord {
+    pub instance: u32,
+    pub address: String,
+    pub model: String,
+    pub kv_bytes_per_token: u64,
+    pub gpu_blocks: u32,
+    pub scheduler: String,
+}

@@ -1,0 +1,121 @@
+//! `kvfleet up`: real processes (coordinators, workers, etcd when installed) on loopback.
+//!
+//! Every test checks that every submitted request completed exactly once and that no process
+//! outlives the command (the pids `kvfleet up` wrote are all gone).
+
+use kvfleet_tests::{describe, run_kvfleet, TempDir};
+use std::path::Path;
+
+fn etcd_installed() -> bool {
+    std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("etcd").is_file()))
+}
+
+/// Small, fast cluster arguments shared by the tests.
+fn base_args(out: &Path, workers: u32, requests: u32) -> Vec<String> {
+    [
+        "up",
+        "--workers",
+        &workers.to_string(),
+        "--requests",
+        &requests.to_string(),
+        "--rate",
+        "8",
+        "--kv-memory",
+        "512MiB",
+        "--cpu-memory",
+        "512MiB",
+        "--kv-fill",
+        "stamp",
+        "-q",
+        "--out",
+        out.to_str().expect("utf-8 temp path"),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn summary(out: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(out.join("results.json")).expect("results.json written");
+    let runs: serde_json::Value = serde_json::from_str(&text).expect("results.json parses");
+    runs[0]["summary"].clone()
+}
+
+/// Ids in the per-request CSV, which must be 0..n exactly once.
+fn assert_each_request_once(out: &Path, n: u64) {
+    let csv = std::fs::read_dir(out)
+        .expect("out dir")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.file_name().and_then(|f| f.to_str()).is_some_and(|f| f.starts_with("requests-")))
+        .expect("a requests-*.csv");
+    let text = std::fs::read_to_string(csv).expect("readable");
+    let mut ids: Vec<u64> = text.lines().skip(1).map(|l| l.split(',').next().expect("id column").parse().expect("numeric id")).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, (0..n).collect::<Vec<_>>(), "every request exactly once");
+}
+
+fn assert_no_process_left(out: &Path) {
+    let pids = std::fs::read_to_string(out.join("pids.txt")).expect("pids.txt written");
+    for line in pids.lines() {
+        let pid = line.split_whitespace().next().expect("pid");
+        let alive = std::path::Path::new(&format!("/proc/{pid}")).exists()
+            && !std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default().contains(") Z ");
+        assert!(!alive, "process left behind: {line}");
+    }
+}
+
+#[test]
+fn up_with_the_embedded_store_runs_a_workload_end_to_end() {
+    let tmp = TempDir::new("up-embedded");
+    let out = tmp.join("out");
+    let mut args = base_args(&out, 2, 24);
+    args.push("--no-etcd".into());
+    let o = run_kvfleet(&args);
+    assert!(o.status.success(), "{}", describe(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("embedded store"), "says it runs the embedded store: {stdout}");
+    let s = summary(&out);
+    assert_eq!(s["requests_finished"], 24, "{s}");
+    assert_eq!(s["requests_rejected"], 0, "{s}");
+    assert_each_request_once(&out, 24);
+    assert_no_process_left(&out);
+}
+
+#[test]
+fn up_with_etcd_survives_a_leader_kill() {
+    if !etcd_installed() {
+        eprintln!("skipping: etcd not installed (apt-get install etcd-server)");
+        return;
+    }
+    let tmp = TempDir::new("up-failover");
+    let out = tmp.join("out");
+    let mut args = base_args(&out, 2, 40);
+    args.extend(["--kill-leader-after-s".into(), "2".into()]);
+    let o = run_kvfleet(&args);
+    assert!(o.status.success(), "{}", describe(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("failover: new leader"), "a standby took over: {stdout}");
+    let s = summary(&out);
+    assert_eq!(s["requests_finished"], 40, "{s}");
+    assert_each_request_once(&out, 40);
+    assert_no_process_left(&out);
+}
+
+#[test]
+fn up_with_etcd_replaces_the_requests_of_a_killed_worker() {
+    if !etcd_installed() {
+        eprintln!("skipping: etcd not installed (apt-get install etcd-server)");
+        return;
+    }
+    let tmp = TempDir::new("up-worker-kill");
+    let out = tmp.join("out");
+    let mut args = base_args(&out, 3, 30);
+    args.extend(["--kill-worker-after-s".into(), "2".into()]);
+    let o = run_kvfleet(&args);
+    assert!(o.status.success(), "{}", describe(&o));
+    let s = summary(&out);
+    assert_eq!(s["requests_finished"], 30, "{s}");
+    assert_each_request_once(&out, 30);
+    assert_no_process_left(&out);
+}

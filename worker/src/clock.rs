@@ -1,0 +1,81 @@
+//! The cluster clock: [`SimTime`] as nanoseconds since the cluster epoch, on this host's monotonic
+//! clock.
+//!
+//! Every process of a cluster agrees on the epoch (`epoch_unix_ns`, chosen by `kvfleet up` or the
+//! first leader; see kvfleet.proto), so "t = 3.2 s" means the same instant on every worker and
+//! request timestamps from different workers compare. The wall clock is read once, at start, to
+//! place the epoch on the monotonic clock; after that only `Instant` is used, so NTP steps cannot
+//! move a schedule.
+
+use kvfleet_core::SimTime;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClockError {
+    #[error("the system clock is before 1970: {0}")]
+    BeforeUnixEpoch(std::time::SystemTimeError),
+    #[error("`--epoch-unix-ns` {epoch_unix_ns} is {ago_s:.0} s in the past, beyond this host's monotonic clock")]
+    EpochTooOld { epoch_unix_ns: u64, ago_s: f64 },
+}
+
+/// Maps cluster time to `Instant`s and back.
+#[derive(Clone, Copy, Debug)]
+pub struct ClusterClock {
+    epoch: Instant,
+    epoch_unix_ns: u64,
+}
+
+impl ClusterClock {
+    /// The clock of a cluster whose epoch is `epoch_unix_ns` (None: now).
+    pub fn new(epoch_unix_ns: Option<u64>) -> Result<ClusterClock, ClockError> {
+        let (now_instant, now_unix) = (Instant::now(), SystemTime::now());
+        let now_unix_ns =
+            u64::try_from(now_unix.duration_since(UNIX_EPOCH).map_err(ClockError::BeforeUnixEpoch)?.as_nanos())
+                .unwrap_or(u64::MAX);
+        let epoch_unix_ns = epoch_unix_ns.unwrap_or(now_unix_ns);
+        let epoch = if epoch_unix_ns >= now_unix_ns {
+            now_instant + Duration::from_nanos(epoch_unix_ns - now_unix_ns)
+        } else {
+            let ago = Duration::from_nanos(now_unix_ns - epoch_unix_ns);
+            now_instant.checked_sub(ago).ok_or(ClockError::EpochTooOld { epoch_unix_ns, ago_s: ago.as_secs_f64() })?
+        };
+        Ok(ClusterClock { epoch, epoch_unix_ns })
+    }
+
+    pub fn epoch_unix_ns(&self) -> u64 {
+        self.epoch_unix_ns
+    }
+
+    /// Cluster time now (0 before the epoch).
+    pub fn now(&self) -> SimTime {
+        self.at(Instant::now())
+    }
+
+    /// Cluster time of an instant (0 before the epoch).
+    pub fn at(&self, instant: Instant) -> SimTime {
+        SimTime(u64::try_from(instant.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// The instant of a cluster time.
+    pub fn instant(&self, t: SimTime) -> Instant {
+        self.epoch + Duration::from_nanos(t.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epoch_maps_both_ways() {
+        let unix_now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64;
+        let c = ClusterClock::new(Some(unix_now - 2_000_000_000)).unwrap();
+        let t = c.now();
+        assert!(t.0 >= 2_000_000_000 && t.0 < 3_000_000_000, "{t:?}");
+        assert_eq!(c.at(c.instant(SimTime(5_000_000_123))), SimTime(5_000_000_123));
+        // An epoch in the future reads as 0 until it arrives.
+        let future = ClusterClock::new(Some(unix_now + 60_000_000_000)).unwrap();
+        assert_eq!(future.now(), SimTime(0));
+        assert!(ClusterClock::new(None).unwrap().now().0 < 1_000_000_000);
+    }
+}

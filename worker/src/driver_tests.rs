@@ -1,0 +1,233 @@
+//! The driver in-process: a fast fixed-timing engine on a tiny arena, commands over the channel,
+//! results read from the event log. Checks the arena stays in step with the engine through
+//! offloads, reloads, recomputes and migrations (every move verified with `verify_kv`).
+
+use super::*;
+use crate::arena::{ArenaLayout, KvFill};
+use kvfleet_core::engine::sched::{build_scheduler, SchedulerParams};
+use kvfleet_core::engine::EngineConfig;
+use kvfleet_core::timing::FixedTiming;
+use kvfleet_core::{InstanceId, SimDuration};
+use std::collections::BTreeMap;
+use std::sync::mpsc::{channel, Sender};
+
+struct Running {
+    tx: Sender<Command>,
+    log: Arc<EventLog>,
+    thread: Option<std::thread::JoinHandle<DriverReport>>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Command::Shutdown { grace: Duration::ZERO });
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn start(instance: u32, scheduler: &str, gpu_blocks: u32, cpu_blocks: u32) -> Running {
+    let cfg = EngineConfig {
+        block_size: 4,
+        gpu_blocks,
+        cpu_blocks,
+        max_num_seqs: 16,
+        max_batched_tokens: 256,
+        kv_bytes_per_token: 96,
+        tpot: SimDuration::from_millis_f64(5.0),
+    };
+    let timing = Arc::new(FixedTiming {
+        iteration: SimDuration::from_millis_f64(1.0),
+        transfer: SimDuration::from_millis_f64(0.2),
+    });
+    let params = SchedulerParams { quantum_tokens: 3, ..SchedulerParams::default() };
+    let engine = Engine::new(InstanceId(instance), cfg.clone(), timing, build_scheduler(scheduler, &params).unwrap());
+    let layout = ArenaLayout { block_size: 4, kv_bytes_per_token: 96, gpu_blocks, cpu_blocks };
+    let arena = KvArena::new(layout, KvFill::Full, false).unwrap();
+    let log = Arc::new(EventLog::new(1 << 20));
+    let driver = Driver::new(DriverConfig {
+        engine,
+        arena,
+        clock: ClusterClock::new(None).unwrap(),
+        log: log.clone(),
+        load_interval: Duration::from_millis(20),
+        verify_kv: true,
+    });
+    let (tx, rx) = channel();
+    let thread = std::thread::spawn(move || driver.run(rx));
+    Running { tx, log, thread: Some(thread) }
+}
+
+fn ask<T>(r: &Running, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> T {
+    let (tx, rx) = oneshot::channel();
+    r.tx.send(make(tx)).unwrap();
+    rx.blocking_recv().unwrap()
+}
+
+fn spec(id: u64, prompt: u32, reasoning: u32, answer: u32) -> RequestSpec {
+    RequestSpec {
+        id: RequestId(id),
+        arrival: SimTime(0),
+        prompt_tokens: prompt,
+        reasoning_tokens: reasoning,
+        answer_tokens: answer,
+    }
+}
+
+/// Everything in the log so far, by kind.
+#[derive(Default, Debug)]
+struct Seen {
+    tokens: BTreeMap<u64, Vec<(u32, i32, u64)>>,
+    boundaries: BTreeMap<u64, u64>,
+    finished: BTreeMap<u64, v1::RequestRecord>,
+    loads: usize,
+}
+
+fn collect(log: &EventLog) -> Seen {
+    let mut out = Vec::new();
+    log.read_after(0, usize::MAX, &mut out);
+    let mut s = Seen::default();
+    for e in out {
+        match e.event.unwrap() {
+            v1::worker_event::Event::Tokens(t) => {
+                s.tokens.entry(t.request_id).or_default().push((t.first_index, t.phase, t.at_ns))
+            }
+            v1::worker_event::Event::Boundary(b) => {
+                s.boundaries.insert(b.request_id, b.at_ns);
+            }
+            v1::worker_event::Event::Finished(r) => {
+                s.finished.insert(r.id, r);
+            }
+            v1::worker_event::Event::Load(_) => s.loads += 1,
+        }
+    }
+    s
+}
+
+fn wait_for(log: &EventLog, what: &str, cond: impl Fn(&Seen) -> bool) -> Seen {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = collect(log);
+        if cond(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn check_request(s: &Seen, id: u64, reasoning: u32, answer: u32) {
+    let toks = &s.tokens[&id];
+    let idx: Vec<u32> = toks.iter().map(|t| t.0).collect();
+    assert_eq!(idx, (0..reasoning + answer).collect::<Vec<_>>(), "req {id}: every token once, in order");
+    for &(i, phase, _) in toks {
+        let want = if i < reasoning { v1::Phase::Reasoning } else { v1::Phase::Answering };
+        assert_eq!(phase, want as i32, "req {id} token {i}");
+    }
+    assert!(toks.windows(2).all(|w| w[0].2 < w[1].2), "req {id}: token times increase");
+    let r = &s.finished[&id];
+    assert_eq!(r.finish_ns, Some(toks.last().unwrap().2));
+    if reasoning > 0 {
+        assert_eq!(s.boundaries[&id], toks[reasoning as usize - 1].2, "req {id}: boundary at the last reasoning token");
+    }
+}
+
+/// (scheduler, GPU blocks, CPU blocks): memory pressure with offload, and with recompute.
+#[test]
+fn arena_follows_the_engine_under_memory_pressure() {
+    for (scheduler, gpu, cpu) in [("rr", 14, 16), ("pascal", 14, 16), ("rr", 14, 0), ("fcfs", 10, 4)] {
+        let r = start(0, scheduler, gpu, cpu);
+        for id in 1..=6 {
+            assert_eq!(ask(&r, |reply| Command::Submit { spec: spec(id, 5, 6, 4), reply }), SubmitOutcome::Accepted);
+        }
+        // Check the whole arena against the engine between iterations until everything is done.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut checked = 0;
+        while collect(&r.log).finished.len() < 6 {
+            checked += ask(&r, |reply| Command::VerifyAll { reply })
+                .unwrap_or_else(|e| panic!("{scheduler}/{gpu}/{cpu}: {e}"));
+            assert!(Instant::now() < deadline, "timed out");
+            std::thread::sleep(Duration::from_micros(300));
+        }
+        assert!(checked > 0);
+        let s = collect(&r.log);
+        for id in 1..=6 {
+            check_request(&s, id, 6, 4);
+        }
+        let stats = ask(&r, |reply| Command::Stats { reply });
+        assert_eq!(stats.kv.errors, 0, "{scheduler}/{gpu}/{cpu}: {stats:?}");
+        assert!(stats.engine.preemptions > 0, "{scheduler}/{gpu}/{cpu}: the setup must preempt");
+        if cpu > 0 {
+            assert!(
+                stats.kv.blocks_copied > 0 && stats.kv.tokens_verified > 0,
+                "{scheduler}: offloads mirrored and verified: {stats:?}"
+            );
+        }
+        assert!(stats.lateness.samples > 0);
+        assert!(s.loads > 0, "load reports are logged");
+    }
+}
+
+#[test]
+fn submits_are_idempotent_and_oversized_requests_rejected_with_a_record() {
+    let r = start(0, "fcfs", 8, 0);
+    assert_eq!(ask(&r, |reply| Command::Submit { spec: spec(1, 4, 2, 2), reply }), SubmitOutcome::Accepted);
+    assert_eq!(ask(&r, |reply| Command::Submit { spec: spec(1, 4, 2, 2), reply }), SubmitOutcome::Duplicate);
+    // 8 blocks × 4 tokens = 32 < 40.
+    let SubmitOutcome::Rejected(reason) = ask(&r, |reply| Command::Submit { spec: spec(2, 30, 5, 5), reply }) else {
+        panic!()
+    };
+    assert!(reason.contains("KV blocks"), "{reason}");
+    assert!(matches!(ask(&r, |reply| Command::Submit { spec: spec(2, 30, 5, 5), reply }), SubmitOutcome::Rejected(_)));
+    let s = wait_for(&r.log, "both records", |s| s.finished.len() == 2);
+    assert!(s.finished[&2].rejected && !s.finished[&1].rejected);
+    assert!(!s.tokens.contains_key(&2));
+    check_request(&s, 1, 2, 2);
+    assert_eq!(ask(&r, |reply| Command::Drain { reply }), 0);
+    assert!(
+        matches!(ask(&r, |reply| Command::Submit { spec: spec(3, 4, 2, 2), reply }), SubmitOutcome::Rejected(m) if m.contains("draining"))
+    );
+}
+
+#[test]
+fn migrate_out_and_attach_move_a_request_between_drivers() {
+    let a = start(0, "pascal", 32, 8);
+    let b = start(1, "pascal", 32, 8);
+    ask(&a, |reply| Command::Submit { spec: spec(7, 9, 40, 10), reply });
+    wait_for(&a.log, "a few tokens on A", |s| s.tokens.get(&7).is_some_and(|t| t.len() >= 5));
+    let out = ask(&a, |reply| Command::MigrateOut { request: RequestId(7), reply }).unwrap();
+    let m: MigratedRequest = serde_json::from_slice(&out.state).unwrap();
+    assert_eq!(out.kv_tokens, m.kv_tokens());
+    assert_eq!(out.kv_bytes, out.kv_tokens as u64 * 96);
+    let stats = ask(&a, |reply| Command::Stats { reply });
+    assert!(stats.kv.tokens_verified >= out.kv_tokens as u64 - 1, "migrating out verifies the KV: {stats:?}");
+    assert!(matches!(
+        ask(&a, |reply| Command::MigrateOut { request: RequestId(7), reply }),
+        Err(DriverError::Unknown(_))
+    ));
+    let generated = m.generated;
+    ask(&b, |reply| Command::Attach { state: Box::new(m.clone()), rematerialized: true, reply }).unwrap();
+    ask(&b, |reply| Command::Attach { state: Box::new(m), rematerialized: true, reply }).unwrap(); // retried: no-op
+    let s = wait_for(&b.log, "the record on B", |s| s.finished.contains_key(&7));
+    let r = &s.finished[&7];
+    assert_eq!((r.migrations, r.kv_rematerialized, r.placed_on, r.finished_on), (1, true, 0, Some(1)));
+    let on_b: Vec<u32> = s.tokens[&7].iter().map(|t| t.0).collect();
+    assert_eq!(on_b, (generated..50).collect::<Vec<_>>(), "B continues where A stopped");
+    let on_a = collect(&a.log).tokens[&7].len() as u32;
+    assert_eq!(on_a, generated, "A emitted exactly the tokens before the move");
+    assert_eq!(ask(&b, |reply| Command::Stats { reply }).kv.errors, 0);
+}
+
+#[test]
+fn shutdown_reports_unfinished_requests_and_closes_the_log() {
+    let mut r = start(0, "fcfs", 300, 0);
+    // ~1 s of 1-ms iterations: still running when the shutdown arrives.
+    assert_eq!(ask(&r, |reply| Command::Submit { spec: spec(1, 4, 1000, 10), reply }), SubmitOutcome::Accepted);
+    wait_for(&r.log, "the first token", |s| s.tokens.contains_key(&1));
+    r.tx.send(Command::Shutdown { grace: Duration::ZERO }).unwrap();
+    let report = r.thread.take().unwrap().join().unwrap();
+    assert_eq!(report.unfinished, vec![RequestId(1)]);
+    let mut out = Vec::new();
+    let last = r.log.stats().last_seq;
+    assert_eq!(r.log.read_after(last, 10, &mut out), crate::events::Read::Closed);
+}

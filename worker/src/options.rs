@@ -1,0 +1,274 @@
+//! The worker's options (clap flags, also the library's configuration) and how they size the
+//! instance: model/GPU specs → KV bytes per token → block counts of the scaled-down arena.
+
+use crate::arena::{ArenaLayout, KvFill};
+use kvfleet_core::engine::sched::{DemotionBasis, SchedulerParams};
+use kvfleet_core::engine::EngineConfig;
+use kvfleet_core::spec::{GpuSpec, ModelSpec};
+use kvfleet_core::SimDuration;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// One emulated GPU instance. Every flag has a default, so `kvfleet-worker` alone serves an
+/// R1-Distill-Qwen-32B instance on an H100 (scaled to a 2 GiB arena) on a free loopback port.
+#[derive(Clone, Debug, clap::Parser)]
+#[command(name = "kvfleet-worker", version, about = "One emulated GPU serving instance of a kvfleet cluster")]
+pub struct WorkerOptions {
+    /// Address to serve gRPC on. Port 0 picks a free port; the bound address is printed as the
+    /// first stdout line, `listening on ADDR`.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Address other processes use to reach this worker (default: the bound address).
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// Instance id within the cluster (dense from 0).
+    #[arg(long, default_value_t = 0)]
+    pub instance: u32,
+    /// Model: a built-in name (`r1-distill-qwen-32b`, `llama-3-8b`, `qwen-7b`) or a model TOML path.
+    #[arg(long, default_value = "r1-distill-qwen-32b")]
+    pub model: String,
+    /// GPU: a built-in name (`h100-96gb`, `h100-80gb`, `a100-80gb`, `v100-32gb`, `l40s`) or a TOML path.
+    #[arg(long, default_value = "h100-96gb")]
+    pub gpu: String,
+    /// Timing model: `auto` (the measured profile where one exists for model and GPU, else
+    /// analytic), `profile` or `analytic`.
+    #[arg(long, default_value = "auto")]
+    pub timing: String,
+    /// Directory with `decode.csv`, `prefill.csv`, `copy.csv` for `profile` timing of another GPU/model.
+    #[arg(long)]
+    pub profile_dir: Option<PathBuf>,
+    /// Intra-instance scheduler: `fcfs`, `rr` or `pascal`.
+    #[arg(long, default_value = "pascal", value_parser = ["fcfs", "rr", "pascal"])]
+    pub scheduler: String,
+    /// Round-robin token quantum (`rr`, and each queue of `pascal`).
+    #[arg(long, default_value_t = 500)]
+    pub quantum: u32,
+    /// `pascal`: a reasoning request longer than this many tokens is demoted to the low queue.
+    #[arg(long, default_value_t = 5000)]
+    pub demotion_tokens: u32,
+    /// `pascal`: what `--demotion-tokens` counts: `reasoning` tokens generated or `kv` footprint.
+    #[arg(long, default_value = "reasoning", value_parser = ["reasoning", "kv"])]
+    pub demotion_basis: String,
+    /// Token pacer pace: the user's expected time per output token, in ms.
+    #[arg(long, default_value_t = 100.0)]
+    pub tpot_ms: f64,
+    /// GPU KV pool size (real memory): bytes, or with a unit (`512MiB`, `2GiB`, `1.5GB`).
+    #[arg(long = "kv-memory", default_value = "2GiB", value_parser = parse_bytes)]
+    pub kv_memory_bytes: u64,
+    /// CPU offload pool size (real memory); 0 makes preemption drop KV and recompute.
+    #[arg(long = "cpu-memory", default_value = "2GiB", value_parser = parse_bytes)]
+    pub cpu_memory_bytes: u64,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// Most sequences in one iteration (vLLM `max_num_seqs`).
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: u32,
+    /// Most prompt tokens prefilled in one iteration (one prompt is always allowed).
+    #[arg(long, default_value_t = 8192)]
+    pub max_batched_tokens: u32,
+    /// Touch every page of the arena at start (slower start, all memory resident). Without it, the
+    /// first touch of each page faults inside the engine loop; with `--kv-fill full` that shows
+    /// as timer lateness (measured: p99 143 ms without, 0.16 ms with, 16 requests, 256 MiB pools).
+    #[arg(long)]
+    pub prefault: bool,
+    /// How much of each token's KV slot is written: `full`, or `stamp` (first 64 bytes; for
+    /// hosts running many workers).
+    #[arg(long, value_enum, default_value_t = KvFill::Full)]
+    pub kv_fill: KvFill,
+    /// The cluster epoch as Unix nanoseconds: cluster time 0 (default: this worker's start).
+    #[arg(long)]
+    pub epoch_unix_ns: Option<u64>,
+    /// Period of the load reports appended to the event log, in ms.
+    #[arg(long, default_value_t = 100)]
+    pub load_interval_ms: u64,
+    /// Most unacknowledged token/load events held; beyond it the oldest are dropped (finished
+    /// records and phase boundaries never are).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub event_log_cap: usize,
+    /// On SIGTERM/SIGINT/Shutdown: keep running this long (ms) for requests to finish before
+    /// exiting; what is still running then is reported unfinished.
+    #[arg(long, default_value_t = 0)]
+    pub drain_grace_ms: u64,
+    /// Verify the KV of every offloaded/reloaded request after the copy (costs memory bandwidth;
+    /// migrations out are always checked).
+    #[arg(long)]
+    pub verify_kv: bool,
+    /// TLS for the gRPC server (mutual TLS is set up by the caller; not a flag yet).
+    #[arg(skip)]
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
+}
+
+impl Default for WorkerOptions {
+    fn default() -> Self {
+        <WorkerOptions as clap::Parser>::parse_from(["kvfleet-worker"])
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OptionsError {
+    #[error("`--model`: {0}")]
+    Model(kvfleet_core::spec::SpecError),
+    #[error("`--gpu`: {0}")]
+    Gpu(kvfleet_core::spec::SpecError),
+    #[error("`--timing`: {0}")]
+    Timing(kvfleet_core::timing::TimingError),
+    #[error("`--scheduler`: {0}")]
+    Scheduler(kvfleet_core::engine::sched::SchedulerError),
+    #[error("`--{flag}`: {message}")]
+    Invalid { flag: &'static str, message: String },
+}
+
+/// Everything the options decide about the instance.
+#[derive(Debug)]
+pub struct InstanceShape {
+    pub model: ModelSpec,
+    pub gpu: GpuSpec,
+    pub engine: EngineConfig,
+    pub layout: ArenaLayout,
+    pub scheduler: SchedulerParams,
+}
+
+impl WorkerOptions {
+    /// Resolve specs and size the pools; errors name the flag.
+    pub fn shape(&self) -> Result<InstanceShape, OptionsError> {
+        let invalid = |flag, message: String| OptionsError::Invalid { flag, message };
+        let model = ModelSpec::load(&self.model).map_err(OptionsError::Model)?;
+        let gpu = GpuSpec::load(&self.gpu).map_err(OptionsError::Gpu)?;
+        for (flag, v) in [
+            ("block-size", self.block_size),
+            ("max-num-seqs", self.max_num_seqs),
+            ("max-batched-tokens", self.max_batched_tokens),
+        ] {
+            if v == 0 {
+                return Err(invalid(flag, "must be > 0".into()));
+            }
+        }
+        if !(self.tpot_ms.is_finite() && self.tpot_ms > 0.0) {
+            return Err(invalid("tpot-ms", format!("must be a positive number of ms, got {}", self.tpot_ms)));
+        }
+        if self.load_interval_ms == 0 {
+            return Err(invalid("load-interval-ms", "must be > 0".into()));
+        }
+        let kv_bytes_per_token = model.kv_bytes_per_token();
+        let block_bytes = self.block_size as u64 * kv_bytes_per_token;
+        let blocks = |bytes: u64, flag: &'static str| -> Result<u32, OptionsError> {
+            u32::try_from(bytes / block_bytes)
+                .map_err(|_| invalid(flag, format!("{bytes} bytes is more than 2^32 blocks of {block_bytes} bytes")))
+        };
+        let gpu_blocks = blocks(self.kv_memory_bytes, "kv-memory")?;
+        if gpu_blocks == 0 {
+            return Err(invalid(
+                "kv-memory",
+                format!("{} bytes holds no KV block: a block of {} is {block_bytes} bytes ({} tokens × {kv_bytes_per_token} B)", self.kv_memory_bytes, model.name, self.block_size),
+            ));
+        }
+        let cpu_blocks = blocks(self.cpu_memory_bytes, "cpu-memory")?;
+        let demotion_basis = match self.demotion_basis.as_str() {
+            "reasoning" => DemotionBasis::Reasoning,
+            "kv" => DemotionBasis::Kv,
+            other => return Err(invalid("demotion-basis", format!("`{other}` is not `reasoning` or `kv`"))),
+        };
+        let scheduler =
+            SchedulerParams { quantum_tokens: self.quantum, demotion_tokens: self.demotion_tokens, demotion_basis };
+        let engine = EngineConfig {
+            block_size: self.block_size,
+            gpu_blocks,
+            cpu_blocks,
+            max_num_seqs: self.max_num_seqs,
+            max_batched_tokens: self.max_batched_tokens,
+            kv_bytes_per_token,
+            tpot: SimDuration::from_millis_f64(self.tpot_ms),
+        };
+        let layout = ArenaLayout { block_size: self.block_size, kv_bytes_per_token, gpu_blocks, cpu_blocks };
+        Ok(InstanceShape { model, gpu, engine, layout, scheduler })
+    }
+}
+
+/// A byte size: a plain number of bytes, or a number with a unit — binary `KiB`/`MiB`/`GiB`/`TiB`,
+/// decimal `KB`/`MB`/`GB`/`TB`, or `B` (case-insensitive).
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let unit = unit.trim().to_ascii_lowercase();
+    let scale: u64 = match unit.as_str() {
+        "" | "b" => 1,
+        "kib" | "k" => 1 << 10,
+        "mib" | "m" => 1 << 20,
+        "gib" | "g" => 1 << 30,
+        "tib" | "t" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => return Err(format!("`{text}`: unknown unit `{unit}` (use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)")),
+    };
+    if num.is_empty() {
+        return Err(format!("`{text}`: expected a number of bytes such as 512MiB or 2GiB"));
+    }
+    if let Ok(n) = num.parse::<u64>() {
+        return n.checked_mul(scale).ok_or_else(|| format!("`{text}` is too large"));
+    }
+    let x: f64 = num.parse().map_err(|_| format!("`{text}`: `{num}` is not a number"))?;
+    let bytes = x * scale as f64;
+    if !(bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64) {
+        return Err(format!("`{text}` is out of range"));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn byte_sizes_from_a_table() {
+        let ok: &[(&str, u64)] = &[
+            ("4096", 4096),
+            ("2GiB", 2 << 30),
+            ("512MiB", 512 << 20),
+            ("512 mib", 512 << 20),
+            ("1.5GB", 1_500_000_000),
+            ("0", 0),
+            ("3k", 3072),
+        ];
+        for &(text, want) in ok {
+            assert_eq!(parse_bytes(text), Ok(want), "{text}");
+        }
+        for bad in ["", "GiB", "2 parsecs", "1.2.3MiB", "99999999999999TiB", "-1"] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
+
+    #[test]
+    fn shape_scales_capacity_never_the_token() {
+        let o = WorkerOptions::parse_from(["w", "--kv-memory", "256MiB", "--cpu-memory", "0"]);
+        let s = o.shape().unwrap();
+        assert_eq!(s.engine.kv_bytes_per_token, 256 << 10, "32B model: 256 KiB per token");
+        assert_eq!(s.layout.block_bytes(), 4 << 20);
+        assert_eq!((s.engine.gpu_blocks, s.engine.cpu_blocks), (64, 0));
+        let d = WorkerOptions::default();
+        assert_eq!((d.scheduler.as_str(), d.kv_memory_bytes, d.load_interval_ms), ("pascal", 2 << 30, 100));
+    }
+
+    #[test]
+    fn bad_options_name_the_flag() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["--kv-memory", "1MiB"], "--kv-memory"),
+            (&["--model", "gpt-9"], "--model"),
+            (&["--gpu", "tpu"], "--gpu"),
+            (&["--block-size", "0"], "--block-size"),
+            (&["--tpot-ms=-1"], "--tpot-ms"),
+            (&["--load-interval-ms", "0"], "--load-interval-ms"),
+        ];
+        for &(args, want) in cases {
+            let o = WorkerOptions::try_parse_from(std::iter::once("w").chain(args.iter().copied())).unwrap();
+            let e = o.shape().unwrap_err().to_string();
+            assert!(e.contains(want), "{args:?} → {e}");
+        }
+        assert!(WorkerOptions::try_parse_from(["w", "--scheduler", "sjf"]).is_err());
+        assert!(WorkerOptions::try_parse_from(["w", "--kv-memory", "lots"]).is_err());
+    }
+}

@@ -1,0 +1,307 @@
+//! The `kvfleet.v1.Worker` gRPC service: network requests in, driver commands out.
+//!
+//! Validation happens here (malformed input → `InvalidArgument` naming the field, before anything
+//! reaches the engine); decisions happen in the driver's engine. Every call is a command to the
+//! driver thread answered over a oneshot channel, except `Events`/`Ack`, which read the shared
+//! event log directly so that a slow reader never stalls the engine loop.
+
+use crate::driver::{Command, DriverError, DriverStats, SubmitOutcome};
+use crate::events::{EventLog, Read};
+use kvfleet_core::engine::MigratedRequest;
+use kvfleet_core::RequestId;
+use kvfleet_proto::v1::worker_server::Worker;
+use kvfleet_proto::{require_spec, v1, MAX_TOKENS_PER_REQUEST};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+/// Events sent per read of the log (and the depth of each stream's send queue).
+const EVENTS_BATCH: usize = 256;
+
+/// Starts a graceful stop once: drain, let running requests finish for the grace period, stop.
+#[derive(Clone, Debug)]
+pub struct ShutdownTrigger {
+    inner: Arc<TriggerInner>,
+}
+
+#[derive(Debug)]
+struct TriggerInner {
+    fired: AtomicBool,
+    commands: Mutex<Sender<Command>>,
+    grace: Duration,
+}
+
+impl ShutdownTrigger {
+    pub(crate) fn new(commands: Sender<Command>, grace: Duration) -> Self {
+        ShutdownTrigger {
+            inner: Arc::new(TriggerInner { fired: AtomicBool::new(false), commands: Mutex::new(commands), grace }),
+        }
+    }
+
+    /// Begin the graceful stop (idempotent).
+    pub fn trigger(&self) {
+        if self.inner.fired.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let tx = self.inner.commands.lock().unwrap_or_else(|p| p.into_inner());
+        // An error means the driver already stopped: nothing left to stop.
+        let _ = tx.send(Command::Shutdown { grace: self.inner.grace });
+    }
+
+    pub fn is_triggered(&self) -> bool {
+        self.inner.fired.load(Ordering::SeqCst)
+    }
+}
+
+/// The tonic service of one worker.
+#[derive(Debug)]
+pub struct WorkerService {
+    info: v1::WorkerInfo,
+    commands: Sender<Command>,
+    log: Arc<EventLog>,
+    shutdown: ShutdownTrigger,
+}
+
+fn stopped() -> Status {
+    Status::unavailable("the worker is shutting down")
+}
+
+impl WorkerService {
+    pub(crate) fn new(
+        info: v1::WorkerInfo,
+        commands: Sender<Command>,
+        log: Arc<EventLog>,
+        shutdown: ShutdownTrigger,
+    ) -> Self {
+        WorkerService { info, commands, log, shutdown }
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, Status> {
+        let (tx, rx) = oneshot::channel();
+        self.commands.send(make(tx)).map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
+    }
+
+    /// The driver's counters (lateness, engine, arena, log).
+    pub(crate) async fn stats(&self) -> Result<DriverStats, Status> {
+        self.ask(|reply| Command::Stats { reply }).await
+    }
+}
+
+/// Check a migrated request's state before it reaches the engine.
+fn parse_state(state: &[u8]) -> Result<MigratedRequest, Status> {
+    let m: MigratedRequest = serde_json::from_slice(state)
+        .map_err(|e| Status::invalid_argument(format!("`state`: not a serialized migrated request: {e}")))?;
+    if m.spec.answer_tokens == 0 {
+        return Err(Status::invalid_argument("`state.spec.answer_tokens`: must be at least 1"));
+    }
+    let total = m.spec.prompt_tokens as u64 + m.spec.output_tokens() as u64;
+    if total > MAX_TOKENS_PER_REQUEST as u64 || m.spec.prompt_tokens.checked_add(m.spec.output_tokens()).is_none() {
+        return Err(Status::invalid_argument(format!("`state.spec`: {total} tokens exceeds {MAX_TOKENS_PER_REQUEST}")));
+    }
+    if m.generated >= m.spec.output_tokens() {
+        return Err(Status::invalid_argument(format!(
+            "`state.generated`: {} of {} output tokens already generated: the request is finished",
+            m.generated,
+            m.spec.output_tokens()
+        )));
+    }
+    if m.record.id != m.spec.id {
+        return Err(Status::invalid_argument(format!(
+            "`state.record.id` {} differs from `state.spec.id` {}",
+            m.record.id, m.spec.id
+        )));
+    }
+    Ok(m)
+}
+
+fn driver_status(e: DriverError) -> Status {
+    use kvfleet_core::engine::EngineError as E;
+    match e {
+        DriverError::Unknown(_) | DriverError::Engine(E::Unknown(_)) => Status::not_found(e.to_string()),
+        DriverError::Draining => Status::failed_precondition(e.to_string()),
+        DriverError::Engine(E::TooLarge { .. }) => Status::resource_exhausted(e.to_string()),
+        DriverError::Engine(E::NoAnswer { .. }) => Status::invalid_argument(e.to_string()),
+        DriverError::Engine(E::IterationInFlight) => Status::unavailable(e.to_string()),
+        DriverError::Engine(E::Duplicate(_) | E::NotMigrating(_)) => Status::failed_precondition(e.to_string()),
+        DriverError::KvCorrupt { .. } | DriverError::Serialize { .. } => Status::internal(e.to_string()),
+    }
+}
+
+/// Feed one `Events` stream: the log after `cursor`, then live events, until the log closes or
+/// the client goes away.
+async fn stream_events(log: Arc<EventLog>, mut cursor: u64, tx: mpsc::Sender<Result<v1::WorkerEvent, Status>>) {
+    let mut changes = log.subscribe();
+    let mut buf = Vec::with_capacity(EVENTS_BATCH);
+    loop {
+        changes.borrow_and_update();
+        buf.clear();
+        match log.read_after(cursor, EVENTS_BATCH, &mut buf) {
+            Read::Some => {
+                for ev in buf.drain(..) {
+                    cursor = ev.seq;
+                    if tx.send(Ok(ev)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            Read::Closed => return,
+            Read::Empty => {
+                tokio::select! {
+                    changed = changes.changed() => if changed.is_err() { return },
+                    _ = tx.closed() => return,
+                }
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    async fn info(&self, _: Request<v1::InfoRequest>) -> Result<Response<v1::WorkerInfo>, Status> {
+        if let Ok(s) = self.stats().await {
+            tracing::info!(iterations = s.engine.iterations, requests = s.requests, "timer {}", s.lateness);
+        }
+        Ok(Response::new(self.info.clone()))
+    }
+
+    async fn submit(&self, request: Request<v1::SubmitRequest>) -> Result<Response<v1::SubmitReply>, Status> {
+        let spec = require_spec(request.get_ref().spec.as_ref())?;
+        let outcome = self.ask(|reply| Command::Submit { spec, reply }).await?;
+        let reply = match outcome {
+            SubmitOutcome::Accepted => v1::SubmitReply { accepted: true, reason: String::new() },
+            SubmitOutcome::Duplicate => {
+                v1::SubmitReply { accepted: true, reason: "already accepted (duplicate submit)".into() }
+            }
+            SubmitOutcome::Rejected(reason) => v1::SubmitReply { accepted: false, reason },
+        };
+        Ok(Response::new(reply))
+    }
+
+    type EventsStream = ReceiverStream<Result<v1::WorkerEvent, Status>>;
+
+    async fn events(&self, request: Request<v1::EventsRequest>) -> Result<Response<Self::EventsStream>, Status> {
+        let (tx, rx) = mpsc::channel(EVENTS_BATCH);
+        tokio::spawn(stream_events(self.log.clone(), request.get_ref().after_seq, tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn ack(&self, request: Request<v1::AckRequest>) -> Result<Response<v1::AckReply>, Status> {
+        self.log.ack(request.get_ref().up_to_seq);
+        Ok(Response::new(v1::AckReply {}))
+    }
+
+    async fn load(&self, _: Request<v1::LoadRequest>) -> Result<Response<v1::LoadReport>, Status> {
+        let load = self.ask(|reply| Command::Load { reply }).await?;
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            if let Ok(s) = self.stats().await {
+                tracing::debug!(iterations = s.engine.iterations, "timer {}", s.lateness);
+            }
+        }
+        Ok(Response::new(v1::LoadReport::from(&load)))
+    }
+
+    async fn migrate_out(
+        &self,
+        request: Request<v1::MigrateOutRequest>,
+    ) -> Result<Response<v1::MigrateOutReply>, Status> {
+        let (id, target) = (RequestId(request.get_ref().request_id), request.get_ref().target);
+        let out = self.ask(|reply| Command::MigrateOut { request: id, reply }).await?.map_err(driver_status)?;
+        tracing::info!(request = %id, target, kv_tokens = out.kv_tokens, "migrated out");
+        Ok(Response::new(v1::MigrateOutReply { state: out.state, kv_tokens: out.kv_tokens, kv_bytes: out.kv_bytes }))
+    }
+
+    async fn attach(&self, request: Request<v1::AttachRequest>) -> Result<Response<v1::AttachReply>, Status> {
+        let m = parse_state(&request.get_ref().state)?;
+        let rematerialized = request.get_ref().kv_rematerialized;
+        let id = m.spec.id;
+        self.ask(|reply| Command::Attach { state: Box::new(m), rematerialized, reply })
+            .await?
+            .map_err(driver_status)?;
+        tracing::info!(request = %id, rematerialized, "attached");
+        Ok(Response::new(v1::AttachReply {}))
+    }
+
+    async fn drain(&self, _: Request<v1::DrainRequest>) -> Result<Response<v1::DrainReply>, Status> {
+        let remaining = self.ask(|reply| Command::Drain { reply }).await?;
+        Ok(Response::new(v1::DrainReply { remaining }))
+    }
+
+    async fn shutdown(&self, _: Request<v1::ShutdownRequest>) -> Result<Response<v1::ShutdownReply>, Status> {
+        tracing::info!("shutdown requested over gRPC");
+        self.shutdown.trigger();
+        Ok(Response::new(v1::ShutdownReply {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvfleet_core::engine::{Engine, EngineConfig};
+    use kvfleet_core::timing::FixedTiming;
+    use kvfleet_core::{InstanceId, RequestSpec, SimDuration, SimTime};
+
+    /// A real migrated request, taken out of a real engine.
+    fn migrated(generated_steps: u32) -> Vec<u8> {
+        let cfg = EngineConfig {
+            block_size: 16,
+            gpu_blocks: 64,
+            cpu_blocks: 0,
+            max_num_seqs: 8,
+            max_batched_tokens: 1024,
+            kv_bytes_per_token: 8,
+            tpot: SimDuration::from_millis_f64(100.0),
+        };
+        let timing =
+            Arc::new(FixedTiming { iteration: SimDuration::from_millis_f64(10.0), transfer: SimDuration::ZERO });
+        let sched = kvfleet_core::engine::sched::build_scheduler("fcfs", &Default::default()).unwrap();
+        let mut e = Engine::new(InstanceId(0), cfg, timing, sched);
+        let spec = RequestSpec {
+            id: RequestId(4),
+            arrival: SimTime(0),
+            prompt_tokens: 10,
+            reasoning_tokens: 3,
+            answer_tokens: 2,
+        };
+        e.submit(SimTime(0), spec).unwrap();
+        let mut now = SimTime(0);
+        let mut events = Vec::new();
+        for _ in 0..generated_steps {
+            now = e.step(now, &mut events).unwrap();
+        }
+        e.complete_iteration(now, &mut events);
+        e.begin_migration_out(RequestId(4)).unwrap();
+        serde_json::to_vec(&e.finish_migration_out(RequestId(4)).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn migrated_state_is_validated_naming_the_field() {
+        let good = migrated(2);
+        let m = parse_state(&good).unwrap();
+        assert_eq!((m.spec.id, m.generated, m.kv_tokens()), (RequestId(4), 2, 12));
+        let mut v: serde_json::Value = serde_json::from_slice(&good).unwrap();
+        // (field path to overwrite, new value, the field the error must name)
+        let cases: [(&[&str], serde_json::Value, &str); 5] = [
+            (&["spec", "answer_tokens"], 0.into(), "state.spec.answer_tokens"),
+            (&["generated"], 5.into(), "state.generated"),
+            (&["record", "id"], 9.into(), "state.record.id"),
+            (&["spec", "prompt_tokens"], u32::MAX.into(), "state.spec"),
+            (&["spec"], "nonsense".into(), "`state`"),
+        ];
+        for (path, value, want) in cases {
+            let mut bad = v.clone();
+            let slot = path.iter().fold(&mut bad, |node, key| &mut node[*key]);
+            *slot = value;
+            let e = parse_state(&serde_json::to_vec(&bad).unwrap()).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert!(e.message().contains(want), "{want}: {}", e.message());
+        }
+        v["generated"] = 4.into();
+        assert!(parse_state(&serde_json::to_vec(&v).unwrap()).is_ok(), "one token left is still a live request");
+        assert_eq!(parse_state(b"{not json").unwrap_err().code(), tonic::Code::InvalidArgument);
+    }
+}
