@@ -133,7 +133,27 @@ impl ClusterState {
         let to = self.choose(spec)?;
         let phase = if spec.reasoning_tokens > 0 { OwnedPhase::Reasoning } else { OwnedPhase::Answering };
         self.requests.insert(spec.id, Ownership { spec: spec.clone(), instance: to, phase, replaced: 0, migrations: 0 });
+        self.charge(to, spec);
         Ok(to)
+    }
+
+    /// Count a placement in the instance's published load right away: reports arrive every few
+    /// tens of milliseconds, and without this a burst of arrivals would all see the same "least
+    /// loaded" instance (the simulator sees every change at once). The next report replaces it.
+    fn charge(&mut self, to: InstanceId, spec: &RequestSpec) {
+        let kv_bytes = self.model.kv_bytes_per_token;
+        if let Some(m) = self.members.get_mut(&to) {
+            let l = &mut m.load;
+            let block_tokens = if kv_bytes > 0 { (l.block_bytes / kv_bytes).max(1) } else { 16 };
+            l.gpu_used_blocks += (spec.prompt_tokens as u64 + 1).div_ceil(block_tokens) as u32;
+            l.waiting_requests += 1;
+            if spec.reasoning_tokens > 0 {
+                l.reasoning_requests += 1;
+            } else {
+                l.answering_requests += 1;
+                l.fresh_answering_requests += 1;
+            }
+        }
     }
 
     /// Place a request again (its worker died): a fresh start on another live worker.
@@ -259,6 +279,8 @@ mod tests {
         s.on_load(load(1, 10, 1));
         s.on_load(load(2, 5, 0));
         assert_eq!(s.place(&spec(1)).unwrap(), InstanceId(2), "Alg. 1: least KV footprint");
+        let charged = &s.members()[&InstanceId(2)].load;
+        assert_eq!((charged.gpu_used_blocks, charged.waiting_requests, charged.reasoning_requests), (16, 1, 1), "placement is charged at once");
         assert_eq!(s.place(&spec(1)), Err(StateError::Duplicate(RequestId(1))));
         let orphans = s.leave(InstanceId(2));
         assert_eq!(orphans, vec![RequestId(1)]);

@@ -202,6 +202,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 args.kv_fill.clone(),
                 "--epoch-unix-ns".into(),
                 epoch_unix_ns.to_string(),
+                "--load-interval-ms".into(),
+                "20".into(),
             ];
             match &etcd_url {
                 Some(u) => a.extend(["--etcd".into(), u.clone()]),
