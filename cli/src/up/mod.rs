@@ -59,6 +59,10 @@ pub struct UpArgs {
     /// KV content written per token: `full` (every byte) or `stamp` (first 64 bytes).
     #[arg(long, default_value = "full")]
     kv_fill: String,
+    /// Do not pre-fault the workers' KV arenas (faster start-up; the first touch of each page then
+    /// lands inside the engine loop and shows up as timer lateness of up to hundreds of ms).
+    #[arg(long)]
+    no_prefault: bool,
     /// Output directory (results, CSVs, plots, process logs).
     #[arg(short, long, default_value = "results/up")]
     out: PathBuf,
@@ -205,6 +209,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 "--load-interval-ms".into(),
                 "20".into(),
             ];
+            if !args.no_prefault {
+                a.push("--prefault".into());
+            }
             match &etcd_url {
                 Some(u) => a.extend(["--etcd".into(), u.clone()]),
                 None => a.extend(["--coordinator".into(), coord_addrs.join(",")]),
