@@ -7,7 +7,7 @@ use kvfleet_coordinator::node::{serve, Node, NodeOptions};
 use kvfleet_coordinator::state::ClusterModel;
 use kvfleet_core::policy::registry::PolicyParams;
 use kvfleet_core::spec::ModelSpec;
-use kvfleet_meta::{EtcdOptions, MemStore, MetaStore};
+use kvfleet_meta::{MemStore, MetaStore};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,24 +20,8 @@ struct Args {
     /// Address workers and clients should use (default: the bound listen address).
     #[arg(long)]
     advertise: Option<String>,
-    /// etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379). Absent: embedded store.
-    #[arg(long, value_delimiter = ',')]
-    etcd: Vec<String>,
-    /// etcd user name (with --etcd-password).
-    #[arg(long, env = "KVFLEET_ETCD_USER")]
-    etcd_user: Option<String>,
-    /// etcd password.
-    #[arg(long, env = "KVFLEET_ETCD_PASSWORD")]
-    etcd_password: Option<String>,
-    /// CA certificate (PEM) that signed etcd's server certificate: enables TLS to etcd.
-    #[arg(long)]
-    etcd_ca: Option<std::path::PathBuf>,
-    /// Client certificate (PEM) for mutual TLS with etcd (with --etcd-key).
-    #[arg(long)]
-    etcd_cert: Option<std::path::PathBuf>,
-    /// Client key (PEM) for mutual TLS with etcd.
-    #[arg(long)]
-    etcd_key: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    etcd: kvfleet_meta::EtcdArgs,
     /// Instance-level policy: pascal, pascal-nonadaptive, pascal-nomigration, least-kv, round-robin, random.
     #[arg(long, default_value = "pascal")]
     policy: String,
@@ -65,21 +49,13 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).with_writer(std::io::stderr).init();
     let args = Args::parse();
-    let store: Arc<dyn MetaStore> = if args.etcd.is_empty() {
+    let store: Arc<dyn MetaStore> = if args.etcd.etcd.is_empty() {
         tracing::warn!("no --etcd endpoint given: running with an EMBEDDED in-process store (single coordinator, no failover)");
         Arc::new(MemStore::new())
     } else {
-        let mut opts = EtcdOptions { username: args.etcd_user.clone(), password: args.etcd_password.clone(), ..EtcdOptions::default() };
-        if args.etcd_ca.is_some() || args.etcd_cert.is_some() {
-            opts.tls = Some(kvfleet_meta::EtcdTls {
-                ca_cert_pem: args.etcd_ca.clone(),
-                client_cert_pem: args.etcd_cert.clone(),
-                client_key_pem: args.etcd_key.clone(),
-                domain_name: None,
-            });
-        }
-        tracing::info!(endpoints = ?args.etcd, "connecting to etcd");
-        Arc::new(kvfleet_meta::EtcdStore::connect_with_retry(&args.etcd, &opts, Duration::from_secs(60)).await.context("connecting to etcd")?)
+        tracing::info!(endpoints = ?args.etcd.etcd, "connecting to etcd");
+        let opts = args.etcd.options();
+        Arc::new(kvfleet_meta::EtcdStore::connect_with_retry(&args.etcd.etcd, &opts, Duration::from_secs(60)).await.context("connecting to etcd")?)
     };
     let spec = ModelSpec::load(&args.model).with_context(|| format!("--model {}", args.model))?;
     let listener = tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;

@@ -41,7 +41,10 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
+pub mod args;
 pub mod layout;
+
+pub use args::EtcdArgs;
 
 pub use error::MetaError;
 pub use etcd::{EtcdOptions, EtcdStore, EtcdTls};

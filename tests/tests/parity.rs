@@ -9,12 +9,7 @@ use std::path::Path;
 
 /// id → e2e_s from a requests-*.csv.
 fn e2e_by_id(dir: &Path) -> BTreeMap<u64, f64> {
-    let csv = std::fs::read_dir(dir)
-        .expect("out dir")
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .find(|p| p.file_name().and_then(|f| f.to_str()).is_some_and(|f| f.starts_with("requests-")))
-        .expect("a requests-*.csv");
+    let csv = kvfleet_tests::requests_csv(dir);
     let text = std::fs::read_to_string(csv).expect("readable");
     let mut lines = text.lines();
     let header: Vec<&str> = lines.next().expect("header").split(',').collect();

@@ -43,12 +43,7 @@ fn summary(out: &Path) -> serde_json::Value {
 
 /// Ids in the per-request CSV, which must be 0..n exactly once.
 fn assert_each_request_once(out: &Path, n: u64) {
-    let csv = std::fs::read_dir(out)
-        .expect("out dir")
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .find(|p| p.file_name().and_then(|f| f.to_str()).is_some_and(|f| f.starts_with("requests-")))
-        .expect("a requests-*.csv");
+    let csv = kvfleet_tests::requests_csv(out);
     let text = std::fs::read_to_string(csv).expect("readable");
     let mut ids: Vec<u64> = text.lines().skip(1).map(|l| l.split(',').next().expect("id column").parse().expect("numeric id")).collect();
     ids.sort_unstable();

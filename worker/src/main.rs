@@ -11,7 +11,7 @@
 use anyhow::Context;
 use clap::Parser;
 use kvfleet_meta::layout::WorkerRecord;
-use kvfleet_meta::{EtcdOptions, EtcdStore, MetaStore};
+use kvfleet_meta::{EtcdStore, MetaStore};
 use kvfleet_worker::register::{cluster_record, coordinator_loop, etcd_loop};
 use kvfleet_worker::{start, WorkerOptions};
 use std::sync::Arc;
@@ -23,27 +23,11 @@ use std::time::Duration;
 struct Cli {
     #[command(flatten)]
     opts: WorkerOptions,
-    /// etcd endpoints (comma-separated): register under a lease there (the cluster's store).
-    #[arg(long, value_delimiter = ',')]
-    etcd: Vec<String>,
+    #[command(flatten)]
+    etcd: kvfleet_meta::EtcdArgs,
     /// Embedded-store clusters: coordinator addresses (comma-separated) to register through.
     #[arg(long, value_delimiter = ',')]
     coordinator: Vec<String>,
-    /// etcd user name.
-    #[arg(long, env = "KVFLEET_ETCD_USER")]
-    etcd_user: Option<String>,
-    /// etcd password.
-    #[arg(long, env = "KVFLEET_ETCD_PASSWORD")]
-    etcd_password: Option<String>,
-    /// CA certificate (PEM) of etcd's server certificate: enables TLS to etcd.
-    #[arg(long)]
-    etcd_ca: Option<std::path::PathBuf>,
-    /// Client certificate (PEM) for mutual TLS with etcd.
-    #[arg(long)]
-    etcd_cert: Option<std::path::PathBuf>,
-    /// Client key (PEM) for mutual TLS with etcd.
-    #[arg(long)]
-    etcd_key: Option<std::path::PathBuf>,
     /// Registration lease TTL in milliseconds (etcd rounds up to whole seconds, minimum ~2 s).
     #[arg(long, default_value_t = 2000)]
     registration_ttl_ms: u64,
@@ -70,19 +54,10 @@ async fn main() -> ExitCode {
 async fn serve(cli: Cli) -> anyhow::Result<()> {
     let mut opts = cli.opts;
     // Join the cluster's store first: the model must match and the clock epoch is the cluster's.
-    let store: Option<Arc<dyn MetaStore>> = if cli.etcd.is_empty() {
+    let store: Option<Arc<dyn MetaStore>> = if cli.etcd.etcd.is_empty() {
         None
     } else {
-        let mut eo = EtcdOptions { username: cli.etcd_user.clone(), password: cli.etcd_password.clone(), ..EtcdOptions::default() };
-        if cli.etcd_ca.is_some() || cli.etcd_cert.is_some() {
-            eo.tls = Some(kvfleet_meta::EtcdTls {
-                ca_cert_pem: cli.etcd_ca.clone(),
-                client_cert_pem: cli.etcd_cert.clone(),
-                client_key_pem: cli.etcd_key.clone(),
-                domain_name: None,
-            });
-        }
-        let s = EtcdStore::connect_with_retry(&cli.etcd, &eo, Duration::from_secs(60)).await.context("connecting to etcd")?;
+        let s = EtcdStore::connect_with_retry(&cli.etcd.etcd, &cli.etcd.options(), Duration::from_secs(60)).await.context("connecting to etcd")?;
         Some(Arc::new(s))
     };
     if let Some(store) = &store {

@@ -9,7 +9,7 @@
 //! A model mismatch is final: the worker exits with the message naming both models.
 
 use kvfleet_meta::layout::{self, ClusterRecord, WorkerRecord};
-use kvfleet_meta::{spawn_keep_alive, EtcdOptions, MetaStore};
+use kvfleet_meta::{spawn_keep_alive, MetaStore};
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::coordinator_client::CoordinatorClient;
 use std::sync::Arc;
@@ -22,15 +22,6 @@ pub enum RegisterError {
     Refused(String),
     #[error("metadata store: {0}")]
     Store(#[from] kvfleet_meta::MetaError),
-}
-
-/// Where to register.
-#[derive(Clone, Debug)]
-pub enum Registrar {
-    Etcd { endpoints: Vec<String>, options: EtcdOptions },
-    Coordinators(Vec<String>),
-    /// Started by hand for a test, registered by nobody.
-    None,
 }
 
 /// Read the cluster record (model check, epoch) from etcd before the engine starts.

@@ -305,6 +305,15 @@ impl Engine {
         req
     }
 
+    /// Hand a request to the scheduler and make it schedulable (new or migrated in).
+    fn enqueue(&mut self, mut req: Req) {
+        let phase = req.phase();
+        self.sched.on_enqueue(&mut req.sched, phase);
+        let slot = self.insert(req);
+        self.active.push(slot);
+        self.dirty = true;
+    }
+
     /// Accept a new request. Fails if it could never fit in GPU memory (it would block forever).
     pub fn submit(&mut self, now: SimTime, spec: RequestSpec) -> Result<(), EngineError> {
         let _ = now;
@@ -327,7 +336,7 @@ impl Engine {
             placed_on: self.instance,
             ..RequestRecord::default()
         };
-        let mut req = Req {
+        let req = Req {
             spec,
             generated: 0,
             residence: Residence::Waiting,
@@ -337,11 +346,7 @@ impl Engine {
             awaiting_after_reasoning: false,
             selected_epoch: 0,
         };
-        let phase = req.phase();
-        self.sched.on_enqueue(&mut req.sched, phase);
-        let slot = self.insert(req);
-        self.active.push(slot);
-        self.dirty = true;
+        self.enqueue(req);
         Ok(())
     }
 
@@ -727,7 +732,7 @@ impl Engine {
         };
         let mut record = m.record;
         record.migrations += 1;
-        let mut req = Req {
+        let req = Req {
             spec: m.spec,
             generated: m.generated,
             residence,
@@ -737,11 +742,7 @@ impl Engine {
             awaiting_after_reasoning: m.awaiting_after_reasoning,
             selected_epoch: 0,
         };
-        let phase = req.phase();
-        self.sched.on_enqueue(&mut req.sched, phase);
-        let slot = self.insert(req);
-        self.active.push(slot);
-        self.dirty = true;
+        self.enqueue(req);
         Ok(())
     }
 
