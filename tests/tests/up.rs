@@ -114,3 +114,23 @@ fn up_with_etcd_replaces_the_requests_of_a_killed_worker() {
     assert_each_request_once(&out, 30);
     assert_no_process_left(&out);
 }
+
+#[test]
+fn up_with_etcd_survives_an_etcd_restart() {
+    if !etcd_installed() {
+        eprintln!("skipping: etcd not installed (apt-get install etcd-server)");
+        return;
+    }
+    let tmp = TempDir::new("up-etcd-restart");
+    let out = tmp.join("out");
+    let mut args = base_args(&out, 2, 30);
+    args.extend(["--restart-etcd-after-s".into(), "2".into()]);
+    let o = run_kvfleet(&args);
+    assert!(o.status.success(), "{}", describe(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("chaos: etcd restarted"), "etcd came back: {stdout}");
+    let s = summary(&out);
+    assert_eq!(s["requests_finished"], 30, "{s}");
+    assert_each_request_once(&out, 30);
+    assert_no_process_left(&out);
+}

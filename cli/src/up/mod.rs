@@ -12,7 +12,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvfleet_core::metrics::{summarize, tail_ttft_by_reasoning_bin};
 use kvfleet_sim::config::{resolve_policy, SimConfig};
-use procs::{find_etcd, sibling_binary, start_etcd, Proc};
+use procs::{find_etcd, sibling_binary, EtcdSpec, Proc};
 use replay::{replay, schedule, LeaderFinder, ReplayStats};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -72,6 +72,10 @@ pub struct UpArgs {
     /// Fault injection: kill -9 worker 0 this many seconds into the replay.
     #[arg(long)]
     kill_worker_after_s: Option<f64>,
+    /// Fault injection: kill -9 etcd this many seconds into the replay and restart it (same data)
+    /// two seconds later.
+    #[arg(long)]
+    restart_etcd_after_s: Option<f64>,
     /// No progress bar.
     #[arg(short, long)]
     quiet: bool,
@@ -79,6 +83,7 @@ pub struct UpArgs {
 
 struct Cluster {
     etcd: Option<(Proc, String)>,
+    etcd_spec: Option<EtcdSpec>,
     coordinators: Vec<Proc>,
     workers: Vec<Proc>,
 }
@@ -139,7 +144,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let epoch_unix_ns = replay::unix_now_ns();
-    let mut cluster = Cluster { etcd: None, coordinators: Vec::new(), workers: Vec::new() };
+    let mut cluster = Cluster { etcd: None, etcd_spec: None, coordinators: Vec::new(), workers: Vec::new() };
     let result = (|| -> anyhow::Result<()> {
         // etcd, or the embedded store.
         let etcd = if args.no_etcd { None } else { find_etcd() };
@@ -148,7 +153,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             let dir = args.out.join("etcd");
             std::fs::create_dir_all(&dir)?;
             let _ = std::fs::remove_dir_all(dir.join("etcd-data"));
-            cluster.etcd = Some(start_etcd(&bin, &dir)?);
+            let spec = EtcdSpec::new(&bin, &dir)?;
+            cluster.etcd = Some((spec.start()?, spec.url()));
+            cluster.etcd_spec = Some(spec);
             say!("etcd        {}", cluster.etcd.as_ref().map_or("", |e| e.1.as_str()));
         } else {
             say!("etcd        not used ({}): one coordinator with an embedded store", if args.no_etcd { "--no-etcd" } else { "not installed" });
@@ -250,6 +257,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             let replay_task = tokio::spawn(replay(finder.clone(), requests.clone(), epoch_unix_ns, stats.clone(), Duration::from_secs(30)));
             let mut chaos_leader = args.kill_leader_after_s.map(|s| started + Duration::from_secs_f64(s));
             let mut chaos_worker = args.kill_worker_after_s.map(|s| started + Duration::from_secs_f64(s));
+            let mut chaos_etcd = args.restart_etcd_after_s.map(|s| started + Duration::from_secs_f64(s));
+            let mut etcd_back_at: Option<Instant> = None;
             while !replay_task.is_finished() {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 bar.set_position(stats.finished.load(Ordering::Relaxed));
@@ -274,6 +283,26 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                                 }
                                 tokio::time::sleep(Duration::from_millis(20)).await;
                             }
+                        }
+                    }
+                }
+                if chaos_etcd.is_some_and(|t| Instant::now() >= t) {
+                    chaos_etcd = None;
+                    if let Some((p, _)) = cluster.etcd.as_mut() {
+                        bar.suspend(|| say!("{}", format!("chaos: kill -9 etcd (pid {})", p.pid())));
+                        p.kill9();
+                        etcd_back_at = Some(Instant::now() + Duration::from_secs(2));
+                    }
+                }
+                if etcd_back_at.is_some_and(|t| Instant::now() >= t) {
+                    etcd_back_at = None;
+                    if let (Some(spec), Some(slot)) = (cluster.etcd_spec.as_ref(), cluster.etcd.as_mut()) {
+                        match spec.start() {
+                            Ok(p) => {
+                                bar.suspend(|| say!("{}", format!("chaos: etcd restarted (pid {})", p.pid())));
+                                slot.0 = p;
+                            }
+                            Err(e) => bar.suspend(|| say!("{}", format!("chaos: etcd restart failed: {e:#}"))),
                         }
                     }
                 }

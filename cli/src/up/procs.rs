@@ -131,27 +131,47 @@ pub fn find_etcd() -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| std::env::split_paths(&paths).map(|d| d.join("etcd")).find(|p| p.is_file()))
 }
 
-/// A private single-member etcd on free loopback ports, data in `dir`.
-pub fn start_etcd(etcd: &Path, dir: &Path) -> anyhow::Result<(Proc, String)> {
-    let client = free_port()?;
-    let peer = free_port()?;
-    let url = format!("http://127.0.0.1:{client}");
-    let args: Vec<String> = vec![
-        "--name".into(),
-        "kvfleet-up".into(),
-        "--data-dir".into(),
-        dir.join("etcd-data").display().to_string(),
-        "--listen-client-urls".into(),
-        url.clone(),
-        "--advertise-client-urls".into(),
-        url.clone(),
-        "--listen-peer-urls".into(),
-        format!("http://127.0.0.1:{peer}"),
-        "--initial-advertise-peer-urls".into(),
-        format!("http://127.0.0.1:{peer}"),
-        "--initial-cluster".into(),
-        format!("kvfleet-up=http://127.0.0.1:{peer}"),
-    ];
-    let proc = Proc::spawn("etcd", etcd, &args, &dir.join("etcd.log"), None)?;
-    Ok((proc, url))
+/// A private single-member etcd on loopback, data in `dir`; restartable on the same ports.
+pub struct EtcdSpec {
+    pub bin: PathBuf,
+    pub dir: PathBuf,
+    pub client_port: u16,
+    pub peer_port: u16,
+}
+
+impl EtcdSpec {
+    /// Pick free ports for a new etcd.
+    pub fn new(bin: &Path, dir: &Path) -> anyhow::Result<EtcdSpec> {
+        Ok(EtcdSpec { bin: bin.to_path_buf(), dir: dir.to_path_buf(), client_port: free_port()?, peer_port: free_port()? })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// Start (or restart: same ports, same data directory) the etcd process.
+    pub fn start(&self) -> anyhow::Result<Proc> {
+        let url = self.url();
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let args: Vec<String> = vec![
+            "--name".into(),
+            "kvfleet-up".into(),
+            "--data-dir".into(),
+            self.dir.join("etcd-data").display().to_string(),
+            "--listen-client-urls".into(),
+            url.clone(),
+            "--advertise-client-urls".into(),
+            url,
+            "--listen-peer-urls".into(),
+            peer.clone(),
+            "--initial-advertise-peer-urls".into(),
+            peer.clone(),
+            "--initial-cluster".into(),
+            format!("kvfleet-up={peer}"),
+        ];
+        let log = self.dir.join("etcd.log");
+        let log_file = std::fs::OpenOptions::new().create(true).append(true).open(&log).with_context(|| format!("opening {}", log.display()))?;
+        drop(log_file);
+        Proc::spawn("etcd", &self.bin, &args, &log, None)
+    }
 }
