@@ -13,6 +13,10 @@ pub enum BenchCommand {
     /// Simulator speed: a large cluster (default 1000 instances) over a long workload (default
     /// one hour of arrivals); prints wall time, simulated events/s and requests/s.
     Sim(SimBench),
+    /// How many worker processes this host sustains: for each count, start that many workers
+    /// (small pre-faulted arenas), keep every one busy, and report their timer lateness; prints the
+    /// largest count whose worst worker p99 stays under 1 ms.
+    Workers(WorkersBench),
     /// Timing-model error: the profile model on measured points held out of its own table
     /// (leave-one-out), and the analytic roofline on every measured point; MAPE per regime.
     Timing,
@@ -41,9 +45,29 @@ pub struct SimBench {
     seed: u64,
 }
 
+#[derive(Args)]
+pub struct WorkersBench {
+    /// Worker counts to try, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "8,16,32,48")]
+    counts: Vec<u32>,
+    /// Seconds of load per count.
+    #[arg(long, default_value_t = 10.0)]
+    duration_s: f64,
+    /// KV arena per worker (GPU pool); the CPU pool is the same size.
+    #[arg(long, default_value = "128MiB")]
+    kv_memory: String,
+    /// Requests kept in flight per worker.
+    #[arg(long, default_value_t = 4)]
+    per_worker: u32,
+    /// Where worker logs go.
+    #[arg(long, default_value = "results/bench-workers")]
+    out: PathBuf,
+}
+
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Sim(b) => bench_sim(b),
+        BenchCommand::Workers(b) => bench_workers(b),
         BenchCommand::Timing => {
             let report = kvfleet_core::timing::HoldoutReport::builtin_h100_qwen32b()
                 .map_err(|e| anyhow::anyhow!("building the held-out report: {e}"))?;
@@ -100,5 +124,93 @@ fn bench_sim(b: SimBench) -> anyhow::Result<()> {
     crate::say!("  tokens generated   {:>12} ({:.1} M tokens/s)", tokens, tokens as f64 / wall / 1e6);
     crate::say!("  speed-up vs real   {:>12.0}×", r.sim_end_s / wall);
     crate::say!("  finished requests  {:>12} of {}", r.summary.requests_finished, r.summary.requests_total);
+    Ok(())
+}
+
+/// `lateness_p99_us=N` etc. from a worker's final stderr line.
+fn stop_line_field(log: &std::path::Path, field: &str) -> Option<f64> {
+    let text = std::fs::read_to_string(log).ok()?;
+    let line = text.lines().rev().find(|l| l.contains("kvfleet-worker: stopped"))?;
+    let key = format!("{field}=");
+    let rest = &line[line.find(&key)? + key.len()..];
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
+    use crate::up::procs::{sibling_binary, Proc};
+    use kvfleet_proto::v1;
+    use std::time::Duration;
+    let worker_bin = sibling_binary("kvfleet-worker")?;
+    std::fs::create_dir_all(&b.out)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    crate::say!("bench workers: {} s of load per count, {} requests in flight per worker, {} arenas (pre-faulted)", b.duration_s, b.per_worker, b.kv_memory);
+    crate::say!("{:>8} {:>14} {:>14} {:>14} {:>12}", "workers", "p99 median us", "p99 worst us", "max worst us", "iterations");
+    let mut best = None;
+    for &n in &b.counts {
+        let mut procs = Vec::new();
+        for i in 0..n {
+            let args: Vec<String> = [
+                "--instance", &i.to_string(), "--kv-memory", &b.kv_memory, "--cpu-memory", &b.kv_memory, "--kv-fill", "stamp",
+                "--prefault", "--load-interval-ms", "1000",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            let log = b.out.join(format!("worker-{n}-{i}.log"));
+            procs.push((Proc::spawn(&format!("worker-{i}"), &worker_bin, &args, &log, Some(Duration::from_secs(60)))?, log));
+        }
+        let addrs: Vec<String> = procs.iter().filter_map(|(p, _)| p.addr.clone()).collect();
+        let duration = Duration::from_secs_f64(b.duration_s);
+        let per_worker = b.per_worker;
+        rt.block_on(async {
+            let mut tasks = Vec::new();
+            for (w, addr) in addrs.iter().enumerate() {
+                let addr = addr.clone();
+                tasks.push(tokio::spawn(async move {
+                    let Ok(ep) = tonic::transport::Endpoint::from_shared(format!("http://{addr}")) else { return };
+                    let Ok(ch) = ep.connect().await else { return };
+                    let mut c = v1::worker_client::WorkerClient::new(ch);
+                    let until = tokio::time::Instant::now() + duration;
+                    let mut id = (w as u64) << 32;
+                    // Keep `per_worker` short reasoning requests in flight until the time is up.
+                    while tokio::time::Instant::now() < until {
+                        let load = c.load(v1::LoadRequest {}).await.map(|r| r.into_inner()).unwrap_or_default();
+                        let in_flight = load.reasoning_requests + load.answering_requests;
+                        for _ in in_flight..per_worker {
+                            id += 1;
+                            let spec = v1::RequestSpec { id, arrival_ns: 0, prompt_tokens: 32, reasoning_tokens: 60, answer_tokens: 40 };
+                            let _ = c.submit(v1::SubmitRequest { spec: Some(spec) }).await;
+                        }
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    let _ = c.shutdown(v1::ShutdownRequest {}).await;
+                }));
+            }
+            for t in tasks {
+                let _ = t.await;
+            }
+        });
+        let mut p99s = Vec::new();
+        let mut maxes = Vec::new();
+        let mut iterations = 0.0;
+        for (p, log) in procs.iter_mut() {
+            p.stop(Duration::from_secs(10));
+            p99s.extend(stop_line_field(log, "lateness_p99_us"));
+            maxes.extend(stop_line_field(log, "lateness_max_us"));
+            iterations += stop_line_field(log, "iterations").unwrap_or(0.0);
+        }
+        p99s.sort_by(|a, b| a.total_cmp(b));
+        let median = p99s.get(p99s.len() / 2).copied().unwrap_or(f64::NAN);
+        let worst = p99s.last().copied().unwrap_or(f64::NAN);
+        let max = maxes.iter().cloned().fold(f64::NAN, f64::max);
+        crate::say!("{n:>8} {median:>14.0} {worst:>14.0} {max:>14.0} {iterations:>12.0}");
+        if p99s.len() == n as usize && worst < 1000.0 {
+            best = Some(n);
+        }
+    }
+    match best {
+        Some(n) => crate::say!("largest count with every worker's p99 lateness < 1 ms: {n}"),
+        None => crate::say!("no count kept every worker's p99 lateness under 1 ms"),
+    }
     Ok(())
 }
