@@ -267,7 +267,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                     chaos_leader = None;
                     if let Ok((_, s)) = finder.leader(Duration::from_secs(5)).await {
                         if let Some(p) = cluster.coordinators.iter_mut().find(|p| p.addr.as_deref() == Some(s.leader.as_str())) {
-                            bar.suspend(|| say!("{}", format!("chaos: kill -9 leader {} (pid {})", s.leader, p.pid())));
+                            bar.suspend(|| say!("chaos: kill -9 leader {} (pid {})", s.leader, p.pid()));
                             p.kill9();
                             let killed_at = Instant::now();
                             // Failover time: until another coordinator answers as leader.
@@ -276,7 +276,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                                 if let Ok((_, s2)) = finder.leader(Duration::from_millis(200)).await {
                                     if s2.leader != s.leader {
                                         let ms = killed_at.elapsed().as_millis();
-                                        bar.suspend(|| say!("{}", format!("failover: new leader {} after {ms} ms", s2.leader)));
+                                        bar.suspend(|| say!("failover: new leader {} after {ms} ms", s2.leader));
                                         failover_ms = Some(ms);
                                         break;
                                     }
@@ -289,7 +289,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 if chaos_etcd.is_some_and(|t| Instant::now() >= t) {
                     chaos_etcd = None;
                     if let Some((p, _)) = cluster.etcd.as_mut() {
-                        bar.suspend(|| say!("{}", format!("chaos: kill -9 etcd (pid {})", p.pid())));
+                        bar.suspend(|| say!("chaos: kill -9 etcd (pid {})", p.pid()));
                         p.kill9();
                         etcd_back_at = Some(Instant::now() + Duration::from_secs(2));
                     }
@@ -299,17 +299,17 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                     if let (Some(spec), Some(slot)) = (cluster.etcd_spec.as_ref(), cluster.etcd.as_mut()) {
                         match spec.start() {
                             Ok(p) => {
-                                bar.suspend(|| say!("{}", format!("chaos: etcd restarted (pid {})", p.pid())));
+                                bar.suspend(|| say!("chaos: etcd restarted (pid {})", p.pid()));
                                 slot.0 = p;
                             }
-                            Err(e) => bar.suspend(|| say!("{}", format!("chaos: etcd restart failed: {e:#}"))),
+                            Err(e) => bar.suspend(|| say!("chaos: etcd restart failed: {e:#}")),
                         }
                     }
                 }
                 if chaos_worker.is_some_and(|t| Instant::now() >= t) {
                     chaos_worker = None;
                     if let Some(p) = cluster.workers.first_mut() {
-                        bar.suspend(|| say!("{}", format!("chaos: kill -9 worker-0 (pid {})", p.pid())));
+                        bar.suspend(|| say!("chaos: kill -9 worker-0 (pid {})", p.pid()));
                         p.kill9();
                     }
                 }
