@@ -78,6 +78,8 @@ pub fn unix_now_ns() -> u64 {
 pub async fn run_request(finder: LeaderFinder, spec: RequestSpec, stats: Arc<ReplayStats>, failover_wait: Duration) -> Result<RequestRecord, String> {
     let mut submitted = false;
     let mut attempts = 0u32;
+    // Waits between attempts while no leader serves (an election, an etcd outage): doubling, capped.
+    let mut backoff = Duration::from_millis(50);
     loop {
         attempts += 1;
         if attempts > 200 {
@@ -104,7 +106,8 @@ pub async fn run_request(finder: LeaderFinder, spec: RequestSpec, stats: Arc<Rep
             }
             Err(e) if matches!(e.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded) => {
                 stats.retries.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
                 continue;
             }
             Err(e) => return Err(format!("request {}: {e}", spec.id.0)),
@@ -112,6 +115,7 @@ pub async fn run_request(finder: LeaderFinder, spec: RequestSpec, stats: Arc<Rep
         if !submitted {
             stats.submitted.fetch_add(1, Ordering::Relaxed);
         }
+        backoff = Duration::from_millis(50);
         loop {
             match stream.message().await {
                 Ok(Some(ev)) => match ev.event {
