@@ -182,14 +182,7 @@ impl Node {
                 l
             }
         };
-        let rec = WorkerRecord {
-            instance: info.instance,
-            address: info.advertise.clone(),
-            model: info.model.clone(),
-            kv_bytes_per_token: info.kv_bytes_per_token,
-            gpu_blocks: info.gpu_blocks,
-            scheduler: info.scheduler.clone(),
-        };
+        let rec = WorkerRecord::from(&info);
         let bytes = serde_json::to_vec(&rec).expect("plain data");
         let key = keys::worker(info.instance);
         let current = self.store.get(&key).await.map_err(|e| Status::unavailable(e.to_string()))?;

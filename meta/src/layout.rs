@@ -51,3 +51,17 @@ pub struct WorkerRecord {
     pub gpu_blocks: u32,
     pub scheduler: String,
 }
+
+impl From<&kvfleet_proto::v1::WorkerInfo> for WorkerRecord {
+    /// The registration a worker's self-description turns into.
+    fn from(info: &kvfleet_proto::v1::WorkerInfo) -> Self {
+        WorkerRecord {
+            instance: info.instance,
+            address: info.advertise.clone(),
+            model: info.model.clone(),
+            kv_bytes_per_token: info.kv_bytes_per_token,
+            gpu_blocks: info.gpu_blocks,
+            scheduler: info.scheduler.clone(),
+        }
+    }
+}

@@ -72,14 +72,7 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
     let info = handle.info().clone();
     let ttl = Duration::from_millis(cli.registration_ttl_ms);
     if let Some(store) = store {
-        let rec = WorkerRecord {
-            instance: info.instance,
-            address: info.advertise.clone(),
-            model: info.model.clone(),
-            kv_bytes_per_token: info.kv_bytes_per_token,
-            gpu_blocks: info.gpu_blocks,
-            scheduler: info.scheduler.clone(),
-        };
+        let rec = WorkerRecord::from(&info);
         tokio::spawn(etcd_loop(store, rec, ttl));
     } else if !cli.coordinator.is_empty() {
         let trigger = handle.shutdown_trigger();
