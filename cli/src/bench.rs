@@ -151,7 +151,7 @@ fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
         for i in 0..n {
             let args: Vec<String> = [
                 "--instance", &i.to_string(), "--kv-memory", &b.kv_memory, "--cpu-memory", &b.kv_memory, "--kv-fill", "stamp",
-                "--prefault", "--load-interval-ms", "1000",
+                "--prefault", "--load-interval-ms", "1000", "--plaintext",
             ]
             .iter()
             .map(|s| s.to_string())

@@ -9,6 +9,7 @@
 //! Exit codes: 0 success, 1 runtime failure, 2 invalid input (bad flag, bad config, missing file).
 
 mod bench;
+mod certs;
 mod plots;
 mod report;
 mod up;
@@ -41,6 +42,9 @@ enum Command {
     /// Benchmarks that print figures (not tests).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// The cluster PKI (mutual TLS) for processes started by hand: a CA and per-process certificates.
+    #[command(subcommand)]
+    Certs(certs::CertsCommand),
 }
 
 #[derive(Args)]
@@ -106,6 +110,7 @@ fn main() -> ExitCode {
         Command::Sim(args) => cmd_sim(args),
         Command::Bench(b) => bench::run(b),
         Command::Up(args) => up::run(args),
+        Command::Certs(c) => certs::run(c),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::Status;
 
 /// Where a client's stream of events goes.
@@ -78,11 +78,11 @@ impl From<LeaderError> for Status {
     }
 }
 
-/// A plaintext channel factory (TLS channels come from `tls.rs`).
-pub fn plaintext_connector() -> Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync> {
-    Arc::new(|addr: &str| {
-        Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| format!("bad worker address {addr}: {e}"))
+/// The channel factory for workers: mutual TLS with the cluster identity, or plain text.
+pub fn worker_connector(tls: Option<kvfleet_pki::NodeIdentity>) -> Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync> {
+    Arc::new(move |addr: &str| {
+        kvfleet_pki::endpoint(addr, tls.as_ref())
+            .map_err(|e| format!("worker {addr}: {e}"))
             .map(|e| e.connect_timeout(Duration::from_secs(2)).tcp_nodelay(true).connect_lazy())
     })
 }

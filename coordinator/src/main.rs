@@ -22,6 +22,8 @@ struct Args {
     advertise: Option<String>,
     #[command(flatten)]
     etcd: kvfleet_meta::EtcdArgs,
+    #[command(flatten)]
+    tls: kvfleet_pki::TlsArgs,
     /// Instance-level policy: pascal, pascal-nonadaptive, pascal-nomigration, least-kv, round-robin, random.
     #[arg(long, default_value = "pascal")]
     policy: String,
@@ -49,6 +51,8 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).with_writer(std::io::stderr).init();
     let args = Args::parse();
+    // TLS first: a coordinator without its cluster certificate (and not --plaintext) stops here.
+    let tls = args.tls.load().context("the control plane's TLS")?;
     let store: Arc<dyn MetaStore> = if args.etcd.etcd.is_empty() {
         tracing::warn!("no --etcd endpoint given: running with an EMBEDDED in-process store (single coordinator, no failover)");
         Arc::new(MemStore::new())
@@ -71,6 +75,7 @@ async fn main() -> anyhow::Result<()> {
         worker_ttl: Duration::from_millis(args.worker_ttl_ms),
         seed: args.seed,
         epoch_unix_ns: args.epoch_unix_ns,
+        tls,
     };
     let node = Node::new(opts, store).await.context("joining the cluster")?;
     tracing::info!(%advertise, policy = %args.policy, "coordinator up; campaigning for leadership");

@@ -2,7 +2,7 @@
 //! while leader runs a [`Leader`]; standbys answer `Status` and point clients at the leader.
 
 use kvfleet_meta::layout::{self as keys, ClusterRecord, WorkerRecord};
-use crate::leader::{plaintext_connector, ClientTx, Leader};
+use crate::leader::{worker_connector, ClientTx, Leader};
 use crate::state::{ClusterModel, ClusterState};
 use kvfleet_core::policy::registry::{build_policy, PolicyParams};
 use kvfleet_core::{InstanceId, RequestId};
@@ -34,6 +34,9 @@ pub struct NodeOptions {
     pub seed: u64,
     /// Clock origin to record if this coordinator founds the cluster (default: now).
     pub epoch_unix_ns: Option<u64>,
+    /// The cluster identity: the API is served, and workers are called, over mutual TLS with it
+    /// (`None`: plain text, for local debugging).
+    pub tls: Option<kvfleet_pki::NodeIdentity>,
 }
 
 /// Shared between the gRPC service and the campaign loop.
@@ -112,7 +115,7 @@ impl Node {
         let started = std::time::Instant::now();
         let policy = build_policy(&self.opts.policy, &self.opts.policy_params).map_err(|e| NodeError::Policy(e.to_string()))?;
         let state = ClusterState::new(self.opts.model.clone(), policy, self.opts.seed);
-        let leader = Leader::new(self.store.clone(), fence.clone(), state, plaintext_connector());
+        let leader = Leader::new(self.store.clone(), fence.clone(), state, worker_connector(self.opts.tls.clone()));
         let restored = leader.restore().await.map_err(|e| NodeError::BadCluster(e.to_string()))?;
         // Workers already registered, then every change after that listing.
         let listing = self.store.get_prefix(keys::WORKERS).await?;
@@ -270,9 +273,15 @@ impl Coordinator for CoordinatorService {
 }
 
 /// Serve the coordinator API on `listener` until `shutdown` resolves.
+/// With a cluster identity the API runs over mutual TLS: only holders of a cluster certificate
+/// can register, submit or read.
 pub async fn serve(node: Arc<Node>, listener: tokio::net::TcpListener, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<(), tonic::transport::Error> {
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    tonic::transport::Server::builder().add_service(node.service()).serve_with_incoming_shutdown(incoming, shutdown).await
+    let mut server = tonic::transport::Server::builder();
+    if let Some(id) = &node.opts.tls {
+        server = server.tls_config(id.tonic_server())?;
+    }
+    server.add_service(node.service()).serve_with_incoming_shutdown(incoming, shutdown).await
 }
 
 /// For logs: the socket address a listener got.

@@ -17,14 +17,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Test executables live in `<target>/<profile>/deps/`; the binary is `<target>/<profile>/kvfleet`.
 /// Panics (with what to run) when it is missing.
 pub fn kvfleet_bin() -> PathBuf {
+    workspace_bin("kvfleet")
+}
+
+/// A binary of this workspace (`kvfleet`, `kvfleet-coordinator`, `kvfleet-worker`) from the
+/// build that produced this test executable. Panics (with what to run) when it is missing.
+pub fn workspace_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test executable knows its own path");
     let deps = exe.parent().expect("the test executable lives in a directory");
     // `<target>/<profile>/deps/test-exe`; tolerate an executable placed directly in `<profile>/`.
     let profile_dir = if deps.file_name().is_some_and(|n| n == "deps") { deps.parent().unwrap_or(deps) } else { deps };
-    let bin = profile_dir.join(format!("kvfleet{}", std::env::consts::EXE_SUFFIX));
+    let bin = profile_dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     assert!(
         bin.is_file(),
-        "kvfleet binary not found at {}: run `cargo build --workspace --all-targets` first \
+        "{name} binary not found at {}: run `cargo build --workspace --all-targets` first \
          (with the same CARGO_TARGET_DIR and profile as the tests)",
         bin.display()
     );

@@ -60,6 +60,8 @@ pub enum WorkerError {
     Bind { addr: SocketAddr, cause: std::io::Error },
     #[error("TLS configuration: {0}")]
     Tls(tonic::transport::Error),
+    #[error("the control plane's TLS: {0}")]
+    Pki(#[from] kvfleet_pki::PkiError),
     #[error("gRPC server: {0}")]
     Serve(tonic::transport::Error),
     #[error("cannot start the engine thread: {0}")]
@@ -81,6 +83,7 @@ pub struct WorkerHandle {
     local_addr: SocketAddr,
     shutdown: ShutdownTrigger,
     commands: Sender<Command>,
+    identity: Option<kvfleet_pki::NodeIdentity>,
     done: Option<tokio::task::JoinHandle<Result<WorkerReport, WorkerError>>>,
 }
 
@@ -97,6 +100,10 @@ impl WorkerHandle {
     /// What the worker tells a coordinator about itself (the registration payload).
     pub fn info(&self) -> &v1::WorkerInfo {
         &self.info
+    }
+    /// The cluster identity this worker serves with (`None`: `--plaintext`).
+    pub fn identity(&self) -> Option<&kvfleet_pki::NodeIdentity> {
+        self.identity.as_ref()
     }
     /// The address the gRPC server is bound to.
     pub fn local_addr(&self) -> SocketAddr {
@@ -135,6 +142,8 @@ impl Drop for WorkerHandle {
 
 /// Build the instance, bind the listener, start the engine thread and the gRPC server.
 pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
+    // TLS first: without a cluster certificate (and not --plaintext) the worker does not start.
+    let identity = opts.tls.load()?;
     let shape = opts.shape()?;
     let timing: Arc<dyn TimingModel> = Arc::from(
         build_timing(&opts.timing, &shape.model, &shape.gpu, opts.profile_dir.as_deref())
@@ -197,8 +206,8 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
     let shutdown = ShutdownTrigger::new(commands.clone(), Duration::from_millis(opts.drain_grace_ms));
     let svc = service::WorkerService::new(info.clone(), commands.clone(), log, shutdown.clone());
     let mut server = tonic::transport::Server::builder();
-    if let Some(tls) = opts.tls.clone() {
-        server = server.tls_config(tls).map_err(WorkerError::Tls)?;
+    if let Some(id) = &identity {
+        server = server.tls_config(id.tonic_server()).map_err(WorkerError::Tls)?;
     }
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let (stop_server, server_stopped) = oneshot::channel::<()>();
@@ -236,7 +245,7 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
         }
         Ok(WorkerReport { driver: report? })
     });
-    Ok(WorkerHandle { info, local_addr, shutdown, commands, done: Some(done) })
+    Ok(WorkerHandle { info, local_addr, shutdown, commands, identity, done: Some(done) })
 }
 
 /// Run a worker until `shutdown` resolves (then stop gracefully) or it stops by itself (the

@@ -77,8 +77,9 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
     } else if !cli.coordinator.is_empty() {
         let trigger = handle.shutdown_trigger();
         let coordinators = cli.coordinator.clone();
+        let tls = handle.identity().cloned();
         tokio::spawn(async move {
-            if let Err(e) = coordinator_loop(coordinators, info).await {
+            if let Err(e) = coordinator_loop(coordinators, info, tls).await {
                 tracing::error!("{e}; stopping");
                 trigger.trigger();
             }

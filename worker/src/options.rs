@@ -94,9 +94,9 @@ pub struct WorkerOptions {
     /// migrations out are always checked).
     #[arg(long)]
     pub verify_kv: bool,
-    /// TLS for the gRPC server (mutual TLS is set up by the caller; not a flag yet).
-    #[arg(skip)]
-    pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// The control plane's mutual TLS (cluster certificate), or `--plaintext`.
+    #[command(flatten)]
+    pub tls: kvfleet_pki::TlsArgs,
 }
 
 impl Default for WorkerOptions {

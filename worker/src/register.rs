@@ -14,7 +14,6 @@ use kvfleet_proto::v1;
 use kvfleet_proto::v1::coordinator_client::CoordinatorClient;
 use std::sync::Arc;
 use std::time::Duration;
-use tonic::transport::Endpoint;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegisterError {
@@ -73,12 +72,22 @@ pub async fn etcd_loop(store: Arc<dyn MetaStore>, rec: WorkerRecord, ttl: Durati
 }
 
 /// Keep registered through the leader among `coordinators` (embedded store).
-pub async fn coordinator_loop(coordinators: Vec<String>, info: v1::WorkerInfo) -> Result<(), RegisterError> {
+pub async fn coordinator_loop(
+    coordinators: Vec<String>,
+    info: v1::WorkerInfo,
+    tls: Option<kvfleet_pki::NodeIdentity>,
+) -> Result<(), RegisterError> {
     let mut refresh = Duration::from_millis(500);
     loop {
         let mut done = false;
         for addr in &coordinators {
-            let Ok(ep) = Endpoint::from_shared(format!("http://{addr}")) else { continue };
+            let ep = match kvfleet_pki::endpoint(addr, tls.as_ref()) {
+                Ok(ep) => ep,
+                Err(e) => {
+                    tracing::warn!("coordinator {addr}: {e}");
+                    continue;
+                }
+            };
             let mut client = CoordinatorClient::new(ep.connect_timeout(Duration::from_secs(1)).connect_lazy());
             match client.register(info.clone()).await {
                 Ok(reply) => {

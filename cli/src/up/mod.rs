@@ -76,9 +76,54 @@ pub struct UpArgs {
     /// two seconds later.
     #[arg(long)]
     restart_etcd_after_s: Option<f64>,
+    /// Issue the cluster's certificates from this CA (a directory with `ca.pem` and `ca.key`)
+    /// instead of a fresh one generated in `OUT/pki`.
+    #[arg(long, conflicts_with = "plaintext")]
+    ca_dir: Option<PathBuf>,
+    /// INSECURE: run the control plane in plain text (no certificates; local debugging only).
+    #[arg(long)]
+    plaintext: bool,
     /// No progress bar.
     #[arg(short, long)]
     quiet: bool,
+}
+
+/// The cluster's PKI for this run: a CA (fresh in `OUT/pki`, or the operator's) and a certificate
+/// per process; `None` with `--plaintext`.
+struct Pki {
+    ca: kvfleet_pki::ClusterCa,
+    dir: PathBuf,
+}
+
+impl Pki {
+    fn new(args: &UpArgs) -> anyhow::Result<Option<Pki>> {
+        if args.plaintext {
+            say!("{}", kvfleet_pki::PLAINTEXT_WARNING);
+            return Ok(None);
+        }
+        let dir = args.out.join("pki");
+        let _ = std::fs::remove_dir_all(&dir);
+        let ca = match &args.ca_dir {
+            Some(d) => kvfleet_pki::ClusterCa::load(d).map_err(|e| InputError(format!("--ca-dir: {e}")))?,
+            None => {
+                let ca = kvfleet_pki::ClusterCa::generate("kvfleet up")?;
+                ca.save(&dir)?;
+                ca
+            }
+        };
+        // Only the CA certificate is needed beside the node certificates (not the operator's key).
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join(kvfleet_pki::CA_CERT_FILE), ca.cert_pem())?;
+        Ok(Some(Pki { ca, dir }))
+    }
+
+    /// Issue `stem`'s certificate into the PKI directory; the child's TLS flags.
+    fn issue(pki: Option<&Pki>, role: kvfleet_pki::Role, stem: &str) -> anyhow::Result<Vec<String>> {
+        let Some(pki) = pki else { return Ok(vec!["--plaintext".into()]) };
+        let files = kvfleet_pki::IdentityFiles::in_dir(&pki.dir, stem);
+        pki.ca.issue(role, stem, &[])?.save(&files)?;
+        Ok(kvfleet_pki::TlsArgs::files(&files).to_args())
+    }
 }
 
 struct Cluster {
@@ -146,7 +191,16 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     let epoch_unix_ns = replay::unix_now_ns();
     let mut cluster = Cluster { etcd: None, etcd_spec: None, coordinators: Vec::new(), workers: Vec::new() };
     let result = (|| -> anyhow::Result<()> {
-        // etcd, or the embedded store.
+        // The control plane's certificates (mutual TLS), then etcd or the embedded store.
+        let pki = Pki::new(&args)?;
+        let client_tls = match &pki {
+            Some(p) => {
+                Pki::issue(Some(p), kvfleet_pki::Role::Client, "client")?;
+                say!("pki         {} (mutual TLS; CA {})", p.dir.display(), if args.ca_dir.is_some() { "supplied" } else { "generated" });
+                Some(kvfleet_pki::NodeIdentity::load(&kvfleet_pki::IdentityFiles::in_dir(&p.dir, "client"))?)
+            }
+            None => None,
+        };
         let etcd = if args.no_etcd { None } else { find_etcd() };
         let n_coord = if etcd.is_some() { args.coordinators.max(1) } else { 1 };
         if let Some(bin) = etcd {
@@ -175,12 +229,13 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             if let Some(u) = &etcd_url {
                 a.extend(["--etcd".into(), u.clone()]);
             }
+            a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Coordinator, &format!("coordinator-{i}"))?);
             let p = Proc::spawn(&format!("coordinator-{i}"), &coordinator_bin, &a, &logs.join(format!("coordinator-{i}.log")), Some(Duration::from_secs(30)))?;
             say!("coordinator {} (pid {})", p.addr()?, p.pid());
             cluster.coordinators.push(p);
         }
         let coord_addrs: Vec<String> = cluster.coordinators.iter().filter_map(|p| p.addr.clone()).collect();
-        let finder = LeaderFinder::new(coord_addrs.clone());
+        let finder = LeaderFinder::new(coord_addrs.clone(), client_tls.clone());
         let (_, status) = rt.block_on(finder.leader(Duration::from_secs(30))).context("waiting for a leader")?;
         say!("leader      {} (store: {})", status.leader, status.store);
         for i in 0..cfg.cluster.instances {
@@ -219,6 +274,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             if !args.no_prefault {
                 a.push("--prefault".into());
             }
+            a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Worker, &format!("worker-{i}"))?);
             match &etcd_url {
                 Some(u) => a.extend(["--etcd".into(), u.clone()]),
                 None => a.extend(["--coordinator".into(), coord_addrs.join(",")]),

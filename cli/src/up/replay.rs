@@ -10,7 +10,7 @@ use kvfleet_proto::v1::coordinator_client::CoordinatorClient;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::Code;
 
 /// Counters the progress bar and the summary show.
@@ -27,17 +27,19 @@ pub struct ReplayStats {
 #[derive(Clone)]
 pub struct LeaderFinder {
     coordinators: Vec<String>,
-}
-
-fn channel(addr: &str) -> Result<Channel, tonic::Status> {
-    Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|e| tonic::Status::invalid_argument(format!("bad address {addr}: {e}")))
-        .map(|e| e.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true).connect_lazy())
+    /// The client's cluster certificate (mutual TLS), or `None` for a plain-text cluster.
+    tls: Option<kvfleet_pki::NodeIdentity>,
 }
 
 impl LeaderFinder {
-    pub fn new(coordinators: Vec<String>) -> Self {
-        LeaderFinder { coordinators }
+    pub fn new(coordinators: Vec<String>, tls: Option<kvfleet_pki::NodeIdentity>) -> Self {
+        LeaderFinder { coordinators, tls }
+    }
+
+    fn channel(&self, addr: &str) -> Result<Channel, tonic::Status> {
+        kvfleet_pki::endpoint(addr, self.tls.as_ref())
+            .map_err(tonic::Status::invalid_argument)
+            .map(|e| e.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true).connect_lazy())
     }
 
     /// The leader's client, asking every coordinator until one names a live leader.
@@ -46,7 +48,7 @@ impl LeaderFinder {
         let mut last = tonic::Status::unavailable("no coordinator answered");
         loop {
             for addr in &self.coordinators {
-                let mut c = CoordinatorClient::new(channel(addr)?);
+                let mut c = CoordinatorClient::new(self.channel(addr)?);
                 match c.status(v1::StatusRequest {}).await {
                     Ok(s) => {
                         let s = s.into_inner();
@@ -54,7 +56,7 @@ impl LeaderFinder {
                             last = tonic::Status::unavailable("no leader elected yet");
                             continue;
                         }
-                        let mut lc = CoordinatorClient::new(channel(&s.leader)?);
+                        let mut lc = CoordinatorClient::new(self.channel(&s.leader)?);
                         if let Ok(ls) = lc.status(v1::StatusRequest {}).await {
                             return Ok((lc, ls.into_inner()));
                         }

@@ -41,6 +41,7 @@ impl WorkerProc {
             "256MiB",
             "--epoch-unix-ns",
             &epoch,
+            "--plaintext",
         ];
         args.extend_from_slice(extra);
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvfleet-worker"))
