@@ -383,7 +383,7 @@ impl Leader {
             self.state().migration_done(id, None);
             return;
         };
-        let out = match src.migrate_out(v1::MigrateOutRequest { request_id: id.0, target: to.0 }).await {
+        let out = match src.migrate_out(v1::MigrateOutRequest { request_id: id.0, target: to.0, ..Default::default() }).await {
             Ok(r) => r.into_inner(),
             Err(e) => {
                 // Nothing moved (finished meanwhile, or an iteration boundary refused it).

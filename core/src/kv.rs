@@ -180,6 +180,26 @@ impl KvBlockManager {
         Ok(need)
     }
 
+    /// Make `request` hold exactly `tokens` tokens on its tier, taking or giving back blocks (a
+    /// migration target's reservation fitted to what finally arrived). All-or-nothing.
+    pub fn resize(&mut self, request: RequestId, tokens: u32) -> Result<(), KvError> {
+        let need = self.blocks_for(tokens) as usize;
+        let table = self.tables.get_mut(&request).ok_or(KvError::UnknownRequest(request))?;
+        let tier = table.tier;
+        let pool = match tier {
+            Tier::Gpu => &mut self.gpu,
+            Tier::Cpu => &mut self.cpu,
+        };
+        if need > table.blocks.len() {
+            pool.take((need - table.blocks.len()) as u32, tier, &mut table.blocks)?;
+        } else {
+            let surplus = table.blocks.split_off(need);
+            pool.give_back(&surplus);
+        }
+        table.tokens = tokens;
+        Ok(())
+    }
+
     /// Move all of `request`'s blocks to the other tier (offload GPU→CPU or reload CPU→GPU).
     /// All-or-nothing; returns the number of blocks moved.
     pub fn move_to(&mut self, request: RequestId, to: Tier) -> Result<u32, KvError> {

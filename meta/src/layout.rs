@@ -50,6 +50,9 @@ pub struct WorkerRecord {
     pub kv_bytes_per_token: u64,
     pub gpu_blocks: u32,
     pub scheduler: String,
+    /// Where it receives live KV migrations (QUIC); empty when it cannot.
+    #[serde(default)]
+    pub kv_address: String,
 }
 
 impl From<&kvfleet_proto::v1::WorkerInfo> for WorkerRecord {
@@ -62,6 +65,7 @@ impl From<&kvfleet_proto::v1::WorkerInfo> for WorkerRecord {
             kv_bytes_per_token: info.kv_bytes_per_token,
             gpu_blocks: info.gpu_blocks,
             scheduler: info.scheduler.clone(),
+            kv_address: info.kv_address.clone(),
         }
     }
 }

@@ -68,6 +68,8 @@ pub enum ArenaError {
     TokensOutOfBlock { first_token: u32, end: u64, block_size: u32 },
     #[error("KV move of {request} lists {from} source blocks but {to} destination blocks")]
     MoveShape { request: RequestId, from: usize, to: usize },
+    #[error("a block is {want} bytes, got {got}")]
+    BlockLength { got: u64, want: u64 },
     #[error(transparent)]
     Mismatch(#[from] Mismatch),
 }
@@ -368,6 +370,21 @@ impl KvArena {
             }
         }
         Ok(h.finish())
+    }
+
+    /// The bytes of one block (a live migration's source reads whole blocks).
+    pub fn block(&self, tier: Tier, block: u32) -> Result<&[u8], ArenaError> {
+        self.block_bytes_of(tier, block)
+    }
+
+    /// Overwrite one block with `data` (a live migration's target landing a received block).
+    pub fn write_block(&mut self, tier: Tier, block: u32, data: &[u8]) -> Result<(), ArenaError> {
+        let want = self.layout.block_bytes();
+        if data.len() as u64 != want {
+            return Err(ArenaError::BlockLength { got: data.len() as u64, want });
+        }
+        self.block_bytes_mut(tier, block)?.copy_from_slice(data);
+        Ok(())
     }
 
     /// Mirror an engine tier move (offload or reload): copy block `from[i]` of `from_tier` to block

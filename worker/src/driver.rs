@@ -59,6 +59,8 @@ pub(crate) enum Command {
     Drain {
         reply: oneshot::Sender<u32>,
     },
+    /// Live migration (see `driver_migrate.rs`).
+    Live(LiveCommand),
     Load {
         reply: oneshot::Sender<LoadReport>,
     },
@@ -98,6 +100,10 @@ pub enum DriverError {
     KvCorrupt { request: RequestId, cause: ArenaError },
     #[error("cannot serialize the state of {request}: {message}")]
     Serialize { request: RequestId, message: String },
+    #[error("KV of {request}: {message}")]
+    Kv { request: RequestId, message: String },
+    #[error("arena: {0}")]
+    Arena(#[from] ArenaError),
 }
 
 /// A request handed over by `MigrateOut`.
@@ -334,6 +340,13 @@ impl Driver {
                     self.plan_if_idle();
                 }
             }
+            Command::Live(LiveCommand::PauseOut { request, reply }) if self.engine.next_wake().is_some() => {
+                self.pending.push(Command::Live(LiveCommand::PauseOut { request, reply }));
+            }
+            Command::Live(cmd) => {
+                self.on_live(cmd);
+                self.plan_if_idle();
+            }
         }
     }
 
@@ -473,8 +486,12 @@ impl Driver {
         }
         self.log.extend(out.drain(..));
         for cmd in std::mem::take(&mut self.pending) {
-            if let Command::MigrateOut { request, reply } = cmd {
-                let _ = reply.send(self.migrate_out(request));
+            match cmd {
+                Command::MigrateOut { request, reply } => {
+                    let _ = reply.send(self.migrate_out(request));
+                }
+                Command::Live(cmd) => self.on_live(cmd),
+                _ => {}
             }
         }
         if self.engine.needs_step() {
@@ -604,6 +621,10 @@ fn proto_phase(p: Phase) -> v1::Phase {
 fn proto_record(r: &RequestRecord, rematerialized: bool) -> v1::RequestRecord {
     v1::RequestRecord { kv_rematerialized: rematerialized, ..v1::RequestRecord::from(r) }
 }
+
+#[path = "driver_migrate.rs"]
+mod migrate;
+pub(crate) use migrate::{BlockRead, LiveCommand, PausedOut};
 
 #[cfg(test)]
 #[path = "driver_tests.rs"]

@@ -231,3 +231,82 @@ fn shutdown_reports_unfinished_requests_and_closes_the_log() {
     let last = r.log.stats().last_seq;
     assert_eq!(r.log.read_after(last, 10, &mut out), crate::events::Read::Closed);
 }
+
+/// The engine-thread half of a live migration, driven by hand: copy full blocks while the request
+/// keeps decoding on A, pause, copy the rest, attach on B's reservation, release A. B verifies
+/// every token's bytes; tokens continue on B exactly where A stopped; nothing is lost or doubled.
+#[test]
+fn live_commands_copy_a_running_request_block_by_block() {
+    let a = start(0, "fcfs", 32, 8);
+    let b = start(1, "fcfs", 32, 8);
+    let id = RequestId(9);
+    ask(&a, |reply| Command::Submit { spec: spec(9, 9, 60, 10), reply });
+    wait_for(&a.log, "a few tokens on A", |s| s.tokens.get(&9).is_some_and(|t| t.len() >= 6));
+    let live = |cmd| Command::Live(cmd);
+    // Stage 0 while it runs: only full blocks are handed out.
+    let first = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
+    assert_eq!(first.kv_tokens % 4, 0, "only whole blocks while running");
+    assert_eq!(first.blocks.len() as u32, first.kv_tokens / 4);
+    ask(&b, |reply| live(LiveCommand::Reserve { request: id, kv_tokens: first.kv_tokens, reply })).unwrap();
+    for (i, data) in first.blocks.iter().enumerate() {
+        ask(&b, |reply| live(LiveCommand::WriteBlock { request: id, index: i as u32, data: data.clone(), reply }))
+            .unwrap();
+    }
+    wait_for(&a.log, "more tokens on A during the copy", |s| s.tokens[&9].len() >= 14);
+    // Stop-and-copy: pause, then everything from where stage 0 ended (incl. the partial block).
+    let paused = ask(&a, |reply| live(LiveCommand::PauseOut { request: id, reply })).unwrap();
+    let sent = first.blocks.len() as u32;
+    let rest = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: sent, count: 100, reply })).unwrap();
+    assert_eq!(rest.kv_tokens, paused.kv_tokens, "everything is final once paused");
+    assert_eq!(sent + rest.blocks.len() as u32, paused.kv_tokens.div_ceil(4));
+    for (i, data) in rest.blocks.iter().enumerate() {
+        let index = sent + i as u32;
+        ask(&b, |reply| live(LiveCommand::WriteBlock { request: id, index, data: data.clone(), reply })).unwrap();
+    }
+    let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
+    assert_eq!(m.kv_tokens(), paused.kv_tokens);
+    let generated = m.generated;
+    ask(&b, |reply| live(LiveCommand::AttachReserved { state: Box::new(m), reply })).unwrap();
+    ask(&a, |reply| live(LiveCommand::FinishOut { request: id, reply })).unwrap();
+    let s = wait_for(&b.log, "the record on B", |s| s.finished.contains_key(&9));
+    let r = &s.finished[&9];
+    assert_eq!((r.migrations, r.kv_rematerialized, r.finished_on), (1, false, Some(1)));
+    let on_b: Vec<u32> = s.tokens[&9].iter().map(|t| t.0).collect();
+    assert_eq!(on_b, (generated..70).collect::<Vec<_>>(), "B continues where A stopped");
+    assert_eq!(collect(&a.log).tokens[&9].len() as u32, generated, "A stopped at the pause");
+    let stats_b = ask(&b, |reply| Command::Stats { reply });
+    assert!(stats_b.kv.tokens_verified >= paused.kv_tokens as u64, "B checked every received token: {stats_b:?}");
+    assert_eq!(stats_b.kv.errors + ask(&a, |reply| Command::Stats { reply }).kv.errors, 0);
+}
+
+/// A corrupted block is caught on the target before the request is attached; the reservation is
+/// released; the source resumes the request and finishes it.
+#[test]
+fn live_commit_with_a_corrupt_block_is_refused_and_the_source_resumes() {
+    let a = start(0, "fcfs", 32, 8);
+    let b = start(1, "fcfs", 32, 8);
+    let id = RequestId(5);
+    let live = |cmd| Command::Live(cmd);
+    ask(&a, |reply| Command::Submit { spec: spec(5, 9, 30, 5), reply });
+    wait_for(&a.log, "tokens on A", |s| s.tokens.get(&5).is_some_and(|t| t.len() >= 3));
+    let paused = ask(&a, |reply| live(LiveCommand::PauseOut { request: id, reply })).unwrap();
+    let all = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
+    ask(&b, |reply| live(LiveCommand::Reserve { request: id, kv_tokens: paused.kv_tokens, reply })).unwrap();
+    for (i, data) in all.blocks.iter().enumerate() {
+        let mut bytes = data.to_vec();
+        if i == 1 {
+            bytes[100] ^= 0x40;
+        }
+        let data = bytes::Bytes::from(bytes);
+        ask(&b, |reply| live(LiveCommand::WriteBlock { request: id, index: i as u32, data, reply })).unwrap();
+    }
+    let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
+    let e = ask(&b, |reply| live(LiveCommand::AttachReserved { state: Box::new(m), reply })).unwrap_err();
+    assert!(matches!(e, DriverError::KvCorrupt { .. }), "{e}");
+    b.tx.send(live(LiveCommand::Release { request: id })).unwrap();
+    assert_eq!(ask(&b, |reply| Command::Load { reply }).gpu_used_blocks, 0, "the reservation is released");
+    ask(&a, |reply| live(LiveCommand::ResumeOut { request: id, reply })).unwrap();
+    let s = wait_for(&a.log, "the record on A", |s| s.finished.contains_key(&5));
+    assert_eq!(s.finished[&5].finished_on, Some(0));
+    assert_eq!(s.tokens[&5].len(), 35, "every token exactly once, all on A");
+}

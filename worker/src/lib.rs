@@ -171,6 +171,7 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
         timing: timing.name().to_string(),
         advertise: opts.advertise.clone().unwrap_or_else(|| local_addr.to_string()),
         kv_arena_bytes: arena.mapped_bytes(),
+        kv_address: String::new(),
     };
     tracing::info!(
         instance = info.instance,

@@ -124,11 +124,14 @@ fn driver_status(e: DriverError) -> Status {
     match e {
         DriverError::Unknown(_) | DriverError::Engine(E::Unknown(_)) => Status::not_found(e.to_string()),
         DriverError::Draining => Status::failed_precondition(e.to_string()),
-        DriverError::Engine(E::TooLarge { .. }) => Status::resource_exhausted(e.to_string()),
+        DriverError::Engine(E::TooLarge { .. } | E::NoRoom { .. }) => Status::resource_exhausted(e.to_string()),
         DriverError::Engine(E::NoAnswer { .. }) => Status::invalid_argument(e.to_string()),
         DriverError::Engine(E::IterationInFlight) => Status::unavailable(e.to_string()),
         DriverError::Engine(E::Duplicate(_) | E::NotMigrating(_)) => Status::failed_precondition(e.to_string()),
-        DriverError::KvCorrupt { .. } | DriverError::Serialize { .. } => Status::internal(e.to_string()),
+        DriverError::KvCorrupt { .. } | DriverError::Serialize { .. } | DriverError::Arena(_) => {
+            Status::internal(e.to_string())
+        }
+        DriverError::Kv { .. } => Status::failed_precondition(e.to_string()),
     }
 }
 
@@ -212,7 +215,12 @@ impl Worker for WorkerService {
         let (id, target) = (RequestId(request.get_ref().request_id), request.get_ref().target);
         let out = self.ask(|reply| Command::MigrateOut { request: id, reply }).await?.map_err(driver_status)?;
         tracing::info!(request = %id, target, kv_tokens = out.kv_tokens, "migrated out");
-        Ok(Response::new(v1::MigrateOutReply { state: out.state, kv_tokens: out.kv_tokens, kv_bytes: out.kv_bytes }))
+        Ok(Response::new(v1::MigrateOutReply {
+            state: out.state,
+            kv_tokens: out.kv_tokens,
+            kv_bytes: out.kv_bytes,
+            ..Default::default()
+        }))
     }
 
     async fn attach(&self, request: Request<v1::AttachRequest>) -> Result<Response<v1::AttachReply>, Status> {

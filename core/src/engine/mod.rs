@@ -18,7 +18,7 @@
 pub mod sched;
 
 use crate::ids::{InstanceId, RequestId};
-use crate::kv::{KvBlockManager, Tier};
+use crate::kv::{KvBlockManager, KvError, Tier};
 use crate::metrics::RequestRecord;
 use crate::pacer::TokenPacer;
 use crate::policy::LoadReport;
@@ -76,6 +76,8 @@ pub enum EngineError {
     NotMigrating(RequestId),
     #[error("an iteration is in flight; call between iterations")]
     IterationInFlight,
+    #[error("no GPU room to receive {request}: needs {needed} KV blocks, {free} free")]
+    NoRoom { request: RequestId, needed: u32, free: u32 },
     #[error("request {request} has answer_tokens = 0; every request produces at least one answer token")]
     NoAnswer { request: RequestId },
 }
@@ -201,6 +203,8 @@ pub struct Engine {
     inflight: Option<(SimTime, SimTime)>,
     /// Requests frozen while their KV is copied out (they hold blocks but do not run).
     migrating_out: Vec<u32>,
+    /// Incoming live migrations holding reserved GPU blocks (not yet requests here).
+    reserved: Vec<RequestId>,
     /// Something changed that can alter the batch: the next plan must be a full one.
     dirty: bool,
     epoch: u64,
@@ -225,6 +229,7 @@ impl Engine {
             batch: Vec::new(),
             inflight: None,
             migrating_out: Vec::new(),
+            reserved: Vec::new(),
             dirty: false,
             epoch: 0,
             slo_ok: true,
@@ -692,6 +697,25 @@ impl Engine {
         })
     }
 
+    /// The state a request frozen by [`Engine::begin_migration_out`] would hand over, without
+    /// releasing it (a live migration sends it with COMMIT and frees the source only once the
+    /// target confirms; on abort the request carries on here).
+    pub fn migration_state(&self, request: RequestId) -> Result<MigratedRequest, EngineError> {
+        let slot = *self.index.get(&request).ok_or(EngineError::Unknown(request))?;
+        let req = self.req(slot);
+        if req.residence != Residence::MigratingOut {
+            return Err(EngineError::NotMigrating(request));
+        }
+        Ok(MigratedRequest {
+            spec: req.spec.clone(),
+            generated: req.generated,
+            record: req.record.clone(),
+            pacer: req.pacer.clone(),
+            awaiting_after_reasoning: req.awaiting_after_reasoning,
+            demoted: req.sched.demoted,
+        })
+    }
+
     /// The copy failed: the request carries on here as if nothing happened.
     pub fn abort_migration_out(&mut self, request: RequestId) -> Result<(), EngineError> {
         let slot = *self.index.get(&request).ok_or(EngineError::Unknown(request))?;
@@ -710,8 +734,52 @@ impl Engine {
         Ok(())
     }
 
-    /// Receive a migrated request. Its KV lands in GPU memory if there is room, else in the CPU
-    /// pool (reloaded when it is scheduled), else it is recomputed.
+    /// Reserve GPU blocks for an incoming live migration holding `tokens` KV tokens (or extend an
+    /// existing reservation to that many), so its KV can be copied in place while it still runs
+    /// on the source. Returns the reserved block ids, in token order.
+    pub fn reserve_incoming(&mut self, request: RequestId, tokens: u32) -> Result<&[u32], EngineError> {
+        if self.index.contains_key(&request) {
+            return Err(EngineError::Duplicate(request));
+        }
+        let room = |e: KvError| match e {
+            KvError::OutOfBlocks { needed, free, .. } => EngineError::NoRoom { request, needed, free },
+            _ => EngineError::NoRoom { request, needed: 0, free: 0 },
+        };
+        if self.reserved.contains(&request) {
+            let have = self.kv.table(request).map_or(0, |t| t.tokens);
+            if tokens > have {
+                self.kv.grow(request, tokens).map_err(room)?;
+            }
+        } else {
+            let needed = self.kv.blocks_for(tokens.max(1));
+            if needed > self.cfg.gpu_blocks {
+                return Err(EngineError::TooLarge { request, needed, capacity: self.cfg.gpu_blocks });
+            }
+            self.kv.allocate(request, Tier::Gpu, tokens).map_err(room)?;
+            self.reserved.push(request);
+        }
+        self.dirty = true;
+        Ok(&self.kv.table(request).expect("just reserved").blocks)
+    }
+
+    /// Drop an incoming reservation (the migration aborted); returns the blocks freed.
+    pub fn release_reservation(&mut self, request: RequestId) -> u32 {
+        if !self.reserved.contains(&request) {
+            return 0;
+        }
+        self.reserved.retain(|&r| r != request);
+        self.dirty = true;
+        self.kv.free_request(request)
+    }
+
+    /// Blocks reserved for incoming migrations.
+    pub fn reserved_requests(&self) -> &[RequestId] {
+        &self.reserved
+    }
+
+    /// Receive a migrated request. With a reservation ([`Engine::reserve_incoming`]) its KV is
+    /// already in those GPU blocks; otherwise it lands in GPU memory if there is room, else in
+    /// the CPU pool (reloaded when it is scheduled), else it is recomputed.
     pub fn attach(&mut self, now: SimTime, m: MigratedRequest) -> Result<(), EngineError> {
         let _ = now;
         let id = m.spec.id;
@@ -723,7 +791,18 @@ impl Engine {
             return Err(EngineError::TooLarge { request: id, needed, capacity: self.cfg.gpu_blocks });
         }
         let tokens = m.kv_tokens();
-        let residence = if self.kv.allocate(id, Tier::Gpu, tokens).is_ok() {
+        let reserved = self.reserved.contains(&id);
+        if reserved {
+            self.kv.resize(id, tokens).map_err(|_| EngineError::NoRoom {
+                request: id,
+                needed: self.kv.blocks_for(tokens),
+                free: self.kv.free(Tier::Gpu),
+            })?;
+            self.reserved.retain(|&r| r != id);
+        }
+        let residence = if reserved {
+            Residence::Gpu
+        } else if self.kv.allocate(id, Tier::Gpu, tokens).is_ok() {
             Residence::Gpu
         } else if self.kv.allocate(id, Tier::Cpu, tokens).is_ok() {
             Residence::Cpu
@@ -815,7 +894,7 @@ impl Engine {
                 return Err(format!("{id} active={in_active} while {:?}", req.residence));
             }
         }
-        if self.kv.requests() > self.index.len() {
+        if self.kv.requests() > self.index.len() + self.reserved.len() {
             return Err("KV held by requests that are not on this instance".into());
         }
         Ok(())

@@ -235,6 +235,48 @@ fn migration_moves_state_and_abort_keeps_request() {
     assert_eq!(r.finish, Some(SimTime(6 * UNIT)));
 }
 
+#[test]
+fn live_migration_target_reserves_grows_attaches_in_place_or_releases() {
+    let mut src = engine("fcfs", 64, 0, 500);
+    let mut dst = engine("fcfs", 8, 0, 500);
+    let mut ev = Vec::new();
+    src.submit(SimTime(0), spec(1, 0, 40, 2, 3)).unwrap();
+    src.step(SimTime(0), &mut ev);
+    // PREPARE: 40 tokens → 3 GPU blocks reserved on the target, counted as used there.
+    let blocks = dst.reserve_incoming(RequestId(1), 40).unwrap().to_vec();
+    assert_eq!(blocks.len(), 3);
+    assert_eq!(dst.load_report().gpu_used_blocks, 3);
+    dst.check_invariants().unwrap();
+    // More tokens arrived while copying: the reservation grows, keeping its first blocks.
+    let grown = dst.reserve_incoming(RequestId(1), 49).unwrap().to_vec();
+    assert_eq!(&grown[..3], &blocks[..]);
+    assert_eq!(grown.len(), 4);
+    // Too much for the target: refused, naming the room; the reservation is unchanged.
+    let e = dst.reserve_incoming(RequestId(1), 9 * 16).unwrap_err();
+    assert!(matches!(e, EngineError::TooLarge { .. } | EngineError::NoRoom { .. }), "{e}");
+    assert_eq!(dst.kv().table(RequestId(1)).unwrap().blocks, grown);
+    // Commit: the request attaches onto exactly the reserved blocks (fitted to its 41 tokens).
+    src.complete_iteration(SimTime(UNIT), &mut ev);
+    src.begin_migration_out(RequestId(1)).unwrap();
+    let m = src.finish_migration_out(RequestId(1)).unwrap();
+    assert_eq!(m.kv_tokens(), 41);
+    dst.attach(SimTime(UNIT), m).unwrap();
+    let table = dst.kv().table(RequestId(1)).unwrap();
+    assert_eq!((table.tier, table.tokens, &table.blocks[..]), (Tier::Gpu, 41, &grown[..3]));
+    assert!(dst.reserved_requests().is_empty());
+    dst.check_invariants().unwrap();
+    // A second reservation for a request already here is a duplicate.
+    assert!(matches!(dst.reserve_incoming(RequestId(1), 16), Err(EngineError::Duplicate(_))));
+    // Abort path: an unrelated reservation is released and its blocks are free again.
+    let before = dst.kv().free(Tier::Gpu);
+    dst.reserve_incoming(RequestId(2), 32).unwrap();
+    assert_eq!(dst.kv().free(Tier::Gpu), before - 2);
+    assert_eq!(dst.release_reservation(RequestId(2)), 2);
+    assert_eq!(dst.kv().free(Tier::Gpu), before);
+    assert_eq!(dst.release_reservation(RequestId(2)), 0, "releasing twice is harmless");
+    dst.check_invariants().unwrap();
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     /// Random arrivals on a tight instance: every request finishes exactly once, timestamps are

@@ -1,0 +1,197 @@
+//! The engine thread's side of a live migration: the few arena and engine operations the
+//! migration task (`crate::migrate`) asks for, each short (one block's memcpy at most), so the
+//! engine loop keeps its deadlines while megabytes stream past.
+//!
+//! Source: [`LiveCommand::ReadBlocks`] copies logical blocks of a running request whose content is
+//! final (full blocks; every block once paused), [`LiveCommand::PauseOut`] freezes it for the
+//! stop-and-copy and snapshots its state, then [`LiveCommand::FinishOut`] (the target runs it)
+//! or [`LiveCommand::ResumeOut`] (aborted: it carries on here).
+//!
+//! Target: [`LiveCommand::Reserve`] reserves GPU blocks, [`LiveCommand::WriteBlock`] lands a
+//! received block in them (growing the reservation as the request grew on the source),
+//! [`LiveCommand::AttachReserved`] checks every token's content against its deterministic stamp
+//! and makes the request runnable on exactly those blocks; [`LiveCommand::Release`] undoes it.
+
+use super::{verify_written, Driver, DriverError, Written};
+use bytes::Bytes;
+use kvfleet_core::engine::MigratedRequest;
+use kvfleet_core::kv::Tier;
+use kvfleet_core::RequestId;
+use tokio::sync::oneshot;
+
+type Reply<T> = oneshot::Sender<Result<T, DriverError>>;
+
+#[derive(Debug)]
+pub(crate) enum LiveCommand {
+    ReadBlocks { request: RequestId, first: u32, count: u32, reply: Reply<BlockRead> },
+    PauseOut { request: RequestId, reply: Reply<PausedOut> },
+    FinishOut { request: RequestId, reply: Reply<()> },
+    ResumeOut { request: RequestId, reply: Reply<()> },
+    Reserve { request: RequestId, kv_tokens: u32, reply: Reply<()> },
+    WriteBlock { request: RequestId, index: u32, data: Bytes, reply: Reply<()> },
+    AttachReserved { state: Box<MigratedRequest>, reply: Reply<()> },
+    Release { request: RequestId },
+}
+
+/// Blocks read for sending.
+#[derive(Debug)]
+pub(crate) struct BlockRead {
+    /// Tokens whose content is final now (the machine's view of the request's progress).
+    pub kv_tokens: u32,
+    /// The blocks asked for (fewer when not all are final yet), in order from `first`.
+    pub blocks: Vec<Bytes>,
+}
+
+/// A request frozen for the stop-and-copy.
+#[derive(Debug)]
+pub(crate) struct PausedOut {
+    pub kv_tokens: u32,
+    /// serde JSON of [`MigratedRequest`].
+    pub state: Vec<u8>,
+}
+
+impl Driver {
+    pub(super) fn on_live(&mut self, cmd: LiveCommand) {
+        match cmd {
+            LiveCommand::ReadBlocks { request, first, count, reply } => {
+                let _ = reply.send(self.read_blocks(request, first, count));
+            }
+            LiveCommand::PauseOut { request, reply } => {
+                let _ = reply.send(self.pause_out(request));
+            }
+            LiveCommand::FinishOut { request, reply } => {
+                let _ = reply.send(self.finish_out(request));
+            }
+            LiveCommand::ResumeOut { request, reply } => {
+                let r = self.engine.abort_migration_out(request).map_err(DriverError::from);
+                let _ = reply.send(r);
+            }
+            LiveCommand::Reserve { request, kv_tokens, reply } => {
+                let r = if self.draining {
+                    Err(DriverError::Draining)
+                } else {
+                    self.engine.reserve_incoming(request, kv_tokens).map(|_| ()).map_err(DriverError::from)
+                };
+                let _ = reply.send(r);
+            }
+            LiveCommand::WriteBlock { request, index, data, reply } => {
+                let _ = reply.send(self.write_block(request, index, &data));
+            }
+            LiveCommand::AttachReserved { state, reply } => {
+                let _ = reply.send(self.attach_reserved(*state));
+            }
+            LiveCommand::Release { request } => {
+                self.engine.release_reservation(request);
+            }
+        }
+    }
+
+    /// Tokens of `request` whose content is written and final: whole blocks while it runs
+    /// (the last, partial block still changes), everything once it is paused.
+    fn final_tokens(&self, request: RequestId, paused: bool) -> Option<(&Written, u32)> {
+        let w = self.written.get(&request)?;
+        let bs = self.block_size;
+        Some((w, if paused { w.tokens } else { w.tokens / bs * bs }))
+    }
+
+    fn read_blocks(&mut self, request: RequestId, first: u32, count: u32) -> Result<BlockRead, DriverError> {
+        if !self.engine.contains(request) {
+            return Err(DriverError::Unknown(request));
+        }
+        let paused = self.engine.migration_state(request).is_ok();
+        let table = self.engine.kv().table(request).ok_or_else(|| DriverError::Kv {
+            request,
+            message: "holds no KV (preempted and dropped; it recomputes later)".into(),
+        })?;
+        let (w, final_tokens) = self.final_tokens(request, paused).ok_or_else(|| DriverError::Kv {
+            request,
+            message: "no KV written yet".into(),
+        })?;
+        if w.tier != Some(table.tier) || !table.blocks.starts_with(&w.blocks) {
+            return Err(DriverError::Kv { request, message: "KV is being rewritten after a move".into() });
+        }
+        let bs = self.block_size;
+        let available = final_tokens.div_ceil(bs);
+        let mut blocks = Vec::new();
+        for i in first..first.saturating_add(count).min(available) {
+            let b = *w.blocks.get(i as usize).ok_or_else(|| DriverError::Kv {
+                request,
+                message: format!("logical block {i} is not written"),
+            })?;
+            blocks.push(Bytes::copy_from_slice(self.arena.block(table.tier, b)?));
+        }
+        Ok(BlockRead { kv_tokens: final_tokens, blocks })
+    }
+
+    fn pause_out(&mut self, request: RequestId) -> Result<PausedOut, DriverError> {
+        if !self.engine.contains(request) {
+            return Err(DriverError::Unknown(request));
+        }
+        let out = self.engine.begin_migration_out(request)?;
+        // Everything it holds must be in the arena before the last copy (a request whose KV was
+        // moved unexpectedly is rewritten lazily; finish that now).
+        self.write_kv(request, out.kv_tokens);
+        let have = self.written.get(&request).map_or(0, |w| w.tokens);
+        if have != out.kv_tokens {
+            self.engine.abort_migration_out(request)?;
+            return Err(DriverError::Kv {
+                request,
+                message: format!("{have} of {} KV tokens are resident", out.kv_tokens),
+            });
+        }
+        let state = self.engine.migration_state(request)?;
+        let state =
+            serde_json::to_vec(&state).map_err(|e| DriverError::Serialize { request, message: e.to_string() })?;
+        Ok(PausedOut { kv_tokens: out.kv_tokens, state })
+    }
+
+    fn finish_out(&mut self, request: RequestId) -> Result<(), DriverError> {
+        self.engine.finish_migration_out(request)?;
+        self.written.remove(&request);
+        self.live.remove(&request);
+        self.rematerialized.remove(&request);
+        Ok(())
+    }
+
+    fn write_block(&mut self, request: RequestId, index: u32, data: &[u8]) -> Result<(), DriverError> {
+        let bs = self.block_size;
+        let blocks = self.engine.kv().table(request).map_or(0, |t| t.blocks.len() as u32);
+        if index >= blocks {
+            // The request grew on the source since PREPARE: grow the reservation.
+            self.engine.reserve_incoming(request, (index + 1) * bs)?;
+        }
+        let table = self.engine.kv().table(request).ok_or(DriverError::Unknown(request))?;
+        let block = table.blocks[index as usize];
+        self.arena.write_block(table.tier, block, data)?;
+        self.kv_stats.blocks_copied += 1;
+        Ok(())
+    }
+
+    fn attach_reserved(&mut self, m: MigratedRequest) -> Result<(), DriverError> {
+        let id = m.spec.id;
+        if self.engine.contains(id) {
+            return Ok(()); // a retried commit: it is already here
+        }
+        if self.draining {
+            return Err(DriverError::Draining);
+        }
+        let kv_tokens = m.kv_tokens();
+        let table = self.engine.kv().table(id).ok_or(DriverError::Unknown(id))?.clone();
+        if table.blocks.len() < kv_tokens.div_ceil(self.block_size) as usize {
+            return Err(DriverError::Kv {
+                request: id,
+                message: format!("{} blocks received for {kv_tokens} tokens", table.blocks.len()),
+            });
+        }
+        // End to end: every token's content is the one (request, token) determines.
+        let n = verify_written(&self.arena, self.block_size, Tier::Gpu, &table.blocks, id, kv_tokens)
+            .map_err(|cause| DriverError::KvCorrupt { request: id, cause })?;
+        self.kv_stats.tokens_verified += n;
+        self.engine.attach(self.clock.now(), m)?;
+        let blocks = self.engine.kv().table(id).map(|t| t.blocks.clone()).unwrap_or_default();
+        self.written.insert(id, Written { tier: Some(Tier::Gpu), blocks, tokens: kv_tokens });
+        self.accepted.insert(id);
+        self.live.insert(id);
+        Ok(())
+    }
+}
