@@ -120,7 +120,11 @@ fn bench_sim(b: SimBench) -> anyhow::Result<()> {
     crate::say!("  wall time          {:>12.2} s (workload generation {:.2} s)", wall, gen_s);
     crate::say!("  events             {:>12} ({:.2} M events/s)", r.events, r.events as f64 / wall / 1e6);
     crate::say!("  engine iterations  {:>12} ({:.2} M iterations/s)", iterations, iterations as f64 / wall / 1e6);
-    crate::say!("  full re-plans      {:>12} ({:.1} % of iterations)", full_plans, 100.0 * full_plans as f64 / iterations.max(1) as f64);
+    crate::say!(
+        "  full re-plans      {:>12} ({:.1} % of iterations)",
+        full_plans,
+        100.0 * full_plans as f64 / iterations.max(1) as f64
+    );
     crate::say!("  tokens generated   {:>12} ({:.1} M tokens/s)", tokens, tokens as f64 / wall / 1e6);
     crate::say!("  speed-up vs real   {:>12.0}×", r.sim_end_s / wall);
     crate::say!("  finished requests  {:>12} of {}", r.summary.requests_finished, r.summary.requests_total);
@@ -143,21 +147,46 @@ fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
     let worker_bin = sibling_binary("kvfleet-worker")?;
     std::fs::create_dir_all(&b.out)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    crate::say!("bench workers: {} s of load per count, {} requests in flight per worker, {} arenas (pre-faulted)", b.duration_s, b.per_worker, b.kv_memory);
-    crate::say!("{:>8} {:>14} {:>14} {:>14} {:>12}", "workers", "p99 median us", "p99 worst us", "max worst us", "iterations");
+    crate::say!(
+        "bench workers: {} s of load per count, {} requests in flight per worker, {} arenas (pre-faulted)",
+        b.duration_s,
+        b.per_worker,
+        b.kv_memory
+    );
+    crate::say!(
+        "{:>8} {:>14} {:>14} {:>14} {:>12}",
+        "workers",
+        "p99 median us",
+        "p99 worst us",
+        "max worst us",
+        "iterations"
+    );
     let mut best = None;
     for &n in &b.counts {
         let mut procs = Vec::new();
         for i in 0..n {
             let args: Vec<String> = [
-                "--instance", &i.to_string(), "--kv-memory", &b.kv_memory, "--cpu-memory", &b.kv_memory, "--kv-fill", "stamp",
-                "--prefault", "--load-interval-ms", "1000", "--plaintext",
+                "--instance",
+                &i.to_string(),
+                "--kv-memory",
+                &b.kv_memory,
+                "--cpu-memory",
+                &b.kv_memory,
+                "--kv-fill",
+                "stamp",
+                "--prefault",
+                "--load-interval-ms",
+                "1000",
+                "--plaintext",
             ]
             .iter()
             .map(|s| s.to_string())
             .collect();
             let log = b.out.join(format!("worker-{n}-{i}.log"));
-            procs.push((Proc::spawn(&format!("worker-{i}"), &worker_bin, &args, &log, Some(Duration::from_secs(60)))?, log));
+            procs.push((
+                Proc::spawn(&format!("worker-{i}"), &worker_bin, &args, &log, Some(Duration::from_secs(60)))?,
+                log,
+            ));
         }
         let addrs: Vec<String> = procs.iter().filter_map(|(p, _)| p.addr.clone()).collect();
         let duration = Duration::from_secs_f64(b.duration_s);
@@ -178,7 +207,13 @@ fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
                         let in_flight = load.reasoning_requests + load.answering_requests;
                         for _ in in_flight..per_worker {
                             id += 1;
-                            let spec = v1::RequestSpec { id, arrival_ns: 0, prompt_tokens: 32, reasoning_tokens: 60, answer_tokens: 40 };
+                            let spec = v1::RequestSpec {
+                                id,
+                                arrival_ns: 0,
+                                prompt_tokens: 32,
+                                reasoning_tokens: 60,
+                                answer_tokens: 40,
+                            };
                             let _ = c.submit(v1::SubmitRequest { spec: Some(spec) }).await;
                         }
                         tokio::time::sleep(Duration::from_millis(200)).await;

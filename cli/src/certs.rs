@@ -51,7 +51,9 @@ pub fn run(cmd: CertsCommand) -> anyhow::Result<()> {
     match cmd {
         CertsCommand::Init(a) => {
             if a.dir.join(kvfleet_pki::CA_KEY_FILE).exists() {
-                return Err(InputError(format!("{} already holds a CA key; not overwriting it", a.dir.display())).into());
+                return Err(
+                    InputError(format!("{} already holds a CA key; not overwriting it", a.dir.display())).into()
+                );
             }
             ClusterCa::generate(&a.cluster)?.save(&a.dir)?;
             say!("cluster CA written to {} (ca.pem, ca.key)", a.dir.display());
@@ -65,7 +67,13 @@ pub fn run(cmd: CertsCommand) -> anyhow::Result<()> {
             };
             let files = IdentityFiles::in_dir(&a.out, "node");
             ca.issue(role, &a.name, &a.hosts)?.save(&files)?;
-            say!("{} certificate for {} written to {} (use --tls-dir {})", a.role, a.name, a.out.display(), a.out.display());
+            say!(
+                "{} certificate for {} written to {} (use --tls-dir {})",
+                a.role,
+                a.name,
+                a.out.display(),
+                a.out.display()
+            );
         }
     }
     Ok(())

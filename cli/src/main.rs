@@ -155,7 +155,8 @@ pub fn load_config(
             (true, None) => {
                 cfg.scheduler.policy = policies[0].clone();
                 // Several policies on the workload's own arrivals (a trace, or the configured rate).
-                cfg.sweep = (policies.len() > 1).then(|| kvfleet_sim::config::SweepConfig { policies, rates: Vec::new() });
+                cfg.sweep =
+                    (policies.len() > 1).then(|| kvfleet_sim::config::SweepConfig { policies, rates: Vec::new() });
             }
         }
     }
@@ -201,12 +202,17 @@ pub fn run_parallel(
     jobs: Option<usize>,
     quiet: bool,
 ) -> anyhow::Result<Vec<RunResult>> {
-    let jobs = jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1).min(runs.len().max(1));
+    let jobs = jobs
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .max(1)
+        .min(runs.len().max(1));
     let per_run_total = kvfleet_core::workload::generate(&cfg.workload, base_dir).map(|r| r.len()).unwrap_or(0) as u64;
     let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(per_run_total * runs.len() as u64) };
     bar.set_style(
-        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests finished ({eta} left) {msg}")
-            .expect("static template"),
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests finished ({eta} left) {msg}",
+        )
+        .expect("static template"),
     );
     let finished_total = AtomicU64::new(0);
     let next = AtomicU64::new(0);

@@ -8,11 +8,11 @@
 //!   record is stored twice at most, never counted twice;
 //! - a refused fenced write means another coordinator leads: this one stops at once (`deposed`).
 
-use kvfleet_meta::layout::{self as keys, WorkerRecord};
 use crate::state::{ClusterState, OwnedPhase, Ownership};
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::{LoadReport, PhaseDecision};
 use kvfleet_core::{InstanceId, RequestId, RequestSpec};
+use kvfleet_meta::layout::{self as keys, WorkerRecord};
 use kvfleet_meta::{Condition, LeaderKey, MetaStore};
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::worker_client::WorkerClient;
@@ -42,6 +42,8 @@ pub struct LeaderStats {
 struct WorkerLink {
     client: WorkerClient<Channel>,
     pump: JoinHandle<()>,
+    /// Where it receives live KV migrations (empty: it cannot; re-materialise instead).
+    kv_address: String,
 }
 
 pub struct Leader {
@@ -54,6 +56,8 @@ pub struct Leader {
     deposed_tx: watch::Sender<bool>,
     pub deposed: watch::Receiver<bool>,
     connector: Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync>,
+    /// Settled live migrations, as the sources measured them.
+    migration_log: Mutex<Vec<v1::MigrationStats>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +83,9 @@ impl From<LeaderError> for Status {
 }
 
 /// The channel factory for workers: mutual TLS with the cluster identity, or plain text.
-pub fn worker_connector(tls: Option<kvfleet_pki::NodeIdentity>) -> Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync> {
+pub fn worker_connector(
+    tls: Option<kvfleet_pki::NodeIdentity>,
+) -> Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync> {
     Arc::new(move |addr: &str| {
         kvfleet_pki::endpoint(addr, tls.as_ref())
             .map_err(|e| format!("worker {addr}: {e}"))
@@ -109,6 +115,7 @@ impl Leader {
             deposed_tx,
             deposed,
             connector,
+            migration_log: Mutex::new(Vec::new()),
         })
     }
 
@@ -171,13 +178,16 @@ impl Leader {
         let mut links = self.links.lock().expect("links lock");
         if let Some(l) = links.get(&id) {
             if !l.pump.is_finished() {
+                if let Some(l) = links.get_mut(&id) {
+                    l.kv_address.clone_from(&rec.kv_address);
+                }
                 return Ok(());
             }
         }
         let channel = (self.connector)(&rec.address)?;
         let client = WorkerClient::new(channel).max_decoding_message_size(64 << 20);
         let pump = tokio::spawn(self.clone().pump(id, client.clone()));
-        links.insert(id, WorkerLink { client, pump });
+        links.insert(id, WorkerLink { client, pump, kv_address: rec.kv_address.clone() });
         tracing::info!(instance = id.0, address = %rec.address, "worker joined");
         Ok(())
     }
@@ -236,7 +246,9 @@ impl Leader {
         let owned = self.state().ownership(id).cloned();
         match owned {
             Some(o) => {
-                let _ = tx.send(Ok(v1::ClientEvent { event: Some(v1::client_event::Event::AcceptedOn(o.instance.0)) })).await;
+                let _ = tx
+                    .send(Ok(v1::ClientEvent { event: Some(v1::client_event::Event::AcceptedOn(o.instance.0)) }))
+                    .await;
                 self.subscribers.lock().expect("subscribers lock").insert(id, tx);
                 Ok(())
             }
@@ -378,12 +390,19 @@ impl Leader {
 
     /// Move a request between workers. The KV is re-materialised on the target (the QUIC issue
     /// replaces this with a real copy). On any failure the request keeps running on its source.
+    fn kv_address(&self, instance: InstanceId) -> String {
+        self.links.lock().expect("links lock").get(&instance).map(|l| l.kv_address.clone()).unwrap_or_default()
+    }
+
     async fn migrate(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId) {
         let (Some(mut src), Some(mut dst)) = (self.client(from), self.client(to)) else {
             self.state().migration_done(id, None);
             return;
         };
-        let out = match src.migrate_out(v1::MigrateOutRequest { request_id: id.0, target: to.0, ..Default::default() }).await {
+        let target_kv_address = self.kv_address(to);
+        let live = !target_kv_address.is_empty();
+        let req = v1::MigrateOutRequest { request_id: id.0, target: to.0, target_kv_address, ..Default::default() };
+        let out = match src.migrate_out(req).await {
             Ok(r) => r.into_inner(),
             Err(e) => {
                 // Nothing moved (finished meanwhile, or an iteration boundary refused it).
@@ -393,6 +412,10 @@ impl Leader {
                 return;
             }
         };
+        if live {
+            self.settle_live(id, from, to, out, &mut src, &mut dst).await;
+            return;
+        }
         let attach = v1::AttachRequest { state: out.state.clone(), kv_rematerialized: true };
         match dst.attach(attach.clone()).await {
             Ok(_) => {
@@ -401,7 +424,12 @@ impl Leader {
                 let _ = self.persist_ownership(id).await;
             }
             Err(e) => {
-                tracing::warn!(request = id.0, from = from.0, to = to.0, "attach failed ({e}); returning the request to its source");
+                tracing::warn!(
+                    request = id.0,
+                    from = from.0,
+                    to = to.0,
+                    "attach failed ({e}); returning the request to its source"
+                );
                 self.stats.migration_failures.fetch_add(1, Ordering::Relaxed);
                 self.state().migration_done(id, None);
                 if src.attach(attach).await.is_err() {
@@ -409,6 +437,54 @@ impl Leader {
                     let _ = self.replace(id).await;
                 }
             }
+        }
+    }
+
+    /// A live migration's reply: record where the request lives now. An unknown outcome (the
+    /// connection broke after COMMIT) is settled by asking the target, which from then on refuses
+    /// a late COMMIT, and telling the source which copy lives: never two copies, never none.
+    async fn settle_live(
+        self: &Arc<Self>,
+        id: RequestId,
+        from: InstanceId,
+        to: InstanceId,
+        out: v1::MigrateOutReply,
+        src: &mut WorkerClient<Channel>,
+        dst: &mut WorkerClient<Channel>,
+    ) {
+        let mut outcome = out.outcome();
+        if outcome == v1::MigrationOutcome::MigrationUnknown {
+            let held =
+                match dst.resolve_migration(v1::ResolveMigrationRequest { request_id: id.0, committed: None }).await {
+                    Ok(r) => r.into_inner().held,
+                    // The target is unreachable: its registration will lapse and its requests be
+                    // re-placed; the paused source copy is the one that lives.
+                    Err(_) => false,
+                };
+            tracing::warn!(
+                request = id.0,
+                from = from.0,
+                to = to.0,
+                held,
+                "live migration outcome unknown; settled by asking the target"
+            );
+            let tell = v1::ResolveMigrationRequest { request_id: id.0, committed: Some(held) };
+            if let Err(e) = src.resolve_migration(tell).await {
+                tracing::warn!(request = id.0, "telling the source failed: {e}");
+            }
+            outcome =
+                if held { v1::MigrationOutcome::MigrationCommitted } else { v1::MigrationOutcome::MigrationAborted };
+        }
+        if let Some(stats) = out.stats {
+            self.migration_log.lock().expect("migration log lock").push(stats);
+        }
+        if outcome == v1::MigrationOutcome::MigrationCommitted {
+            self.state().migration_done(id, Some(to));
+            self.stats.migrations.fetch_add(1, Ordering::Relaxed);
+            let _ = self.persist_ownership(id).await;
+        } else {
+            self.stats.migration_failures.fetch_add(1, Ordering::Relaxed);
+            self.state().migration_done(id, None);
         }
     }
 
@@ -431,6 +507,7 @@ impl Leader {
             requests_finished: self.stats.finished.load(Ordering::Relaxed),
             migrations: self.stats.migrations.load(Ordering::Relaxed),
             store: self.store.store_kind().to_string(),
+            migration_log: self.migration_log.lock().expect("migration log lock").clone(),
         }
     }
 

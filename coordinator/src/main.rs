@@ -12,7 +12,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Parser, Debug)]
-#[command(name = "kvfleet-coordinator", version, about = "kvfleet coordinator: registry, leader election, instance-level scheduling")]
+#[command(
+    name = "kvfleet-coordinator",
+    version,
+    about = "kvfleet coordinator: registry, leader election, instance-level scheduling"
+)]
 struct Args {
     /// Address to listen on for the gRPC API (port 0: any free port; printed as `listening on ADDR`).
     #[arg(long, default_value = "127.0.0.1:0")]
@@ -49,20 +53,31 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
     let args = Args::parse();
     // TLS first: a coordinator without its cluster certificate (and not --plaintext) stops here.
     let tls = args.tls.load().context("the control plane's TLS")?;
     let store: Arc<dyn MetaStore> = if args.etcd.etcd.is_empty() {
-        tracing::warn!("no --etcd endpoint given: running with an EMBEDDED in-process store (single coordinator, no failover)");
+        tracing::warn!(
+            "no --etcd endpoint given: running with an EMBEDDED in-process store (single coordinator, no failover)"
+        );
         Arc::new(MemStore::new())
     } else {
         tracing::info!(endpoints = ?args.etcd.etcd, "connecting to etcd");
         let opts = args.etcd.options();
-        Arc::new(kvfleet_meta::EtcdStore::connect_with_retry(&args.etcd.etcd, &opts, Duration::from_secs(60)).await.context("connecting to etcd")?)
+        Arc::new(
+            kvfleet_meta::EtcdStore::connect_with_retry(&args.etcd.etcd, &opts, Duration::from_secs(60))
+                .await
+                .context("connecting to etcd")?,
+        )
     };
     let spec = ModelSpec::load(&args.model).with_context(|| format!("--model {}", args.model))?;
-    let listener = tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+    let listener =
+        tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let bound = listener.local_addr()?;
     let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
     println!("listening on {bound}");
@@ -81,7 +96,8 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(%advertise, policy = %args.policy, "coordinator up; campaigning for leadership");
     tokio::spawn(node.clone().campaign_loop());
     let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
         tokio::select! { _ = term.recv() => {}, _ = tokio::signal::ctrl_c() => {} }
         tracing::info!("shutting down");
     };

@@ -1,11 +1,11 @@
 //! One coordinator process: serves the `Coordinator` gRPC API, campaigns for leadership, and
 //! while leader runs a [`Leader`]; standbys answer `Status` and point clients at the leader.
 
-use kvfleet_meta::layout::{self as keys, ClusterRecord, WorkerRecord};
 use crate::leader::{worker_connector, ClientTx, Leader};
 use crate::state::{ClusterModel, ClusterState};
 use kvfleet_core::policy::registry::{build_policy, PolicyParams};
 use kvfleet_core::{InstanceId, RequestId};
+use kvfleet_meta::layout::{self as keys, ClusterRecord, WorkerRecord};
 use kvfleet_meta::{spawn_keep_alive, EventKind, LeaseId, MetaStore};
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::coordinator_server::{Coordinator, CoordinatorServer};
@@ -69,11 +69,13 @@ impl Node {
     /// Join (or found) the cluster: the first coordinator writes the cluster record.
     pub async fn new(opts: NodeOptions, store: Arc<dyn MetaStore>) -> Result<Arc<Node>, NodeError> {
         build_policy(&opts.policy, &opts.policy_params).map_err(|e| NodeError::Policy(e.to_string()))?;
-        let proposed = ClusterRecord { model: opts.model.clone(), epoch_unix_ns: opts.epoch_unix_ns.unwrap_or_else(unix_now_ns) };
+        let proposed =
+            ClusterRecord { model: opts.model.clone(), epoch_unix_ns: opts.epoch_unix_ns.unwrap_or_else(unix_now_ns) };
         let bytes = serde_json::to_vec(&proposed).expect("plain data");
         store.put_if(keys::CLUSTER, &bytes, None, &[kvfleet_meta::Condition::absent(keys::CLUSTER)]).await?;
         let kv = store.get(keys::CLUSTER).await?.ok_or_else(|| NodeError::BadCluster("vanished".into()))?;
-        let cluster: ClusterRecord = serde_json::from_slice(&kv.value).map_err(|e| NodeError::BadCluster(e.to_string()))?;
+        let cluster: ClusterRecord =
+            serde_json::from_slice(&kv.value).map_err(|e| NodeError::BadCluster(e.to_string()))?;
         if cluster.model != opts.model {
             return Err(NodeError::ModelMismatch {
                 ours: opts.model.model.clone(),
@@ -82,7 +84,13 @@ impl Node {
                 theirs_bytes: cluster.model.kv_bytes_per_token,
             });
         }
-        Ok(Arc::new(Node { opts, store, leader: RwLock::new(None), cluster, worker_leases: Mutex::new(HashMap::new()) }))
+        Ok(Arc::new(Node {
+            opts,
+            store,
+            leader: RwLock::new(None),
+            cluster,
+            worker_leases: Mutex::new(HashMap::new()),
+        }))
     }
 
     pub fn epoch_unix_ns(&self) -> u64 {
@@ -113,7 +121,8 @@ impl Node {
         let keeper = spawn_keep_alive(self.store.clone(), lease, self.opts.lease_ttl);
         let fence = self.store.campaign(keys::ELECTION, self.opts.advertise.as_bytes(), lease).await?;
         let started = std::time::Instant::now();
-        let policy = build_policy(&self.opts.policy, &self.opts.policy_params).map_err(|e| NodeError::Policy(e.to_string()))?;
+        let policy =
+            build_policy(&self.opts.policy, &self.opts.policy_params).map_err(|e| NodeError::Policy(e.to_string()))?;
         let state = ClusterState::new(self.opts.model.clone(), policy, self.opts.seed);
         let leader = Leader::new(self.store.clone(), fence.clone(), state, worker_connector(self.opts.tls.clone()));
         let restored = leader.restore().await.map_err(|e| NodeError::BadCluster(e.to_string()))?;
@@ -132,7 +141,8 @@ impl Node {
             took_ms = started.elapsed().as_millis() as u64,
             "became leader"
         );
-        let mut watch = self.store.watch_prefix(keys::WORKERS, Some(kvfleet_meta::Revision(listing.revision.0 + 1))).await?;
+        let mut watch =
+            self.store.watch_prefix(keys::WORKERS, Some(kvfleet_meta::Revision(listing.revision.0 + 1))).await?;
         let mut deposed = leader.deposed.clone();
         let outcome = loop {
             tokio::select! {
@@ -170,7 +180,11 @@ impl Node {
         if info.model != self.opts.model.model || info.kv_bytes_per_token != self.opts.model.kv_bytes_per_token {
             return Err(Status::failed_precondition(format!(
                 "worker {} serves model `{}` ({} B/token) but the cluster runs `{}` ({} B/token)",
-                info.instance, info.model, info.kv_bytes_per_token, self.opts.model.model, self.opts.model.kv_bytes_per_token
+                info.instance,
+                info.model,
+                info.kv_bytes_per_token,
+                self.opts.model.model,
+                self.opts.model.kv_bytes_per_token
             )));
         }
         if info.advertise.is_empty() {
@@ -180,7 +194,11 @@ impl Node {
         let lease = match existing {
             Some(l) if self.store.keep_alive(l).await.is_ok() => l,
             _ => {
-                let l = self.store.grant_lease(self.opts.worker_ttl).await.map_err(|e| Status::unavailable(e.to_string()))?;
+                let l = self
+                    .store
+                    .grant_lease(self.opts.worker_ttl)
+                    .await
+                    .map_err(|e| Status::unavailable(e.to_string()))?;
                 self.worker_leases.lock().expect("lease map").insert(info.instance, l);
                 l
             }
@@ -192,7 +210,10 @@ impl Node {
         if current.as_ref().map(|kv| kv.value.as_slice()) != Some(bytes.as_slice()) {
             self.store.put_with_lease(&key, &bytes, lease).await.map_err(|e| Status::unavailable(e.to_string()))?;
         }
-        Ok(v1::RegisterReply { ttl_ms: self.opts.worker_ttl.as_millis() as u32, epoch_unix_ns: self.cluster.epoch_unix_ns })
+        Ok(v1::RegisterReply {
+            ttl_ms: self.opts.worker_ttl.as_millis() as u32,
+            epoch_unix_ns: self.cluster.epoch_unix_ns,
+        })
     }
 
     pub fn service(self: &Arc<Self>) -> CoordinatorServer<CoordinatorService> {
@@ -224,7 +245,14 @@ impl CoordinatorService {
                 return Ok(l);
             }
         }
-        let hint = self.node.store.leader(keys::ELECTION).await.ok().flatten().map(|v| String::from_utf8_lossy(&v).into_owned());
+        let hint = self
+            .node
+            .store
+            .leader(keys::ELECTION)
+            .await
+            .ok()
+            .flatten()
+            .map(|v| String::from_utf8_lossy(&v).into_owned());
         Err(Status::unavailable(match hint {
             Some(addr) => format!("not the leader; the leader is at {addr}"),
             None => "no leader elected yet; retry".to_string(),
@@ -253,7 +281,15 @@ impl Coordinator for CoordinatorService {
     }
 
     async fn status(&self, _req: Request<v1::StatusRequest>) -> Result<Response<v1::ClusterStatus>, Status> {
-        let leader_addr = self.node.store.leader(keys::ELECTION).await.ok().flatten().map(|v| String::from_utf8_lossy(&v).into_owned()).unwrap_or_default();
+        let leader_addr = self
+            .node
+            .store
+            .leader(keys::ELECTION)
+            .await
+            .ok()
+            .flatten()
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+            .unwrap_or_default();
         let status = match self.node.current_leader().await {
             Some(l) => l.status(&leader_addr, self.node.epoch_unix_ns()),
             None => v1::ClusterStatus {
@@ -275,7 +311,11 @@ impl Coordinator for CoordinatorService {
 /// Serve the coordinator API on `listener` until `shutdown` resolves.
 /// With a cluster identity the API runs over mutual TLS: only holders of a cluster certificate
 /// can register, submit or read.
-pub async fn serve(node: Arc<Node>, listener: tokio::net::TcpListener, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<(), tonic::transport::Error> {
+pub async fn serve(
+    node: Arc<Node>,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let mut server = tonic::transport::Server::builder();
     if let Some(id) = &node.opts.tls {

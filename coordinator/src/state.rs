@@ -62,7 +62,13 @@ pub struct ClusterState {
 
 impl ClusterState {
     pub fn new(model: ClusterModel, policy: Box<dyn InstancePolicy>, seed: u64) -> Self {
-        ClusterState { model, policy, rng: SimRng::seed_from_u64(seed), members: BTreeMap::new(), requests: BTreeMap::new() }
+        ClusterState {
+            model,
+            policy,
+            rng: SimRng::seed_from_u64(seed),
+            members: BTreeMap::new(),
+            requests: BTreeMap::new(),
+        }
     }
 
     pub fn policy_name(&self) -> &str {
@@ -82,7 +88,13 @@ impl ClusterState {
     }
 
     /// A worker (re)joins. Refused when it serves another model.
-    pub fn join(&mut self, instance: InstanceId, address: String, model: &str, kv_bytes_per_token: u64) -> Result<(), StateError> {
+    pub fn join(
+        &mut self,
+        instance: InstanceId,
+        address: String,
+        model: &str,
+        kv_bytes_per_token: u64,
+    ) -> Result<(), StateError> {
         if model != self.model.model || kv_bytes_per_token != self.model.kv_bytes_per_token {
             return Err(StateError::ModelMismatch {
                 instance: instance.0,
@@ -132,7 +144,8 @@ impl ClusterState {
         }
         let to = self.choose(spec)?;
         let phase = if spec.reasoning_tokens > 0 { OwnedPhase::Reasoning } else { OwnedPhase::Answering };
-        self.requests.insert(spec.id, Ownership { spec: spec.clone(), instance: to, phase, replaced: 0, migrations: 0 });
+        self.requests
+            .insert(spec.id, Ownership { spec: spec.clone(), instance: to, phase, replaced: 0, migrations: 0 });
         self.charge(to, spec);
         Ok(to)
     }
@@ -280,7 +293,11 @@ mod tests {
         s.on_load(load(2, 5, 0));
         assert_eq!(s.place(&spec(1)).unwrap(), InstanceId(2), "Alg. 1: least KV footprint");
         let charged = &s.members()[&InstanceId(2)].load;
-        assert_eq!((charged.gpu_used_blocks, charged.waiting_requests, charged.reasoning_requests), (16, 1, 1), "placement is charged at once");
+        assert_eq!(
+            (charged.gpu_used_blocks, charged.waiting_requests, charged.reasoning_requests),
+            (16, 1, 1),
+            "placement is charged at once"
+        );
         assert_eq!(s.place(&spec(1)), Err(StateError::Duplicate(RequestId(1))));
         let orphans = s.leave(InstanceId(2));
         assert_eq!(orphans, vec![RequestId(1)]);

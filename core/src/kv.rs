@@ -9,9 +9,9 @@
 //! - free + used = capacity, per pool, after every operation;
 //! - a request's blocks all live on one tier, and it holds exactly `ceil(tokens / block_size)`.
 
+use crate::idmap::IdMap;
 use crate::ids::RequestId;
 use serde::{Deserialize, Serialize};
-use crate::idmap::IdMap;
 
 /// Where a request's KV lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -97,7 +97,13 @@ impl KvBlockManager {
     /// `block_size` tokens per block (vLLM default 16); pool capacities in blocks.
     pub fn new(block_size: u32, gpu_blocks: u32, cpu_blocks: u32) -> Self {
         assert!(block_size > 0, "block_size must be > 0");
-        KvBlockManager { block_size, gpu: Pool::new(gpu_blocks), cpu: Pool::new(cpu_blocks), tables: IdMap::default(), journal: None }
+        KvBlockManager {
+            block_size,
+            gpu: Pool::new(gpu_blocks),
+            cpu: Pool::new(cpu_blocks),
+            tables: IdMap::default(),
+            journal: None,
+        }
     }
 
     pub fn block_size(&self) -> u32 {
@@ -292,7 +298,10 @@ mod tests {
     fn over_capacity_is_refused_without_side_effects() {
         let mut kv = KvBlockManager::new(16, 2, 1);
         kv.allocate(RequestId(1), Tier::Gpu, 32).unwrap();
-        assert_eq!(kv.allocate(RequestId(2), Tier::Gpu, 1), Err(KvError::OutOfBlocks { tier: Tier::Gpu, needed: 1, free: 0 }));
+        assert_eq!(
+            kv.allocate(RequestId(2), Tier::Gpu, 1),
+            Err(KvError::OutOfBlocks { tier: Tier::Gpu, needed: 1, free: 0 })
+        );
         assert!(kv.move_to(RequestId(1), Tier::Cpu).is_err(), "CPU pool has 1 block, request holds 2");
         assert_eq!(kv.tier_of(RequestId(1)), Some(Tier::Gpu));
         assert!(kv.grow(RequestId(1), 33).is_err());

@@ -97,7 +97,11 @@ impl ModelSpec {
         ];
         for (field, v) in fields {
             if v == 0 {
-                return Err(SpecError::Invalid { kind: "model", path: path.into(), message: format!("`{field}` must be > 0") });
+                return Err(SpecError::Invalid {
+                    kind: "model",
+                    path: path.into(),
+                    message: format!("`{field}` must be > 0"),
+                });
             }
         }
         if self.q_heads % self.kv_heads != 0 {
@@ -112,8 +116,11 @@ impl ModelSpec {
 }
 
 fn parse_model(text: &str, path: &str) -> Result<ModelSpec, SpecError> {
-    let spec: ModelSpec =
-        toml::from_str(text).map_err(|e| SpecError::Invalid { kind: "model", path: path.into(), message: e.to_string() })?;
+    let spec: ModelSpec = toml::from_str(text).map_err(|e| SpecError::Invalid {
+        kind: "model",
+        path: path.into(),
+        message: e.to_string(),
+    })?;
     spec.validate(path)?;
     Ok(spec)
 }

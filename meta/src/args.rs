@@ -36,6 +36,11 @@ impl EtcdArgs {
             client_key_pem: self.etcd_key.clone(),
             domain_name: None,
         });
-        EtcdOptions { username: self.etcd_user.clone(), password: self.etcd_password.clone(), tls, ..EtcdOptions::default() }
+        EtcdOptions {
+            username: self.etcd_user.clone(),
+            password: self.etcd_password.clone(),
+            tls,
+            ..EtcdOptions::default()
+        }
     }
 }

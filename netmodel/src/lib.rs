@@ -3,13 +3,14 @@
 //! | module | what lives there |
 //! |---|---|
 //! | [`link`] | the simulator's network: per-instance full-duplex NICs, bandwidth shared by concurrent transfers, one-way latency (PASCAL §IV-B "KV cache transfer overhead", §V-C) |
+//! | [`migration`] | the live-migration protocol as a sans-IO state machine (PREPARE, pipelined copy stages, stop-and-copy, COMMIT/ABORT; SPEC "Migration"), shared by every transport |
+//! | [`shaping`] | link shaping (token-bucket rate, added latency) so a run can emulate a fabric's timing on a faster or slower host |
 //!
-//! Like `kvfleet-core` it is sans-IO: time is passed in as [`kvfleet_core::SimTime`].
-//!
-//! Later it will also hold the `KvTransport` trait with its QUIC, RDMA and in-memory transports,
-//! and the migration state machine (PREPARE, pipelined copy stages, stop-and-copy, COMMIT/ABORT;
-//! SPEC "Migration") that the simulator and the worker both drive.
+//! Like `kvfleet-core` it is sans-IO: time is passed in as [`kvfleet_core::SimTime`]. The byte
+//! movers (QUIC, RDMA, in-memory) live in `kvfleet-transport`.
 
 pub mod link;
+pub mod migration;
+pub mod shaping;
 
 pub use link::{Fabric, LinkError, LinkParams, TransferId};

@@ -192,7 +192,11 @@ pub struct IdentityFiles {
 impl IdentityFiles {
     /// `DIR/ca.pem`, `DIR/<stem>.pem`, `DIR/<stem>.key`.
     pub fn in_dir(dir: &Path, stem: &str) -> IdentityFiles {
-        IdentityFiles { ca: dir.join(CA_CERT_FILE), cert: dir.join(format!("{stem}.pem")), key: dir.join(format!("{stem}.key")) }
+        IdentityFiles {
+            ca: dir.join(CA_CERT_FILE),
+            cert: dir.join(format!("{stem}.pem")),
+            key: dir.join(format!("{stem}.key")),
+        }
     }
 }
 
@@ -243,12 +247,10 @@ impl NodeIdentity {
 
     /// A TLS 1.3 server config (for QUIC) that requires a client certificate from the CA.
     pub fn rustls_server(&self) -> Result<rustls::ServerConfig, PkiError> {
-        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-            Arc::new(self.roots()?),
-            Self::provider(),
-        )
-        .build()
-        .map_err(|e| PkiError::Verifier(e.to_string()))?;
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(self.roots()?), Self::provider())
+                .build()
+                .map_err(|e| PkiError::Verifier(e.to_string()))?;
         Ok(rustls::ServerConfig::builder_with_provider(Self::provider())
             .with_protocol_versions(&[&rustls::version::TLS13])?
             .with_client_cert_verifier(verifier)
@@ -261,7 +263,10 @@ impl NodeIdentity {
         Ok(rustls::ClientConfig::builder_with_provider(Self::provider())
             .with_protocol_versions(&[&rustls::version::TLS13])?
             .with_root_certificates(self.roots()?)
-            .with_client_auth_cert(certs(&self.cert_pem, "the node certificate")?, key(&self.key_pem, "the node key")?)?)
+            .with_client_auth_cert(
+                certs(&self.cert_pem, "the node certificate")?,
+                key(&self.key_pem, "the node key")?,
+            )?)
     }
 }
 
@@ -276,7 +281,8 @@ fn certs(pem: &str, what: &str) -> Result<Vec<CertificateDer<'static>>, PkiError
 }
 
 fn key(pem: &str, what: &str) -> Result<PrivateKeyDer<'static>, PkiError> {
-    PrivateKeyDer::from_pem_slice(pem.as_bytes()).map_err(|e| PkiError::Pem { what: what.to_string(), cause: e.to_string() })
+    PrivateKeyDer::from_pem_slice(pem.as_bytes())
+        .map_err(|e| PkiError::Pem { what: what.to_string(), cause: e.to_string() })
 }
 
 /// The control-plane TLS flags every kvfleet binary takes.

@@ -130,9 +130,6 @@ fn tls_flags_fail_clearly() {
 fn flags_round_trip_to_arguments() {
     let files = IdentityFiles::in_dir(Path::new("/pki"), "worker-3");
     let args = TlsArgs::files(&files).to_args();
-    assert_eq!(
-        args,
-        ["--tls-ca", "/pki/ca.pem", "--tls-cert", "/pki/worker-3.pem", "--tls-key", "/pki/worker-3.key"]
-    );
+    assert_eq!(args, ["--tls-ca", "/pki/ca.pem", "--tls-cert", "/pki/worker-3.pem", "--tls-key", "/pki/worker-3.key"]);
     assert_eq!(TlsArgs { plaintext: true, ..TlsArgs::default() }.to_args(), ["--plaintext"]);
 }

@@ -5,6 +5,10 @@ pub mod v1 {
     tonic::include_proto!("kvfleet.v1");
 }
 
+pub mod migration {
+    tonic::include_proto!("kvfleet.migration.v1");
+}
+
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::LoadReport;
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimTime};

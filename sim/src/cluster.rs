@@ -233,7 +233,13 @@ impl Cluster {
         }
         progress(Progress { now, arrived, finished: records.len(), total });
         records.sort_by_key(|r| r.id);
-        ClusterOutcome { records, migrations, instances: self.engines.iter().map(|e| e.stats().clone()).collect(), events, end: now }
+        ClusterOutcome {
+            records,
+            migrations,
+            instances: self.engines.iter().map(|e| e.stats().clone()).collect(),
+            events,
+            end: now,
+        }
     }
 
     fn on_phase_boundary(&mut self, now: SimTime, i: u32, request: RequestId, kv_blocks: u32) {
@@ -245,13 +251,16 @@ impl Cluster {
         self.refresh_touched_loads();
         debug_assert!(self.loads_are_fresh(), "policy would see a stale load report");
         let change = PhaseChange { request, current: InstanceId(i), kv_blocks };
-        let PhaseDecision::Migrate { to } = self.policy.on_phase_change(&change, &self.loads, &mut self.rng) else { return };
+        let PhaseDecision::Migrate { to } = self.policy.on_phase_change(&change, &self.loads, &mut self.rng) else {
+            return;
+        };
         if to.0 == i || to.0 as usize >= self.engines.len() {
             return;
         }
         let Ok(out) = self.engines[i as usize].begin_migration_out(request) else { return };
         let id = self.fabric.start(now, InstanceId(i), to, out.kv_bytes);
-        self.transfers.insert(id, PendingMigration { request, from: InstanceId(i), to, bytes: out.kv_bytes, start: now });
+        self.transfers
+            .insert(id, PendingMigration { request, from: InstanceId(i), to, bytes: out.kv_bytes, start: now });
         self.schedule_fabric_wake();
     }
 

@@ -101,7 +101,11 @@ pub struct SchedulerConfig {
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        SchedulerConfig { policy: "pascal".into(), intra: SchedulerParams::default(), instance: PolicyParams::default() }
+        SchedulerConfig {
+            policy: "pascal".into(),
+            intra: SchedulerParams::default(),
+            instance: PolicyParams::default(),
+        }
     }
 }
 
@@ -158,12 +162,14 @@ pub fn resolve_policy(name: &str) -> Result<(String, String), ConfigError> {
 impl SimConfig {
     /// Parse a TOML file; relative paths inside resolve against its directory (see `base_dir`).
     pub fn load(path: &Path) -> Result<SimConfig, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Io { path: path.display().to_string(), source })?;
         Self::parse(&text, &path.display().to_string())
     }
 
     pub fn parse(text: &str, origin: &str) -> Result<SimConfig, ConfigError> {
-        let cfg: SimConfig = toml::from_str(text).map_err(|e| ConfigError::Parse { path: origin.into(), message: one_line(&e.to_string()) })?;
+        let cfg: SimConfig = toml::from_str(text)
+            .map_err(|e| ConfigError::Parse { path: origin.into(), message: one_line(&e.to_string()) })?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -175,7 +181,10 @@ impl SimConfig {
             return Err(ConfigError::Invalid("`cluster.instances` must be at least 1".into()));
         }
         if !(c.gpu_memory_utilization > 0.0 && c.gpu_memory_utilization <= 1.0) {
-            return Err(ConfigError::Invalid(format!("`cluster.gpu_memory_utilization` must be in (0, 1], got {}", c.gpu_memory_utilization)));
+            return Err(ConfigError::Invalid(format!(
+                "`cluster.gpu_memory_utilization` must be in (0, 1], got {}",
+                c.gpu_memory_utilization
+            )));
         }
         if let Some(gb) = c.kv_cache_gb {
             if !(gb.is_finite() && gb > 0.0) {
@@ -185,7 +194,11 @@ impl SimConfig {
         if !(c.cpu_swap_gb.is_finite() && c.cpu_swap_gb >= 0.0) {
             return Err(ConfigError::Invalid(format!("`cluster.cpu_swap_gb` must be ≥ 0, got {}", c.cpu_swap_gb)));
         }
-        for (field, v) in [("block_size", c.block_size), ("max_num_seqs", c.max_num_seqs), ("max_batched_tokens", c.max_batched_tokens)] {
+        for (field, v) in [
+            ("block_size", c.block_size),
+            ("max_num_seqs", c.max_num_seqs),
+            ("max_batched_tokens", c.max_batched_tokens),
+        ] {
             if v == 0 {
                 return Err(ConfigError::Invalid(format!("`cluster.{field}` must be > 0")));
             }
@@ -196,7 +209,10 @@ impl SimConfig {
             }
         }
         if !(0.0..=1.0).contains(&self.slo.qoe_threshold) {
-            return Err(ConfigError::Invalid(format!("`slo.qoe_threshold` must be in [0, 1], got {}", self.slo.qoe_threshold)));
+            return Err(ConfigError::Invalid(format!(
+                "`slo.qoe_threshold` must be in [0, 1], got {}",
+                self.slo.qoe_threshold
+            )));
         }
         resolve_policy(&self.scheduler.policy)?;
         if let Some(sweep) = &self.sweep {
@@ -220,7 +236,8 @@ impl SimConfig {
     }
 
     pub fn specs(&self) -> Result<(ModelSpec, GpuSpec), ConfigError> {
-        let model = ModelSpec::load(&self.cluster.model).map_err(|e| ConfigError::Invalid(format!("`cluster.model`: {e}")))?;
+        let model =
+            ModelSpec::load(&self.cluster.model).map_err(|e| ConfigError::Invalid(format!("`cluster.model`: {e}")))?;
         let gpu = GpuSpec::load(&self.cluster.gpu).map_err(|e| ConfigError::Invalid(format!("`cluster.gpu`: {e}")))?;
         Ok((model, gpu))
     }

@@ -14,7 +14,9 @@ pub mod config;
 use cluster::{Cluster, ClusterOutcome, Progress};
 use config::{resolve_policy, ConfigError, SimConfig};
 use kvfleet_core::engine::EngineStats;
-use kvfleet_core::metrics::{summarize, tail_ttft_by_reasoning_bin, MigrationRecord, RequestRecord, RunSummary, TailBin};
+use kvfleet_core::metrics::{
+    summarize, tail_ttft_by_reasoning_bin, MigrationRecord, RequestRecord, RunSummary, TailBin,
+};
 use kvfleet_core::policy::registry::build_policy;
 use kvfleet_core::timing::TimingModel;
 use kvfleet_core::workload::{generate, ArrivalConfig};

@@ -29,8 +29,19 @@ fn emulator_and_simulator_agree_on_per_request_latency() {
     let cfg = cfg.to_str().expect("utf-8 path");
     let (emu, sim) = (tmp.join("emu"), tmp.join("sim"));
     let o = run_kvfleet([
-        "up", "--config", cfg, "--no-etcd", "--kv-memory", "512MiB", "--cpu-memory", "512MiB", "--kv-fill", "stamp", "-q",
-        "--out", emu.to_str().expect("utf-8"),
+        "up",
+        "--config",
+        cfg,
+        "--no-etcd",
+        "--kv-memory",
+        "512MiB",
+        "--cpu-memory",
+        "512MiB",
+        "--kv-fill",
+        "stamp",
+        "-q",
+        "--out",
+        emu.to_str().expect("utf-8"),
     ]);
     assert!(o.status.success(), "{}", describe(&o));
     let o = run_kvfleet(["sim", "--config", cfg, "--no-plots", "-q", "--out", sim.to_str().expect("utf-8")]);

@@ -32,7 +32,10 @@ impl Proc {
         BufReader::new(child.stdout.take().expect("piped stdout")).read_line(&mut first).expect("read stdout");
         let addr = first.trim().strip_prefix("listening on ").map(str::to_string).unwrap_or_else(|| {
             let _ = child.kill();
-            panic!("{bin} did not start: first line {first:?}; log:\n{}", std::fs::read_to_string(log).unwrap_or_default())
+            panic!(
+                "{bin} did not start: first line {first:?}; log:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            )
         });
         Proc { child, addr }
     }
@@ -163,7 +166,11 @@ fn only_cluster_members_register_submit_or_read() {
         }
         // Nothing an outsider tried took effect: one worker, and request 2 unknown.
         let s = c.status(v1::StatusRequest {}).await.expect("member status").into_inner();
-        assert_eq!(s.instances.iter().filter_map(|i| i.info.as_ref().map(|w| w.instance)).collect::<Vec<_>>(), vec![0], "no intruder registered");
+        assert_eq!(
+            s.instances.iter().filter_map(|i| i.info.as_ref().map(|w| w.instance)).collect::<Vec<_>>(),
+            vec![0],
+            "no intruder registered"
+        );
         let e = c.resume(v1::ResumeRequest { request_id: 2 }).await.map(|_| ()).expect_err("request 2 never existed");
         assert_eq!(e.code(), tonic::Code::NotFound, "{e}");
     });
@@ -181,7 +188,10 @@ fn status_info(s: &v1::ClusterStatus) -> v1::WorkerInfo {
 /// such as NotFound or FailedPrecondition that would mean the RPC was served.
 fn assert_refused(how: &str, what: &str, e: &tonic::Status) {
     assert!(
-        matches!(e.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal | tonic::Code::Cancelled),
+        matches!(
+            e.code(),
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal | tonic::Code::Cancelled
+        ),
         "{how}: {what} was not refused at the connection: {e:?}"
     );
 }
@@ -214,7 +224,18 @@ fn certs_cli_makes_a_ca_and_identities_processes_can_load() {
     let args = TlsArgs { tls_dir: Some(node_dir), ..TlsArgs::default() };
     let id = args.load().expect("the issued identity loads").expect("not plain text");
     assert_eq!(id.ca_pem, std::fs::read_to_string(ca_dir.join("ca.pem")).unwrap());
-    let missing = kvfleet_tests::run_kvfleet(["certs", "issue", "--ca-dir", "/nonexistent", "--role", "client", "--name", "c", "--out", "x"]);
+    let missing = kvfleet_tests::run_kvfleet([
+        "certs",
+        "issue",
+        "--ca-dir",
+        "/nonexistent",
+        "--role",
+        "client",
+        "--name",
+        "c",
+        "--out",
+        "x",
+    ]);
     assert_eq!(missing.status.code(), Some(2), "{}", kvfleet_tests::describe(&missing));
     assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent"));
 }

@@ -45,7 +45,8 @@ fn summary(out: &Path) -> serde_json::Value {
 fn assert_each_request_once(out: &Path, n: u64) {
     let csv = kvfleet_tests::requests_csv(out);
     let text = std::fs::read_to_string(csv).expect("readable");
-    let mut ids: Vec<u64> = text.lines().skip(1).map(|l| l.split(',').next().expect("id column").parse().expect("numeric id")).collect();
+    let mut ids: Vec<u64> =
+        text.lines().skip(1).map(|l| l.split(',').next().expect("id column").parse().expect("numeric id")).collect();
     ids.sort_unstable();
     assert_eq!(ids, (0..n).collect::<Vec<_>>(), "every request exactly once");
 }

@@ -23,14 +23,47 @@ type Reply<T> = oneshot::Sender<Result<T, DriverError>>;
 
 #[derive(Debug)]
 pub(crate) enum LiveCommand {
-    ReadBlocks { request: RequestId, first: u32, count: u32, reply: Reply<BlockRead> },
-    PauseOut { request: RequestId, reply: Reply<PausedOut> },
-    FinishOut { request: RequestId, reply: Reply<()> },
-    ResumeOut { request: RequestId, reply: Reply<()> },
-    Reserve { request: RequestId, kv_tokens: u32, reply: Reply<()> },
-    WriteBlock { request: RequestId, index: u32, data: Bytes, reply: Reply<()> },
-    AttachReserved { state: Box<MigratedRequest>, reply: Reply<()> },
-    Release { request: RequestId },
+    ReadBlocks {
+        request: RequestId,
+        first: u32,
+        count: u32,
+        reply: Reply<BlockRead>,
+    },
+    PauseOut {
+        request: RequestId,
+        reply: Reply<PausedOut>,
+    },
+    FinishOut {
+        request: RequestId,
+        reply: Reply<()>,
+    },
+    ResumeOut {
+        request: RequestId,
+        reply: Reply<()>,
+    },
+    Reserve {
+        request: RequestId,
+        kv_tokens: u32,
+        reply: Reply<()>,
+    },
+    WriteBlock {
+        request: RequestId,
+        index: u32,
+        data: Bytes,
+        reply: Reply<()>,
+    },
+    AttachReserved {
+        state: Box<MigratedRequest>,
+        reply: Reply<()>,
+    },
+    Release {
+        request: RequestId,
+    },
+    /// Whether the request is on this instance (running, waiting or paused).
+    Holds {
+        request: RequestId,
+        reply: Reply<bool>,
+    },
 }
 
 /// Blocks read for sending.
@@ -83,6 +116,9 @@ impl Driver {
             LiveCommand::Release { request } => {
                 self.engine.release_reservation(request);
             }
+            LiveCommand::Holds { request, reply } => {
+                let _ = reply.send(Ok(self.engine.contains(request)));
+            }
         }
     }
 
@@ -103,10 +139,9 @@ impl Driver {
             request,
             message: "holds no KV (preempted and dropped; it recomputes later)".into(),
         })?;
-        let (w, final_tokens) = self.final_tokens(request, paused).ok_or_else(|| DriverError::Kv {
-            request,
-            message: "no KV written yet".into(),
-        })?;
+        let (w, final_tokens) = self
+            .final_tokens(request, paused)
+            .ok_or_else(|| DriverError::Kv { request, message: "no KV written yet".into() })?;
         if w.tier != Some(table.tier) || !table.blocks.starts_with(&w.blocks) {
             return Err(DriverError::Kv { request, message: "KV is being rewritten after a move".into() });
         }
@@ -114,10 +149,10 @@ impl Driver {
         let available = final_tokens.div_ceil(bs);
         let mut blocks = Vec::new();
         for i in first..first.saturating_add(count).min(available) {
-            let b = *w.blocks.get(i as usize).ok_or_else(|| DriverError::Kv {
-                request,
-                message: format!("logical block {i} is not written"),
-            })?;
+            let b = *w
+                .blocks
+                .get(i as usize)
+                .ok_or_else(|| DriverError::Kv { request, message: format!("logical block {i} is not written") })?;
             blocks.push(Bytes::copy_from_slice(self.arena.block(table.tier, b)?));
         }
         Ok(BlockRead { kv_tokens: final_tokens, blocks })

@@ -24,6 +24,7 @@ pub mod clock;
 pub mod driver;
 pub mod events;
 pub mod lateness;
+pub mod migrate;
 pub mod options;
 pub mod register;
 pub mod service;
@@ -60,6 +61,8 @@ pub enum WorkerError {
     Bind { addr: SocketAddr, cause: std::io::Error },
     #[error("TLS configuration: {0}")]
     Tls(tonic::transport::Error),
+    #[error("live migration endpoint: {0}")]
+    Migration(String),
     #[error("the control plane's TLS: {0}")]
     Pki(#[from] kvfleet_pki::PkiError),
     #[error("gRPC server: {0}")]
@@ -160,7 +163,7 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
         .await
         .map_err(|cause| WorkerError::Bind { addr: opts.listen, cause })?;
     let local_addr = listener.local_addr().map_err(|cause| WorkerError::Bind { addr: opts.listen, cause })?;
-    let info = v1::WorkerInfo {
+    let mut info = v1::WorkerInfo {
         instance: opts.instance,
         model: shape.model.name.clone(),
         kv_bytes_per_token: shape.engine.kv_bytes_per_token,
@@ -186,6 +189,7 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
     );
 
     let log = Arc::new(events::EventLog::new(opts.event_log_cap));
+    let block_geometry = (shape.engine.block_size, shape.engine.block_bytes());
     let engine = Engine::new(InstanceId(opts.instance), shape.engine, timing, sched);
     let driver = Driver::new(DriverConfig {
         engine,
@@ -205,7 +209,27 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
         .map_err(WorkerError::Thread)?;
 
     let shutdown = ShutdownTrigger::new(commands.clone(), Duration::from_millis(opts.drain_grace_ms));
-    let svc = service::WorkerService::new(info.clone(), commands.clone(), log, shutdown.clone());
+    let migrator = match &identity {
+        Some(id) => {
+            let m = start_migrator(&opts, id, block_geometry, local_addr, commands.clone(), clock)?;
+            info.kv_address = match (&opts.kv_advertise, &opts.advertise) {
+                (Some(a), _) => a.clone(),
+                (None, Some(adv)) => {
+                    let host = adv.rsplit_once(':').map_or(adv.as_str(), |(h, _)| h);
+                    format!("{host}:{}", m.local_addr().port())
+                }
+                (None, None) => m.local_addr().to_string(),
+            };
+            tokio::spawn(m.clone().serve());
+            tracing::info!(kv_address = %info.kv_address, "live migration over QUIC (mutual TLS)");
+            Some(m)
+        }
+        None => {
+            tracing::warn!("--plaintext: no live-migration endpoint (QUIC needs the cluster certificate)");
+            None
+        }
+    };
+    let svc = service::WorkerService::new(info.clone(), commands.clone(), log, shutdown.clone(), migrator.clone());
     let mut server = tonic::transport::Server::builder();
     if let Some(id) = &identity {
         server = server.tls_config(id.tonic_server()).map_err(WorkerError::Tls)?;
@@ -234,6 +258,9 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
             }
         };
         let _ = stop_server.send(());
+        if let Some(m) = &migrator {
+            m.close();
+        }
         match tokio::time::timeout(SERVER_STOP_TIMEOUT, &mut server_task).await {
             Ok(Ok(Err(e))) => return Err(WorkerError::Serve(e)),
             Ok(_) => {}
@@ -247,6 +274,40 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
         Ok(WorkerReport { driver: report? })
     });
     Ok(WorkerHandle { info, local_addr, shutdown, commands, identity, done: Some(done) })
+}
+
+/// The QUIC endpoint for live migrations (shaped when `--link-gbps`/`--link-latency-us` ask).
+fn start_migrator(
+    opts: &WorkerOptions,
+    identity: &kvfleet_pki::NodeIdentity,
+    (block_size, block_bytes): (u32, u64),
+    local_addr: SocketAddr,
+    commands: std::sync::mpsc::Sender<driver::Command>,
+    clock: clock::ClusterClock,
+) -> Result<Arc<migrate::Migrator>, WorkerError> {
+    use kvfleet_transport::{KvTransport, QuicTransport, QuicTuning, Shaped};
+    let listen = opts.kv_listen.unwrap_or_else(|| SocketAddr::new(local_addr.ip(), 0));
+    let quic = QuicTransport::bind(listen, identity, QuicTuning::default())
+        .map_err(|e| WorkerError::Migration(format!("--kv-listen {listen}: {e}")))?;
+    let transport: Arc<dyn KvTransport> = if opts.link_gbps.is_some() || opts.link_latency_us > 0.0 {
+        let mut p = kvfleet_netmodel::shaping::ShapeParams::fabric_gbps(
+            opts.link_gbps.unwrap_or(f64::INFINITY),
+            kvfleet_core::SimDuration::from_secs_f64(opts.link_latency_us * 1e-6),
+        );
+        if opts.link_gbps.is_none() {
+            p.rate_bytes_per_s = None;
+        }
+        Arc::new(Shaped::new(quic, p).map_err(|e| WorkerError::Migration(format!("--link-gbps: {e}")))?)
+    } else {
+        Arc::new(quic)
+    };
+    let mut params = kvfleet_netmodel::migration::MigrationParams::new(block_size, block_bytes);
+    params.stop_copy_blocks = opts.stop_copy_blocks;
+    params.max_stages = opts.max_stages;
+    params.timeout = kvfleet_core::SimDuration::from_secs_f64(opts.migration_timeout_ms as f64 / 1e3);
+    params.validate().map_err(|e| WorkerError::Migration(e.to_string()))?;
+    let cfg = migrate::MigrateConfig { params, streams: opts.migration_streams.max(1) };
+    Ok(migrate::Migrator::new(transport, commands, clock, cfg, opts.instance))
 }
 
 /// Run a worker until `shutdown` resolves (then stop gracefully) or it stops by itself (the

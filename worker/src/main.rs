@@ -57,11 +57,14 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
     let store: Option<Arc<dyn MetaStore>> = if cli.etcd.etcd.is_empty() {
         None
     } else {
-        let s = EtcdStore::connect_with_retry(&cli.etcd.etcd, &cli.etcd.options(), Duration::from_secs(60)).await.context("connecting to etcd")?;
+        let s = EtcdStore::connect_with_retry(&cli.etcd.etcd, &cli.etcd.options(), Duration::from_secs(60))
+            .await
+            .context("connecting to etcd")?;
         Some(Arc::new(s))
     };
     if let Some(store) = &store {
-        let spec = kvfleet_core::spec::ModelSpec::load(&opts.model).with_context(|| format!("--model {}", opts.model))?;
+        let spec =
+            kvfleet_core::spec::ModelSpec::load(&opts.model).with_context(|| format!("--model {}", opts.model))?;
         let rec = cluster_record(store.as_ref(), &spec.name, spec.kv_bytes_per_token()).await?;
         if opts.epoch_unix_ns.is_none() {
             opts.epoch_unix_ns = Some(rec.epoch_unix_ns);

@@ -94,6 +94,35 @@ pub struct WorkerOptions {
     /// migrations out are always checked).
     #[arg(long)]
     pub verify_kv: bool,
+    /// Address to receive live KV migrations on (QUIC/UDP; mutual TLS with the cluster
+    /// certificate). Default: the `--listen` IP, any free port. Needs a cluster certificate: with
+    /// `--plaintext` there is no live migration (the coordinator re-materialises KV instead).
+    #[arg(long)]
+    pub kv_listen: Option<SocketAddr>,
+    /// Address other workers send migrations to (default: `--advertise`'s host, else the bound
+    /// address).
+    #[arg(long)]
+    pub kv_advertise: Option<String>,
+    /// Parallel QUIC data streams per migration.
+    #[arg(long, default_value_t = 4)]
+    pub migration_streams: usize,
+    /// Pipelined stop-and-copy: pause for the final copy once fewer than this many new full
+    /// blocks remain.
+    #[arg(long, default_value_t = 16)]
+    pub stop_copy_blocks: u32,
+    /// Pipelined stop-and-copy: most live copy stages before the final one (0: plain stop-and-copy).
+    #[arg(long, default_value_t = 3)]
+    pub max_stages: u32,
+    /// Deadline of one migration, ms (then it aborts and the request carries on here).
+    #[arg(long, default_value_t = 30_000)]
+    pub migration_timeout_ms: u64,
+    /// Shape outgoing migration links to this rate (Gbit/s), to emulate a fabric slower than
+    /// this host's loopback (e.g. 100 for 100 GbE). Default: unshaped.
+    #[arg(long)]
+    pub link_gbps: Option<f64>,
+    /// Added one-way latency on outgoing migration links, µs (with or without `--link-gbps`).
+    #[arg(long, default_value_t = 0.0)]
+    pub link_latency_us: f64,
     /// The control plane's mutual TLS (cluster certificate), or `--plaintext`.
     #[command(flatten)]
     pub tls: kvfleet_pki::TlsArgs,

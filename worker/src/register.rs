@@ -24,7 +24,11 @@ pub enum RegisterError {
 }
 
 /// Read the cluster record (model check, epoch) from etcd before the engine starts.
-pub async fn cluster_record(store: &dyn MetaStore, model: &str, kv_bytes_per_token: u64) -> Result<ClusterRecord, RegisterError> {
+pub async fn cluster_record(
+    store: &dyn MetaStore,
+    model: &str,
+    kv_bytes_per_token: u64,
+) -> Result<ClusterRecord, RegisterError> {
     let mut backoff = Duration::from_millis(100);
     loop {
         if let Some(kv) = store.get(layout::CLUSTER).await? {
@@ -96,7 +100,9 @@ pub async fn coordinator_loop(
                     done = true;
                     break;
                 }
-                Err(s) if s.code() == tonic::Code::FailedPrecondition => return Err(RegisterError::Refused(s.message().to_string())),
+                Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+                    return Err(RegisterError::Refused(s.message().to_string()))
+                }
                 Err(s) => tracing::debug!(coordinator = %addr, "register: {}", s.message()),
             }
         }

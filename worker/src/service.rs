@@ -7,8 +7,10 @@
 
 use crate::driver::{Command, DriverError, DriverStats, SubmitOutcome};
 use crate::events::{EventLog, Read};
+use crate::migrate::{stats_proto, Migrator};
 use kvfleet_core::engine::MigratedRequest;
 use kvfleet_core::RequestId;
+use kvfleet_netmodel::migration::Outcome;
 use kvfleet_proto::v1::worker_server::Worker;
 use kvfleet_proto::{require_spec, v1, MAX_TOKENS_PER_REQUEST};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -64,6 +66,8 @@ pub struct WorkerService {
     commands: Sender<Command>,
     log: Arc<EventLog>,
     shutdown: ShutdownTrigger,
+    /// Live migration endpoint (`None`: this worker cannot migrate live, e.g. `--plaintext`).
+    migrator: Option<Arc<Migrator>>,
 }
 
 fn stopped() -> Status {
@@ -76,8 +80,15 @@ impl WorkerService {
         commands: Sender<Command>,
         log: Arc<EventLog>,
         shutdown: ShutdownTrigger,
+        migrator: Option<Arc<Migrator>>,
     ) -> Self {
-        WorkerService { info, commands, log, shutdown }
+        WorkerService { info, commands, log, shutdown, migrator }
+    }
+
+    fn migrator(&self) -> Result<&Arc<Migrator>, Status> {
+        self.migrator
+            .as_ref()
+            .ok_or_else(|| Status::failed_precondition("this worker has no live-migration endpoint (--plaintext)"))
     }
 
     async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, Status> {
@@ -213,6 +224,26 @@ impl Worker for WorkerService {
         request: Request<v1::MigrateOutRequest>,
     ) -> Result<Response<v1::MigrateOutReply>, Status> {
         let (id, target) = (RequestId(request.get_ref().request_id), request.get_ref().target);
+        let kv_address = &request.get_ref().target_kv_address;
+        if !kv_address.is_empty() {
+            let addr: std::net::SocketAddr = kv_address.parse().map_err(|e| {
+                Status::invalid_argument(format!("`target_kv_address`: {kv_address:?} is not host:port ({e})"))
+            })?;
+            let report = self.migrator()?.migrate_out(id, addr).await;
+            let outcome = match &report.outcome {
+                Some(Outcome::Committed) => v1::MigrationOutcome::MigrationCommitted,
+                Some(Outcome::Unknown(_)) => v1::MigrationOutcome::MigrationUnknown,
+                _ => v1::MigrationOutcome::MigrationAborted,
+            };
+            let kv_tokens = report.kv_tokens_final.unwrap_or(report.kv_tokens_start);
+            return Ok(Response::new(v1::MigrateOutReply {
+                state: Vec::new(),
+                kv_tokens,
+                kv_bytes: report.bytes,
+                outcome: outcome as i32,
+                stats: Some(stats_proto(&report, self.info.instance, target)),
+            }));
+        }
         let out = self.ask(|reply| Command::MigrateOut { request: id, reply }).await?.map_err(driver_status)?;
         tracing::info!(request = %id, target, kv_tokens = out.kv_tokens, "migrated out");
         Ok(Response::new(v1::MigrateOutReply {
@@ -221,6 +252,23 @@ impl Worker for WorkerService {
             kv_bytes: out.kv_bytes,
             ..Default::default()
         }))
+    }
+
+    async fn resolve_migration(
+        &self,
+        request: Request<v1::ResolveMigrationRequest>,
+    ) -> Result<Response<v1::ResolveMigrationReply>, Status> {
+        let id = RequestId(request.get_ref().request_id);
+        let m = self.migrator()?;
+        let held = match request.get_ref().committed {
+            None => m.resolve_target(id).await.map_err(Status::unavailable)?,
+            Some(committed) => {
+                m.resolve_source(id, committed).await.map_err(Status::failed_precondition)?;
+                !committed
+            }
+        };
+        tracing::info!(request = %id, held, "migration resolved");
+        Ok(Response::new(v1::ResolveMigrationReply { held }))
     }
 
     async fn attach(&self, request: Request<v1::AttachRequest>) -> Result<Response<v1::AttachReply>, Status> {

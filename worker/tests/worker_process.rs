@@ -138,10 +138,15 @@ async fn a_request_migrated_out_and_attached_finishes_on_the_second_worker() {
     let before = collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| c.tokens.get(&42).is_some_and(|t| t.len() >= 10)).await;
     assert!(before.tokens[&42].len() < 80);
 
-    let out = ca.migrate_out(v1::MigrateOutRequest { request_id: 42, target: 1, ..Default::default() }).await.unwrap().into_inner();
+    let out = ca
+        .migrate_out(v1::MigrateOutRequest { request_id: 42, target: 1, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(out.kv_tokens >= 48 + 10, "{out:?}");
     assert_eq!(out.kv_bytes, out.kv_tokens as u64 * (256 << 10));
-    let gone = ca.migrate_out(v1::MigrateOutRequest { request_id: 42, target: 1, ..Default::default() }).await.unwrap_err();
+    let gone =
+        ca.migrate_out(v1::MigrateOutRequest { request_id: 42, target: 1, ..Default::default() }).await.unwrap_err();
     assert_eq!(gone.code(), tonic::Code::NotFound, "{gone}");
     let generated = out.kv_tokens - 48;
 
@@ -183,7 +188,10 @@ async fn malformed_requests_are_invalid_arguments_and_oversized_ones_rejected() 
     assert!(!r.accepted && r.reason.contains("KV blocks"), "{r:?}");
     let c = collect_until(&mut client, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&9)).await;
     assert!(c.finished[&9].rejected);
-    let e = client.migrate_out(v1::MigrateOutRequest { request_id: 77, target: 0, ..Default::default() }).await.unwrap_err();
+    let e = client
+        .migrate_out(v1::MigrateOutRequest { request_id: 77, target: 0, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound);
 }
 

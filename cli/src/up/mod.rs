@@ -170,18 +170,22 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     cfg.sweep = None;
     cfg.validate().map_err(|e| InputError(e.to_string()))?;
     let rate = match args.rate {
-        Some(r) if !(r.is_finite() && r > 0.0) => return Err(InputError(format!("--rate must be a positive number, got {r}")).into()),
+        Some(r) if !(r.is_finite() && r > 0.0) => {
+            return Err(InputError(format!("--rate must be a positive number, got {r}")).into())
+        }
         r => r,
     };
     let (intra, instance_policy) = resolve_policy(&cfg.scheduler.policy).map_err(|e| InputError(e.to_string()))?;
     let mut workload = cfg.workload.clone();
     if let Some(r) = rate {
         match &mut workload.arrivals {
-            kvfleet_core::workload::ArrivalConfig::Poisson { rate } | kvfleet_core::workload::ArrivalConfig::Gamma { rate, .. } => *rate = r,
+            kvfleet_core::workload::ArrivalConfig::Poisson { rate }
+            | kvfleet_core::workload::ArrivalConfig::Gamma { rate, .. } => *rate = r,
             _ => return Err(InputError("--rate needs a poisson or gamma workload".into()).into()),
         }
     }
-    let mut requests = kvfleet_core::workload::generate(&workload, &base_dir).map_err(|e| InputError(format!("workload: {e}")))?;
+    let mut requests =
+        kvfleet_core::workload::generate(&workload, &base_dir).map_err(|e| InputError(format!("workload: {e}")))?;
     let coordinator_bin = sibling_binary("kvfleet-coordinator")?;
     let worker_bin = sibling_binary("kvfleet-worker")?;
     let logs = args.out.join("logs");
@@ -196,7 +200,11 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         let client_tls = match &pki {
             Some(p) => {
                 Pki::issue(Some(p), kvfleet_pki::Role::Client, "client")?;
-                say!("pki         {} (mutual TLS; CA {})", p.dir.display(), if args.ca_dir.is_some() { "supplied" } else { "generated" });
+                say!(
+                    "pki         {} (mutual TLS; CA {})",
+                    p.dir.display(),
+                    if args.ca_dir.is_some() { "supplied" } else { "generated" }
+                );
                 Some(kvfleet_pki::NodeIdentity::load(&kvfleet_pki::IdentityFiles::in_dir(&p.dir, "client"))?)
             }
             None => None,
@@ -212,7 +220,10 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             cluster.etcd_spec = Some(spec);
             say!("etcd        {}", cluster.etcd.as_ref().map_or("", |e| e.1.as_str()));
         } else {
-            say!("etcd        not used ({}): one coordinator with an embedded store", if args.no_etcd { "--no-etcd" } else { "not installed" });
+            say!(
+                "etcd        not used ({}): one coordinator with an embedded store",
+                if args.no_etcd { "--no-etcd" } else { "not installed" }
+            );
         }
         let etcd_url = cluster.etcd.as_ref().map(|e| e.1.clone());
         for i in 0..n_coord {
@@ -230,7 +241,13 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 a.extend(["--etcd".into(), u.clone()]);
             }
             a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Coordinator, &format!("coordinator-{i}"))?);
-            let p = Proc::spawn(&format!("coordinator-{i}"), &coordinator_bin, &a, &logs.join(format!("coordinator-{i}.log")), Some(Duration::from_secs(30)))?;
+            let p = Proc::spawn(
+                &format!("coordinator-{i}"),
+                &coordinator_bin,
+                &a,
+                &logs.join(format!("coordinator-{i}.log")),
+                Some(Duration::from_secs(30)),
+            )?;
             say!("coordinator {} (pid {})", p.addr()?, p.pid());
             cluster.coordinators.push(p);
         }
@@ -279,7 +296,13 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 Some(u) => a.extend(["--etcd".into(), u.clone()]),
                 None => a.extend(["--coordinator".into(), coord_addrs.join(",")]),
             }
-            let p = Proc::spawn(&format!("worker-{i}"), &worker_bin, &a, &logs.join(format!("worker-{i}.log")), Some(Duration::from_secs(30)))?;
+            let p = Proc::spawn(
+                &format!("worker-{i}"),
+                &worker_bin,
+                &a,
+                &logs.join(format!("worker-{i}.log")),
+                Some(Duration::from_secs(30)),
+            )?;
             cluster.workers.push(p);
         }
         // All workers registered and visible to the leader.
@@ -298,7 +321,14 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         }
         say!("workers     {want} registered ({} scheduler, {} KV arena each)", intra, args.kv_memory);
         // Every child's pid, so callers (and tests) can check that none outlives `kvfleet up`.
-        let pids: Vec<String> = cluster.etcd.iter().map(|e| &e.0).chain(&cluster.coordinators).chain(&cluster.workers).map(|p| format!("{} {}", p.pid(), p.name)).collect();
+        let pids: Vec<String> = cluster
+            .etcd
+            .iter()
+            .map(|e| &e.0)
+            .chain(&cluster.coordinators)
+            .chain(&cluster.workers)
+            .map(|p| format!("{} {}", p.pid(), p.name))
+            .collect();
         std::fs::write(args.out.join("pids.txt"), pids.join("\n") + "\n")?;
 
         // Replay.
@@ -306,11 +336,20 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         let total = requests.len() as u64;
         let stats = Arc::new(ReplayStats::default());
         let bar = if args.quiet { ProgressBar::hidden() } else { ProgressBar::new(total) };
-        bar.set_style(ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests finished {msg}").expect("static template"));
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests finished {msg}")
+                .expect("static template"),
+        );
         let started = Instant::now();
         let mut failover_ms: Option<u128> = None;
         let records = rt.block_on(async {
-            let replay_task = tokio::spawn(replay(finder.clone(), requests.clone(), epoch_unix_ns, stats.clone(), Duration::from_secs(30)));
+            let replay_task = tokio::spawn(replay(
+                finder.clone(),
+                requests.clone(),
+                epoch_unix_ns,
+                stats.clone(),
+                Duration::from_secs(30),
+            ));
             let mut chaos_leader = args.kill_leader_after_s.map(|s| started + Duration::from_secs_f64(s));
             let mut chaos_worker = args.kill_worker_after_s.map(|s| started + Duration::from_secs_f64(s));
             let mut chaos_etcd = args.restart_etcd_after_s.map(|s| started + Duration::from_secs_f64(s));
@@ -322,7 +361,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 if chaos_leader.is_some_and(|t| Instant::now() >= t) {
                     chaos_leader = None;
                     if let Ok((_, s)) = finder.leader(Duration::from_secs(5)).await {
-                        if let Some(p) = cluster.coordinators.iter_mut().find(|p| p.addr.as_deref() == Some(s.leader.as_str())) {
+                        if let Some(p) =
+                            cluster.coordinators.iter_mut().find(|p| p.addr.as_deref() == Some(s.leader.as_str()))
+                        {
                             bar.suspend(|| say!("chaos: kill -9 leader {} (pid {})", s.leader, p.pid()));
                             p.kill9();
                             let killed_at = Instant::now();

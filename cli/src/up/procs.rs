@@ -21,7 +21,13 @@ pub struct Proc {
 impl Proc {
     /// Start `program args…`, stderr appended to `log`. With `wait_addr`, block until the child
     /// prints `listening on ADDR` on stdout (or fail naming the log when it exits or times out).
-    pub fn spawn(name: &str, program: &Path, args: &[String], log: &Path, wait_addr: Option<Duration>) -> anyhow::Result<Proc> {
+    pub fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        log: &Path,
+        wait_addr: Option<Duration>,
+    ) -> anyhow::Result<Proc> {
         let log_file = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
         let mut child = Command::new(program)
             .args(args)
@@ -128,7 +134,8 @@ pub fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
 
 /// `etcd` on PATH, if installed.
 pub fn find_etcd() -> Option<PathBuf> {
-    std::env::var_os("PATH").and_then(|paths| std::env::split_paths(&paths).map(|d| d.join("etcd")).find(|p| p.is_file()))
+    std::env::var_os("PATH")
+        .and_then(|paths| std::env::split_paths(&paths).map(|d| d.join("etcd")).find(|p| p.is_file()))
 }
 
 /// A private single-member etcd on loopback, data in `dir`; restartable on the same ports.
@@ -142,7 +149,12 @@ pub struct EtcdSpec {
 impl EtcdSpec {
     /// Pick free ports for a new etcd.
     pub fn new(bin: &Path, dir: &Path) -> anyhow::Result<EtcdSpec> {
-        Ok(EtcdSpec { bin: bin.to_path_buf(), dir: dir.to_path_buf(), client_port: free_port()?, peer_port: free_port()? })
+        Ok(EtcdSpec {
+            bin: bin.to_path_buf(),
+            dir: dir.to_path_buf(),
+            client_port: free_port()?,
+            peer_port: free_port()?,
+        })
     }
 
     pub fn url(&self) -> String {
@@ -170,7 +182,11 @@ impl EtcdSpec {
             format!("kvfleet-up={peer}"),
         ];
         let log = self.dir.join("etcd.log");
-        let log_file = std::fs::OpenOptions::new().create(true).append(true).open(&log).with_context(|| format!("opening {}", log.display()))?;
+        let log_file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .with_context(|| format!("opening {}", log.display()))?;
         drop(log_file);
         Proc::spawn("etcd", &self.bin, &args, &log, None)
     }

@@ -43,7 +43,10 @@ impl LeaderFinder {
     }
 
     /// The leader's client, asking every coordinator until one names a live leader.
-    pub async fn leader(&self, deadline: Duration) -> Result<(CoordinatorClient<Channel>, v1::ClusterStatus), tonic::Status> {
+    pub async fn leader(
+        &self,
+        deadline: Duration,
+    ) -> Result<(CoordinatorClient<Channel>, v1::ClusterStatus), tonic::Status> {
         let until = tokio::time::Instant::now() + deadline;
         let mut last = tonic::Status::unavailable("no coordinator answered");
         loop {
@@ -77,7 +80,12 @@ pub fn unix_now_ns() -> u64 {
 }
 
 /// Run one request to its final record. `spec.arrival` is on the cluster clock.
-pub async fn run_request(finder: LeaderFinder, spec: RequestSpec, stats: Arc<ReplayStats>, failover_wait: Duration) -> Result<RequestRecord, String> {
+pub async fn run_request(
+    finder: LeaderFinder,
+    spec: RequestSpec,
+    stats: Arc<ReplayStats>,
+    failover_wait: Duration,
+) -> Result<RequestRecord, String> {
     let mut submitted = false;
     let mut attempts = 0u32;
     // Waits between attempts while no leader serves (an election, an etcd outage): doubling, capped.
@@ -87,7 +95,8 @@ pub async fn run_request(finder: LeaderFinder, spec: RequestSpec, stats: Arc<Rep
         if attempts > 200 {
             return Err(format!("request {} gave up after {attempts} attempts", spec.id.0));
         }
-        let (mut client, _) = finder.leader(failover_wait).await.map_err(|e| format!("request {}: no leader: {e}", spec.id.0))?;
+        let (mut client, _) =
+            finder.leader(failover_wait).await.map_err(|e| format!("request {}: no leader: {e}", spec.id.0))?;
         let stream = if submitted {
             stats.resumed.fetch_add(1, Ordering::Relaxed);
             client.resume(v1::ResumeRequest { request_id: spec.id.0 }).await
@@ -106,7 +115,9 @@ pub async fn run_request(finder: LeaderFinder, spec: RequestSpec, stats: Arc<Rep
                 submitted = false;
                 continue;
             }
-            Err(e) if matches!(e.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded) => {
+            Err(e)
+                if matches!(e.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded) =>
+            {
                 stats.retries.fetch_add(1, Ordering::Relaxed);
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));

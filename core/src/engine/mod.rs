@@ -17,6 +17,7 @@
 
 pub mod sched;
 
+use crate::idmap::IdMap;
 use crate::ids::{InstanceId, RequestId};
 use crate::kv::{KvBlockManager, KvError, Tier};
 use crate::metrics::RequestRecord;
@@ -27,7 +28,6 @@ use crate::time::{SimDuration, SimTime};
 use crate::timing::{BatchShape, TimingModel};
 use sched::{Admission, IntraScheduler, Phase, SchedState, TokenProgress};
 use serde::{Deserialize, Serialize};
-use crate::idmap::IdMap;
 use std::sync::Arc;
 
 /// Static configuration of one instance.
@@ -214,7 +214,12 @@ pub struct Engine {
 }
 
 impl Engine {
-    pub fn new(instance: InstanceId, cfg: EngineConfig, timing: Arc<dyn TimingModel>, sched: Box<dyn IntraScheduler>) -> Self {
+    pub fn new(
+        instance: InstanceId,
+        cfg: EngineConfig,
+        timing: Arc<dyn TimingModel>,
+        sched: Box<dyn IntraScheduler>,
+    ) -> Self {
         let kv = KvBlockManager::new(cfg.block_size, cfg.gpu_blocks, cfg.cpu_blocks);
         Engine {
             instance,
@@ -370,11 +375,21 @@ impl Engine {
 
     /// [`Engine::complete_iteration`], also listing every token produced (the worker streams
     /// them and writes their KV).
-    pub fn complete_iteration_tokens(&mut self, now: SimTime, events: &mut Vec<EngineEvent>, tokens: &mut Vec<TokenEmitted>) {
+    pub fn complete_iteration_tokens(
+        &mut self,
+        now: SimTime,
+        events: &mut Vec<EngineEvent>,
+        tokens: &mut Vec<TokenEmitted>,
+    ) {
         self.complete_inner(now, events, Some(tokens));
     }
 
-    fn complete_inner(&mut self, now: SimTime, events: &mut Vec<EngineEvent>, mut tokens: Option<&mut Vec<TokenEmitted>>) {
+    fn complete_inner(
+        &mut self,
+        now: SimTime,
+        events: &mut Vec<EngineEvent>,
+        mut tokens: Option<&mut Vec<TokenEmitted>>,
+    ) {
         let Some((start, end)) = self.inflight else { return };
         if end > now {
             return;
@@ -390,7 +405,12 @@ impl Engine {
             if let Some(out) = tokens.as_deref_mut() {
                 let r = self.req(slot);
                 let phase = if r.generated >= r.spec.reasoning_tokens { Phase::Answering } else { Phase::Reasoning };
-                out.push(TokenEmitted { request: r.spec.id, index: r.generated, phase, context_tokens: r.context() + 1 });
+                out.push(TokenEmitted {
+                    request: r.spec.id,
+                    index: r.generated,
+                    phase,
+                    context_tokens: r.context() + 1,
+                });
             }
             let (changed, finished) = self.emit_token(slot, end, prefill, events);
             self.dirty |= changed;

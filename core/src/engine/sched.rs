@@ -350,7 +350,10 @@ mod tests {
     #[test]
     fn registry_rejects_unknown_and_zero() {
         assert!(build_scheduler("pascal", &SchedulerParams::default()).is_ok());
-        assert_eq!(build_scheduler("sjf", &SchedulerParams::default()).unwrap_err(), SchedulerError::Unknown("sjf".into()));
+        assert_eq!(
+            build_scheduler("sjf", &SchedulerParams::default()).unwrap_err(),
+            SchedulerError::Unknown("sjf".into())
+        );
         let p = SchedulerParams { quantum_tokens: 0, ..Default::default() };
         assert!(build_scheduler("rr", &p).is_err());
     }

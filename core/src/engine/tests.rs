@@ -27,7 +27,13 @@ fn engine(sched: &str, gpu_blocks: u32, cpu_blocks: u32, quantum: u32) -> Engine
 }
 
 fn spec(id: u64, arrival_units: u64, prompt: u32, reasoning: u32, answer: u32) -> RequestSpec {
-    RequestSpec { id: RequestId(id), arrival: SimTime(arrival_units * UNIT), prompt_tokens: prompt, reasoning_tokens: reasoning, answer_tokens: answer }
+    RequestSpec {
+        id: RequestId(id),
+        arrival: SimTime(arrival_units * UNIT),
+        prompt_tokens: prompt,
+        reasoning_tokens: reasoning,
+        answer_tokens: answer,
+    }
 }
 
 /// Drive one engine on the integer time grid: at each tick finish the iteration, admit arrivals,

@@ -75,9 +75,17 @@ impl TimingModel for FixedTiming {
         self.iteration
     }
     fn offload(&self, bytes: u64) -> SimDuration {
-        if bytes == 0 { SimDuration::ZERO } else { self.transfer }
+        if bytes == 0 {
+            SimDuration::ZERO
+        } else {
+            self.transfer
+        }
     }
     fn reload(&self, bytes: u64) -> SimDuration {
-        if bytes == 0 { SimDuration::ZERO } else { self.transfer }
+        if bytes == 0 {
+            SimDuration::ZERO
+        } else {
+            self.transfer
+        }
     }
 }

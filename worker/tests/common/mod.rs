@@ -21,6 +21,41 @@ pub struct WorkerProc {
     pub addr: String,
     pub epoch_unix_ns: u64,
     stderr: Arc<Mutex<String>>,
+    /// The test client's cluster identity when the worker runs with mutual TLS.
+    client_tls: Option<kvfleet_pki::NodeIdentity>,
+}
+
+/// A cluster CA in a temp dir with certificates for workers and the test client.
+pub struct TestPki {
+    pub dir: std::path::PathBuf,
+    ca: kvfleet_pki::ClusterCa,
+}
+
+impl TestPki {
+    pub fn new(tag: &str) -> TestPki {
+        let dir = std::env::temp_dir().join(format!("kvfleet-worker-pki-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let ca = kvfleet_pki::ClusterCa::generate("worker tests").unwrap();
+        ca.save(&dir).unwrap();
+        TestPki { dir, ca }
+    }
+
+    /// Issue `stem` and return its TLS flags.
+    pub fn flags(&self, stem: &str) -> Vec<String> {
+        let files = kvfleet_pki::IdentityFiles::in_dir(&self.dir, stem);
+        self.ca.issue(kvfleet_pki::Role::Worker, stem, &[]).unwrap().save(&files).unwrap();
+        kvfleet_pki::TlsArgs::files(&files).to_args()
+    }
+
+    pub fn client(&self) -> kvfleet_pki::NodeIdentity {
+        self.ca.issue(kvfleet_pki::Role::Client, "test-client", &[]).unwrap()
+    }
+}
+
+impl Drop for TestPki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 pub fn unix_now_ns() -> u64 {
@@ -30,20 +65,26 @@ pub fn unix_now_ns() -> u64 {
 impl WorkerProc {
     /// Start `kvfleet-worker` with a small arena plus `extra` flags; waits for `listening on`.
     pub fn start(extra: &[&str]) -> WorkerProc {
+        WorkerProc::launch(extra, &["--plaintext".to_string()], None)
+    }
+
+    /// Start with mutual TLS (and so a live-migration endpoint) under `pki`'s certificate `stem`.
+    pub fn start_tls(extra: &[&str], pki: &TestPki, stem: &str) -> WorkerProc {
+        WorkerProc::launch(extra, &pki.flags(stem), Some(pki.client()))
+    }
+
+    fn launch(extra: &[&str], tls: &[String], client_tls: Option<kvfleet_pki::NodeIdentity>) -> WorkerProc {
         let epoch_unix_ns = unix_now_ns();
         let epoch = epoch_unix_ns.to_string();
-        let mut args = vec![
-            "--listen",
-            "127.0.0.1:0",
-            "--kv-memory",
-            "256MiB",
-            "--cpu-memory",
-            "256MiB",
-            "--epoch-unix-ns",
-            &epoch,
-            "--plaintext",
-        ];
+        let mut args = vec!["--listen", "127.0.0.1:0", "--epoch-unix-ns", &epoch];
+        // Small arenas unless the test sizes them.
+        for (flag, default) in [("--kv-memory", "256MiB"), ("--cpu-memory", "256MiB")] {
+            if !extra.contains(&flag) {
+                args.extend([flag, default]);
+            }
+        }
         args.extend_from_slice(extra);
+        args.extend(tls.iter().map(String::as_str));
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvfleet-worker"))
             .args(&args)
             .env("RUST_LOG", "info")
@@ -71,7 +112,7 @@ impl WorkerProc {
                 }
             }
         });
-        let mut proc = WorkerProc { child, addr: String::new(), epoch_unix_ns, stderr };
+        let mut proc = WorkerProc { child, addr: String::new(), epoch_unix_ns, stderr, client_tls };
         let first = rx
             .recv_timeout(START_TIMEOUT)
             .unwrap_or_else(|_| panic!("no `listening on` line; stderr:\n{}", proc.stderr()));
@@ -91,7 +132,8 @@ impl WorkerProc {
     }
 
     pub async fn client(&self) -> WorkerClient<Channel> {
-        WorkerClient::connect(format!("http://{}", self.addr)).await.expect("connect to the worker")
+        let ep = kvfleet_pki::endpoint(&self.addr, self.client_tls.as_ref()).expect("worker endpoint");
+        WorkerClient::new(ep.connect().await.expect("connect to the worker")).max_decoding_message_size(64 << 20)
     }
 
     /// Cluster time now, in ns (the worker was started with this epoch).

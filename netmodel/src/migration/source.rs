@@ -1,0 +1,455 @@
+//! The source side: the worker that holds the request and pushes its KV cache.
+
+use super::wire::{self, frame::Body, Frame};
+use super::{
+    abort_frame, blocks_for_tokens, body_migration_id, body_name, frame, AbortKind, AbortReason, MigrationId,
+    MigrationParams, MigrationPhase, MigrationReport, Outcome, ParamsError, StageReport,
+};
+use bytes::Bytes;
+use kvfleet_core::{RequestId, SimTime};
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+
+/// What the source driver must do next.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SourceAction {
+    /// Send this frame on the control stream.
+    Send(Frame),
+    /// Read logical blocks `blocks` of the request and send one `BlockData` frame per block
+    /// ([`super::block_frame`]) on the data streams, then call
+    /// [`SourceMachine::on_blocks_sent`] with `stage`. Block `i` holds
+    /// [`super::block_tokens`]`(i, kv_tokens, block_size)` valid tokens; in a live stage every block of the
+    /// range is full. Never emitted with an empty range.
+    CopyBlocks { stage: u32, blocks: Range<u32>, kv_tokens: u32, final_stage: bool },
+    /// Freeze the request (finish the current iteration, decode no more), then call
+    /// [`SourceMachine::on_paused`] with its final KV length and serialized state.
+    Pause,
+    /// The migration is over (always the last action). `Committed`: free the source copy.
+    /// `Aborted`: resume (or keep running) the request here. `Unknown`: keep it paused and ask
+    /// the coordinator (module doc, "The commit point").
+    Done(Outcome),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Idle,
+    Preparing,
+    Copying { stage: u32 },
+    AwaitingAck { stage: u32 },
+    Pausing,
+    FinalCopy { stage: u32, kv_final: u32, blocks_total: u32 },
+    Committing,
+    Done,
+}
+
+/// The source side of one migration. See the module documentation for the protocol.
+#[derive(Clone, Debug)]
+pub struct SourceMachine {
+    id: MigrationId,
+    request: RequestId,
+    params: MigrationParams,
+    model: String,
+    source_instance: u32,
+    trace_context: HashMap<String, String>,
+    state: State,
+    /// KV length the driver last reported (append-only: only grows).
+    kv_tokens: u32,
+    /// Blocks `0..sent_blocks` have been handed to `CopyBlocks`.
+    sent_blocks: u32,
+    live_stages_done: u32,
+    deadline: Option<SimTime>,
+    /// The request state from `on_paused`, sent in `Commit`.
+    request_state: Bytes,
+    actions: VecDeque<SourceAction>,
+    report: MigrationReport,
+}
+
+impl SourceMachine {
+    /// A migration of `request`, which holds `kv_tokens` tokens of KV now. Nothing happens until
+    /// [`SourceMachine::start`].
+    pub fn new(
+        id: MigrationId,
+        request: RequestId,
+        params: MigrationParams,
+        now: SimTime,
+        kv_tokens: u32,
+    ) -> Result<SourceMachine, ParamsError> {
+        params.validate()?;
+        Ok(SourceMachine {
+            id,
+            request,
+            params,
+            model: String::new(),
+            source_instance: 0,
+            trace_context: HashMap::new(),
+            state: State::Idle,
+            kv_tokens,
+            sent_blocks: 0,
+            live_stages_done: 0,
+            deadline: None,
+            request_state: Bytes::new(),
+            actions: VecDeque::new(),
+            report: MigrationReport {
+                migration: id,
+                request,
+                created: now,
+                started: None,
+                kv_tokens_start: kv_tokens,
+                kv_tokens_final: None,
+                stages: Vec::new(),
+                bytes: 0,
+                pause_requested_at: None,
+                paused_at: None,
+                commit_sent_at: None,
+                finished_at: None,
+                downtime: None,
+                total_time: None,
+                goodput_bytes_per_s: None,
+                outcome: None,
+            },
+        })
+    }
+
+    /// The model name sent in `Prepare` (the target refuses a model it does not serve).
+    pub fn with_model(mut self, model: impl Into<String>) -> Self {
+        self.model = model.into();
+        self
+    }
+
+    /// The source instance id sent in `Prepare`.
+    pub fn with_source_instance(mut self, instance: u32) -> Self {
+        self.source_instance = instance;
+        self
+    }
+
+    /// W3C trace context (`traceparent`, ...) sent in `Prepare`.
+    pub fn with_trace_context(mut self, trace_context: HashMap<String, String>) -> Self {
+        self.trace_context = trace_context;
+        self
+    }
+
+    pub fn id(&self) -> MigrationId {
+        self.id
+    }
+    pub fn request(&self) -> RequestId {
+        self.request
+    }
+    pub fn params(&self) -> &MigrationParams {
+        &self.params
+    }
+    /// Measurements so far (complete once `Done` was emitted).
+    pub fn report(&self) -> &MigrationReport {
+        &self.report
+    }
+    /// The outcome, once `Done` was emitted.
+    pub fn outcome(&self) -> Option<&Outcome> {
+        self.report.outcome.as_ref()
+    }
+    pub fn is_done(&self) -> bool {
+        self.state == State::Done
+    }
+
+    /// What the machine is doing or waiting for.
+    pub fn phase(&self) -> MigrationPhase {
+        match self.state {
+            State::Idle => MigrationPhase::NotStarted,
+            State::Preparing => MigrationPhase::Preparing,
+            State::Copying { .. } => MigrationPhase::LiveCopy,
+            State::AwaitingAck { .. } => MigrationPhase::StageAck,
+            State::Pausing => MigrationPhase::Pausing,
+            State::FinalCopy { .. } => MigrationPhase::StopAndCopy,
+            State::Committing => MigrationPhase::Committing,
+            State::Done => MigrationPhase::Finished,
+        }
+    }
+
+    /// The next action for the driver, in order.
+    pub fn poll_action(&mut self) -> Option<SourceAction> {
+        self.actions.pop_front()
+    }
+
+    /// When to call [`SourceMachine::on_timeout`] (`None` before `start` and after `Done`).
+    pub fn poll_timeout(&self) -> Option<SimTime> {
+        match self.state {
+            State::Idle | State::Done => None,
+            _ => self.deadline,
+        }
+    }
+
+    /// Send `Prepare`. Only the first call does anything.
+    pub fn start(&mut self, now: SimTime) {
+        if self.state != State::Idle {
+            return;
+        }
+        self.report.started = Some(now);
+        self.deadline = Some(now + self.params.timeout);
+        self.state = State::Preparing;
+        self.send(Body::Prepare(wire::Prepare {
+            migration_id: self.id.0,
+            request_id: self.request.0,
+            kv_tokens: self.kv_tokens,
+            block_size: self.params.block_size,
+            block_bytes: self.params.block_bytes,
+            model: self.model.clone(),
+            source_instance: self.source_instance,
+            trace_context: self.trace_context.clone(),
+        }));
+    }
+
+    /// A frame from the target (control stream).
+    pub fn on_frame(&mut self, now: SimTime, frame: Frame) {
+        if matches!(self.state, State::Done) {
+            return;
+        }
+        let Some(body) = frame.body else {
+            return self.fail(now, AbortReason::BadFrame("empty frame".into()), true);
+        };
+        let id = body_migration_id(&body);
+        if id != self.id.0 {
+            let msg = format!("{} for migration {id}, expected {}", body_name(&body), self.id.0);
+            return self.fail(now, AbortReason::BadFrame(msg), true);
+        }
+        match (self.state, body) {
+            // The target sends Abort only before it attaches, so even after Commit this is final.
+            (_, Body::Abort(a)) => {
+                let reason = AbortReason::PeerAborted { kind: AbortKind::from_wire(a.code), message: a.reason };
+                self.finish(now, Outcome::Aborted(reason));
+            }
+            (State::Preparing, Body::PrepareReply(r)) => {
+                if r.ok {
+                    self.next_stage(now);
+                } else {
+                    self.finish(now, Outcome::Aborted(AbortReason::Refused(r.reason)));
+                }
+            }
+            (State::AwaitingAck { stage }, Body::StageAck(a)) if a.stage == stage => {
+                if let Some(s) = self.report.stages.last_mut() {
+                    s.ended = Some(now);
+                }
+                self.live_stages_done += 1;
+                self.next_stage(now);
+            }
+            (State::Committing, Body::CommitReply(r)) => {
+                if r.ok {
+                    if let Some(s) = self.report.stages.last_mut() {
+                        s.ended = Some(now);
+                    }
+                    self.finish(now, Outcome::Committed);
+                } else {
+                    // A target that refuses the commit has not attached: the request stays here.
+                    self.finish(now, Outcome::Aborted(AbortReason::AttachFailed(r.reason)));
+                }
+            }
+            (_, body) => {
+                let msg = match &body {
+                    Body::StageAck(a) => format!("StageAck for stage {} while {}", a.stage, self.phase()),
+                    other => format!("unexpected {} while {}", body_name(other), self.phase()),
+                };
+                self.fail(now, AbortReason::BadFrame(msg), true);
+            }
+        }
+    }
+
+    /// The request decoded more tokens; it now holds `kv_tokens` tokens of KV. Smaller values than
+    /// before are ignored (KV is append-only), and so are reports once the pause was asked for.
+    pub fn on_kv_progress(&mut self, kv_tokens: u32) {
+        if matches!(self.state, State::Idle | State::Preparing | State::Copying { .. } | State::AwaitingAck { .. }) {
+            self.kv_tokens = self.kv_tokens.max(kv_tokens);
+        }
+    }
+
+    /// The driver has written every block of the `CopyBlocks` of `stage` to the transport.
+    pub fn on_blocks_sent(&mut self, now: SimTime, stage: u32) {
+        match self.state {
+            State::Copying { stage: s } if s == stage => {
+                let blocks = self.mark_stage_sent(now);
+                self.send(Body::StageEnd(wire::StageEnd {
+                    migration_id: self.id.0,
+                    stage,
+                    blocks,
+                    final_stage: false,
+                }));
+                self.state = State::AwaitingAck { stage };
+            }
+            State::FinalCopy { stage: s, kv_final, blocks_total } if s == stage => {
+                self.mark_stage_sent(now);
+                self.end_final_stage(now, stage, kv_final, blocks_total);
+            }
+            _ => {}
+        }
+    }
+
+    /// The driver froze the request after [`SourceAction::Pause`]: it holds `kv_tokens_final`
+    /// tokens and `state` is its serialized state for the target.
+    pub fn on_paused(&mut self, now: SimTime, kv_tokens_final: u32, state: impl Into<Bytes>) {
+        if self.state != State::Pausing {
+            return;
+        }
+        self.report.paused_at = Some(now);
+        self.report.kv_tokens_final = Some(kv_tokens_final);
+        let already_sent_tokens = self.sent_blocks as u64 * self.params.block_size as u64;
+        if (kv_tokens_final as u64) < already_sent_tokens {
+            let msg =
+                format!("paused with {kv_tokens_final} tokens, fewer than the {already_sent_tokens} already copied");
+            return self.fail(now, AbortReason::SourceKvUnavailable(msg), true);
+        }
+        self.kv_tokens = kv_tokens_final;
+        self.request_state = state.into();
+        let stage = self.live_stages_done;
+        let blocks_total = blocks_for_tokens(kv_tokens_final, self.params.block_size);
+        let blocks = self.sent_blocks..blocks_total;
+        self.begin_stage(now, stage, blocks.clone(), true);
+        self.state = State::FinalCopy { stage, kv_final: kv_tokens_final, blocks_total };
+        if blocks.is_empty() {
+            // Every block went in live stages (the KV ends on a block boundary): nothing to copy.
+            self.mark_stage_sent(now);
+            self.end_final_stage(now, stage, kv_tokens_final, blocks_total);
+        } else {
+            self.actions.push_back(SourceAction::CopyBlocks {
+                stage,
+                blocks,
+                kv_tokens: kv_tokens_final,
+                final_stage: true,
+            });
+        }
+    }
+
+    /// The driver could not read the request's KV blocks. Aborts unless `Commit` was already sent
+    /// (then every block has been read and the failure is irrelevant).
+    pub fn on_read_failed(&mut self, now: SimTime, reason: impl Into<String>) {
+        match self.state {
+            State::Done | State::Committing => {}
+            _ => self.fail(now, AbortReason::SourceKvUnavailable(reason.into()), true),
+        }
+    }
+
+    /// The connection to the target broke: `Aborted(Disconnected)`, or `Unknown(Disconnected)` if
+    /// `Commit` was sent.
+    pub fn on_disconnect(&mut self, now: SimTime) {
+        if self.state != State::Done {
+            self.fail(now, AbortReason::Disconnected, false);
+        }
+    }
+
+    /// The deadline from [`SourceMachine::poll_timeout`] may have passed.
+    pub fn on_timeout(&mut self, now: SimTime) {
+        if let Some(deadline) = self.poll_timeout() {
+            if now >= deadline {
+                let phase = self.phase();
+                self.fail(now, AbortReason::Timeout { phase }, true);
+            }
+        }
+    }
+
+    /// Abort the migration: the request stays here. Returns false, and does nothing, once `Commit`
+    /// was sent (the target may already run the request; the migration completes on its own) or
+    /// after `Done`.
+    pub fn cancel(&mut self, now: SimTime, reason: impl Into<String>) -> bool {
+        match self.state {
+            State::Done | State::Committing => false,
+            _ => {
+                self.fail(now, AbortReason::Cancelled(reason.into()), true);
+                true
+            }
+        }
+    }
+
+    /// After `PrepareReply { ok }` or a `StageAck`: copy the full blocks added since the last
+    /// stage, or pause if few remain (SPEC: fewer than `stop_copy_blocks`) or enough live stages ran.
+    fn next_stage(&mut self, now: SimTime) {
+        let full_blocks = self.kv_tokens / self.params.block_size;
+        let remaining = full_blocks.saturating_sub(self.sent_blocks);
+        if self.live_stages_done >= self.params.max_stages || remaining == 0 || remaining < self.params.stop_copy_blocks
+        {
+            self.report.pause_requested_at = Some(now);
+            self.state = State::Pausing;
+            self.actions.push_back(SourceAction::Pause);
+            return;
+        }
+        let stage = self.live_stages_done;
+        let blocks = self.sent_blocks..full_blocks;
+        self.begin_stage(now, stage, blocks.clone(), false);
+        self.state = State::Copying { stage };
+        self.actions.push_back(SourceAction::CopyBlocks {
+            stage,
+            blocks,
+            kv_tokens: full_blocks * self.params.block_size,
+            final_stage: false,
+        });
+    }
+
+    fn begin_stage(&mut self, now: SimTime, stage: u32, blocks: Range<u32>, final_stage: bool) {
+        let n = blocks.end.saturating_sub(blocks.start);
+        self.sent_blocks = self.sent_blocks.max(blocks.end);
+        self.report.stages.push(StageReport {
+            stage,
+            final_stage,
+            blocks: n,
+            bytes: n as u64 * self.params.block_bytes,
+            started: now,
+            sent: None,
+            ended: None,
+        });
+    }
+
+    /// Records that the current stage's blocks left; returns how many there were.
+    fn mark_stage_sent(&mut self, now: SimTime) -> u32 {
+        let Some(s) = self.report.stages.last_mut() else { return 0 };
+        s.sent = Some(now);
+        self.report.bytes += s.bytes;
+        s.blocks
+    }
+
+    fn end_final_stage(&mut self, now: SimTime, stage: u32, kv_final: u32, blocks_total: u32) {
+        let blocks = self.report.stages.last().map_or(0, |s| s.blocks);
+        self.send(Body::StageEnd(wire::StageEnd { migration_id: self.id.0, stage, blocks, final_stage: true }));
+        self.send(Body::Commit(wire::Commit {
+            migration_id: self.id.0,
+            kv_tokens: kv_final,
+            blocks_total,
+            state: self.request_state.clone(),
+        }));
+        self.report.commit_sent_at = Some(now);
+        self.state = State::Committing;
+    }
+
+    /// Ends the migration because of `reason`, telling the target if `notify_peer` (the connection
+    /// stands) and it has heard of the migration. After `Commit` the outcome is `Unknown`: the
+    /// target may have attached.
+    fn fail(&mut self, now: SimTime, reason: AbortReason, notify_peer: bool) {
+        if self.state == State::Done {
+            return;
+        }
+        if notify_peer && self.state != State::Idle {
+            self.actions.push_back(SourceAction::Send(abort_frame(self.id, &reason)));
+        }
+        let outcome = if self.state == State::Committing { Outcome::Unknown(reason) } else { Outcome::Aborted(reason) };
+        self.finish(now, outcome);
+    }
+
+    fn finish(&mut self, now: SimTime, outcome: Outcome) {
+        if self.state == State::Done {
+            return;
+        }
+        self.state = State::Done;
+        let r = &mut self.report;
+        r.finished_at = Some(now);
+        let started = r.started.unwrap_or(r.created);
+        let total = now.saturating_since(started);
+        r.total_time = Some(total);
+        r.downtime = match (&outcome, r.paused_at) {
+            (Outcome::Unknown(_), _) | (_, None) => None,
+            (_, Some(paused)) => Some(now.saturating_since(paused)),
+        };
+        r.goodput_bytes_per_s = match outcome {
+            Outcome::Committed if total.as_nanos() > 0 => Some(r.bytes as f64 / total.as_secs_f64()),
+            _ => None,
+        };
+        r.outcome = Some(outcome.clone());
+        self.actions.push_back(SourceAction::Done(outcome));
+    }
+
+    fn send(&mut self, body: Body) {
+        self.actions.push_back(SourceAction::Send(frame(body)));
+    }
+}

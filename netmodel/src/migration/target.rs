@@ -1,0 +1,486 @@
+//! The target side: the worker that receives a request's KV cache, created on a `Prepare` frame.
+
+use super::wire::{self, frame::Body, Frame};
+use super::{
+    abort_frame, block_tokens, blocks_for_tokens, body_migration_id, body_name, checksum, frame, AbortKind,
+    AbortReason, MigrationId, MigrationParams, MigrationPhase, Outcome,
+};
+use bytes::Bytes;
+use kvfleet_core::{RequestId, SimTime};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+/// What the target driver must do next.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TargetAction {
+    /// Send this frame on the control stream.
+    Send(Frame),
+    /// Reserve room for `blocks` blocks (`kv_tokens` tokens) of `request`, whose KV belongs to
+    /// `model`; answer with [`TargetMachine::on_reserved`] (an error refuses the `Prepare`, e.g.
+    /// [`AbortReason::TargetOutOfMemory`] or [`AbortReason::Refused`] for a model not served here).
+    /// The request keeps decoding on the source, so later writes may need more blocks.
+    Reserve { request: RequestId, kv_tokens: u32, blocks: u32, model: String },
+    /// Write this verified block (logical `index`, `tokens` valid tokens, exactly `block_bytes`
+    /// long) into the reservation, growing it if needed; a later write of the same index replaces
+    /// it. Answer with [`TargetMachine::on_written`] or [`TargetMachine::on_write_failed`].
+    WriteBlock { index: u32, tokens: u32, data: Bytes },
+    /// Commit: attach the request with `state`, `kv_tokens` tokens in logical blocks `0..blocks`
+    /// (all written), and answer with [`TargetMachine::on_attached`]. This is the commit point:
+    /// from here on only a failed attach aborts.
+    Attach { state: Bytes, kv_tokens: u32, blocks: u32 },
+    /// Free the reservation and every block written for this migration.
+    Release,
+    /// The migration is over (always the last action). `Committed`: resume the request here.
+    /// `Aborted`: nothing of it is left here.
+    Done(Outcome),
+}
+
+/// Measurements of one migration as the target saw it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TargetReport {
+    pub migration: MigrationId,
+    pub request: RequestId,
+    pub source_instance: u32,
+    /// When the `Prepare` arrived.
+    pub started: SimTime,
+    pub finished_at: Option<SimTime>,
+    /// KV tokens announced by `Prepare`, and committed by `Commit`.
+    pub kv_tokens_prepare: u32,
+    pub kv_tokens_final: Option<u32>,
+    /// Block bytes received and verified, and blocks written.
+    pub bytes_received: u64,
+    pub blocks_written: u32,
+    /// Live stages acknowledged.
+    pub stages_acked: u32,
+    pub outcome: Option<Outcome>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Reserving,
+    Receiving,
+    Attaching,
+    Done,
+}
+
+/// Progress of the stage being received (stages are strictly sequential: the source starts stage
+/// `s + 1` only after `StageAck(s)`).
+#[derive(Clone, Debug, Default)]
+struct StageProgress {
+    /// From `StageEnd`.
+    expected: Option<u32>,
+    final_stage: bool,
+    received: u32,
+    written: u32,
+}
+
+/// The target side of one migration. See the module documentation for the protocol.
+#[derive(Clone, Debug)]
+pub struct TargetMachine {
+    id: MigrationId,
+    request: RequestId,
+    params: MigrationParams,
+    trace_context: HashMap<String, String>,
+    state: State,
+    deadline: Option<SimTime>,
+    /// A `Reserve` was emitted and not released (answer `Release` on abort).
+    reserved: bool,
+    stage: u32,
+    progress: StageProgress,
+    /// Writes handed to the driver and not yet confirmed: index → `tokens` of each, in order.
+    pending: BTreeMap<u32, VecDeque<u32>>,
+    pending_writes: u32,
+    /// Confirmed blocks: index → valid tokens.
+    written: BTreeMap<u32, u32>,
+    commit: Option<wire::Commit>,
+    actions: VecDeque<TargetAction>,
+    report: TargetReport,
+}
+
+impl TargetMachine {
+    /// A machine for the migration `frame` opens, if it is a `Prepare`; otherwise the `Abort` frame
+    /// to send back. `params` are this worker's: a `Prepare` whose block geometry differs, or
+    /// invalid `params`, is refused (the machine then starts with `PrepareReply { ok: false }`).
+    pub fn accept(now: SimTime, params: &MigrationParams, frame: Frame) -> Result<TargetMachine, Frame> {
+        match frame.body {
+            Some(Body::Prepare(p)) => Ok(TargetMachine::new(now, params, p)),
+            Some(other) => {
+                let id = MigrationId(body_migration_id(&other));
+                let msg = format!("{} for unknown migration {}, expected Prepare", body_name(&other), id.0);
+                Err(abort_frame(id, &AbortReason::BadFrame(msg)))
+            }
+            None => Err(abort_frame(MigrationId(0), &AbortReason::BadFrame("empty frame".into()))),
+        }
+    }
+
+    /// A machine for this `Prepare` (see [`TargetMachine::accept`]).
+    pub fn new(now: SimTime, params: &MigrationParams, prepare: wire::Prepare) -> TargetMachine {
+        let id = MigrationId(prepare.migration_id);
+        let request = RequestId(prepare.request_id);
+        let mut m = TargetMachine {
+            id,
+            request,
+            params: params.clone(),
+            trace_context: prepare.trace_context,
+            state: State::Reserving,
+            deadline: Some(now + params.timeout),
+            reserved: false,
+            stage: 0,
+            progress: StageProgress::default(),
+            pending: BTreeMap::new(),
+            pending_writes: 0,
+            written: BTreeMap::new(),
+            commit: None,
+            actions: VecDeque::new(),
+            report: TargetReport {
+                migration: id,
+                request,
+                source_instance: prepare.source_instance,
+                started: now,
+                finished_at: None,
+                kv_tokens_prepare: prepare.kv_tokens,
+                kv_tokens_final: None,
+                bytes_received: 0,
+                blocks_written: 0,
+                stages_acked: 0,
+                outcome: None,
+            },
+        };
+        let mismatch = if let Err(e) = params.validate() {
+            Some(format!("target misconfigured: {e}"))
+        } else if prepare.block_size != params.block_size {
+            Some(format!("block_size {} differs from the target's {}", prepare.block_size, params.block_size))
+        } else if prepare.block_bytes != params.block_bytes {
+            Some(format!("block_bytes {} differs from the target's {}", prepare.block_bytes, params.block_bytes))
+        } else {
+            None
+        };
+        match mismatch {
+            Some(reason) => m.refuse(now, AbortReason::Refused(reason)),
+            None => {
+                m.reserved = true;
+                m.actions.push_back(TargetAction::Reserve {
+                    request,
+                    kv_tokens: prepare.kv_tokens,
+                    blocks: blocks_for_tokens(prepare.kv_tokens, params.block_size),
+                    model: prepare.model,
+                });
+            }
+        }
+        m
+    }
+
+    pub fn id(&self) -> MigrationId {
+        self.id
+    }
+    pub fn request(&self) -> RequestId {
+        self.request
+    }
+    /// The trace context the source sent in `Prepare`.
+    pub fn trace_context(&self) -> &HashMap<String, String> {
+        &self.trace_context
+    }
+    pub fn report(&self) -> &TargetReport {
+        &self.report
+    }
+    /// The outcome, once `Done` was emitted.
+    pub fn outcome(&self) -> Option<&Outcome> {
+        self.report.outcome.as_ref()
+    }
+    pub fn is_done(&self) -> bool {
+        self.state == State::Done
+    }
+
+    /// What the machine is doing or waiting for.
+    pub fn phase(&self) -> MigrationPhase {
+        match self.state {
+            State::Reserving => MigrationPhase::Reserving,
+            State::Receiving => MigrationPhase::Receiving,
+            State::Attaching => MigrationPhase::Attaching,
+            State::Done => MigrationPhase::Finished,
+        }
+    }
+
+    /// The next action for the driver, in order.
+    pub fn poll_action(&mut self) -> Option<TargetAction> {
+        self.actions.pop_front()
+    }
+
+    /// When to call [`TargetMachine::on_timeout`] (`None` once attaching or done).
+    pub fn poll_timeout(&self) -> Option<SimTime> {
+        match self.state {
+            State::Reserving | State::Receiving => self.deadline,
+            State::Attaching | State::Done => None,
+        }
+    }
+
+    /// The driver's answer to [`TargetAction::Reserve`].
+    pub fn on_reserved(&mut self, now: SimTime, result: Result<(), AbortReason>) {
+        if self.state != State::Reserving {
+            return;
+        }
+        match result {
+            Ok(()) => {
+                self.state = State::Receiving;
+                self.send(Body::PrepareReply(wire::PrepareReply {
+                    migration_id: self.id.0,
+                    ok: true,
+                    reason: String::new(),
+                }));
+            }
+            Err(reason) => {
+                self.reserved = false;
+                self.refuse(now, reason);
+            }
+        }
+    }
+
+    /// A frame from the source (control or data stream). Once attaching, frames are ignored: the
+    /// commit point has passed.
+    pub fn on_frame(&mut self, now: SimTime, frame: Frame) {
+        if matches!(self.state, State::Attaching | State::Done) {
+            return;
+        }
+        let Some(body) = frame.body else {
+            return self.fail(now, AbortReason::BadFrame("empty frame".into()), true);
+        };
+        let id = body_migration_id(&body);
+        if id != self.id.0 {
+            let msg = format!("{} for migration {id}, expected {}", body_name(&body), self.id.0);
+            return self.fail(now, AbortReason::BadFrame(msg), true);
+        }
+        match (self.state, body) {
+            (_, Body::Abort(a)) => {
+                let reason = AbortReason::PeerAborted { kind: AbortKind::from_wire(a.code), message: a.reason };
+                self.fail(now, reason, false);
+            }
+            (State::Receiving, Body::BlockData(b)) => self.on_block(now, b),
+            (State::Receiving, Body::StageEnd(e)) => self.on_stage_end(now, e),
+            (State::Receiving, Body::Commit(c)) => self.on_commit(now, c),
+            (_, body) => {
+                let msg = format!("unexpected {} while {}", body_name(&body), self.phase());
+                self.fail(now, AbortReason::BadFrame(msg), true);
+            }
+        }
+    }
+
+    /// The driver wrote block `index` (answer to [`TargetAction::WriteBlock`]).
+    pub fn on_written(&mut self, now: SimTime, index: u32) {
+        if self.state != State::Receiving {
+            return;
+        }
+        let Some(queue) = self.pending.get_mut(&index) else { return };
+        let Some(tokens) = queue.pop_front() else { return };
+        if queue.is_empty() {
+            self.pending.remove(&index);
+        }
+        self.pending_writes = self.pending_writes.saturating_sub(1);
+        self.written.insert(index, tokens);
+        self.progress.written += 1;
+        self.report.blocks_written += 1;
+        self.advance(now);
+    }
+
+    /// The driver could not write a block (e.g. [`AbortReason::TargetOutOfMemory`] when growing
+    /// the reservation): abort.
+    pub fn on_write_failed(&mut self, now: SimTime, reason: AbortReason) {
+        if self.state == State::Receiving {
+            self.fail(now, reason, true);
+        }
+    }
+
+    /// The driver's answer to [`TargetAction::Attach`].
+    pub fn on_attached(&mut self, now: SimTime, result: Result<(), AbortReason>) {
+        if self.state != State::Attaching {
+            return;
+        }
+        match result {
+            Ok(()) => {
+                self.reserved = false;
+                self.send(Body::CommitReply(wire::CommitReply {
+                    migration_id: self.id.0,
+                    ok: true,
+                    reason: String::new(),
+                }));
+                self.finish(now, Outcome::Committed);
+            }
+            Err(reason) => {
+                self.send(Body::CommitReply(wire::CommitReply {
+                    migration_id: self.id.0,
+                    ok: false,
+                    reason: reason.to_string(),
+                }));
+                self.release();
+                self.finish(now, Outcome::Aborted(reason));
+            }
+        }
+    }
+
+    /// The connection to the source broke: abort, unless already attaching (then the attach
+    /// decides; the source, missing the `CommitReply`, ends `Unknown`).
+    pub fn on_disconnect(&mut self, now: SimTime) {
+        if matches!(self.state, State::Reserving | State::Receiving) {
+            self.fail(now, AbortReason::Disconnected, false);
+        }
+    }
+
+    /// The deadline from [`TargetMachine::poll_timeout`] may have passed.
+    pub fn on_timeout(&mut self, now: SimTime) {
+        let Some(deadline) = self.poll_timeout() else { return };
+        if now < deadline {
+            return;
+        }
+        let reason = match &self.commit {
+            Some(c) => {
+                let have = self.written.range(..c.blocks_total).count() as u32;
+                AbortReason::Incomplete { missing: c.blocks_total.saturating_sub(have) }
+            }
+            None => AbortReason::Timeout { phase: self.phase() },
+        };
+        self.fail(now, reason, true);
+    }
+
+    fn on_block(&mut self, now: SimTime, b: wire::BlockData) {
+        let bad = |msg: String| AbortReason::BadFrame(format!("BlockData {} of stage {}: {msg}", b.index, b.stage));
+        if b.stage != self.stage {
+            return self.fail(now, bad(format!("expected stage {}", self.stage)), true);
+        }
+        if let Some(expected) = self.progress.expected {
+            if self.progress.received >= expected {
+                return self.fail(now, bad(format!("the stage has only {expected} blocks")), true);
+            }
+        }
+        if b.tokens == 0 || b.tokens > self.params.block_size {
+            let msg = format!("{} tokens, expected 1..={}", b.tokens, self.params.block_size);
+            return self.fail(now, bad(msg), true);
+        }
+        if b.data.len() as u64 != self.params.block_bytes {
+            let msg = format!("{} bytes, expected {}", b.data.len(), self.params.block_bytes);
+            return self.fail(now, bad(msg), true);
+        }
+        if checksum(&b.data) != b.checksum {
+            return self.fail(now, AbortReason::ChecksumMismatch { block: b.index }, true);
+        }
+        self.progress.received += 1;
+        self.report.bytes_received += b.data.len() as u64;
+        self.pending.entry(b.index).or_default().push_back(b.tokens);
+        self.pending_writes += 1;
+        self.actions.push_back(TargetAction::WriteBlock { index: b.index, tokens: b.tokens, data: b.data });
+    }
+
+    fn on_stage_end(&mut self, now: SimTime, e: wire::StageEnd) {
+        if e.stage != self.stage || self.progress.expected.is_some() {
+            let msg = format!("StageEnd for stage {}, expected the end of stage {}", e.stage, self.stage);
+            return self.fail(now, AbortReason::BadFrame(msg), true);
+        }
+        if self.progress.received > e.blocks {
+            let msg = format!("StageEnd says {} blocks, {} arrived", e.blocks, self.progress.received);
+            return self.fail(now, AbortReason::BadFrame(msg), true);
+        }
+        self.progress.expected = Some(e.blocks);
+        self.progress.final_stage = e.final_stage;
+        self.advance(now);
+    }
+
+    fn on_commit(&mut self, now: SimTime, c: wire::Commit) {
+        if !self.progress.final_stage || self.commit.is_some() {
+            let msg = "Commit without a preceding final StageEnd (or twice)".to_string();
+            return self.fail(now, AbortReason::BadFrame(msg), true);
+        }
+        let needed = blocks_for_tokens(c.kv_tokens, self.params.block_size);
+        if c.blocks_total != needed {
+            let msg = format!("Commit of {} tokens says {} blocks, not {needed}", c.kv_tokens, c.blocks_total);
+            return self.fail(now, AbortReason::BadFrame(msg), true);
+        }
+        self.report.kv_tokens_final = Some(c.kv_tokens);
+        self.commit = Some(c);
+        self.advance(now);
+    }
+
+    /// Acknowledge a complete live stage; attach once a committed transfer is complete.
+    fn advance(&mut self, now: SimTime) {
+        let Some(expected) = self.progress.expected else { return };
+        if self.progress.written < expected {
+            return;
+        }
+        if !self.progress.final_stage {
+            let stage = self.stage;
+            self.send(Body::StageAck(wire::StageAck { migration_id: self.id.0, stage }));
+            self.report.stages_acked += 1;
+            self.stage = self.stage.saturating_add(1);
+            self.progress = StageProgress::default();
+            return;
+        }
+        let Some(commit) = &self.commit else { return };
+        // Implied by the count today (every stage before was complete); kept as a guard.
+        if self.pending_writes > 0 {
+            return;
+        }
+        // Everything the source sent has been written: check it covers exactly the committed KV.
+        let (kv_tokens, total) = (commit.kv_tokens, commit.blocks_total);
+        if let Some((&last, _)) = self.written.last_key_value() {
+            if last >= total {
+                let msg = format!("block {last} was sent, but Commit has only {total} blocks");
+                return self.fail(now, AbortReason::BadFrame(msg), true);
+            }
+        }
+        let missing = total.saturating_sub(self.written.len() as u32);
+        if missing > 0 {
+            // The final stage is complete, so nothing else can come.
+            return self.fail(now, AbortReason::Incomplete { missing }, true);
+        }
+        let bs = self.params.block_size;
+        if let Some((&index, &tokens)) = self.written.iter().find(|(&i, &t)| t != block_tokens(i, kv_tokens, bs)) {
+            let expected = block_tokens(index, kv_tokens, bs);
+            let msg = format!("block {index} holds {tokens} tokens, Commit of {kv_tokens} tokens implies {expected}");
+            return self.fail(now, AbortReason::BadFrame(msg), true);
+        }
+        let state = commit.state.clone();
+        self.state = State::Attaching;
+        self.deadline = None;
+        self.actions.push_back(TargetAction::Attach { state, kv_tokens, blocks: total });
+    }
+
+    /// Answers the `Prepare` with a refusal and ends.
+    fn refuse(&mut self, now: SimTime, reason: AbortReason) {
+        self.send(Body::PrepareReply(wire::PrepareReply {
+            migration_id: self.id.0,
+            ok: false,
+            reason: reason.to_string(),
+        }));
+        self.finish(now, Outcome::Aborted(reason));
+    }
+
+    /// Aborts before the commit point: tells the source if `notify_peer`, frees the reservation.
+    fn fail(&mut self, now: SimTime, reason: AbortReason, notify_peer: bool) {
+        if !matches!(self.state, State::Reserving | State::Receiving) {
+            return;
+        }
+        if notify_peer {
+            self.actions.push_back(TargetAction::Send(abort_frame(self.id, &reason)));
+        }
+        self.release();
+        self.finish(now, Outcome::Aborted(reason));
+    }
+
+    fn release(&mut self) {
+        if self.reserved {
+            self.reserved = false;
+            self.actions.push_back(TargetAction::Release);
+        }
+    }
+
+    fn finish(&mut self, now: SimTime, outcome: Outcome) {
+        if self.state == State::Done {
+            return;
+        }
+        self.state = State::Done;
+        self.report.finished_at = Some(now);
+        self.report.outcome = Some(outcome.clone());
+        self.actions.push_back(TargetAction::Done(outcome));
+    }
+
+    fn send(&mut self, body: Body) {
+        self.actions.push_back(TargetAction::Send(frame(body)));
+    }
+}

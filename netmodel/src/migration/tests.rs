@@ -1,0 +1,664 @@
+//! Scenario tests: the happy path, the stage policy as a table, every failure path.
+
+use super::harness::{request_state, Config, Ev, World, REQUEST};
+use super::wire::{self, frame::Body, Frame};
+use super::*;
+
+fn body(f: &Frame) -> &Body {
+    f.body.as_ref().expect("frame has a body")
+}
+
+fn is_abort(f: &Frame, kind: AbortKind) -> bool {
+    matches!(body(f), Body::Abort(a) if AbortKind::from_wire(a.code) == kind)
+}
+
+/// Stage blocks of the source's report, in order.
+fn stage_blocks(w: &World) -> Vec<u32> {
+    w.src.report().stages.iter().map(|s| s.blocks).collect()
+}
+
+#[test]
+fn params_defaults_and_validation() {
+    let p = MigrationParams::default();
+    assert_eq!((p.stop_copy_blocks, p.max_stages, p.block_size, p.block_bytes), (16, 3, 16, 4 << 20));
+    assert_eq!(p.timeout, SimDuration::from_secs_f64(10.0));
+    assert!(p.validate().is_ok());
+    let bad = |f: fn(&mut MigrationParams)| {
+        let mut p = MigrationParams::default();
+        f(&mut p);
+        p.validate().unwrap_err().to_string()
+    };
+    assert!(bad(|p| p.block_size = 0).contains("`block_size`"));
+    assert!(bad(|p| p.block_bytes = 0).contains("`block_bytes`"));
+    assert!(bad(|p| p.block_bytes = MAX_BLOCK_BYTES + 1).contains("`block_bytes`"));
+    assert!(bad(|p| p.timeout = SimDuration::ZERO).contains("`timeout`"));
+    let p = MigrationParams { block_size: 0, ..MigrationParams::default() };
+    assert!(SourceMachine::new(MigrationId(1), RequestId(1), p, SimTime(0), 10).is_err());
+}
+
+#[test]
+fn block_geometry_helpers() {
+    assert_eq!(blocks_for_tokens(0, 4), 0);
+    assert_eq!(blocks_for_tokens(1, 4), 1);
+    assert_eq!(blocks_for_tokens(8, 4), 2);
+    assert_eq!(blocks_for_tokens(9, 4), 3);
+    assert_eq!(blocks_for_tokens(u32::MAX, 1), u32::MAX);
+    assert_eq!(block_tokens(2, 9, 4), 1);
+    assert_eq!(block_tokens(1, 9, 4), 4);
+    assert_eq!(block_tokens(3, 9, 4), 0);
+    assert_eq!(block_tokens(u32::MAX, u32::MAX, u32::MAX), 0);
+    let f = block_frame(MigrationId(3), 1, 2, 4, Bytes::from_static(b"abc"));
+    let Body::BlockData(b) = body(&f) else { panic!() };
+    assert_eq!((b.migration_id, b.stage, b.index, b.tokens), (3, 1, 2, 4));
+    assert_eq!(b.checksum, xxhash_rust::xxh3::xxh3_64(b"abc"));
+    assert_ne!(checksum(b"abc"), checksum(b"abd"));
+}
+
+#[test]
+fn happy_path_frames_report_and_bytes() {
+    // 50 tokens, 4 per block: 12 full blocks (≥ stop_copy_blocks = 4) go live, then the request
+    // pauses and the partial 13th block goes in the final stage.
+    let mut w = World::new(Config::small(50, 2));
+    let mut ctx = std::collections::HashMap::new();
+    ctx.insert("traceparent".to_string(), "00-abc-def-01".to_string());
+    w.src = w.src.clone().with_trace_context(ctx.clone());
+    w.start();
+    let Body::Prepare(p) = body(&w.src_sent[0]) else { panic!("first frame must be Prepare") };
+    assert_eq!((p.migration_id, p.request_id, p.kv_tokens, p.block_size, p.block_bytes), (1, REQUEST, 50, 4, 256));
+    assert_eq!((p.model.as_str(), p.source_instance), ("test-model", 3));
+    w.drain();
+    assert_eq!(w.tgt.as_ref().unwrap().trace_context(), &ctx);
+    assert_eq!(w.src_outcome(), Some(&Outcome::Committed));
+    assert_eq!(w.tgt_outcome(), Some(&Outcome::Committed));
+    w.check_safety();
+    w.check_target_kv_equals_source();
+    assert_eq!(stage_blocks(&w), vec![12, 1]);
+    let kinds: Vec<&str> = w.src_sent.iter().map(|f| body_name(body(f))).collect();
+    assert_eq!(kinds, ["Prepare", "StageEnd", "StageEnd", "Commit"]);
+    let tkinds: Vec<&str> = w.tgt_sent.iter().map(|f| body_name(body(f))).collect();
+    assert_eq!(tkinds, ["PrepareReply", "StageAck", "CommitReply"]);
+    let r = w.src.report();
+    assert_eq!(r.bytes, 13 * 256);
+    assert_eq!(r.kv_tokens_start, 50);
+    assert_eq!(r.kv_tokens_final, Some(50));
+    assert_eq!(r.live_stages(), 1);
+    assert!(r.stages.iter().all(|s| s.sent.is_some() && s.ended.is_some()));
+    assert!(r.stages[1].final_stage && !r.stages[0].final_stage);
+    let (started, finished) = (r.started.unwrap(), r.finished_at.unwrap());
+    assert_eq!(r.total_time, Some(finished - started));
+    assert_eq!(r.downtime, Some(finished - r.paused_at.unwrap()));
+    let goodput = r.goodput_bytes_per_s.unwrap();
+    assert!((goodput - 13.0 * 256.0 / (finished - started).as_secs_f64()).abs() < 1e-6);
+    let t = w.tgt.as_ref().unwrap().report();
+    assert_eq!((t.bytes_received, t.blocks_written, t.stages_acked), (13 * 256, 13, 1));
+    assert_eq!(t.kv_tokens_final, Some(50));
+    // The report serializes (JSON result files).
+    let json = serde_json::to_string(r).unwrap();
+    let back: MigrationReport = serde_json::from_str(&json).unwrap();
+    assert_eq!(&back, r);
+    serde_json::to_string(t).unwrap();
+}
+
+/// (initial KV tokens, tokens decoded while each live stage copies, stop_copy_blocks, max_stages)
+/// → blocks of every stage (the last is the stop-and-copy stage). 4 tokens per block.
+#[test]
+fn stage_count_follows_threshold_and_max_stages() {
+    #[rustfmt::skip]
+    let table: &[(u32, u32, u32, u32, &[u32])] = &[
+        // fewer full blocks than the threshold: straight to stop-and-copy
+        (10, 0, 16, 3, &[3]),
+        (63, 0, 16, 3, &[16]),
+        (0, 0, 16, 3, &[0]),
+        // exactly the threshold: one live stage; nothing new after it; KV ends on a boundary
+        (64, 0, 16, 3, &[16, 0]),
+        // decoding 16 blocks per stage keeps ≥ 16 new blocks: max_stages stops it
+        (64, 64, 16, 3, &[16, 16, 16, 16]),
+        // 15 new blocks per stage < 16: one live stage
+        (64, 60, 16, 3, &[16, 15]),
+        (64, 63, 16, 3, &[16, 16]),
+        (64, 64, 16, 1, &[16, 16]),
+        (64, 64, 16, 0, &[16]),
+        (200, 100, 16, 3, &[50, 25, 25, 25]),
+        (200, 40, 16, 3, &[50, 10]),
+        (200, 100, 16, 5, &[50, 25, 25, 25, 25, 25]),
+        (5, 0, 1, 3, &[1, 1]),
+        (5, 4, 1, 3, &[1, 1, 1, 2]),
+    ];
+    for &(kv, decode, stop, max_stages, expected) in table {
+        let mut cfg = Config::small(kv, 3);
+        cfg.params.stop_copy_blocks = stop;
+        cfg.params.max_stages = max_stages;
+        cfg.decode_per_copy = decode;
+        let mut w = World::new(cfg);
+        w.start();
+        w.drain();
+        let case = format!("kv {kv}, decode {decode}, stop {stop}, max_stages {max_stages}");
+        assert_eq!(stage_blocks(&w), expected, "{case}");
+        let r = w.src.report();
+        assert_eq!(r.live_stages() as usize, expected.len() - 1, "{case}");
+        assert!(r.live_stages() <= max_stages, "{case}");
+        assert_eq!(r.stages.iter().filter(|s| s.final_stage).count(), 1, "{case}");
+        assert!(r.stages.last().unwrap().final_stage, "{case}");
+        assert_eq!(w.src_outcome(), Some(&Outcome::Committed), "{case}");
+        w.check_safety();
+    }
+}
+
+#[test]
+fn downtime_runs_from_pause_to_commit_reply() {
+    let mut w = World::new(Config::small(40, 2));
+    w.start();
+    w.run_until(|w| w.pause_asked);
+    assert_eq!(w.src.phase(), MigrationPhase::Pausing);
+    w.now = SimTime::from_secs_f64(2.0);
+    w.apply(Ev::Freeze, 0);
+    let paused = w.now;
+    assert_eq!(w.src.report().paused_at, Some(paused));
+    // Deliver everything except the CommitReply, then let 1.5 s pass before it arrives.
+    w.run_until(|w| w.to_source.front().is_some_and(|f| matches!(body(f), Body::CommitReply(_))));
+    assert!(w.src_done.is_empty());
+    w.now = paused + SimDuration::from_secs_f64(1.5);
+    w.apply(Ev::ToSource, 0);
+    assert_eq!(w.src_outcome(), Some(&Outcome::Committed));
+    let r = w.src.report();
+    assert_eq!(r.downtime, Some(SimDuration::from_secs_f64(1.5) + SimDuration::from_nanos(1_000)));
+    assert_eq!(r.finished_at, Some(w.now));
+    assert!(r.pause_requested_at.unwrap() < paused);
+}
+
+#[test]
+fn disconnect_before_commit_aborts_and_source_keeps_the_request() {
+    type Stop = fn(&World) -> bool;
+    let cases: &[(&str, Stop, MigrationPhase)] = &[
+        ("before the Prepare arrives", |w| w.src.phase() == MigrationPhase::Preparing, MigrationPhase::Preparing),
+        ("while the target reserves", |w| w.reserve_pending, MigrationPhase::Preparing),
+        ("during live stage 0", |w| w.blocks_sent_pending == Some(0), MigrationPhase::LiveCopy),
+        ("waiting for StageAck 0", |w| w.src.phase() == MigrationPhase::StageAck, MigrationPhase::StageAck),
+        ("during live stage 1", |w| w.blocks_sent_pending == Some(1), MigrationPhase::LiveCopy),
+        ("while pausing", |w| w.pause_asked && !w.frozen, MigrationPhase::Pausing),
+        ("during stop-and-copy", |w| w.src.phase() == MigrationPhase::StopAndCopy, MigrationPhase::StopAndCopy),
+    ];
+    for &(case, stop, phase) in cases {
+        let mut cfg = Config::small(64, 2);
+        cfg.decode_per_copy = 32; // 8 new blocks per stage: several live stages
+        let mut w = World::new(cfg);
+        w.start();
+        w.run_until(stop);
+        assert!(stop(&w), "{case}: never reached");
+        assert_eq!(w.src.phase(), phase, "{case}");
+        w.disconnect();
+        assert_eq!(w.src_outcome(), Some(&Outcome::Aborted(AbortReason::Disconnected)), "{case}");
+        if w.tgt.is_some() {
+            assert_eq!(w.tgt_outcome(), Some(&Outcome::Aborted(AbortReason::Disconnected)), "{case}");
+        }
+        assert!(w.src.poll_timeout().is_none());
+        w.check_safety();
+        // A late answer from the driver changes nothing.
+        w.src.on_paused(w.now, w.kv_tokens, request_state(w.kv_tokens));
+        w.src.on_blocks_sent(w.now, 0);
+        w.pump();
+        assert_eq!(w.src_done.len(), 1, "{case}");
+    }
+}
+
+#[test]
+fn disconnect_after_commit_sent_but_not_delivered_is_unknown_and_target_releases() {
+    let mut w = World::new(Config::small(30, 1));
+    w.start();
+    w.run_until(|w| w.src.phase() == MigrationPhase::Committing);
+    assert!(w.to_target.iter().any(|f| matches!(body(f), Body::Commit(_))));
+    w.disconnect();
+    assert_eq!(w.src_outcome(), Some(&Outcome::Unknown(AbortReason::Disconnected)));
+    assert_eq!(w.tgt_outcome(), Some(&Outcome::Aborted(AbortReason::Disconnected)));
+    assert_eq!(w.releases, 1);
+    assert!(w.attached.is_none());
+    assert_eq!(w.src.report().downtime, None, "downtime of an in-doubt migration is not known");
+    w.check_safety();
+}
+
+#[test]
+fn lost_commit_reply_leaves_source_unknown_and_target_committed() {
+    let mut w = World::new(Config::small(30, 1));
+    w.start();
+    w.run_until(|w| w.to_source.iter().any(|f| matches!(body(f), Body::CommitReply(r) if r.ok)));
+    w.disconnect();
+    assert_eq!(w.tgt_outcome(), Some(&Outcome::Committed));
+    // The source must not free its copy (it did not see the reply) nor resume it: in doubt.
+    assert_eq!(w.src_outcome(), Some(&Outcome::Unknown(AbortReason::Disconnected)));
+    w.check_safety();
+}
+
+#[test]
+fn disconnect_while_attaching_still_commits_on_the_target() {
+    let mut w = World::new(Config::small(30, 1));
+    w.start();
+    w.run_until(|w| w.attach_pending.is_some());
+    assert_eq!(w.tgt.as_ref().unwrap().phase(), MigrationPhase::Attaching);
+    assert_eq!(w.tgt.as_ref().unwrap().poll_timeout(), None);
+    w.disconnect();
+    assert!(w.tgt_done.is_empty(), "the commit point has passed: the disconnect must not abort");
+    w.apply(Ev::AttachDone, 0);
+    assert_eq!(w.tgt_outcome(), Some(&Outcome::Committed));
+    assert!(matches!(w.src_outcome(), Some(Outcome::Unknown(AbortReason::Disconnected))));
+    w.check_safety();
+}
+
+#[test]
+fn abort_received_while_attaching_is_ignored() {
+    let mut w = World::new(Config::small(30, 1));
+    w.start();
+    w.run_until(|w| w.attach_pending.is_some());
+    let abort = abort_frame(MigrationId(1), &AbortReason::Cancelled("late".into()));
+    w.tgt.as_mut().unwrap().on_frame(w.now, abort);
+    w.pump();
+    assert!(w.tgt_done.is_empty());
+    w.drain();
+    assert_eq!(w.tgt_outcome(), Some(&Outcome::Committed));
+    assert_eq!(w.src_outcome(), Some(&Outcome::Committed));
+    w.check_safety();
+}
+
+/// Flips one byte of the first queued BlockData of `stage`; returns its index.
+fn corrupt_queued_block(w: &mut World, stage: u32) -> u32 {
+    for q in &mut w.data {
+        for f in q.iter_mut() {
+            if let Some(Body::BlockData(b)) = f.body.as_mut() {
+                if b.stage == stage {
+                    let mut data = b.data.to_vec();
+                    data[17] ^= 0x40;
+                    b.data = Bytes::from(data);
+                    return b.index;
+                }
+            }
+        }
+    }
+    panic!("no queued block of stage {stage}");
+}
+
+#[test]
+fn corrupted_block_is_detected_and_aborts_both_sides() {
+    for (stage, kv) in [(0u32, 64u32), (1, 64)] {
+        let mut cfg = Config::small(kv, 3);
+        cfg.decode_per_copy = 1; // the final stage (stage 1) carries one partial block
+        let mut w = World::new(cfg);
+        w.start();
+        w.run_until(|w| w.data.iter().flatten().any(|f| matches!(body(f), Body::BlockData(b) if b.stage == stage)));
+        let block = corrupt_queued_block(&mut w, stage);
+        w.drain();
+        assert_eq!(w.tgt_outcome(), Some(&Outcome::Aborted(AbortReason::ChecksumMismatch { block })));
+        let Some(Outcome::Aborted(AbortReason::PeerAborted { kind, message })) = w.src_outcome() else {
+            panic!("source: {:?}", w.src_outcome())
+        };
+        assert_eq!(*kind, AbortKind::ChecksumMismatch);
+        assert!(message.contains(&format!("block {block}")), "{message}");
+        assert!(w.tgt_sent.iter().any(|f| is_abort(f, AbortKind::ChecksumMismatch)));
+        assert_eq!(w.releases, 1);
+        assert!(w.attached.is_none());
+        w.check_safety();
+    }
+}
+
+#[test]
+fn wrong_length_block_is_a_bad_frame() {
+    let mut w = World::new(Config::small(64, 1));
+    w.start();
+    w.run_until(|w| !w.data[0].is_empty());
+    let f = w.data[0].pop_front().unwrap();
+    let Some(Body::BlockData(b)) = f.body else { panic!() };
+    let short = b.data.slice(..100);
+    w.data[0].push_front(block_frame(MigrationId(1), b.stage, b.index, b.tokens, short));
+    w.drain();
+    assert!(matches!(w.tgt_outcome(), Some(Outcome::Aborted(AbortReason::BadFrame(m))) if m.contains("100 bytes")));
+    assert!(matches!(
+        w.src_outcome(),
+        Some(Outcome::Aborted(AbortReason::PeerAborted { kind: AbortKind::BadFrame, .. }))
+    ));
+    w.check_safety();
+}
+
+#[test]
+fn target_refuses_reservation() {
+    let mut w = World::new(Config::small(64, 2));
+    w.reserve_result = Err(AbortReason::TargetOutOfMemory("need 16 blocks, 3 free".into()));
+    w.start();
+    w.drain();
+    assert_eq!(
+        w.tgt_outcome(),
+        Some(&Outcome::Aborted(AbortReason::TargetOutOfMemory("need 16 blocks, 3 free".into())))
+    );
+    let Some(Outcome::Aborted(AbortReason::Refused(reason))) = w.src_outcome() else {
+        panic!("source: {:?}", w.src_outcome())
+    };
+    assert!(reason.contains("out of memory"), "{reason}");
+    assert!(matches!(body(&w.tgt_sent[0]), Body::PrepareReply(r) if !r.ok));
+    assert!(w.src.report().stages.is_empty(), "no block may be sent after a refusal");
+    assert_eq!((w.reserves, w.releases), (1, 0), "nothing was reserved, so nothing to release");
+    assert!(!w.src_sent.iter().any(|f| matches!(body(f), Body::Abort(_))));
+    w.check_safety();
+}
+
+#[test]
+fn target_refuses_a_different_block_geometry() {
+    let src_params = MigrationParams::new(16, 4096);
+    let mut src = SourceMachine::new(MigrationId(5), RequestId(1), src_params, SimTime(0), 100).unwrap();
+    src.start(SimTime(0));
+    let Some(SourceAction::Send(prepare)) = src.poll_action() else { panic!() };
+    let mut tgt = TargetMachine::accept(SimTime(1), &MigrationParams::new(32, 4096), prepare).unwrap();
+    let Some(TargetAction::Send(reply)) = tgt.poll_action() else { panic!() };
+    let Some(TargetAction::Done(Outcome::Aborted(AbortReason::Refused(m)))) = tgt.poll_action() else { panic!() };
+    assert!(m.contains("block_size"), "{m}");
+    assert_eq!(tgt.poll_action(), None);
+    src.on_frame(SimTime(2), reply);
+    assert!(matches!(src.poll_action(), Some(SourceAction::Done(Outcome::Aborted(AbortReason::Refused(_))))));
+}
+
+#[test]
+fn source_times_out_waiting_for_the_prepare_reply() {
+    let mut w = World::new(Config::small(64, 1));
+    w.start();
+    let deadline = w.src.poll_timeout().expect("armed after start");
+    assert_eq!(deadline, SimTime(0) + w.cfg.params.timeout);
+    w.to_target.clear(); // the Prepare is lost
+    w.src.on_timeout(SimTime(deadline.0 - 1));
+    w.pump();
+    assert!(w.src_done.is_empty(), "an early timeout call does nothing");
+    w.src.on_timeout(deadline);
+    w.pump();
+    assert_eq!(w.src_outcome(), Some(&Outcome::Aborted(AbortReason::Timeout { phase: MigrationPhase::Preparing })));
+    assert!(w.src_sent.last().is_some_and(|f| is_abort(f, AbortKind::Timeout)));
+    w.check_safety();
+}
+
+#[test]
+fn lost_block_times_out_the_stage_and_both_sides_abort() {
+    let mut w = World::new(Config::small(64, 2));
+    w.start();
+    w.run_until(|w| w.data[1].len() >= 2);
+    w.data[1].pop_front(); // the transport loses one block of stage 0
+    w.drain();
+    assert_eq!(w.src_outcome(), Some(&Outcome::Aborted(AbortReason::Timeout { phase: MigrationPhase::StageAck })));
+    assert!(matches!(
+        w.tgt_outcome(),
+        Some(Outcome::Aborted(AbortReason::PeerAborted { kind: AbortKind::Timeout, .. }))
+    ));
+    assert!(!w.tgt_sent.iter().any(|f| matches!(body(f), Body::StageAck(_))), "stage 0 must not be acked");
+    w.check_safety();
+}
+
+#[test]
+fn source_timeout_after_commit_is_unknown() {
+    let mut w = World::new(Config::small(30, 1));
+    w.start();
+    w.run_until(|w| w.src.phase() == MigrationPhase::Committing);
+    // Hold the control stream: the Commit has not reached the target when the deadline passes.
+    let held: Vec<Frame> = w.to_target.drain(..).collect();
+    w.fire_next_timeout();
+    assert_eq!(w.src_outcome(), Some(&Outcome::Unknown(AbortReason::Timeout { phase: MigrationPhase::Committing })));
+    assert!(w.src_sent.last().is_some_and(|f| is_abort(f, AbortKind::Timeout)));
+    let abort = w.to_target.pop_front().unwrap();
+    w.to_target.extend(held);
+    w.to_target.push_back(abort);
+    w.drain();
+    w.check_safety();
+}
+
+/// A target fed by hand: `Prepare` for `kv` tokens with 4-token, 8-byte blocks, reserved.
+fn manual_target(kv: u32) -> (TargetMachine, MigrationParams) {
+    let params = MigrationParams::new(4, 8);
+    let prepare = wire::Prepare {
+        migration_id: 9,
+        request_id: 1,
+        kv_tokens: kv,
+        block_size: 4,
+        block_bytes: 8,
+        ..Default::default()
+    };
+    let mut t = TargetMachine::new(SimTime(0), &params, prepare);
+    assert!(
+        matches!(t.poll_action(), Some(TargetAction::Reserve { blocks, .. }) if blocks == blocks_for_tokens(kv, 4))
+    );
+    t.on_reserved(SimTime(1), Ok(()));
+    assert!(
+        matches!(t.poll_action(), Some(TargetAction::Send(f)) if matches!(body(&f), Body::PrepareReply(r) if r.ok))
+    );
+    (t, params)
+}
+
+fn ctrl(b: Body) -> Frame {
+    Frame { body: Some(b) }
+}
+
+fn drain_target(t: &mut TargetMachine) -> Vec<TargetAction> {
+    std::iter::from_fn(|| t.poll_action()).collect()
+}
+
+#[test]
+fn target_acks_a_stage_only_when_every_block_is_written() {
+    let (mut t, _) = manual_target(8);
+    // StageEnd overtakes its blocks (other streams).
+    t.on_frame(
+        SimTime(2),
+        ctrl(Body::StageEnd(wire::StageEnd { migration_id: 9, stage: 0, blocks: 2, final_stage: false })),
+    );
+    assert!(drain_target(&mut t).is_empty());
+    t.on_frame(SimTime(3), block_frame(MigrationId(9), 0, 1, 4, Bytes::from_static(b"bbbbbbbb")));
+    t.on_frame(SimTime(3), block_frame(MigrationId(9), 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
+    let writes = drain_target(&mut t);
+    assert_eq!(writes.len(), 2);
+    assert!(writes.iter().all(|a| matches!(a, TargetAction::WriteBlock { .. })));
+    t.on_written(SimTime(4), 0);
+    assert!(drain_target(&mut t).is_empty(), "block 1 received but not written: no ack yet");
+    t.on_written(SimTime(5), 1);
+    let acts = drain_target(&mut t);
+    assert!(matches!(&acts[..], [TargetAction::Send(f)] if matches!(body(f), Body::StageAck(a) if a.stage == 0)));
+}
+
+#[test]
+fn target_waits_for_final_blocks_after_commit_then_attaches() {
+    let (mut t, _) = manual_target(6);
+    let id = MigrationId(9);
+    t.on_frame(SimTime(2), block_frame(id, 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
+    t.on_frame(
+        SimTime(2),
+        ctrl(Body::StageEnd(wire::StageEnd { migration_id: 9, stage: 0, blocks: 2, final_stage: true })),
+    );
+    let commit = wire::Commit { migration_id: 9, kv_tokens: 6, blocks_total: 2, state: Bytes::from_static(b"st") };
+    t.on_frame(SimTime(3), ctrl(Body::Commit(commit)));
+    t.on_written(SimTime(4), 0);
+    drain_target(&mut t);
+    assert_eq!(t.phase(), MigrationPhase::Receiving, "block 1 has not arrived: wait");
+    t.on_frame(SimTime(5), block_frame(id, 0, 1, 2, Bytes::from_static(b"cc......")));
+    drain_target(&mut t);
+    t.on_written(SimTime(6), 1);
+    let acts = drain_target(&mut t);
+    assert_eq!(acts, vec![TargetAction::Attach { state: Bytes::from_static(b"st"), kv_tokens: 6, blocks: 2 }]);
+    t.on_attached(SimTime(7), Ok(()));
+    let acts = drain_target(&mut t);
+    assert!(matches!(&acts[0], TargetAction::Send(f) if matches!(body(f), Body::CommitReply(r) if r.ok)));
+    assert_eq!(acts[1], TargetAction::Done(Outcome::Committed));
+    assert_eq!(acts.len(), 2, "no Release after a commit: the blocks now belong to the request");
+}
+
+#[test]
+fn target_commit_with_a_missing_block_times_out_incomplete() {
+    let (mut t, params) = manual_target(6);
+    t.on_frame(SimTime(2), block_frame(MigrationId(9), 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
+    t.on_frame(
+        SimTime(2),
+        ctrl(Body::StageEnd(wire::StageEnd { migration_id: 9, stage: 0, blocks: 2, final_stage: true })),
+    );
+    let commit = wire::Commit { migration_id: 9, kv_tokens: 6, blocks_total: 2, state: Bytes::new() };
+    t.on_frame(SimTime(3), ctrl(Body::Commit(commit)));
+    t.on_written(SimTime(4), 0);
+    drain_target(&mut t);
+    let deadline = t.poll_timeout().unwrap();
+    assert_eq!(deadline, SimTime(0) + params.timeout);
+    t.on_timeout(deadline);
+    let acts = drain_target(&mut t);
+    assert!(matches!(&acts[0], TargetAction::Send(f) if is_abort(f, AbortKind::Incomplete)));
+    assert_eq!(acts[1], TargetAction::Release);
+    assert_eq!(acts[2], TargetAction::Done(Outcome::Aborted(AbortReason::Incomplete { missing: 1 })));
+}
+
+#[test]
+fn target_commit_that_can_never_complete_aborts_at_once() {
+    // The final stage is complete (1 block) but Commit claims 3 blocks: nothing else can come.
+    let (mut t, _) = manual_target(4);
+    t.on_frame(SimTime(2), block_frame(MigrationId(9), 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
+    t.on_frame(
+        SimTime(2),
+        ctrl(Body::StageEnd(wire::StageEnd { migration_id: 9, stage: 0, blocks: 1, final_stage: true })),
+    );
+    t.on_written(SimTime(3), 0);
+    let commit = wire::Commit { migration_id: 9, kv_tokens: 12, blocks_total: 3, state: Bytes::new() };
+    t.on_frame(SimTime(4), ctrl(Body::Commit(commit)));
+    let acts = drain_target(&mut t);
+    assert_eq!(acts.last(), Some(&TargetAction::Done(Outcome::Aborted(AbortReason::Incomplete { missing: 2 }))));
+    // A Commit whose token count contradicts the blocks' token counts is a bad frame.
+    let (mut t, _) = manual_target(4);
+    t.on_frame(SimTime(2), block_frame(MigrationId(9), 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
+    t.on_frame(
+        SimTime(2),
+        ctrl(Body::StageEnd(wire::StageEnd { migration_id: 9, stage: 0, blocks: 1, final_stage: true })),
+    );
+    t.on_written(SimTime(3), 0);
+    let commit = wire::Commit { migration_id: 9, kv_tokens: 3, blocks_total: 1, state: Bytes::new() };
+    t.on_frame(SimTime(4), ctrl(Body::Commit(commit)));
+    let acts = drain_target(&mut t);
+    let Some(TargetAction::Done(Outcome::Aborted(AbortReason::BadFrame(m)))) = acts.last() else { panic!("{acts:?}") };
+    assert!(m.contains("implies 3"), "{m}");
+}
+
+#[test]
+fn nonsense_frames_abort_with_bad_frame() {
+    type Mk = fn() -> Frame;
+    let cases: &[(&str, Mk)] = &[
+        ("wrong migration id", || block_frame(MigrationId(8), 0, 0, 4, Bytes::from_static(b"aaaaaaaa"))),
+        ("wrong stage", || block_frame(MigrationId(9), 1, 0, 4, Bytes::from_static(b"aaaaaaaa"))),
+        ("zero tokens", || block_frame(MigrationId(9), 0, 0, 0, Bytes::from_static(b"aaaaaaaa"))),
+        ("too many tokens", || block_frame(MigrationId(9), 0, 0, 5, Bytes::from_static(b"aaaaaaaa"))),
+        ("second Prepare", || ctrl(Body::Prepare(wire::Prepare { migration_id: 9, ..Default::default() }))),
+        ("StageAck to target", || ctrl(Body::StageAck(wire::StageAck { migration_id: 9, stage: 0 }))),
+        ("Commit before final StageEnd", || ctrl(Body::Commit(wire::Commit { migration_id: 9, ..Default::default() }))),
+        ("StageEnd for a later stage", || {
+            ctrl(Body::StageEnd(wire::StageEnd { migration_id: 9, stage: 2, blocks: 0, final_stage: false }))
+        }),
+        ("empty frame", || Frame { body: None }),
+    ];
+    for (case, mk) in cases {
+        let (mut t, _) = manual_target(8);
+        t.on_frame(SimTime(2), mk());
+        let acts = drain_target(&mut t);
+        assert!(matches!(&acts[0], TargetAction::Send(f) if is_abort(f, AbortKind::BadFrame)), "{case}: {acts:?}");
+        assert_eq!(acts[1], TargetAction::Release, "{case}");
+        assert!(matches!(&acts[2], TargetAction::Done(Outcome::Aborted(AbortReason::BadFrame(_)))), "{case}");
+        assert_eq!(acts.len(), 3, "{case}");
+    }
+    // A first frame that is not a Prepare gets an Abort back and no machine.
+    let stray = ctrl(Body::StageAck(wire::StageAck { migration_id: 4, stage: 0 }));
+    let reply = TargetMachine::accept(SimTime(0), &MigrationParams::default(), stray).unwrap_err();
+    assert!(is_abort(&reply, AbortKind::BadFrame));
+    assert_eq!(frame_migration_id(&reply), Some(MigrationId(4)));
+    // The source: a StageAck for a stage it is not waiting for.
+    let mut w = World::new(Config::small(64, 1));
+    w.start();
+    w.run_until(|w| w.src.phase() == MigrationPhase::StageAck);
+    w.src.on_frame(w.now, ctrl(Body::StageAck(wire::StageAck { migration_id: 1, stage: 5 })));
+    w.pump();
+    assert!(matches!(w.src_outcome(), Some(Outcome::Aborted(AbortReason::BadFrame(m))) if m.contains("stage 5")));
+    w.drain();
+    w.check_safety();
+}
+
+#[test]
+fn cancel_before_commit_aborts_and_after_commit_is_refused() {
+    let mut w = World::new(Config::small(64, 2));
+    w.start();
+    w.run_until(|w| w.src.phase() == MigrationPhase::StageAck);
+    assert!(w.src.cancel(w.now, "request finished"));
+    w.pump();
+    assert_eq!(w.src_outcome(), Some(&Outcome::Aborted(AbortReason::Cancelled("request finished".into()))));
+    assert!(!w.src.cancel(w.now, "again"), "cancel after Done");
+    w.drain();
+    assert!(matches!(
+        w.tgt_outcome(),
+        Some(Outcome::Aborted(AbortReason::PeerAborted { kind: AbortKind::Cancelled, .. }))
+    ));
+    w.check_safety();
+
+    let mut w = World::new(Config::small(64, 2));
+    w.start();
+    w.run_until(|w| w.src.phase() == MigrationPhase::Committing);
+    assert!(!w.src.cancel(w.now, "too late"));
+    w.drain();
+    assert_eq!(w.src_outcome(), Some(&Outcome::Committed));
+    w.check_safety();
+}
+
+#[test]
+fn source_read_failure_aborts() {
+    let mut w = World::new(Config::small(64, 2));
+    w.start();
+    w.run_until(|w| w.blocks_sent_pending.is_some());
+    w.src.on_read_failed(w.now, "block 3 evicted");
+    w.pump();
+    assert_eq!(w.src_outcome(), Some(&Outcome::Aborted(AbortReason::SourceKvUnavailable("block 3 evicted".into()))));
+    w.drain();
+    assert!(matches!(w.tgt_outcome(), Some(Outcome::Aborted(_))));
+    w.check_safety();
+}
+
+#[test]
+fn target_write_failure_aborts() {
+    let mut w = World::new(Config::small(64, 2));
+    w.fail_next_write = Some(AbortReason::TargetOutOfMemory("arena full".into()));
+    w.start();
+    w.drain();
+    assert_eq!(w.tgt_outcome(), Some(&Outcome::Aborted(AbortReason::TargetOutOfMemory("arena full".into()))));
+    assert!(matches!(
+        w.src_outcome(),
+        Some(Outcome::Aborted(AbortReason::PeerAborted { kind: AbortKind::TargetOutOfMemory, .. }))
+    ));
+    w.check_safety();
+}
+
+#[test]
+fn failed_attach_is_a_clean_abort_not_unknown() {
+    let mut w = World::new(Config::small(30, 2));
+    w.attach_result = Err(AbortReason::AttachFailed("no sequence slot".into()));
+    w.start();
+    w.drain();
+    assert_eq!(w.tgt_outcome(), Some(&Outcome::Aborted(AbortReason::AttachFailed("no sequence slot".into()))));
+    let Some(Outcome::Aborted(AbortReason::AttachFailed(reason))) = w.src_outcome() else {
+        panic!("source: {:?}", w.src_outcome())
+    };
+    assert!(reason.contains("no sequence slot"));
+    assert!(w.src.report().downtime.is_some(), "the request resumes on the source: downtime is known");
+    w.check_safety();
+}
+
+#[test]
+fn decode_between_pause_request_and_freeze_is_copied() {
+    // The iteration in flight when Pause is asked adds tokens; the final stage must carry them.
+    let mut w = World::new(Config::small(31, 2));
+    w.decode_while_pausing = 6;
+    w.start();
+    w.drain();
+    assert_eq!(w.src_outcome(), Some(&Outcome::Committed));
+    assert_eq!(w.kv_tokens, 37);
+    w.check_target_kv_equals_source();
+    w.check_safety();
+}
+
+#[test]
+fn display_names_the_reason() {
+    let r = AbortReason::Timeout { phase: MigrationPhase::StageAck };
+    assert_eq!(r.to_string(), "timed out while waiting for a stage ack");
+    assert_eq!(AbortKind::ChecksumMismatch.to_string(), "ABORT_CODE_CHECKSUM_MISMATCH");
+    assert_eq!(AbortKind::from_wire(999), AbortKind::Unspecified);
+    for k in [AbortKind::Refused, AbortKind::Incomplete, AbortKind::AttachFailed] {
+        assert_eq!(AbortKind::from_wire(k.to_wire() as i32), k);
+    }
+    let o = Outcome::Unknown(AbortReason::Disconnected);
+    assert!(o.to_string().contains("commit sent"));
+}

@@ -1,0 +1,372 @@
+//! Goodput measurements for `kvfleet bench migration`: QUIC (what migrations use) against a raw
+//! TCP baseline measured the same way on the same host.
+//!
+//! Both sides are plain library functions so the CLI can run the sink in one process and the
+//! sender in another ([`serve_sink`] runs until the process ends and reports its address through
+//! `ready`), or both in one process ([`tcp_sink`], [`quic_sink`] spawn it).
+//!
+//! # What is measured
+//!
+//! The sender splits `bytes` over `streams` parallel streams (TCP: one connection each; QUIC: one
+//! connection, that many streams, each carrying length-prefixed frames of `chunk_bytes` as the
+//! migration's data streams do). The clock starts once connected (handshakes excluded) and stops
+//! when the receiver has acknowledged every byte, so buffered-but-undelivered data never counts.
+//! Goodput counts payload bytes only.
+
+use crate::frame::{FrameReader, FrameWriter};
+use crate::quic::{QuicTransport, QuicTuning};
+use crate::{KvConnection, KvTransport, TransportError};
+use bytes::Bytes;
+use kvfleet_pki::NodeIdentity;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::task::JoinSet;
+use tracing::{debug, warn};
+
+/// TCP socket buffers requested for the baseline (the kernel may cap them).
+pub const TCP_SOCKET_BUFFER_BYTES: u32 = 4 << 20;
+/// Default QUIC frame payload: one 32B-model KV block (16 tokens × 256 KiB).
+pub const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
+/// TCP read/write granularity.
+const TCP_IO_BYTES: usize = 1 << 20;
+
+/// A measured transfer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Goodput {
+    /// Payload bytes acknowledged by the receiver.
+    pub bytes: u64,
+    /// Seconds from the first byte sent to the last acknowledgement.
+    pub elapsed_s: f64,
+}
+
+impl Goodput {
+    /// Goodput in Gbit/s (10⁹ bits per second).
+    pub fn gbit_per_s(&self) -> f64 {
+        if self.elapsed_s > 0.0 {
+            self.bytes as f64 * 8.0 / self.elapsed_s / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Which sink to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SinkKind {
+    /// Raw TCP (the baseline).
+    Tcp,
+    /// QUIC with the cluster's mutual TLS.
+    Quic,
+}
+
+/// What went wrong in a benchmark, naming the step.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("{what}: {cause}")]
+    Io { what: String, cause: std::io::Error },
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error("frames: {0}")]
+    Frame(#[from] crate::FrameError),
+    #[error("{0}")]
+    Protocol(String),
+    #[error("a QUIC sink or sender needs a cluster identity")]
+    NoIdentity,
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BenchError {
+    let what = what.into();
+    move |cause| BenchError::Io { what, cause }
+}
+
+/// One data frame of the QUIC benchmark (a stand-in for a KV block frame).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct BenchChunk {
+    /// Payload (decoded zero-copy from the frame buffer).
+    #[prost(bytes = "bytes", tag = "1")]
+    pub data: Bytes,
+}
+
+/// The receiver's acknowledgement of one stream.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct BenchAck {
+    /// Payload bytes received on the stream.
+    #[prost(uint64, tag = "1")]
+    pub bytes: u64,
+}
+
+/// A sink running in a background task of this process; stops when dropped.
+#[derive(Debug)]
+pub struct SinkHandle {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<Result<(), BenchError>>,
+}
+
+impl SinkHandle {
+    /// Where senders connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for SinkHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Run a sink at `listen` until the process ends (or binding/accepting fails); `ready` gets the
+/// bound address once it accepts. A QUIC sink needs `identity`.
+pub async fn serve_sink(
+    kind: SinkKind,
+    listen: SocketAddr,
+    identity: Option<&NodeIdentity>,
+    tuning: QuicTuning,
+    ready: impl FnOnce(SocketAddr),
+) -> Result<(), BenchError> {
+    match kind {
+        SinkKind::Tcp => {
+            let listener = TcpListener::bind(listen).await.map_err(io_err(format!("binding TCP {listen}")))?;
+            ready(listener.local_addr().map_err(io_err("TCP local address"))?);
+            serve_tcp(listener).await
+        }
+        SinkKind::Quic => {
+            let transport = QuicTransport::bind(listen, identity.ok_or(BenchError::NoIdentity)?, tuning)?;
+            ready(transport.local_addr());
+            serve_quic(transport).await
+        }
+    }
+}
+
+/// A TCP sink in a background task.
+pub async fn tcp_sink(listen: SocketAddr) -> Result<SinkHandle, BenchError> {
+    let listener = TcpListener::bind(listen).await.map_err(io_err(format!("binding TCP {listen}")))?;
+    let addr = listener.local_addr().map_err(io_err("TCP local address"))?;
+    Ok(SinkHandle { addr, task: tokio::spawn(serve_tcp(listener)) })
+}
+
+/// A QUIC sink in a background task.
+pub async fn quic_sink(
+    listen: SocketAddr,
+    identity: &NodeIdentity,
+    tuning: QuicTuning,
+) -> Result<SinkHandle, BenchError> {
+    let transport = QuicTransport::bind(listen, identity, tuning)?;
+    let addr = transport.local_addr();
+    Ok(SinkHandle { addr, task: tokio::spawn(serve_quic(transport)) })
+}
+
+fn tune_tcp(stream: &TcpStream) {
+    if let Err(e) = stream.set_nodelay(true) {
+        debug!(error = %e, "TCP_NODELAY");
+    }
+}
+
+async fn serve_tcp(listener: TcpListener) -> Result<(), BenchError> {
+    loop {
+        let (stream, peer) = listener.accept().await.map_err(io_err("accepting TCP"))?;
+        tune_tcp(&stream);
+        let sock = socket2::SockRef::from(&stream);
+        let _ = sock.set_recv_buffer_size(TCP_SOCKET_BUFFER_BYTES as usize);
+        tokio::spawn(async move {
+            if let Err(e) = tcp_receive(stream).await {
+                warn!(%peer, error = %e, "TCP sink connection failed");
+            }
+        });
+    }
+}
+
+/// Per transfer: a u64 length, that many bytes, answered with a u64 count. Repeats until EOF.
+async fn tcp_receive(mut stream: TcpStream) -> Result<(), BenchError> {
+    let mut buf = vec![0u8; TCP_IO_BYTES];
+    loop {
+        let mut len = [0u8; 8];
+        match stream.read_exact(&mut len).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(io_err("reading a TCP transfer header")(e)),
+        }
+        let want = u64::from_be_bytes(len);
+        let mut got = 0u64;
+        while got < want {
+            let n = stream.read(&mut buf).await.map_err(io_err("reading TCP data"))?;
+            if n == 0 {
+                return Err(BenchError::Protocol(format!("TCP sender stopped after {got} of {want} bytes")));
+            }
+            got += n as u64;
+        }
+        stream.write_all(&got.to_be_bytes()).await.map_err(io_err("writing the TCP ack"))?;
+    }
+}
+
+async fn serve_quic(transport: QuicTransport) -> Result<(), BenchError> {
+    loop {
+        let conn = transport.accept().await?;
+        tokio::spawn(async move {
+            loop {
+                let (w, r) = match conn.accept_stream().await {
+                    Ok(s) => s,
+                    Err(e) => {
+                        debug!(peer = %conn.peer(), error = %e, "QUIC sink connection ended");
+                        return;
+                    }
+                };
+                let peer = conn.peer();
+                tokio::spawn(async move {
+                    if let Err(e) = quic_receive(w, r).await {
+                        warn!(%peer, error = %e, "QUIC sink stream failed");
+                    }
+                });
+            }
+        });
+    }
+}
+
+async fn quic_receive(w: crate::StreamWriter, r: crate::StreamReader) -> Result<(), BenchError> {
+    let mut reader = FrameReader::new(r);
+    let mut bytes = 0u64;
+    while let Some(chunk) = reader.recv::<BenchChunk>().await? {
+        bytes += chunk.data.len() as u64;
+    }
+    let mut writer = FrameWriter::new(w);
+    writer.send(&BenchAck { bytes }).await?;
+    writer.finish().await?;
+    Ok(())
+}
+
+/// Split `bytes` over `streams` (the first ones get the remainder).
+fn shares(bytes: u64, streams: usize) -> Vec<u64> {
+    let n = streams.max(1) as u64;
+    (0..n).map(|i| bytes / n + u64::from(i < bytes % n)).collect()
+}
+
+/// Send `bytes` over `streams` TCP connections to a [`SinkKind::Tcp`] sink.
+pub async fn tcp_send(peer: SocketAddr, bytes: u64, streams: usize) -> Result<Goodput, BenchError> {
+    let mut conns = Vec::new();
+    for _ in 0..streams.max(1) {
+        let socket = if peer.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }
+            .map_err(io_err("creating a TCP socket"))?;
+        let _ = socket.set_send_buffer_size(TCP_SOCKET_BUFFER_BYTES);
+        let _ = socket.set_recv_buffer_size(TCP_SOCKET_BUFFER_BYTES);
+        let stream = socket.connect(peer).await.map_err(io_err(format!("connecting TCP to {peer}")))?;
+        tune_tcp(&stream);
+        conns.push(stream);
+    }
+    let data: Arc<[u8]> = (0..TCP_IO_BYTES).map(|i| i as u8).collect();
+    let start = Instant::now();
+    let mut tasks = JoinSet::new();
+    for (mut stream, share) in conns.into_iter().zip(shares(bytes, streams)) {
+        let data = data.clone();
+        tasks.spawn(async move {
+            stream.write_all(&share.to_be_bytes()).await.map_err(io_err("writing TCP header"))?;
+            let mut left = share;
+            while left > 0 {
+                let n = (left as usize).min(data.len());
+                stream.write_all(&data[..n]).await.map_err(io_err("writing TCP data"))?;
+                left -= n as u64;
+            }
+            let mut ack = [0u8; 8];
+            stream.read_exact(&mut ack).await.map_err(io_err("reading the TCP ack"))?;
+            check_ack(u64::from_be_bytes(ack), share)
+        });
+    }
+    let acked = join_all(tasks).await?;
+    Ok(Goodput { bytes: acked, elapsed_s: start.elapsed().as_secs_f64() })
+}
+
+fn check_ack(acked: u64, sent: u64) -> Result<u64, BenchError> {
+    if acked == sent {
+        Ok(acked)
+    } else {
+        Err(BenchError::Protocol(format!("receiver acknowledged {acked} of {sent} bytes")))
+    }
+}
+
+async fn join_all(mut tasks: JoinSet<Result<u64, BenchError>>) -> Result<u64, BenchError> {
+    let mut total = 0;
+    while let Some(r) = tasks.join_next().await {
+        total += r.map_err(|e| BenchError::Protocol(format!("sender task failed: {e}")))??;
+    }
+    Ok(total)
+}
+
+/// [`quic_send_tuned`] with the default tuning.
+pub async fn quic_send(
+    peer: SocketAddr,
+    identity: &NodeIdentity,
+    bytes: u64,
+    streams: usize,
+    chunk_bytes: usize,
+) -> Result<Goodput, BenchError> {
+    quic_send_tuned(peer, identity, QuicTuning::default(), bytes, streams, chunk_bytes).await
+}
+
+/// Send `bytes` over one QUIC connection with `streams` parallel streams of `chunk_bytes`
+/// frames to a [`SinkKind::Quic`] sink.
+pub async fn quic_send_tuned(
+    peer: SocketAddr,
+    identity: &NodeIdentity,
+    tuning: QuicTuning,
+    bytes: u64,
+    streams: usize,
+    chunk_bytes: usize,
+) -> Result<Goodput, BenchError> {
+    let local = SocketAddr::new(
+        if peer.is_ipv4() { IpAddr::V4(Ipv4Addr::UNSPECIFIED) } else { IpAddr::V6(Ipv6Addr::UNSPECIFIED) },
+        0,
+    );
+    let transport = QuicTransport::bind(local, identity, tuning)?;
+    let qconn = transport.connect_quic(peer).await?;
+    let conn: Arc<dyn KvConnection> = qconn.clone();
+    let chunk: Bytes = (0..chunk_bytes.max(1)).map(|i| (i % 251) as u8).collect();
+    let start = Instant::now();
+    let mut tasks = JoinSet::new();
+    for share in shares(bytes, streams) {
+        let conn: Arc<dyn KvConnection> = conn.clone();
+        let chunk = chunk.clone();
+        tasks.spawn(async move {
+            let (w, r) = conn.open_stream().await?;
+            let mut writer = FrameWriter::new(w);
+            let mut left = share;
+            while left > 0 {
+                let n = (left as usize).min(chunk.len());
+                writer.send(&BenchChunk { data: chunk.slice(..n) }).await?;
+                left -= n as u64;
+            }
+            writer.finish().await?;
+            let ack: Option<BenchAck> = FrameReader::new(r).recv().await?;
+            let ack = ack.ok_or_else(|| BenchError::Protocol("QUIC sink closed the stream without an ack".into()))?;
+            check_ack(ack.bytes, share)
+        });
+    }
+    let acked = join_all(tasks).await;
+    let elapsed_s = start.elapsed().as_secs_f64();
+    if std::env::var_os("KVFLEET_QUIC_STATS").is_some() {
+        eprintln!("{:#?}", qconn.quinn().stats());
+    }
+    conn.close("benchmark done");
+    transport.close();
+    Ok(Goodput { bytes: acked?, elapsed_s })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shares_split_exactly() {
+        assert_eq!(shares(10, 3), vec![4, 3, 3]);
+        assert_eq!(shares(10, 0), vec![10]);
+        assert_eq!(shares(2, 4), vec![1, 1, 0, 0]);
+        assert_eq!(shares(u64::MAX, 7).iter().map(|&s| u128::from(s)).sum::<u128>(), u128::from(u64::MAX));
+    }
+
+    #[test]
+    fn goodput_in_gbit() {
+        assert_eq!(Goodput { bytes: 1_250_000_000, elapsed_s: 1.0 }.gbit_per_s(), 10.0);
+        assert_eq!(Goodput { bytes: 5, elapsed_s: 0.0 }.gbit_per_s(), 0.0);
+    }
+}

@@ -1,0 +1,238 @@
+//! Length-prefixed protobuf frames: a 4-byte big-endian body length, then the prost body.
+//!
+//! Generic over any [`prost::Message`], so the migration protocol's `Frame` (and the benchmark's
+//! chunks) share one codec. The length limit ([`FrameCodec::max_frame_bytes`], 64 MiB by default)
+//! is checked on the header, before a byte of the body is read or a buffer is grown for it, so a
+//! hostile or corrupt header cannot make a reader allocate.
+//!
+//! Zero-copy where it counts: a received frame is split off the read buffer and frozen into
+//! [`Bytes`], so `bytes` fields declared `#[prost(bytes = "bytes")]` decode as slices of it. On
+//! the send side the header and body are encoded into one reused buffer and written with a single
+//! `write_all` (one copy of the payload, none per frame allocation).
+//!
+//! After any error a [`FrameReader`] drops its stream (closing it towards the peer) and every
+//! later `recv` fails: a stream that carried a bad frame is not trusted again.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use prost::Message;
+use std::io;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// The default (and recommended) frame size limit: 64 MiB, room for a 4 MiB KV block many times.
+pub const DEFAULT_MAX_FRAME_BYTES: usize = 64 << 20;
+/// Bytes of the length header.
+pub const HEADER_BYTES: usize = 4;
+/// How much a reader asks for at least when it does not yet know the next frame's size.
+const MIN_READ_BYTES: usize = 64 << 10;
+/// A writer keeps its encode buffer between frames unless it grew past this for a rare big one.
+const SHRINK_ABOVE_BYTES: usize = 16 << 20;
+
+/// What went wrong with a frame.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The header announces a body larger than the limit (nothing was read past the header).
+    #[error("frame body of {len} bytes exceeds the limit of {max} bytes")]
+    TooLarge { len: u64, max: usize },
+    /// The stream ended inside a frame (`want` counts the header).
+    #[error("stream ended inside a frame: have {have} of {want} bytes")]
+    Truncated { have: usize, want: usize },
+    /// The body is not a valid encoding of the expected message.
+    #[error("malformed frame body: {0}")]
+    Malformed(#[from] prost::DecodeError),
+    /// The stream failed (connection lost, reset, closed after an earlier error).
+    #[error("frame stream I/O: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// Frame limits; [`Default`] is [`DEFAULT_MAX_FRAME_BYTES`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameCodec {
+    /// The largest body accepted or sent, in bytes (a hard limit; at most `u32::MAX`).
+    pub max_frame_bytes: usize,
+}
+
+impl Default for FrameCodec {
+    fn default() -> Self {
+        FrameCodec { max_frame_bytes: DEFAULT_MAX_FRAME_BYTES }
+    }
+}
+
+impl FrameCodec {
+    /// A codec with this body limit (clamped to `u32::MAX`, what the header can express).
+    pub fn new(max_frame_bytes: usize) -> FrameCodec {
+        FrameCodec { max_frame_bytes: max_frame_bytes.min(u32::MAX as usize) }
+    }
+
+    fn limit(&self) -> usize {
+        self.max_frame_bytes.min(u32::MAX as usize)
+    }
+
+    /// The body length announced by the header at the start of `buf`, checked against the limit;
+    /// `None` while fewer than [`HEADER_BYTES`] are buffered.
+    pub fn body_len(&self, buf: &[u8]) -> Result<Option<usize>, FrameError> {
+        let Some(header) = buf.get(..HEADER_BYTES) else { return Ok(None) };
+        let len = u32::from_be_bytes([header[0], header[1], header[2], header[3]]);
+        if len as usize > self.limit() {
+            return Err(FrameError::TooLarge { len: u64::from(len), max: self.limit() });
+        }
+        Ok(Some(len as usize))
+    }
+
+    /// Append `msg` as one frame to `dst`.
+    pub fn encode<M: Message>(&self, msg: &M, dst: &mut BytesMut) -> Result<(), FrameError> {
+        let len = msg.encoded_len();
+        if len > self.limit() {
+            return Err(FrameError::TooLarge { len: len as u64, max: self.limit() });
+        }
+        dst.reserve(HEADER_BYTES + len);
+        dst.put_u32(len as u32);
+        // Cannot fail: the capacity was reserved above.
+        msg.encode(dst).map_err(|e| io::Error::other(format!("encoding a frame: {e}")))?;
+        Ok(())
+    }
+
+    /// Take one frame off the front of `buf`: `Ok(None)` when it holds no complete frame yet
+    /// (nothing consumed). A malformed body is consumed; a too-large header is not.
+    pub fn decode<M: Message + Default>(&self, buf: &mut BytesMut) -> Result<Option<M>, FrameError> {
+        let Some(len) = self.body_len(buf)? else { return Ok(None) };
+        if buf.len() < HEADER_BYTES + len {
+            return Ok(None);
+        }
+        buf.advance(HEADER_BYTES);
+        let body: Bytes = buf.split_to(len).freeze();
+        Ok(Some(M::decode(body)?))
+    }
+}
+
+/// [`FrameCodec::encode`] with the default limit.
+pub fn encode<M: Message>(msg: &M, dst: &mut BytesMut) -> Result<(), FrameError> {
+    FrameCodec::default().encode(msg, dst)
+}
+
+/// [`FrameCodec::decode`] with the default limit.
+pub fn decode<M: Message + Default>(buf: &mut BytesMut) -> Result<Option<M>, FrameError> {
+    FrameCodec::default().decode(buf)
+}
+
+/// Writes frames to an async stream.
+#[derive(Debug)]
+pub struct FrameWriter<W> {
+    inner: W,
+    codec: FrameCodec,
+    buf: BytesMut,
+}
+
+impl<W: AsyncWrite + Unpin> FrameWriter<W> {
+    /// A writer with the default limit.
+    pub fn new(inner: W) -> Self {
+        Self::with_codec(inner, FrameCodec::default())
+    }
+
+    /// A writer with `codec`'s limit.
+    pub fn with_codec(inner: W, codec: FrameCodec) -> Self {
+        FrameWriter { inner, codec, buf: BytesMut::new() }
+    }
+
+    /// Send one frame (header and body in one `write_all` from a reused buffer).
+    pub async fn send<M: Message>(&mut self, msg: &M) -> Result<(), FrameError> {
+        self.buf.clear();
+        self.codec.encode(msg, &mut self.buf)?;
+        self.inner.write_all(&self.buf).await?;
+        // Do not pin a one-off huge buffer for the stream's lifetime.
+        if self.buf.capacity() > SHRINK_ABOVE_BYTES && self.buf.len() < self.buf.capacity() / 4 {
+            self.buf = BytesMut::new();
+        }
+        Ok(())
+    }
+
+    /// Flush the underlying stream.
+    pub async fn flush(&mut self) -> Result<(), FrameError> {
+        Ok(self.inner.flush().await?)
+    }
+
+    /// End the stream cleanly (the peer's reader sees EOF after the last frame).
+    pub async fn finish(&mut self) -> Result<(), FrameError> {
+        Ok(self.inner.shutdown().await?)
+    }
+
+    /// The underlying stream.
+    pub fn into_inner(self) -> W {
+        self.inner
+    }
+}
+
+/// Reads frames from an async stream.
+#[derive(Debug)]
+pub struct FrameReader<R> {
+    /// `None` after an error: the stream was dropped.
+    inner: Option<R>,
+    codec: FrameCodec,
+    buf: BytesMut,
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    /// A reader with the default limit.
+    pub fn new(inner: R) -> Self {
+        Self::with_codec(inner, FrameCodec::default())
+    }
+
+    /// A reader with `codec`'s limit.
+    pub fn with_codec(inner: R, codec: FrameCodec) -> Self {
+        FrameReader { inner: Some(inner), codec, buf: BytesMut::new() }
+    }
+
+    /// The next frame; `Ok(None)` at a clean end of stream (EOF between frames).
+    ///
+    /// On any error the stream is dropped and later calls fail with [`FrameError::Io`].
+    pub async fn recv<M: Message + Default>(&mut self) -> Result<Option<M>, FrameError> {
+        let result = self.recv_inner().await;
+        if result.is_err() {
+            self.inner = None;
+            self.buf = BytesMut::new();
+        }
+        result
+    }
+
+    async fn recv_inner<M: Message + Default>(&mut self) -> Result<Option<M>, FrameError> {
+        loop {
+            // The length is checked (in `decode`/`body_len`) before the buffer grows for the body.
+            if let Some(msg) = self.codec.decode(&mut self.buf)? {
+                return Ok(Some(msg));
+            }
+            let want = HEADER_BYTES + self.codec.body_len(&self.buf)?.unwrap_or(0);
+            // Read at least the rest of this frame (so large bodies arrive in large reads).
+            let missing =
+                want.saturating_sub(self.buf.len()).max(MIN_READ_BYTES.min(self.codec.limit() + HEADER_BYTES));
+            self.buf.reserve(missing);
+            let inner = self
+                .inner
+                .as_mut()
+                .ok_or_else(|| io::Error::other("frame stream was closed after an earlier error"))?;
+            let n = inner.read_buf(&mut self.buf).await?;
+            if n == 0 {
+                if self.buf.is_empty() {
+                    return Ok(None);
+                }
+                return Err(FrameError::Truncated { have: self.buf.len(), want });
+            }
+        }
+    }
+
+    /// Bytes buffered but not yet returned as frames.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The read buffer's capacity (tests check that a hostile header does not grow it).
+    pub fn buffer_capacity(&self) -> usize {
+        self.buf.capacity()
+    }
+
+    /// The underlying stream, unless it was dropped after an error. Buffered bytes are lost.
+    pub fn into_inner(self) -> Option<R> {
+        self.inner
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,157 @@
+//! kvfleet-transport: the byte movers of KV-cache live migration.
+//!
+//! A migration (SPEC "Migration", driven by `kvfleet_netmodel::migration`) uses one connection
+//! between two workers: a control stream plus several parallel data streams, each carrying
+//! length-prefixed protobuf frames. This crate moves those bytes and knows nothing of the
+//! protocol.
+//!
+//! | module | what lives there |
+//! |---|---|
+//! | [`frame`] | length-prefixed protobuf frames (`u32` big-endian length + prost body): a pure decoder and async [`FrameReader`]/[`FrameWriter`], generic over any `prost::Message` |
+//! | this file | the [`KvTransport`] / [`KvConnection`] traits (object-safe, boxed futures) and [`TransportError`] |
+//! | [`mem`] | an in-memory transport for tests ([`MemNetwork`]): duplex pipes, severable links |
+//! | [`quic`] | QUIC over quinn with mutual TLS from the cluster CA ([`QuicTransport`], [`QuicTuning`]) |
+//! | [`shaped`] | a wrapper transport ([`Shaped`]) that limits each link's rate and adds latency (`kvfleet_netmodel::shaping`) to emulate a fabric |
+//! | [`bench`] | goodput measurements for `kvfleet bench migration`: raw TCP baseline vs QUIC |
+//!
+//! # Streams
+//!
+//! A stream is a pair of halves, `(writer, reader)`. The opener must write first: QUIC announces
+//! a stream to the peer only with its first bytes, so `accept_stream` on the other side returns
+//! only then (the in-memory transport is more eager; do not rely on it). Shutting the writer down
+//! (`AsyncWriteExt::shutdown`) is a clean end of stream: the peer's reads return EOF. When the
+//! connection is closed or lost, pending and later reads and writes fail with an I/O error.
+//!
+//! # Connections
+//!
+//! [`KvTransport::connect`] pools outbound connections: while a connection to a peer is alive,
+//! connecting again returns the same one, so several migrations to one peer share a connection
+//! (and a shaped link). Connections accepted from a peer are not pooled for outbound use: their
+//! streams are served by whoever called [`KvTransport::accept`].
+
+pub mod bench;
+pub mod frame;
+pub mod mem;
+pub mod quic;
+pub mod shaped;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+pub use frame::{FrameCodec, FrameError, FrameReader, FrameWriter, DEFAULT_MAX_FRAME_BYTES};
+pub use mem::{MemConnection, MemNetwork, MemTransport};
+pub use quic::{
+    quinn_client_config, quinn_configs, CongestionControl, QuicConnection, QuicTransport, QuicTuning, KV_ALPN,
+};
+pub use shaped::{Shaped, ShapedConnection, ShapedLink, ShapedWriter};
+
+/// A boxed, sendable future (what the object-safe traits return).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+/// The sending half of a stream.
+pub type StreamWriter = Box<dyn AsyncWrite + Send + Unpin>;
+/// The receiving half of a stream.
+pub type StreamReader = Box<dyn AsyncRead + Send + Unpin>;
+/// A bidirectional stream: `(writer, reader)`.
+pub type KvStream = (StreamWriter, StreamReader);
+
+/// What failed, naming the peer (or local address) and the step.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum TransportError {
+    #[error("binding {addr}: {reason}")]
+    Bind { addr: SocketAddr, reason: String },
+    #[error("TLS setup: {0}")]
+    Tls(String),
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("connecting to {peer}: {reason}")]
+    Connect { peer: SocketAddr, reason: String },
+    #[error("connection to {peer} is closed: {reason}")]
+    Closed { peer: SocketAddr, reason: String },
+    #[error("{what} on the connection to {peer}: {reason}")]
+    Stream { peer: SocketAddr, what: &'static str, reason: String },
+    #[error("the transport on {local} is closed")]
+    EndpointClosed { local: SocketAddr },
+    #[error("{peer}: nothing listens there")]
+    Unreachable { peer: SocketAddr },
+}
+
+/// A way to reach other workers: outbound connections (pooled) and inbound ones.
+///
+/// Object-safe (`Arc<dyn KvTransport>`): every async method returns a [`BoxFuture`].
+pub trait KvTransport: Send + Sync + 'static {
+    /// A live connection to `peer`: the pooled one if it is still open, else a new one.
+    fn connect(&self, peer: SocketAddr) -> BoxFuture<'_, Result<Arc<dyn KvConnection>, TransportError>>;
+    /// The next inbound connection (failed handshakes are logged and skipped); an error only once
+    /// the transport is closed.
+    fn accept(&self) -> BoxFuture<'_, Result<Arc<dyn KvConnection>, TransportError>>;
+    /// The address peers connect to.
+    fn local_addr(&self) -> SocketAddr;
+    /// Close every connection and stop accepting; pending `accept`s fail.
+    fn close(&self);
+}
+
+/// One connection to a peer, carrying any number of concurrent streams.
+pub trait KvConnection: Send + Sync + 'static {
+    /// Open a new bidirectional stream (write on it first; see the crate docs).
+    fn open_stream(&self) -> BoxFuture<'_, Result<KvStream, TransportError>>;
+    /// The next stream the peer opened; an error once the connection is closed.
+    fn accept_stream(&self) -> BoxFuture<'_, Result<KvStream, TransportError>>;
+    /// The peer's address.
+    fn peer(&self) -> SocketAddr;
+    /// Close the connection now; the peer's streams fail with `reason`. Unsent data may be lost:
+    /// wait for an application-level acknowledgement first.
+    fn close(&self, reason: &str);
+    /// Whether the connection is closed (by either side, or lost).
+    fn is_closed(&self) -> bool;
+}
+
+/// Outbound connections by peer, with one async slot per peer so concurrent `connect`s to the
+/// same peer make one connection, and connects to different peers do not wait for each other.
+pub(crate) struct ConnectionPool<C: ?Sized> {
+    slots: Mutex<HashMap<SocketAddr, PoolSlot<C>>>,
+}
+
+/// One peer's pooled connection, locked while a connect to that peer is in progress.
+type PoolSlot<C> = Arc<tokio::sync::Mutex<Option<Arc<C>>>>;
+
+impl<C: ?Sized> Default for ConnectionPool<C> {
+    fn default() -> Self {
+        ConnectionPool { slots: Mutex::new(HashMap::new()) }
+    }
+}
+
+impl<C: ?Sized + Send + Sync> ConnectionPool<C> {
+    /// The live pooled connection to `peer` (per `is_live`), or a new one from `make`.
+    pub(crate) async fn get_or_connect<F, Fut>(
+        &self,
+        peer: SocketAddr,
+        is_live: impl Fn(&C) -> bool,
+        make: F,
+    ) -> Result<Arc<C>, TransportError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Arc<C>, TransportError>>,
+    {
+        let slot = {
+            let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            slots.entry(peer).or_default().clone()
+        };
+        let mut slot = slot.lock().await;
+        if let Some(conn) = slot.as_ref().filter(|c| is_live(c)) {
+            return Ok(conn.clone());
+        }
+        let conn = make().await?;
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Every pooled connection (to close them), emptying the pool.
+    pub(crate) fn drain(&self) -> Vec<Arc<C>> {
+        let slots: Vec<_> = self.slots.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, s)| s).collect();
+        slots.into_iter().filter_map(|s| s.try_lock().ok().and_then(|mut s| s.take())).collect()
+    }
+}

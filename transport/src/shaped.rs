@@ -1,0 +1,350 @@
+//! Link shaping over any transport: a per-link rate limit and an added one-way latency.
+//!
+//! [`Shaped`] wraps a [`KvTransport`]; each of its connections is one *link* with one
+//! [`TokenBucket`] (`kvfleet_netmodel::shaping`) shared by all its streams, so parallel data
+//! streams together get the link's rate, as on a real NIC. Every stream's writer is a
+//! [`ShapedWriter`]: it waits until the bucket lets its bytes leave, then hands them to a delay
+//! line that delivers them `latency` later. The latency is therefore paid once per byte, not once
+//! per write: a long transfer runs at the full rate, shifted by the latency.
+//!
+//! Only writes are shaped (each side shapes what it sends); wrap both ends for both directions.
+//! Shaping can only slow a link down: on a host slower than the emulated fabric, the host's own
+//! speed is the limit.
+
+use crate::{BoxFuture, KvConnection, KvStream, KvTransport, StreamWriter, TransportError};
+use bytes::Bytes;
+use kvfleet_core::SimTime;
+use kvfleet_netmodel::shaping::{ShapeError, ShapeParams, TokenBucket};
+use std::collections::HashMap;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::{Instant, Sleep};
+
+/// The most bytes one reservation covers, so concurrent streams of a link interleave.
+const MAX_RESERVATION_BYTES: usize = 256 << 10;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One shaped link: the token bucket its streams share, and its latency.
+#[derive(Debug)]
+pub struct ShapedLink {
+    bucket: Mutex<TokenBucket>,
+    latency: Duration,
+    epoch: Instant,
+}
+
+impl ShapedLink {
+    /// A link shaped by `params` (validated).
+    pub fn new(params: &ShapeParams) -> Result<Arc<ShapedLink>, ShapeError> {
+        Ok(Arc::new(ShapedLink {
+            bucket: Mutex::new(TokenBucket::new(params)?),
+            latency: Duration::from_nanos(params.latency.as_nanos()),
+            epoch: Instant::now(),
+        }))
+    }
+
+    /// Reserve `bytes` now; the instant they may leave.
+    fn reserve(&self, bytes: usize) -> Instant {
+        let now = SimTime(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX));
+        let leave = lock(&self.bucket).reserve(now, bytes as u64);
+        self.epoch + Duration::from_nanos(leave.as_nanos())
+    }
+}
+
+/// What a delay line's task is asked to do.
+enum Cmd {
+    Data(Instant, Bytes),
+    Flush(oneshot::Sender<io::Result<()>>),
+    Shutdown(oneshot::Sender<io::Result<()>>),
+}
+
+type PermitFuture = Pin<Box<dyn Future<Output = Result<mpsc::OwnedPermit<Cmd>, mpsc::error::SendError<()>>> + Send>>;
+type OpFuture = Pin<Box<dyn Future<Output = io::Result<()>> + Send>>;
+
+/// The latency part: a task that writes each chunk to the inner writer at its release time.
+struct DelayLine {
+    tx: mpsc::Sender<Cmd>,
+    permit: Option<PermitFuture>,
+    op: Option<OpFuture>,
+    /// The inner writer's error that stopped the line, reported by later operations.
+    failure: Failure,
+}
+
+type Failure = Arc<Mutex<Option<(io::ErrorKind, String)>>>;
+
+fn line_gone(failure: &Failure) -> io::Error {
+    match &*lock(failure) {
+        Some((kind, msg)) => io::Error::new(*kind, format!("shaped stream: {msg}")),
+        None => io::Error::new(io::ErrorKind::BrokenPipe, "shaped stream's delay line stopped"),
+    }
+}
+
+async fn run_delay_line<W: AsyncWrite + Unpin>(mut inner: W, mut rx: mpsc::Receiver<Cmd>, failure: Failure) {
+    while let Some(cmd) = rx.recv().await {
+        match cmd {
+            Cmd::Data(at, bytes) => {
+                tokio::time::sleep_until(at).await;
+                if let Err(e) = inner.write_all(&bytes).await {
+                    *lock(&failure) = Some((e.kind(), e.to_string()));
+                    // Dropping `rx` makes the writer's next operation fail with that error.
+                    return;
+                }
+            }
+            Cmd::Flush(reply) => {
+                let _ = reply.send(inner.flush().await);
+            }
+            Cmd::Shutdown(reply) => {
+                let _ = reply.send(inner.shutdown().await);
+                return;
+            }
+        }
+    }
+}
+
+enum Output<W> {
+    /// No latency: write straight through once the bucket allows.
+    Direct(W),
+    Delayed(DelayLine),
+}
+
+/// A writer limited by a [`ShapedLink`]'s rate and delayed by its latency.
+///
+/// With a latency, written bytes are copied into a delay line (a task) and
+/// `flush`/`shutdown` complete once everything before them has been delivered to the inner
+/// writer; a write error there surfaces on the next operation. Needs a tokio runtime.
+pub struct ShapedWriter<W> {
+    link: Arc<ShapedLink>,
+    /// Bytes paid for whose departure time has come.
+    credit: usize,
+    /// A reservation waiting for its departure time, and its size.
+    waiting: Option<(Pin<Box<Sleep>>, usize)>,
+    out: Output<W>,
+}
+
+impl<W> std::fmt::Debug for ShapedWriter<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShapedWriter").field("link", &self.link).field("credit", &self.credit).finish_non_exhaustive()
+    }
+}
+
+impl<W: AsyncWrite + Send + Unpin + 'static> ShapedWriter<W> {
+    /// Shape `inner` by `link` (shared with the link's other streams).
+    pub fn new(inner: W, link: Arc<ShapedLink>) -> ShapedWriter<W> {
+        let out = if link.latency.is_zero() {
+            Output::Direct(inner)
+        } else {
+            // Enough chunks in flight to cover the latency at the rate, bounded.
+            let rate = lock(&link.bucket).rate_bytes_per_s().unwrap_or(u64::MAX) as f64;
+            let in_flight = rate * link.latency.as_secs_f64() / MAX_RESERVATION_BYTES as f64;
+            let chunks = (in_flight.ceil() as usize).clamp(4, 1024);
+            let (tx, rx) = mpsc::channel(chunks);
+            let failure = Failure::default();
+            tokio::spawn(run_delay_line(inner, rx, failure.clone()));
+            Output::Delayed(DelayLine { tx, permit: None, op: None, failure })
+        };
+        ShapedWriter { link, credit: 0, waiting: None, out }
+    }
+
+    /// Wait until at least one byte of `want` is paid for and may leave; returns how many.
+    fn poll_credit(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<usize> {
+        if self.credit == 0 {
+            if self.waiting.is_none() {
+                let n = want.min(MAX_RESERVATION_BYTES);
+                let leave = self.link.reserve(n);
+                if leave <= Instant::now() {
+                    self.credit = n;
+                } else {
+                    self.waiting = Some((Box::pin(tokio::time::sleep_until(leave)), n));
+                }
+            }
+            if let Some((sleep, n)) = self.waiting.as_mut() {
+                ready!(sleep.as_mut().poll(cx));
+                self.credit = *n;
+                self.waiting = None;
+            }
+        }
+        Poll::Ready(self.credit.min(want))
+    }
+}
+
+impl<W: AsyncWrite + Send + Unpin + 'static> AsyncWrite for ShapedWriter<W> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        if buf.is_empty() {
+            return match &mut this.out {
+                Output::Direct(w) => Pin::new(w).poll_write(cx, buf),
+                Output::Delayed(_) => Poll::Ready(Ok(0)),
+            };
+        }
+        let n = ready!(this.poll_credit(cx, buf.len()));
+        let written = match &mut this.out {
+            Output::Direct(w) => ready!(Pin::new(w).poll_write(cx, &buf[..n]))?,
+            Output::Delayed(line) => {
+                let tx = line.tx.clone();
+                let permit = line.permit.get_or_insert_with(|| Box::pin(tx.reserve_owned()));
+                let permit = ready!(permit.as_mut().poll(cx));
+                line.permit = None;
+                let permit = permit.map_err(|_| line_gone(&line.failure))?;
+                permit.send(Cmd::Data(Instant::now() + this.link.latency, Bytes::copy_from_slice(&buf[..n])));
+                n
+            }
+        };
+        this.credit -= written;
+        Poll::Ready(Ok(written))
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match &mut self.out {
+            Output::Direct(w) => Pin::new(w).poll_flush(cx),
+            Output::Delayed(line) => line.poll_op(cx, Cmd::Flush),
+        }
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match &mut self.out {
+            Output::Direct(w) => Pin::new(w).poll_shutdown(cx),
+            Output::Delayed(line) => line.poll_op(cx, Cmd::Shutdown),
+        }
+    }
+}
+
+impl DelayLine {
+    /// Send a flush or shutdown down the line and wait for its reply.
+    fn poll_op(
+        &mut self,
+        cx: &mut Context<'_>,
+        make: fn(oneshot::Sender<io::Result<()>>) -> Cmd,
+    ) -> Poll<io::Result<()>> {
+        let tx = self.tx.clone();
+        let failure = self.failure.clone();
+        let op = self.op.get_or_insert_with(|| {
+            Box::pin(async move {
+                let (reply, done) = oneshot::channel();
+                tx.send(make(reply)).await.map_err(|_| line_gone(&failure))?;
+                done.await.map_err(|_| line_gone(&failure))?
+            })
+        });
+        let result = ready!(op.as_mut().poll(cx));
+        self.op = None;
+        Poll::Ready(result)
+    }
+}
+
+/// A transport whose connections are shaped links (see the module docs).
+pub struct Shaped<T> {
+    inner: T,
+    params: ShapeParams,
+    /// The shaped wrapper of each pooled outbound connection, so reuse keeps the link's bucket.
+    links: Mutex<HashMap<SocketAddr, Arc<ShapedConnection>>>,
+}
+
+impl<T> std::fmt::Debug for Shaped<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shaped").field("params", &self.params).finish_non_exhaustive()
+    }
+}
+
+impl<T: KvTransport> Shaped<T> {
+    /// Shape every connection of `inner` by `params` (validated).
+    pub fn new(inner: T, params: ShapeParams) -> Result<Shaped<T>, ShapeError> {
+        params.validate()?;
+        Ok(Shaped { inner, params, links: Mutex::new(HashMap::new()) })
+    }
+
+    /// The wrapped transport.
+    pub fn inner(&self) -> &T {
+        &self.inner
+    }
+
+    /// The shaping parameters.
+    pub fn params(&self) -> &ShapeParams {
+        &self.params
+    }
+
+    fn wrap(&self, inner: Arc<dyn KvConnection>) -> Result<Arc<ShapedConnection>, TransportError> {
+        let link = ShapedLink::new(&self.params)
+            .map_err(|e| TransportError::Config(format!("shaping the link to {}: {e}", inner.peer())))?;
+        Ok(Arc::new(ShapedConnection { inner, link, shape: self.params.is_shaping() }))
+    }
+}
+
+fn same(a: &Arc<dyn KvConnection>, b: &Arc<dyn KvConnection>) -> bool {
+    std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
+}
+
+impl<T: KvTransport> KvTransport for Shaped<T> {
+    fn connect(&self, peer: SocketAddr) -> BoxFuture<'_, Result<Arc<dyn KvConnection>, TransportError>> {
+        Box::pin(async move {
+            let conn = self.inner.connect(peer).await?;
+            let mut links = lock(&self.links);
+            if let Some(shaped) = links.get(&peer).filter(|s| same(&s.inner, &conn)) {
+                return Ok(shaped.clone() as Arc<dyn KvConnection>);
+            }
+            let shaped = self.wrap(conn)?;
+            links.insert(peer, shaped.clone());
+            Ok(shaped as Arc<dyn KvConnection>)
+        })
+    }
+
+    fn accept(&self) -> BoxFuture<'_, Result<Arc<dyn KvConnection>, TransportError>> {
+        Box::pin(async move { Ok(self.wrap(self.inner.accept().await?)? as Arc<dyn KvConnection>) })
+    }
+
+    fn local_addr(&self) -> SocketAddr {
+        self.inner.local_addr()
+    }
+
+    fn close(&self) {
+        lock(&self.links).clear();
+        self.inner.close();
+    }
+}
+
+/// A connection of a [`Shaped`] transport: one link.
+pub struct ShapedConnection {
+    inner: Arc<dyn KvConnection>,
+    link: Arc<ShapedLink>,
+    /// False when the parameters shape nothing: streams pass through untouched.
+    shape: bool,
+}
+
+impl ShapedConnection {
+    fn shape_stream(&self, (w, r): KvStream) -> KvStream {
+        if !self.shape {
+            return (w, r);
+        }
+        let w: StreamWriter = Box::new(ShapedWriter::new(w, self.link.clone()));
+        (w, r)
+    }
+}
+
+impl KvConnection for ShapedConnection {
+    fn open_stream(&self) -> BoxFuture<'_, Result<KvStream, TransportError>> {
+        Box::pin(async move { Ok(self.shape_stream(self.inner.open_stream().await?)) })
+    }
+
+    fn accept_stream(&self) -> BoxFuture<'_, Result<KvStream, TransportError>> {
+        Box::pin(async move { Ok(self.shape_stream(self.inner.accept_stream().await?)) })
+    }
+
+    fn peer(&self) -> SocketAddr {
+        self.inner.peer()
+    }
+
+    fn close(&self, reason: &str) {
+        self.inner.close(reason);
+    }
+
+    fn is_closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+}

@@ -1,0 +1,182 @@
+//! The QUIC transport: the shared transport behaviour, mutual TLS, and lost connections.
+
+mod common;
+
+use common::*;
+use kvfleet_pki::{ClusterCa, NodeIdentity, Role};
+use kvfleet_transport::{
+    quinn_client_config, quinn_configs, FrameReader, FrameWriter, KvTransport, QuicTransport, QuicTuning,
+    TransportError,
+};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn loopback() -> SocketAddr {
+    "127.0.0.1:0".parse().unwrap()
+}
+
+fn identity(ca: &ClusterCa, name: &str) -> NodeIdentity {
+    ca.issue(Role::Worker, name, &[]).expect("issue a certificate")
+}
+
+fn pair_with(tuning: QuicTuning) -> (ClusterCa, Arc<QuicTransport>, Arc<QuicTransport>) {
+    let ca = ClusterCa::generate("test").unwrap();
+    let a = Arc::new(QuicTransport::bind(loopback(), &identity(&ca, "0"), tuning.clone()).unwrap());
+    let b = Arc::new(QuicTransport::bind(loopback(), &identity(&ca, "1"), tuning).unwrap());
+    (ca, a, b)
+}
+
+fn pair() -> (ClusterCa, Arc<QuicTransport>, Arc<QuicTransport>) {
+    pair_with(QuicTuning::default())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_trip_is_byte_exact() {
+    let (_ca, a, b) = pair();
+    let _srv = spawn_echo_server(b.clone());
+    echo_round_trip(a.as_ref(), b.local_addr()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_streams_arrive_intact() {
+    let (_ca, a, b) = pair();
+    let _srv = spawn_ack_server(b.clone());
+    concurrent_streams(a.as_ref(), b.local_addr(), 8, 4, 1 << 20).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_reused_while_alive() {
+    let (_ca, a, b) = pair();
+    let _srv = spawn_echo_server(b.clone());
+    connection_reuse(a.as_ref(), b.local_addr()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_close_fails_the_other_side() {
+    let (_ca, a, b) = pair();
+    peer_close_fails_streams(a.as_ref(), b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_the_transport_ends_accept() {
+    let (_ca, _a, b) = pair();
+    close_ends_accept(b).await;
+}
+
+/// Try a connection and one echoed frame; Ok only if the server really served us.
+async fn try_exchange(client: &QuicTransport, server: SocketAddr) -> Result<(), String> {
+    let conn = client.connect(server).await.map_err(|e| e.to_string())?;
+    let (w, r) = conn.open_stream().await.map_err(|e| e.to_string())?;
+    let mut writer = FrameWriter::new(w);
+    writer.send(&TestFrame { seq: 1, data: payload(1, 1, 100) }).await.map_err(|e| e.to_string())?;
+    writer.finish().await.map_err(|e| e.to_string())?;
+    match FrameReader::new(r).recv::<TestFrame>().await {
+        Ok(Some(f)) if f.seq == 1 => Ok(()),
+        other => Err(format!("{other:?}")),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_cluster_members_can_exchange() {
+    let (ca, a, b) = pair();
+    let _srv = spawn_echo_server(b.clone());
+    // A member works (so the failures below are about the certificates).
+    within("member", try_exchange(&a, b.local_addr())).await.expect("a cluster member must get through");
+
+    // A client whose certificate comes from another CA, although it trusts ours.
+    let other = ClusterCa::generate("other").unwrap();
+    let foreign = identity(&other, "intruder");
+    let impostor = NodeIdentity { ca_pem: ca.cert_pem().to_string(), ..foreign.clone() };
+    let c = QuicTransport::bind(loopback(), &impostor, QuicTuning::default()).unwrap();
+    let err = within("foreign client cert", try_exchange(&c, b.local_addr())).await.expect_err("foreign cert");
+    // The server closes the connection with the TLS alert naming the cause.
+    assert!(err.contains("UnknownIssuer"), "{err}");
+
+    // A client presenting no certificate at all.
+    let mut roots = rustls::RootCertStore::empty();
+    use rustls::pki_types::pem::PemObject;
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(ca.cert_pem().as_bytes()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let anonymous = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tuning = QuicTuning::default();
+    let (server_cfg, _) = quinn_configs(&identity(&ca, "2"), &tuning).unwrap();
+    let client_cfg = quinn_client_config(anonymous, &tuning).unwrap();
+    let d = QuicTransport::with_configs(loopback(), server_cfg, client_cfg, &tuning).unwrap();
+    let err = within("no client cert", try_exchange(&d, b.local_addr())).await.expect_err("no cert");
+    assert!(err.contains("no certificates"), "{err}");
+
+    // A server from another CA is refused by our client at connect.
+    let rogue = Arc::new(QuicTransport::bind(loopback(), &foreign, QuicTuning::default()).unwrap());
+    let _rogue_srv = spawn_echo_server(rogue.clone());
+    match within("rogue server", a.connect(rogue.local_addr())).await {
+        Err(TransportError::Connect { peer, reason }) => {
+            assert_eq!(peer, rogue.local_addr());
+            assert!(reason.to_lowercase().contains("certificate") || reason.contains("issuer"), "{reason}");
+        }
+        other => panic!("expected a Connect error, got {:?}", other.map(|c| c.peer())),
+    }
+}
+
+/// A UDP relay between a client and a server that can be cut, to lose a connection silently
+/// (no CONNECTION_CLOSE reaches either side), as when a peer crashes or the path breaks.
+async fn relay(server: SocketAddr) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let sock = tokio::net::UdpSocket::bind(loopback()).await.unwrap();
+    let addr = sock.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let mut client = None;
+        let mut buf = vec![0u8; 1 << 16];
+        while let Ok((n, from)) = sock.recv_from(&mut buf).await {
+            let to = if from == server { client } else { Some(*client.insert(from)).map(|_| server) };
+            if let Some(to) = to {
+                let _ = sock.send_to(&buf[..n], to).await;
+            }
+        }
+    });
+    (addr, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silently_lost_connection_fails_both_sides_after_the_idle_timeout() {
+    let tuning = QuicTuning {
+        idle_timeout: Duration::from_millis(800),
+        keep_alive_interval: Some(Duration::from_millis(200)),
+        ..QuicTuning::default()
+    };
+    let (_ca, a, b) = pair_with(tuning);
+    let (via, cut) = relay(b.local_addr()).await;
+    let conn = within("connect", a.connect(via)).await.expect("connect through the relay");
+    let (w, r) = conn.open_stream().await.unwrap();
+    let mut writer = FrameWriter::new(w);
+    writer.send(&TestFrame { seq: 1, data: payload(1, 1, 1000) }).await.unwrap();
+    let server_conn = within("accept", b.accept()).await.unwrap();
+    let (_sw, sr) = within("accept stream", server_conn.accept_stream()).await.unwrap();
+    let mut server_reader = FrameReader::new(sr);
+    assert_eq!(within("first frame", server_reader.recv::<TestFrame>()).await.unwrap().map(|f| f.seq), Some(1));
+
+    cut.abort();
+    // Both sides are blocked in a read that no data will ever satisfy.
+    let client_read = tokio::spawn(async move { FrameReader::new(r).recv::<TestFrame>().await });
+    let server_read = tokio::spawn(async move { server_reader.recv::<TestFrame>().await });
+    assert_lost(&within("client read", client_read).await.unwrap().expect_err("client read"), "client read");
+    assert_lost(&within("server read", server_read).await.unwrap().expect_err("server read"), "server read");
+    assert!(conn.is_closed() && server_conn.is_closed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connecting_to_nothing_fails_with_the_peer_named() {
+    let tuning = QuicTuning { idle_timeout: Duration::from_millis(500), ..QuicTuning::default() };
+    let (_ca, a, _b) = pair_with(tuning);
+    // A bound but silent UDP socket: the handshake never completes.
+    let silent = std::net::UdpSocket::bind(loopback()).unwrap();
+    let peer = silent.local_addr().unwrap();
+    match within("connect", a.connect(peer)).await {
+        Err(e @ TransportError::Connect { .. }) => assert!(e.to_string().contains(&peer.to_string()), "{e}"),
+        other => panic!("expected a Connect error, got {:?}", other.map(|c| c.peer())),
+    }
+}

@@ -1,0 +1,593 @@
+//! Live migration between workers: the thin async shell around the sans-IO machines of
+//! `kvfleet_netmodel::migration`, moving real KV bytes over a [`KvTransport`] (QUIC in the
+//! binary, in-memory in tests).
+//!
+//! One migration uses one pooled connection to the target: a control stream (Prepare, StageEnd,
+//! Commit one way; PrepareReply, StageAck, CommitReply the other) and `streams` data streams that
+//! carry `BlockData` frames in parallel. The engine thread does the arena work one block at a time
+//! ([`LiveCommand`]), so its deadlines hold while gigabytes stream past; tokens decoded during the
+//! live copy stages stream from the source as usual, and the request is paused only for the final
+//! stop-and-copy.
+//!
+//! Target side: every inbound stream's first frame says what it is: a `Prepare` opens a control
+//! stream (one migration, one [`TargetMachine`]); a `BlockData` opens a data stream whose frames
+//! are routed to their migration by id.
+//!
+//! An [`Outcome::Unknown`] (the connection broke after COMMIT) leaves the request paused on the
+//! source; the coordinator settles it with `ResolveMigration`: the target answers whether it
+//! holds the request and, if not, refuses any late COMMIT from then on ([`Migrator::resolve_target`]);
+//! the source then frees or resumes its copy ([`Migrator::resolve_source`]).
+
+use crate::clock::ClusterClock;
+use crate::driver::{BlockRead, Command, DriverError, LiveCommand, PausedOut};
+use bytes::Bytes;
+use kvfleet_core::{RequestId, SimTime};
+use kvfleet_netmodel::migration::wire::{frame::Body, Frame};
+use kvfleet_netmodel::migration::{
+    block_frame, block_tokens, AbortReason, MigrationId, MigrationParams, MigrationReport, Outcome, SourceAction,
+    SourceMachine, TargetAction, TargetMachine,
+};
+use kvfleet_proto::v1;
+use kvfleet_transport::{FrameReader, FrameWriter, KvConnection, KvTransport, StreamReader, StreamWriter};
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use tokio::sync::{mpsc, oneshot};
+
+type Writer = FrameWriter<StreamWriter>;
+type Reader = FrameReader<StreamReader>;
+
+/// How this worker migrates.
+#[derive(Clone, Debug)]
+pub struct MigrateConfig {
+    pub params: MigrationParams,
+    /// Parallel data streams per migration.
+    pub streams: usize,
+}
+
+/// The worker's live-migration endpoint (both roles).
+pub struct Migrator {
+    transport: Arc<dyn KvTransport>,
+    commands: Sender<Command>,
+    clock: ClusterClock,
+    cfg: MigrateConfig,
+    instance: u32,
+    next_id: AtomicU64,
+    /// Target: data-stream frames by migration.
+    routes: Mutex<HashMap<u64, mpsc::UnboundedSender<Frame>>>,
+    /// Target: requests settled as "not here" by the coordinator; a late COMMIT is refused. Held
+    /// across the check-and-attach so a resolve cannot slip in between.
+    fenced: tokio::sync::Mutex<HashSet<RequestId>>,
+    /// Source: requests paused in doubt (outcome unknown), awaiting the coordinator.
+    in_doubt: Mutex<HashSet<RequestId>>,
+}
+
+impl std::fmt::Debug for Migrator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Migrator").field("local", &self.transport.local_addr()).finish_non_exhaustive()
+    }
+}
+
+/// What the engine thread said no to.
+fn driver_reason(e: DriverError) -> String {
+    e.to_string()
+}
+
+impl Migrator {
+    pub(crate) fn new(
+        transport: Arc<dyn KvTransport>,
+        commands: Sender<Command>,
+        clock: ClusterClock,
+        cfg: MigrateConfig,
+        instance: u32,
+    ) -> Arc<Migrator> {
+        Arc::new(Migrator {
+            transport,
+            commands,
+            clock,
+            cfg,
+            instance,
+            next_id: AtomicU64::new(1),
+            routes: Mutex::new(HashMap::new()),
+            fenced: tokio::sync::Mutex::new(HashSet::new()),
+            in_doubt: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// The address peers send migrations to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.transport.local_addr()
+    }
+
+    /// Stop accepting migrations and close every connection.
+    pub fn close(&self) {
+        self.transport.close();
+    }
+
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, DriverError>>) -> LiveCommand,
+    ) -> Result<T, String> {
+        self.ask_raw(make).await.map_err(driver_reason)
+    }
+
+    async fn ask_raw<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, DriverError>>) -> LiveCommand,
+    ) -> Result<T, DriverError> {
+        let (tx, rx) = oneshot::channel();
+        self.commands.send(Command::Live(make(tx))).map_err(|_| DriverError::Draining)?;
+        rx.await.map_err(|_| DriverError::Draining)?
+    }
+
+    fn now(&self) -> SimTime {
+        self.clock.now()
+    }
+
+    // ---------------------------------------------------------------- source
+
+    /// Move `request` to the worker whose migration endpoint is `target`. Returns once it is
+    /// settled: committed (it runs there), aborted (it runs here), or unknown (paused here; see
+    /// the module docs).
+    pub async fn migrate_out(self: &Arc<Self>, request: RequestId, target: SocketAddr) -> MigrationReport {
+        let id = MigrationId(((self.instance as u64) << 40) | self.next_id.fetch_add(1, Ordering::Relaxed));
+        let kv_tokens = match self.ask(|reply| LiveCommand::ReadBlocks { request, first: 0, count: 0, reply }).await {
+            Ok(r) => r.kv_tokens,
+            Err(reason) => return self.failed_before_start(id, request, reason),
+        };
+        let mut m = match SourceMachine::new(id, request, self.cfg.params.clone(), self.now(), kv_tokens) {
+            Ok(m) => m.with_source_instance(self.instance),
+            Err(e) => return self.failed_before_start(id, request, e.to_string()),
+        };
+        let connect_timeout = std::time::Duration::from_nanos(self.cfg.params.timeout.0);
+        let conn = match tokio::time::timeout(connect_timeout, self.transport.connect(target)).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                m.cancel(self.now(), format!("cannot reach the target: {e}"));
+                return m.report().clone();
+            }
+            Err(_) => {
+                m.cancel(self.now(), format!("cannot reach the target {target} within {connect_timeout:?}"));
+                return m.report().clone();
+            }
+        };
+        m.start(self.now());
+        let outcome = self.drive_source(&mut m, conn).await;
+        let report = m.report().clone();
+        match &outcome {
+            Outcome::Committed => {
+                if let Err(e) = self.ask(|reply| LiveCommand::FinishOut { request, reply }).await {
+                    tracing::error!(%request, "freeing the migrated request failed: {e}");
+                }
+            }
+            Outcome::Aborted(_) => {
+                // Resume it here if it was paused (a "not migrating" answer means it never was).
+                let _ = self.ask(|reply| LiveCommand::ResumeOut { request, reply }).await;
+            }
+            Outcome::Unknown(_) => {
+                self.in_doubt.lock().expect("in-doubt lock").insert(request);
+            }
+        }
+        tracing::info!(%request, migration = %id, %target, outcome = %outcome, bytes = report.bytes, stages = report.stages.len(),
+            downtime_ms = report.downtime.map(|d| d.as_secs_f64() * 1e3), "live migration settled");
+        report
+    }
+
+    fn failed_before_start(&self, id: MigrationId, request: RequestId, reason: String) -> MigrationReport {
+        let now = self.now();
+        MigrationReport {
+            migration: id,
+            request,
+            created: now,
+            started: None,
+            kv_tokens_start: 0,
+            kv_tokens_final: None,
+            stages: Vec::new(),
+            bytes: 0,
+            pause_requested_at: None,
+            paused_at: None,
+            commit_sent_at: None,
+            finished_at: Some(now),
+            downtime: None,
+            total_time: None,
+            goodput_bytes_per_s: None,
+            outcome: Some(Outcome::Aborted(AbortReason::Cancelled(reason))),
+        }
+    }
+
+    async fn drive_source(self: &Arc<Self>, m: &mut SourceMachine, conn: Arc<dyn KvConnection>) -> Outcome {
+        let request = m.request();
+        let (ctl_w, ctl_r) = match conn.open_stream().await {
+            Ok(s) => s,
+            Err(e) => {
+                m.cancel(self.now(), format!("opening a stream: {e}"));
+                return m.outcome().cloned().unwrap_or(Outcome::Aborted(AbortReason::Disconnected));
+            }
+        };
+        let mut ctl = FrameWriter::new(ctl_w);
+        // Control frames from the target, read by their own task so a slow copy never stalls them.
+        let (frames_tx, mut frames) = mpsc::unbounded_channel::<Option<Frame>>();
+        let reader = tokio::spawn(async move {
+            let mut r: Reader = FrameReader::new(ctl_r);
+            loop {
+                match r.recv::<Frame>().await {
+                    Ok(Some(f)) => {
+                        if frames_tx.send(Some(f)).is_err() {
+                            return;
+                        }
+                    }
+                    _ => {
+                        let _ = frames_tx.send(None);
+                        return;
+                    }
+                }
+            }
+        });
+        let mut data: Vec<Writer> = Vec::new();
+        let mut copy: Option<tokio::task::JoinHandle<(Vec<Writer>, Result<u32, String>)>> = None;
+        let outcome = loop {
+            // Act on everything the machine wants.
+            while let Some(action) = m.poll_action() {
+                match action {
+                    SourceAction::Send(f) => {
+                        if ctl.send(&f).await.is_err() {
+                            m.on_disconnect(self.now());
+                        }
+                    }
+                    SourceAction::CopyBlocks { stage, blocks, kv_tokens, .. } => {
+                        if data.is_empty() {
+                            match self.open_data_streams(&conn).await {
+                                Ok(d) => data = d,
+                                Err(e) => {
+                                    tracing::debug!(%request, "data streams: {e}");
+                                    m.on_disconnect(self.now());
+                                    continue;
+                                }
+                            }
+                        }
+                        let writers = std::mem::take(&mut data);
+                        copy = Some(tokio::spawn(self.clone().copy_stage(
+                            m.id(),
+                            request,
+                            stage,
+                            blocks,
+                            kv_tokens,
+                            writers,
+                        )));
+                    }
+                    SourceAction::Pause => match self.ask(|reply| LiveCommand::PauseOut { request, reply }).await {
+                        Ok(PausedOut { kv_tokens, state }) => m.on_paused(self.now(), kv_tokens, state),
+                        Err(e) => m.on_read_failed(self.now(), e),
+                    },
+                    SourceAction::Done(_) => {}
+                }
+            }
+            if let Some(o) = m.outcome().cloned() {
+                if m.is_done() {
+                    break o;
+                }
+            }
+            let deadline = m.poll_timeout().map(|t| tokio::time::Instant::from_std(self.clock.instant(t)));
+            tokio::select! {
+                f = frames.recv() => match f.flatten() {
+                    Some(frame) => {
+                        if matches!(frame.body, Some(Body::StageAck(_))) {
+                            // The next stage's size depends on how far the request has decoded.
+                            if let Ok(r) = self.ask(|reply| LiveCommand::ReadBlocks { request, first: 0, count: 0, reply }).await {
+                                m.on_kv_progress(r.kv_tokens);
+                            }
+                        }
+                        m.on_frame(self.now(), frame);
+                    }
+                    None => m.on_disconnect(self.now()),
+                },
+                done = async { copy.as_mut().expect("guarded").await }, if copy.is_some() => {
+                    copy = None;
+                    match done {
+                        Ok((writers, Ok(stage))) => {
+                            data = writers;
+                            m.on_blocks_sent(self.now(), stage);
+                        }
+                        Ok((_, Err(e))) if e.starts_with("read:") => m.on_read_failed(self.now(), e),
+                        _ => m.on_disconnect(self.now()),
+                    }
+                }
+                _ = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() => {
+                    m.on_timeout(self.now());
+                }
+            }
+        };
+        if let Some(c) = copy {
+            c.abort();
+        }
+        for mut w in data {
+            let _ = w.finish().await;
+        }
+        let _ = ctl.finish().await;
+        reader.abort();
+        outcome
+    }
+
+    async fn open_data_streams(&self, conn: &Arc<dyn KvConnection>) -> Result<Vec<Writer>, String> {
+        let mut out = Vec::with_capacity(self.cfg.streams);
+        for _ in 0..self.cfg.streams.max(1) {
+            let (w, r) = conn.open_stream().await.map_err(|e| e.to_string())?;
+            drop(r);
+            out.push(FrameWriter::new(w));
+        }
+        Ok(out)
+    }
+
+    /// Send blocks `blocks` of one stage, block `i` on stream `i % streams`, each stream with one
+    /// block read ahead. Returns the writers and the stage (or why it failed: `read: …` when the
+    /// engine could not hand out a block, anything else for the transport).
+    async fn copy_stage(
+        self: Arc<Self>,
+        id: MigrationId,
+        request: RequestId,
+        stage: u32,
+        blocks: std::ops::Range<u32>,
+        kv_tokens: u32,
+        writers: Vec<Writer>,
+    ) -> (Vec<Writer>, Result<u32, String>) {
+        let n = writers.len().max(1) as u32;
+        let bs = self.cfg.params.block_size;
+        let mut tasks = Vec::new();
+        for (k, mut w) in writers.into_iter().enumerate() {
+            let me = self.clone();
+            let range = blocks.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut i = range.start + k as u32;
+                while i < range.end {
+                    let read: Result<BlockRead, String> =
+                        me.ask(|reply| LiveCommand::ReadBlocks { request, first: i, count: 1, reply }).await;
+                    let data: Bytes = match read {
+                        Ok(mut r) if !r.blocks.is_empty() => r.blocks.swap_remove(0),
+                        Ok(_) => return (w, Err(format!("read: block {i} is not final yet"))),
+                        Err(e) => return (w, Err(format!("read: {e}"))),
+                    };
+                    let frame = block_frame(id, stage, i, block_tokens(i, kv_tokens, bs), data);
+                    if let Err(e) = w.send(&frame).await {
+                        return (w, Err(format!("send: {e}")));
+                    }
+                    i += n;
+                }
+                if let Err(e) = w.flush().await {
+                    return (w, Err(format!("send: {e}")));
+                }
+                (w, Ok(()))
+            }));
+        }
+        let mut writers = Vec::new();
+        let mut result = Ok(stage);
+        for t in tasks {
+            match t.await {
+                Ok((w, r)) => {
+                    writers.push(w);
+                    if let Err(e) = r {
+                        result = Err(e);
+                    }
+                }
+                Err(e) => result = Err(format!("copy task: {e}")),
+            }
+        }
+        (writers, result)
+    }
+
+    /// The coordinator settled an unknown outcome: free the paused copy (the target runs it) or
+    /// resume it here.
+    pub async fn resolve_source(&self, request: RequestId, committed: bool) -> Result<(), String> {
+        self.in_doubt.lock().expect("in-doubt lock").remove(&request);
+        if committed {
+            self.ask(|reply| LiveCommand::FinishOut { request, reply }).await
+        } else {
+            self.ask(|reply| LiveCommand::ResumeOut { request, reply }).await
+        }
+    }
+
+    // ---------------------------------------------------------------- target
+
+    /// Does this worker hold `request`? If not, it never will through a migration in flight.
+    pub async fn resolve_target(&self, request: RequestId) -> Result<bool, String> {
+        let mut fenced = self.fenced.lock().await;
+        let held = self.ask(|reply| LiveCommand::Holds { request, reply }).await?;
+        if !held {
+            fenced.insert(request);
+        }
+        Ok(held)
+    }
+
+    /// Accept inbound migrations until the transport closes.
+    pub async fn serve(self: Arc<Self>) {
+        loop {
+            let conn = match self.transport.accept().await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::debug!("migration endpoint closed: {e}");
+                    return;
+                }
+            };
+            let me = self.clone();
+            tokio::spawn(async move {
+                while let Ok((w, r)) = conn.accept_stream().await {
+                    tokio::spawn(me.clone().serve_stream(w, r));
+                }
+            });
+        }
+    }
+
+    async fn serve_stream(self: Arc<Self>, w: StreamWriter, r: StreamReader) {
+        let mut reader: Reader = FrameReader::new(r);
+        let first = match reader.recv::<Frame>().await {
+            Ok(Some(f)) => f,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!("inbound migration stream: {e}");
+                return;
+            }
+        };
+        match &first.body {
+            Some(Body::Prepare(_)) => self.run_target(first, reader, FrameWriter::new(w)).await,
+            Some(Body::BlockData(b)) => {
+                let id = b.migration_id;
+                let Some(route) = self.routes.lock().expect("routes lock").get(&id).cloned() else {
+                    tracing::warn!(migration = id, "data stream for an unknown migration; dropped");
+                    return;
+                };
+                if route.send(first).is_err() {
+                    return;
+                }
+                // Frames until EOF; an error (corrupt or oversized frame) ends the stream and
+                // the migration times out or aborts on the control stream.
+                loop {
+                    match reader.recv::<Frame>().await {
+                        Ok(Some(f)) => {
+                            if route.send(f).is_err() {
+                                return;
+                            }
+                        }
+                        Ok(None) => return,
+                        Err(e) => {
+                            tracing::warn!(migration = id, "data stream: {e}");
+                            let _ = route.send(Frame { body: None });
+                            return;
+                        }
+                    }
+                }
+            }
+            _ => tracing::warn!("inbound stream opened with an unexpected frame; dropped"),
+        }
+    }
+
+    async fn run_target(self: &Arc<Self>, prepare: Frame, mut ctl_r: Reader, mut ctl: Writer) {
+        let mut m = match TargetMachine::accept(self.now(), &self.cfg.params, prepare) {
+            Ok(m) => m,
+            Err(refusal) => {
+                let _ = ctl.send(&refusal).await;
+                let _ = ctl.finish().await;
+                return;
+            }
+        };
+        let id = m.id();
+        let request = m.request();
+        let (data_tx, mut data) = mpsc::unbounded_channel();
+        self.routes.lock().expect("routes lock").insert(id.0, data_tx);
+        let (frames_tx, mut frames) = mpsc::unbounded_channel::<Option<Frame>>();
+        let reader = tokio::spawn(async move {
+            loop {
+                match ctl_r.recv::<Frame>().await {
+                    Ok(Some(f)) => {
+                        if frames_tx.send(Some(f)).is_err() {
+                            return;
+                        }
+                    }
+                    _ => {
+                        let _ = frames_tx.send(None);
+                        return;
+                    }
+                }
+            }
+        });
+        let mut reserved = false;
+        let mut attached = false;
+        loop {
+            while let Some(action) = m.poll_action() {
+                match action {
+                    TargetAction::Send(f) => {
+                        let _ = ctl.send(&f).await;
+                    }
+                    TargetAction::Reserve { request, kv_tokens, .. } => {
+                        let r = if self.fenced.lock().await.contains(&request) {
+                            Err(AbortReason::Refused(format!("{request} was settled elsewhere")))
+                        } else {
+                            self.ask(|reply| LiveCommand::Reserve { request, kv_tokens, reply })
+                                .await
+                                .map_err(AbortReason::TargetOutOfMemory)
+                        };
+                        reserved = r.is_ok();
+                        m.on_reserved(self.now(), r);
+                    }
+                    TargetAction::WriteBlock { index, data, .. } => {
+                        use kvfleet_core::engine::EngineError as E;
+                        match self.ask_raw(|reply| LiveCommand::WriteBlock { request, index, data, reply }).await {
+                            Ok(()) => m.on_written(self.now(), index),
+                            Err(e @ DriverError::Engine(E::NoRoom { .. } | E::TooLarge { .. })) => {
+                                m.on_write_failed(self.now(), AbortReason::TargetOutOfMemory(e.to_string()))
+                            }
+                            Err(e) => m.on_write_failed(self.now(), AbortReason::WriteFailed(e.to_string())),
+                        }
+                    }
+                    TargetAction::Attach { state, .. } => {
+                        let fenced = self.fenced.lock().await;
+                        let r = if fenced.contains(&request) {
+                            Err(AbortReason::AttachFailed("settled as not migrated by the coordinator".into()))
+                        } else {
+                            match serde_json::from_slice(&state) {
+                                Ok(st) => self
+                                    .ask(|reply| LiveCommand::AttachReserved { state: Box::new(st), reply })
+                                    .await
+                                    .map_err(AbortReason::AttachFailed),
+                                Err(e) => Err(AbortReason::AttachFailed(format!("state: {e}"))),
+                            }
+                        };
+                        attached = r.is_ok();
+                        drop(fenced);
+                        m.on_attached(self.now(), r);
+                    }
+                    TargetAction::Release => {
+                        if reserved && !attached {
+                            let _ = self.commands.send(Command::Live(LiveCommand::Release { request }));
+                        }
+                    }
+                    TargetAction::Done(_) => {}
+                }
+            }
+            if m.is_done() {
+                break;
+            }
+            let deadline = m.poll_timeout().map(|t| tokio::time::Instant::from_std(self.clock.instant(t)));
+            tokio::select! {
+                f = frames.recv() => match f.flatten() {
+                    Some(frame) => m.on_frame(self.now(), frame),
+                    None => m.on_disconnect(self.now()),
+                },
+                f = data.recv() => match f {
+                    Some(Frame { body: None }) | None => m.on_disconnect(self.now()),
+                    Some(frame) => m.on_frame(self.now(), frame),
+                },
+                _ = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() => {
+                    m.on_timeout(self.now());
+                }
+            }
+        }
+        self.routes.lock().expect("routes lock").remove(&id.0);
+        let _ = ctl.finish().await;
+        reader.abort();
+        tracing::info!(%request, migration = %id, outcome = ?m.outcome(), "inbound live migration settled");
+    }
+}
+
+/// A source's report as the coordinator's [`v1::MigrationStats`].
+pub fn stats_proto(r: &MigrationReport, source: u32, target: u32) -> v1::MigrationStats {
+    v1::MigrationStats {
+        source,
+        target,
+        request_id: r.request.0,
+        stages: r.stages.len() as u32,
+        blocks: r.stages.iter().map(|s| s.blocks as u64).sum(),
+        bytes: r.bytes,
+        started_ns: r.started.unwrap_or(r.created).0,
+        paused_ns: r.paused_at.map_or(0, |t| t.0),
+        ended_ns: r.finished_at.map_or(0, |t| t.0),
+        downtime_ns: r.downtime.map_or(0, |d| d.0),
+        kv_tokens: r.kv_tokens_final.unwrap_or(r.kv_tokens_start),
+        stage_bytes: r.stages.iter().map(|s| s.bytes).collect(),
+        stage_ns: r.stages.iter().map(|s| s.ended.unwrap_or(s.started).0.saturating_sub(s.started.0)).collect(),
+        abort_reason: match &r.outcome {
+            Some(Outcome::Aborted(e)) | Some(Outcome::Unknown(e)) => e.to_string(),
+            _ => String::new(),
+        },
+    }
+}

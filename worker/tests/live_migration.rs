@@ -1,0 +1,124 @@
+//! Live migration between two real `kvfleet-worker` processes over QUIC with mutual TLS: the KV
+//! moves as real bytes in pipelined stages while the request keeps decoding on the source, the
+//! target verifies every token, and the token stream continues on the target exactly where the
+//! source stopped. Failures (nobody listening, a target without room) abort cleanly: the request
+//! finishes on the source with every token exactly once.
+
+mod common;
+
+use common::*;
+use kvfleet_proto::v1;
+use std::time::Duration;
+
+const EVENTS_TIMEOUT: Duration = Duration::from_secs(120);
+const KV_TOKEN_BYTES: u64 = 256 << 10;
+
+fn spec(id: u64, arrival_ns: u64, prompt: u32, reasoning: u32, answer: u32) -> v1::RequestSpec {
+    v1::RequestSpec { id, arrival_ns, prompt_tokens: prompt, reasoning_tokens: reasoning, answer_tokens: answer }
+}
+
+/// Token indices of `id` in `c`, in stream order.
+fn indices(c: &Collected, id: u64) -> Vec<u32> {
+    c.tokens.get(&id).map_or(Vec::new(), |t| t.iter().flat_map(|t| t.first_index..t.first_index + t.count).collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_request_moves_with_its_kv_bytes_and_continues_on_the_target() {
+    let pki = TestPki::new("live");
+    let args = ["--kv-fill", "full", "--kv-memory", "512MiB", "--cpu-memory", "64MiB"];
+    let a = WorkerProc::start_tls(&[&args[..], &["--instance", "0"]].concat(), &pki, "worker-0");
+    let b = WorkerProc::start_tls(&[&args[..], &["--instance", "1"]].concat(), &pki, "worker-1");
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    let target_kv = cb.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
+    assert!(!target_kv.is_empty(), "a TLS worker advertises a migration endpoint");
+    // 600 prompt tokens = 38 blocks of 4 MiB (150 MiB of KV) that stage 0 copies while it decodes.
+    let (prompt, reasoning, answer) = (600, 400, 40);
+    assert!(
+        ca.submit(v1::SubmitRequest { spec: Some(spec(7, a.cluster_now_ns(), prompt, reasoning, answer)) })
+            .await
+            .unwrap()
+            .into_inner()
+            .accepted
+    );
+    collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 7).len() >= 5).await;
+
+    let req = v1::MigrateOutRequest { request_id: 7, target: 1, target_kv_address: target_kv };
+    let out = ca.migrate_out(req).await.unwrap().into_inner();
+    assert_eq!(out.outcome(), v1::MigrationOutcome::MigrationCommitted, "{out:?}");
+    let st = out.stats.expect("live migrations report their measurements");
+    assert!(st.stages >= 2, "at least one live stage before the stop-and-copy: {st:?}");
+    assert_eq!(st.stage_bytes.len() as u32, st.stages);
+    let blocks_total = st.kv_tokens.div_ceil(16) as u64;
+    assert_eq!(st.blocks, blocks_total, "every block sent exactly once: {st:?}");
+    assert_eq!(st.bytes, blocks_total * 16 * KV_TOKEN_BYTES);
+    assert!(st.kv_tokens > prompt, "it decoded before and during the copy: {st:?}");
+    assert!(st.downtime_ns > 0 && st.downtime_ns < st.ended_ns - st.started_ns, "{st:?}");
+    let last = *st.stage_bytes.last().unwrap();
+    assert!(last < st.stage_bytes[0], "the stop-and-copy moves less than stage 0: {st:?}");
+
+    // The stream continues on B exactly where A stopped; every token exactly once.
+    let on_b = collect_until(&mut cb, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&7)).await;
+    let generated = st.kv_tokens - prompt;
+    let on_a = collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 7).len() as u32 >= generated).await;
+    let (ia, ib) = (indices(&on_a, 7), indices(&on_b, 7));
+    assert_eq!(ia, (0..generated).collect::<Vec<_>>(), "A emitted up to the pause");
+    assert_eq!(ib, (generated..reasoning + answer).collect::<Vec<_>>(), "B continues at the next token");
+    let r = &on_b.finished[&7];
+    assert_eq!((r.migrations, r.kv_rematerialized, r.placed_on, r.finished_on), (1, false, 0, Some(1)));
+    assert!(!on_a.finished.contains_key(&7));
+    // The source no longer knows it.
+    let gone = ca.migrate_out(v1::MigrateOutRequest { request_id: 7, target: 1, ..Default::default() }).await;
+    assert_eq!(gone.unwrap_err().code(), tonic::Code::NotFound);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_migrations_abort_and_the_request_finishes_on_the_source() {
+    let pki = TestPki::new("abort");
+    let args = ["--kv-fill", "stamp", "--migration-timeout-ms", "3000"];
+    let a = WorkerProc::start_tls(&[&args[..], &["--instance", "0", "--kv-memory", "256MiB"]].concat(), &pki, "w0");
+    // B has room for 4 blocks: a 200-token request (13 blocks) cannot be reserved there.
+    let b = WorkerProc::start_tls(&[&args[..], &["--instance", "1", "--kv-memory", "16MiB"]].concat(), &pki, "w1");
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    let target_kv = cb.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
+    assert!(
+        ca.submit(v1::SubmitRequest { spec: Some(spec(3, a.cluster_now_ns(), 200, 200, 20)) })
+            .await
+            .unwrap()
+            .into_inner()
+            .accepted
+    );
+    collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 3).len() >= 3).await;
+
+    // Target full: PREPARE refused.
+    let full = v1::MigrateOutRequest { request_id: 3, target: 1, target_kv_address: target_kv };
+    let out = ca.migrate_out(full).await.unwrap().into_inner();
+    assert_eq!(out.outcome(), v1::MigrationOutcome::MigrationAborted, "{out:?}");
+    let reason = out.stats.unwrap().abort_reason;
+    assert!(reason.contains("refused") || reason.contains("room"), "{reason}");
+
+    // Nobody listening at the target address: aborted, not hung, not lost.
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let nowhere = silent.local_addr().unwrap().to_string();
+    let out = ca
+        .migrate_out(v1::MigrateOutRequest { request_id: 3, target: 1, target_kv_address: nowhere })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(out.outcome(), v1::MigrationOutcome::MigrationAborted, "{out:?}");
+    drop(silent);
+
+    // Malformed address: InvalidArgument naming the field.
+    let bad = v1::MigrateOutRequest { request_id: 3, target: 1, target_kv_address: "not an address".into() };
+    let e = ca.migrate_out(bad).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("target_kv_address"), "{e}");
+
+    let c = collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&3)).await;
+    assert_eq!(indices(&c, 3), (0..220).collect::<Vec<_>>(), "every token once, all on A");
+    assert_eq!(c.finished[&3].finished_on, Some(0));
+    assert_eq!(
+        cb.load(v1::LoadRequest {}).await.unwrap().into_inner().gpu_used_blocks,
+        0,
+        "nothing left reserved on B"
+    );
+}
