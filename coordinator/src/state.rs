@@ -169,6 +169,21 @@ impl ClusterState {
         }
     }
 
+    /// Count a decided migration in both instances' published loads right away (as [`Self::charge`]
+    /// does for placements): the target reserves the request's blocks at PREPARE, so a burst of
+    /// `</think>` boundaries must not all pick the same target's last free blocks.
+    fn charge_move(&mut self, from: InstanceId, to: InstanceId, kv_blocks: u32) {
+        if let Some(m) = self.members.get_mut(&to) {
+            m.load.gpu_used_blocks += kv_blocks;
+            m.load.answering_requests += 1;
+            m.load.fresh_answering_requests += 1;
+        }
+        if let Some(m) = self.members.get_mut(&from) {
+            m.load.gpu_used_blocks = m.load.gpu_used_blocks.saturating_sub(kv_blocks);
+            m.load.answering_requests = m.load.answering_requests.saturating_sub(1);
+        }
+    }
+
     /// Place a request again (its worker died): a fresh start on another live worker.
     pub fn replace(&mut self, id: RequestId) -> Result<InstanceId, StateError> {
         let spec = self.requests.get(&id).ok_or(StateError::Unknown(id))?.spec.clone();
@@ -207,6 +222,7 @@ impl ClusterState {
         match self.policy.on_phase_change(&change, &loads, &mut self.rng) {
             PhaseDecision::Migrate { to } if to != instance && loads.iter().any(|l| l.instance == to) => {
                 self.requests.get_mut(&id).expect("present").phase = OwnedPhase::Migrating;
+                self.charge_move(instance, to, kv_blocks);
                 PhaseDecision::Migrate { to }
             }
             _ => PhaseDecision::Stay,
@@ -317,6 +333,8 @@ mod tests {
         assert_eq!(at, InstanceId(0), "equal footprints: lowest id");
         assert_eq!(s.on_boundary(RequestId(7), at, 1), PhaseDecision::Migrate { to: InstanceId(1) });
         assert_eq!(s.ownership(RequestId(7)).unwrap().phase, OwnedPhase::Migrating);
+        let (src, dst) = (&s.members()[&InstanceId(0)].load, &s.members()[&InstanceId(1)].load);
+        assert_eq!((src.gpu_used_blocks, dst.gpu_used_blocks), (10 + 11 - 1, 10 + 1), "the move is charged at once");
         s.migration_done(RequestId(7), Some(InstanceId(1)));
         assert_eq!(s.ownership(RequestId(7)).unwrap().instance, InstanceId(1));
         assert!(s.on_finished(RequestId(7)));

@@ -7,7 +7,10 @@
 //! ```
 //!
 //! The parent makes a throwaway cluster CA, starts itself as the sink process (`--sink tcp|quic`),
-//! sends to it and prints one row per configuration with the QUIC ÷ TCP ratio.
+//! sends to it and prints one row per configuration with the QUIC ÷ TCP ratio. Tuning flags
+//! (`--cc`, `--mtu`, `--no-gso`, `--no-fairness`, `--stream-window`, `--udp-buffer`) apply to
+//! both ends; `GOODPUT_THREADS=1` runs each process on a current-thread tokio runtime (default 2
+//! worker threads).
 
 use kvfleet_pki::{ClusterCa, IdentityFiles, NodeIdentity, Role};
 use kvfleet_transport::bench::{self, Goodput, SinkKind, DEFAULT_CHUNK_BYTES};

@@ -24,6 +24,8 @@ pub const DEFAULT_MAX_FRAME_BYTES: usize = 64 << 20;
 pub const HEADER_BYTES: usize = 4;
 /// How much a reader asks for at least when it does not yet know the next frame's size.
 const MIN_READ_BYTES: usize = 64 << 10;
+/// The largest protobuf field number.
+const MAX_FIELD_TAG: u32 = (1 << 29) - 1;
 /// A writer keeps its encode buffer between frames unless it grew past this for a rare big one.
 const SHRINK_ABOVE_BYTES: usize = 16 << 20;
 
@@ -142,6 +144,43 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         if self.buf.capacity() > SHRINK_ABOVE_BYTES && self.buf.len() < self.buf.capacity() / 4 {
             self.buf = BytesMut::new();
         }
+        Ok(())
+    }
+
+    /// Send `msg` with one more `bytes` field, number `payload_tag`, set to `payload`, without
+    /// copying the payload into the frame buffer: the header, `msg` and the field's key and length
+    /// are encoded into the buffer and the payload is written straight from `payload`.
+    ///
+    /// The receiver decodes exactly `msg` with that field set (protobuf fields may come in any
+    /// order). `msg` must leave that field empty (a repeated field gets `payload` appended).
+    pub async fn send_with_payload<M: Message>(
+        &mut self,
+        msg: &M,
+        payload_tag: u32,
+        payload: &[u8],
+    ) -> Result<(), FrameError> {
+        if !(1..=MAX_FIELD_TAG).contains(&payload_tag) {
+            return Err(FrameError::Io(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("protobuf field number {payload_tag} is out of range"),
+            )));
+        }
+        let key = u64::from(payload_tag) << 3 | 2; // wire type 2: length-delimited
+        let len = msg.encoded_len()
+            + prost::encoding::encoded_len_varint(key)
+            + prost::encoding::encoded_len_varint(payload.len() as u64)
+            + payload.len();
+        if len > self.codec.limit() {
+            return Err(FrameError::TooLarge { len: len as u64, max: self.codec.limit() });
+        }
+        self.buf.clear();
+        self.buf.reserve(HEADER_BYTES + len - payload.len());
+        self.buf.put_u32(len as u32);
+        msg.encode(&mut self.buf).map_err(|e| io::Error::other(format!("encoding a frame: {e}")))?;
+        prost::encoding::encode_varint(key, &mut self.buf);
+        prost::encoding::encode_varint(payload.len() as u64, &mut self.buf);
+        self.inner.write_all(&self.buf).await?;
+        self.inner.write_all(payload).await?;
         Ok(())
     }
 

@@ -12,7 +12,7 @@
 //! | [`mem`] | an in-memory transport for tests ([`MemNetwork`]): duplex pipes, severable links |
 //! | [`quic`] | QUIC over quinn with mutual TLS from the cluster CA ([`QuicTransport`], [`QuicTuning`]) |
 //! | [`shaped`] | a wrapper transport ([`Shaped`]) that limits each link's rate and adds latency (`kvfleet_netmodel::shaping`) to emulate a fabric |
-//! | [`bench`] | goodput measurements for `kvfleet bench migration`: raw TCP baseline vs QUIC |
+//! | [`bench`](mod@bench) | goodput measurements for `kvfleet bench migration`: raw TCP baseline vs QUIC |
 //!
 //! # Streams
 //!
@@ -20,7 +20,9 @@
 //! a stream to the peer only with its first bytes, so `accept_stream` on the other side returns
 //! only then (the in-memory transport is more eager; do not rely on it). Shutting the writer down
 //! (`AsyncWriteExt::shutdown`) is a clean end of stream: the peer's reads return EOF. When the
-//! connection is closed or lost, pending and later reads and writes fail with an I/O error.
+//! connection is closed or lost, pending and later reads and writes fail with an I/O error of
+//! kind `NotConnected` (quinn's; the in-memory transport does the same), never a clean EOF.
+//! A lost peer that sends nothing is detected after [`QuicTuning::idle_timeout`].
 //!
 //! # Connections
 //!

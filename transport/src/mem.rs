@@ -66,14 +66,12 @@ impl MemNetwork {
         let mut hub = lock(&self.inner);
         let mut addr = addr;
         if addr.port() == 0 {
-            loop {
+            let free = (0..=u16::MAX).find_map(|_| {
                 hub.next_port = hub.next_port.wrapping_add(1).max(10_000);
                 let candidate = SocketAddr::new(addr.ip(), hub.next_port);
-                if !hub.listeners.contains_key(&candidate) {
-                    addr = candidate;
-                    break;
-                }
-            }
+                (!hub.listeners.contains_key(&candidate)).then_some(candidate)
+            });
+            addr = free.ok_or(TransportError::Bind { addr, reason: "no free port left on this MemNetwork".into() })?;
         } else if hub.listeners.contains_key(&addr) {
             return Err(TransportError::Bind { addr, reason: "address already in use on this MemNetwork".into() });
         }
@@ -91,13 +89,12 @@ impl MemNetwork {
         })
     }
 
-    /// An endpoint on 127.0.0.1 with a fresh port.
+    /// An endpoint on 127.0.0.1 with a fresh port (for tests).
+    ///
+    /// # Panics
+    /// When all 55 535 ports from 10 000 up are taken.
     pub fn bind_any(&self) -> MemTransport {
-        // Port 0 cannot collide, so this cannot fail.
-        match self.bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0)) {
-            Ok(t) => t,
-            Err(e) => unreachable!("binding port 0: {e}"),
-        }
+        self.bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).expect("a free port on the MemNetwork")
     }
 
     /// Simulate `peer` crashing: unregister it and sever every connection it has.

@@ -15,7 +15,6 @@
 use super::{verify_written, Driver, DriverError, Written};
 use bytes::Bytes;
 use kvfleet_core::engine::MigratedRequest;
-use kvfleet_core::kv::Tier;
 use kvfleet_core::RequestId;
 use tokio::sync::oneshot;
 
@@ -219,12 +218,12 @@ impl Driver {
             });
         }
         // End to end: every token's content is the one (request, token) determines.
-        let n = verify_written(&self.arena, self.block_size, Tier::Gpu, &table.blocks, id, kv_tokens)
+        let n = verify_written(&self.arena, self.block_size, table.tier, &table.blocks, id, kv_tokens)
             .map_err(|cause| DriverError::KvCorrupt { request: id, cause })?;
         self.kv_stats.tokens_verified += n;
         self.engine.attach(self.clock.now(), m)?;
         let blocks = self.engine.kv().table(id).map(|t| t.blocks.clone()).unwrap_or_default();
-        self.written.insert(id, Written { tier: Some(Tier::Gpu), blocks, tokens: kv_tokens });
+        self.written.insert(id, Written { tier: Some(table.tier), blocks, tokens: kv_tokens });
         self.accepted.insert(id);
         self.live.insert(id);
         Ok(())

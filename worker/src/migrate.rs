@@ -131,31 +131,42 @@ impl Migrator {
     /// Move `request` to the worker whose migration endpoint is `target`. Returns once it is
     /// settled: committed (it runs there), aborted (it runs here), or unknown (paused here; see
     /// the module docs).
-    pub async fn migrate_out(self: &Arc<Self>, request: RequestId, target: SocketAddr) -> MigrationReport {
+    ///
+    /// `Err` when there is nothing to migrate: the request is not here (finished meanwhile) or
+    /// has no KV yet.
+    pub async fn migrate_out(
+        self: &Arc<Self>,
+        request: RequestId,
+        target: SocketAddr,
+    ) -> Result<MigrationReport, DriverError> {
         let id = MigrationId(((self.instance as u64) << 40) | self.next_id.fetch_add(1, Ordering::Relaxed));
-        let kv_tokens = match self.ask(|reply| LiveCommand::ReadBlocks { request, first: 0, count: 0, reply }).await {
-            Ok(r) => r.kv_tokens,
-            Err(reason) => return self.failed_before_start(id, request, reason),
-        };
+        let kv_tokens =
+            self.ask_raw(|reply| LiveCommand::ReadBlocks { request, first: 0, count: 0, reply }).await?.kv_tokens;
         let mut m = match SourceMachine::new(id, request, self.cfg.params.clone(), self.now(), kv_tokens) {
             Ok(m) => m.with_source_instance(self.instance),
-            Err(e) => return self.failed_before_start(id, request, e.to_string()),
+            Err(e) => return Ok(self.failed_before_start(id, request, e.to_string())),
         };
         let connect_timeout = std::time::Duration::from_nanos(self.cfg.params.timeout.0);
         let conn = match tokio::time::timeout(connect_timeout, self.transport.connect(target)).await {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => {
                 m.cancel(self.now(), format!("cannot reach the target: {e}"));
-                return m.report().clone();
+                return Ok(m.report().clone());
             }
             Err(_) => {
                 m.cancel(self.now(), format!("cannot reach the target {target} within {connect_timeout:?}"));
-                return m.report().clone();
+                return Ok(m.report().clone());
             }
         };
         m.start(self.now());
         let outcome = self.drive_source(&mut m, conn).await;
         let report = m.report().clone();
+        if matches!(outcome, Outcome::Aborted(AbortReason::SourceKvUnavailable(_)))
+            && !self.ask(|reply| LiveCommand::Holds { request, reply }).await.unwrap_or(true)
+        {
+            // It finished here while its KV was being copied: nothing is left to move.
+            return Err(DriverError::Unknown(request));
+        }
         match &outcome {
             Outcome::Committed => {
                 if let Err(e) = self.ask(|reply| LiveCommand::FinishOut { request, reply }).await {
@@ -172,7 +183,7 @@ impl Migrator {
         }
         tracing::info!(%request, migration = %id, %target, outcome = %outcome, bytes = report.bytes, stages = report.stages.len(),
             downtime_ms = report.downtime.map(|d| d.as_secs_f64() * 1e3), "live migration settled");
-        report
+        Ok(report)
     }
 
     fn failed_before_start(&self, id: MigrationId, request: RequestId, reason: String) -> MigrationReport {

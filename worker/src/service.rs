@@ -229,7 +229,7 @@ impl Worker for WorkerService {
             let addr: std::net::SocketAddr = kv_address.parse().map_err(|e| {
                 Status::invalid_argument(format!("`target_kv_address`: {kv_address:?} is not host:port ({e})"))
             })?;
-            let report = self.migrator()?.migrate_out(id, addr).await;
+            let report = self.migrator()?.migrate_out(id, addr).await.map_err(driver_status)?;
             let outcome = match &report.outcome {
                 Some(Outcome::Committed) => v1::MigrationOutcome::MigrationCommitted,
                 Some(Outcome::Unknown(_)) => v1::MigrationOutcome::MigrationUnknown,

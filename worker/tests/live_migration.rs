@@ -77,7 +77,11 @@ async fn failed_migrations_abort_and_the_request_finishes_on_the_source() {
     let args = ["--kv-fill", "stamp", "--migration-timeout-ms", "3000"];
     let a = WorkerProc::start_tls(&[&args[..], &["--instance", "0", "--kv-memory", "256MiB"]].concat(), &pki, "w0");
     // B has room for 4 blocks: a 200-token request (13 blocks) cannot be reserved there.
-    let b = WorkerProc::start_tls(&[&args[..], &["--instance", "1", "--kv-memory", "16MiB"]].concat(), &pki, "w1");
+    let b = WorkerProc::start_tls(
+        &[&args[..], &["--instance", "1", "--kv-memory", "16MiB", "--cpu-memory", "16MiB"]].concat(),
+        &pki,
+        "w1",
+    );
     let (mut ca, mut cb) = (a.client().await, b.client().await);
     let target_kv = cb.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
     assert!(

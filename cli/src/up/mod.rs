@@ -3,6 +3,7 @@
 //! through the leader in real time, prints the same table and files as `kvfleet sim`, and then
 //! shuts everything down, leaving no process behind.
 
+mod live;
 pub mod procs;
 pub mod replay;
 
@@ -424,7 +425,11 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             }
         }
         ok.sort_by_key(|r| r.id);
-        let summary = summarize(&ok, &[], &cfg.slo);
+        // The leader's record of live migrations (each source's measurements).
+        let live_log =
+            rt.block_on(finder.leader(Duration::from_secs(10))).map(|(_, s)| s.migration_log).unwrap_or_default();
+        let migrations = live::records(&live_log);
+        let summary = summarize(&ok, &migrations, &cfg.slo);
         let tail_ttft = tail_ttft_by_reasoning_bin(&ok, 256);
         let migrated = ok.iter().filter(|r| r.migrations > 0).count();
         let run = kvfleet_sim::RunResult {
@@ -436,7 +441,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             summary,
             tail_ttft,
             records: ok.clone(),
-            migrations: Vec::new(),
+            migrations,
             instances: Vec::new(),
             events: 0,
             sim_end_s: wall,
@@ -452,6 +457,10 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             stats.resumed.load(Ordering::Relaxed),
             stats.retries.load(Ordering::Relaxed)
         );
+        say!("{}", live::table(&live_log).trim_end());
+        if !live_log.is_empty() {
+            live::write_csv(&args.out.join("live-migrations.csv"), &live_log)?;
+        }
         if let Some(ms) = failover_ms {
             say!("leader failover took {ms} ms (kill -9 → a new leader answering)");
         }

@@ -76,7 +76,7 @@ pub enum EngineError {
     NotMigrating(RequestId),
     #[error("an iteration is in flight; call between iterations")]
     IterationInFlight,
-    #[error("no GPU room to receive {request}: needs {needed} KV blocks, {free} free")]
+    #[error("no room to receive {request}: needs {needed} KV blocks, {free} free")]
     NoRoom { request: RequestId, needed: u32, free: u32 },
     #[error("request {request} has answer_tokens = 0; every request produces at least one answer token")]
     NoAnswer { request: RequestId },
@@ -554,18 +554,14 @@ impl Engine {
             active.sort_unstable_by_key(|&s| slots[s as usize].as_ref().expect("active is live").sched.key());
         }
         let admission = self.sched.admission();
-        // Requests migrating out are frozen: their GPU blocks cannot be reclaimed by preemption.
-        let frozen: u32 = self
-            .migrating_out
-            .iter()
-            .map(|&s| {
-                let id = self.req(s).spec.id;
-                match self.kv.table(id) {
-                    Some(t) if t.tier == Tier::Gpu => t.blocks.len() as u32,
-                    _ => 0,
-                }
-            })
-            .sum();
+        // Requests migrating out are frozen, and blocks reserved for incoming migrations are
+        // promised: preemption cannot reclaim either.
+        let gpu_blocks_of = |id: RequestId| match self.kv.table(id) {
+            Some(t) if t.tier == Tier::Gpu => t.blocks.len() as u32,
+            _ => 0,
+        };
+        let frozen: u32 = self.migrating_out.iter().map(|&s| gpu_blocks_of(self.req(s).spec.id)).sum::<u32>()
+            + self.reserved.iter().map(|&id| gpu_blocks_of(id)).sum::<u32>();
         let mut budget = self.cfg.gpu_blocks.saturating_sub(frozen);
         let mut seqs = 0u32;
         let mut prefill_tokens = 0u32;
@@ -754,9 +750,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Reserve GPU blocks for an incoming live migration holding `tokens` KV tokens (or extend an
+    /// Reserve blocks for an incoming live migration holding `tokens` KV tokens (or extend an
     /// existing reservation to that many), so its KV can be copied in place while it still runs
-    /// on the source. Returns the reserved block ids, in token order.
+    /// on the source: GPU blocks when there is room, else CPU (offload) blocks. Returns the
+    /// reserved block ids, in token order, on the tier of [`KvBlockManager::tier_of`].
     pub fn reserve_incoming(&mut self, request: RequestId, tokens: u32) -> Result<&[u32], EngineError> {
         if self.index.contains_key(&request) {
             return Err(EngineError::Duplicate(request));
@@ -775,7 +772,11 @@ impl Engine {
             if needed > self.cfg.gpu_blocks {
                 return Err(EngineError::TooLarge { request, needed, capacity: self.cfg.gpu_blocks });
             }
-            self.kv.allocate(request, Tier::Gpu, tokens).map_err(room)?;
+            // GPU memory if there is room, else the CPU pool (it is then reloaded when scheduled,
+            // like an offloaded request), as a re-materialising attach would place it.
+            if let Err(e) = self.kv.allocate(request, Tier::Gpu, tokens) {
+                self.kv.allocate(request, Tier::Cpu, tokens).map_err(|_| room(e))?;
+            }
             self.reserved.push(request);
         }
         self.dirty = true;
@@ -813,15 +814,19 @@ impl Engine {
         let tokens = m.kv_tokens();
         let reserved = self.reserved.contains(&id);
         if reserved {
+            let tier = self.kv.tier_of(id).unwrap_or(Tier::Gpu);
             self.kv.resize(id, tokens).map_err(|_| EngineError::NoRoom {
                 request: id,
                 needed: self.kv.blocks_for(tokens),
-                free: self.kv.free(Tier::Gpu),
+                free: self.kv.free(tier),
             })?;
             self.reserved.retain(|&r| r != id);
         }
         let residence = if reserved {
-            Residence::Gpu
+            match self.kv.tier_of(id) {
+                Some(Tier::Cpu) => Residence::Cpu,
+                _ => Residence::Gpu,
+            }
         } else if self.kv.allocate(id, Tier::Gpu, tokens).is_ok() {
             Residence::Gpu
         } else if self.kv.allocate(id, Tier::Cpu, tokens).is_ok() {

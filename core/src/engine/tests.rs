@@ -241,6 +241,59 @@ fn migration_moves_state_and_abort_keeps_request() {
     assert_eq!(r.finish, Some(SimTime(6 * UNIT)));
 }
 
+/// A target without GPU room receives into its CPU pool; the request attaches offloaded and is
+/// reloaded when it runs, as a re-materialising attach would place it.
+#[test]
+fn a_reservation_without_gpu_room_lands_in_the_cpu_pool() {
+    let mut src = engine("fcfs", 64, 0, 500);
+    let mut dst = engine("fcfs", 8, 16, 500);
+    let mut ev = Vec::new();
+    src.submit(SimTime(0), spec(1, 0, 80, 2, 3)).unwrap();
+    src.step(SimTime(0), &mut ev);
+    dst.reserve_incoming(RequestId(2), 7 * 16).unwrap(); // another incoming request fills the GPU
+    dst.reserve_incoming(RequestId(1), 80).unwrap();
+    assert_eq!((dst.kv().tier_of(RequestId(1)), dst.kv().used(Tier::Cpu)), (Some(Tier::Cpu), 5));
+    src.complete_iteration(SimTime(UNIT), &mut ev);
+    src.begin_migration_out(RequestId(1)).unwrap();
+    let m = src.finish_migration_out(RequestId(1)).unwrap();
+    dst.attach(SimTime(UNIT), m).unwrap();
+    dst.check_invariants().unwrap();
+    dst.release_reservation(RequestId(2));
+    let mut t = dst.step(SimTime(UNIT), &mut ev).unwrap();
+    while let Some(next) = dst.step(t, &mut ev) {
+        t = next;
+    }
+    assert!(ev.iter().any(
+        |x| matches!(x, EngineEvent::Finished(r) if r.id == RequestId(1) && r.finished_on == Some(InstanceId(0)))
+    ));
+}
+
+/// Blocks reserved for an incoming migration are not the planner's to hand out: a request that
+/// needs them waits (it was planned over them before: a panic in the worker) and carries on once
+/// the reservation is released.
+#[test]
+fn reserved_blocks_are_never_planned_over() {
+    let mut e = engine("fcfs", 8, 16, 500);
+    let mut ev = Vec::new();
+    e.submit(SimTime(0), spec(1, 0, 40, 60, 4)).unwrap(); // 3 blocks now, 7 at the end
+    let mut t = e.step(SimTime(0), &mut ev).unwrap();
+    e.reserve_incoming(RequestId(9), 64).unwrap(); // 4 blocks promised: 1 left for request 1
+    for _ in 0..200 {
+        let Some(next) = e.step(t, &mut ev) else { break };
+        e.check_invariants().unwrap();
+        assert!(e.kv().used(Tier::Gpu) <= 8);
+        t = next;
+    }
+    assert!(!ev.iter().any(|x| matches!(x, EngineEvent::Finished(_))), "it cannot finish beside the reservation");
+    assert_eq!(e.release_reservation(RequestId(9)), 4);
+    let mut t = e.step(t, &mut ev).unwrap();
+    while let Some(next) = e.step(t, &mut ev) {
+        t = next;
+    }
+    assert!(ev.iter().any(|x| matches!(x, EngineEvent::Finished(r) if r.id == RequestId(1))));
+    e.check_invariants().unwrap();
+}
+
 #[test]
 fn live_migration_target_reserves_grows_attaches_in_place_or_releases() {
     let mut src = engine("fcfs", 64, 0, 500);

@@ -115,6 +115,30 @@ async fn reader_and_writer_round_trip_with_clean_eof() {
 }
 
 #[tokio::test]
+async fn payload_frames_decode_as_the_message_with_the_field_set() {
+    let (a, b) = tokio::io::duplex(1 << 16);
+    let big = block(5, 200_000);
+    let writer = tokio::spawn(async move {
+        let mut w = FrameWriter::with_codec(a, FrameCodec::new(300_000));
+        let head = Block { data: Bytes::new(), ..big.clone() };
+        w.send_with_payload(&head, 2, &big.data).await.unwrap();
+        w.send_with_payload(&Block::default(), 2, &[]).await.unwrap();
+        // Over the limit with the payload counted: refused before anything is written.
+        let too_big = vec![0u8; 300_000];
+        assert!(matches!(w.send_with_payload(&head, 2, &too_big).await, Err(FrameError::TooLarge { .. })));
+        assert!(matches!(w.send_with_payload(&head, 0, b"x").await, Err(FrameError::Io(_))));
+        w.send(&block(6, 10)).await.unwrap();
+        w.finish().await.unwrap();
+    });
+    let mut r = FrameReader::new(b);
+    assert_eq!(r.recv::<Block>().await.unwrap(), Some(block(5, 200_000)));
+    assert_eq!(r.recv::<Block>().await.unwrap(), Some(Block::default()));
+    assert_eq!(r.recv::<Block>().await.unwrap(), Some(block(6, 10)));
+    assert_eq!(r.recv::<Block>().await.unwrap(), None);
+    writer.await.unwrap();
+}
+
+#[tokio::test]
 async fn eof_inside_a_frame_is_truncated() {
     for cut in [1, 3, 4, 5, 50] {
         let mut wire = BytesMut::new();
