@@ -20,6 +20,13 @@ pub enum BenchCommand {
     /// Timing-model error: the profile model on measured points held out of its own table
     /// (leave-one-out), and the analytic roofline on every measured point; MAPE per regime.
     Timing,
+    /// Live migration: raw TCP vs QUIC goodput between two processes, and real migrations of
+    /// 256…16k-token requests between two worker processes (total time, downtime; pipelined vs
+    /// blocking stop-and-copy).
+    Migration(crate::bench_migration::MigrationBench),
+    /// (internal) the receiving process of `bench migration`'s goodput runs.
+    #[command(hide = true)]
+    Sink(crate::bench_migration::SinkArgs),
 }
 
 #[derive(Args)]
@@ -67,6 +74,8 @@ pub struct WorkersBench {
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Sim(b) => bench_sim(b),
+        BenchCommand::Migration(b) => crate::bench_migration::run(b),
+        BenchCommand::Sink(a) => crate::bench_migration::run_sink(a),
         BenchCommand::Workers(b) => bench_workers(b),
         BenchCommand::Timing => {
             let report = kvfleet_core::timing::HoldoutReport::builtin_h100_qwen32b()

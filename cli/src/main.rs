@@ -9,6 +9,7 @@
 //! Exit codes: 0 success, 1 runtime failure, 2 invalid input (bad flag, bad config, missing file).
 
 mod bench;
+mod bench_migration;
 mod certs;
 mod plots;
 mod report;

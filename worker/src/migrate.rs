@@ -159,7 +159,8 @@ impl Migrator {
             }
         };
         m.start(self.now());
-        let outcome = self.drive_source(&mut m, conn).await;
+        let span = tracing::info_span!("migration", %request, migration = %id, %target, role = "source");
+        let outcome = tracing::Instrument::instrument(self.drive_source(&mut m, conn), span).await;
         let report = m.report().clone();
         if matches!(outcome, Outcome::Aborted(AbortReason::SourceKvUnavailable(_)))
             && !self.ask(|reply| LiveCommand::Holds { request, reply }).await.unwrap_or(true)
@@ -440,7 +441,10 @@ impl Migrator {
             }
         };
         match &first.body {
-            Some(Body::Prepare(_)) => self.run_target(first, reader, FrameWriter::new(w)).await,
+            Some(Body::Prepare(p)) => {
+                let span = tracing::info_span!("migration", request = p.request_id, migration = p.migration_id, role = "target");
+                tracing::Instrument::instrument(self.run_target(first, reader, FrameWriter::new(w)), span).await
+            }
             Some(Body::BlockData(b)) => {
                 let id = b.migration_id;
                 let Some(route) = self.routes.lock().expect("routes lock").get(&id).cloned() else {
