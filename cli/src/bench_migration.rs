@@ -93,7 +93,11 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
 
     // (a) and (b): goodput between two processes.
-    say!("bench migration: goodput between two processes on loopback ({} per run, {} streams)", human(b.bytes), b.streams);
+    say!(
+        "bench migration: goodput between two processes on loopback ({} per run, {} streams)",
+        human(b.bytes),
+        b.streams
+    );
     let mut tcp_args = vec!["bench".to_string(), "sink".into(), "--kind".into(), "tcp".into()];
     let tcp = Proc::spawn("tcp-sink", &me, &tcp_args, &logs.join("tcp-sink.log"), Some(Duration::from_secs(10)))?;
     let tcp_peer: SocketAddr = tcp.addr()?.parse()?;
@@ -111,7 +115,8 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
 
     // (c) real migrations between two worker processes.
     let worker = sibling_binary("kvfleet-worker")?;
-    let modes: &[(&str, &str)] = if b.no_blocking { &[("pipelined", "3")] } else { &[("pipelined", "3"), ("blocking", "0")] };
+    let modes: &[(&str, &str)] =
+        if b.no_blocking { &[("pipelined", "3")] } else { &[("pipelined", "3"), ("blocking", "0")] };
     say!(
         "  (c) live migration of one decoding request between two worker processes (32B model, 256 KiB/token, \
          stop-and-copy below {} new blocks):",
@@ -131,7 +136,11 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
                 ms(stats.downtime_ns),
                 stats.stages,
                 stats.bytes as f64 * 8.0 / (stats.ended_ns.saturating_sub(stats.started_ns).max(1) as f64),
-                if stats.abort_reason.is_empty() { String::new() } else { format!("  ABORTED: {}", stats.abort_reason) }
+                if stats.abort_reason.is_empty() {
+                    String::new()
+                } else {
+                    format!("  ABORTED: {}", stats.abort_reason)
+                }
             );
             rows.push(Row { tokens, mode, stats });
         }
@@ -195,7 +204,8 @@ async fn migrate_once(
     };
     let (mut src, mut dst) = (connect(procs[0].addr()?)?, connect(procs[1].addr()?)?);
     let target_kv = dst.info(v1::InfoRequest {}).await?.into_inner().kv_address;
-    let spec = v1::RequestSpec { id: 1, arrival_ns: 0, prompt_tokens: tokens, reasoning_tokens: 1000, answer_tokens: 1 };
+    let spec =
+        v1::RequestSpec { id: 1, arrival_ns: 0, prompt_tokens: tokens, reasoning_tokens: 1000, answer_tokens: 1 };
     let accepted = src.submit(v1::SubmitRequest { spec: Some(spec) }).await?.into_inner();
     anyhow::ensure!(accepted.accepted, "the source refused the request: {}", accepted.reason);
     // Migrate once it decodes (its prompt is prefilled and written).
@@ -220,7 +230,10 @@ async fn migrate_once(
 
 fn table(rows: &[Row]) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "\n  tokens      KV   pipelined total ms   downtime ms   stages   blocking downtime ms   downtime ratio");
+    let _ = writeln!(
+        s,
+        "\n  tokens      KV   pipelined total ms   downtime ms   stages   blocking downtime ms   downtime ratio"
+    );
     let mut lengths: Vec<u32> = rows.iter().map(|r| r.tokens).collect();
     lengths.dedup();
     for t in lengths {

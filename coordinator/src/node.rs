@@ -239,21 +239,19 @@ pub struct CoordinatorService {
 type EventStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<v1::ClientEvent, Status>> + Send>>;
 
 impl CoordinatorService {
+    /// The advertised address of the current leader, per the election key.
+    async fn leader_address(&self) -> Option<String> {
+        let v = self.node.store.leader(keys::ELECTION).await.ok().flatten()?;
+        Some(String::from_utf8_lossy(&v).into_owned())
+    }
+
     async fn leader_or_redirect(&self) -> Result<Arc<Leader>, Status> {
         if let Some(l) = self.node.current_leader().await {
             if !l.is_deposed() {
                 return Ok(l);
             }
         }
-        let hint = self
-            .node
-            .store
-            .leader(keys::ELECTION)
-            .await
-            .ok()
-            .flatten()
-            .map(|v| String::from_utf8_lossy(&v).into_owned());
-        Err(Status::unavailable(match hint {
+        Err(Status::unavailable(match self.leader_address().await {
             Some(addr) => format!("not the leader; the leader is at {addr}"),
             None => "no leader elected yet; retry".to_string(),
         }))
@@ -281,15 +279,7 @@ impl Coordinator for CoordinatorService {
     }
 
     async fn status(&self, _req: Request<v1::StatusRequest>) -> Result<Response<v1::ClusterStatus>, Status> {
-        let leader_addr = self
-            .node
-            .store
-            .leader(keys::ELECTION)
-            .await
-            .ok()
-            .flatten()
-            .map(|v| String::from_utf8_lossy(&v).into_owned())
-            .unwrap_or_default();
+        let leader_addr = self.leader_address().await.unwrap_or_default();
         let status = match self.node.current_leader().await {
             Some(l) => l.status(&leader_addr, self.node.epoch_unix_ns()),
             None => v1::ClusterStatus {

@@ -188,25 +188,10 @@ impl Migrator {
     }
 
     fn failed_before_start(&self, id: MigrationId, request: RequestId, reason: String) -> MigrationReport {
-        let now = self.now();
-        MigrationReport {
-            migration: id,
-            request,
-            created: now,
-            started: None,
-            kv_tokens_start: 0,
-            kv_tokens_final: None,
-            stages: Vec::new(),
-            bytes: 0,
-            pause_requested_at: None,
-            paused_at: None,
-            commit_sent_at: None,
-            finished_at: Some(now),
-            downtime: None,
-            total_time: None,
-            goodput_bytes_per_s: None,
-            outcome: Some(Outcome::Aborted(AbortReason::Cancelled(reason))),
-        }
+        let mut m = SourceMachine::new(id, request, self.cfg.params.clone(), self.now(), 0)
+            .expect("migration parameters are validated at start-up");
+        m.cancel(self.now(), reason);
+        m.report().clone()
     }
 
     async fn drive_source(self: &Arc<Self>, m: &mut SourceMachine, conn: Arc<dyn KvConnection>) -> Outcome {
@@ -220,23 +205,7 @@ impl Migrator {
         };
         let mut ctl = FrameWriter::new(ctl_w);
         // Control frames from the target, read by their own task so a slow copy never stalls them.
-        let (frames_tx, mut frames) = mpsc::unbounded_channel::<Option<Frame>>();
-        let reader = tokio::spawn(async move {
-            let mut r: Reader = FrameReader::new(ctl_r);
-            loop {
-                match r.recv::<Frame>().await {
-                    Ok(Some(f)) => {
-                        if frames_tx.send(Some(f)).is_err() {
-                            return;
-                        }
-                    }
-                    _ => {
-                        let _ = frames_tx.send(None);
-                        return;
-                    }
-                }
-            }
-        });
+        let (reader, mut frames) = spawn_control_reader(FrameReader::new(ctl_r));
         let mut data: Vec<Writer> = Vec::new();
         let mut copy: Option<tokio::task::JoinHandle<(Vec<Writer>, Result<u32, String>)>> = None;
         let outcome = loop {
@@ -442,7 +411,12 @@ impl Migrator {
         };
         match &first.body {
             Some(Body::Prepare(p)) => {
-                let span = tracing::info_span!("migration", request = p.request_id, migration = p.migration_id, role = "target");
+                let span = tracing::info_span!(
+                    "migration",
+                    request = p.request_id,
+                    migration = p.migration_id,
+                    role = "target"
+                );
                 tracing::Instrument::instrument(self.run_target(first, reader, FrameWriter::new(w)), span).await
             }
             Some(Body::BlockData(b)) => {
@@ -476,7 +450,7 @@ impl Migrator {
         }
     }
 
-    async fn run_target(self: &Arc<Self>, prepare: Frame, mut ctl_r: Reader, mut ctl: Writer) {
+    async fn run_target(self: &Arc<Self>, prepare: Frame, ctl_r: Reader, mut ctl: Writer) {
         let mut m = match TargetMachine::accept(self.now(), &self.cfg.params, prepare) {
             Ok(m) => m,
             Err(refusal) => {
@@ -489,22 +463,7 @@ impl Migrator {
         let request = m.request();
         let (data_tx, mut data) = mpsc::unbounded_channel();
         self.routes.lock().expect("routes lock").insert(id.0, data_tx);
-        let (frames_tx, mut frames) = mpsc::unbounded_channel::<Option<Frame>>();
-        let reader = tokio::spawn(async move {
-            loop {
-                match ctl_r.recv::<Frame>().await {
-                    Ok(Some(f)) => {
-                        if frames_tx.send(Some(f)).is_err() {
-                            return;
-                        }
-                    }
-                    _ => {
-                        let _ = frames_tx.send(None);
-                        return;
-                    }
-                }
-            }
-        });
+        let (reader, mut frames) = spawn_control_reader(ctl_r);
         let mut reserved = false;
         let mut attached = false;
         loop {
@@ -582,6 +541,28 @@ impl Migrator {
         reader.abort();
         tracing::info!(%request, migration = %id, outcome = ?m.outcome(), "inbound live migration settled");
     }
+}
+
+/// Read a control stream in its own task (so a slow copy never stalls it): `Some(frame)` per
+/// frame, then one `None` when the stream ends or fails.
+fn spawn_control_reader(mut r: Reader) -> (tokio::task::JoinHandle<()>, mpsc::UnboundedReceiver<Option<Frame>>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let task = tokio::spawn(async move {
+        loop {
+            match r.recv::<Frame>().await {
+                Ok(Some(f)) => {
+                    if tx.send(Some(f)).is_err() {
+                        return;
+                    }
+                }
+                _ => {
+                    let _ = tx.send(None);
+                    return;
+                }
+            }
+        }
+    });
+    (task, rx)
 }
 
 /// A source's report as the coordinator's [`v1::MigrationStats`].
