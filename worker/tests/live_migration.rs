@@ -126,3 +126,66 @@ async fn failed_migrations_abort_and_the_request_finishes_on_the_source() {
         "nothing left reserved on B"
     );
 }
+
+/// Wait until `cond` holds on the worker's load report (polled; fails after 60 s).
+async fn wait_load(
+    c: &mut kvfleet_proto::v1::worker_client::WorkerClient<tonic::transport::Channel>,
+    what: &str,
+    cond: impl Fn(&v1::LoadReport) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let l = c.load(v1::LoadRequest {}).await.expect("load").into_inner();
+        if cond(&l) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}: last load {l:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// kill -9 of either side in the middle of a copy (the source's link is shaped to 0.4 Gbit/s, so
+/// the 150 MiB stage 0 takes ≥ 3 s and the kill, sent once the target holds a reservation, lands
+/// mid-copy): a dead target → the migration aborts and the request finishes on the source with
+/// every token once; a dead source → the target releases its reservation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_killed_mid_copy_aborts_without_losing_the_request() {
+    let pki = TestPki::new("kill");
+    let common = ["--kv-fill", "stamp", "--kv-memory", "512MiB", "--migration-timeout-ms", "4000"];
+    let shaped = ["--link-gbps", "0.4"];
+    let a = WorkerProc::start_tls(&[&common[..], &shaped[..], &["--instance", "0"]].concat(), &pki, "k0");
+    let mut b = WorkerProc::start_tls(&[&common[..], &["--instance", "1"]].concat(), &pki, "k1");
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    let target_kv = cb.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
+    let (prompt, reasoning, answer) = (600, 400, 10);
+    let s = spec(11, a.cluster_now_ns(), prompt, reasoning, answer);
+    assert!(ca.submit(v1::SubmitRequest { spec: Some(s) }).await.unwrap().into_inner().accepted);
+    collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| !indices(c, 11).is_empty()).await;
+    let mut mover = a.client().await;
+    let req = v1::MigrateOutRequest { request_id: 11, target: 1, target_kv_address: target_kv };
+    let migration = tokio::spawn(async move { mover.migrate_out(req).await });
+    wait_load(&mut cb, "the target reserves blocks", |l| l.gpu_used_blocks > 0).await;
+    b.signal("KILL");
+    b.wait_exit(Duration::from_secs(10));
+    let out = migration.await.unwrap().expect("the source answers").into_inner();
+    assert_eq!(out.outcome(), v1::MigrationOutcome::MigrationAborted, "{out:?}");
+    let c = collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&11)).await;
+    assert_eq!(indices(&c, 11), (0..reasoning + answer).collect::<Vec<_>>(), "every token once, on A");
+    assert_eq!(c.finished[&11].finished_on, Some(0));
+
+    // The other way round: the source dies mid-copy; the target frees what it reserved.
+    let c2 = WorkerProc::start_tls(&[&common[..], &["--instance", "2"]].concat(), &pki, "k2");
+    let mut cc = c2.client().await;
+    let target_kv = cc.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
+    let mut a = a;
+    let s = spec(12, a.cluster_now_ns(), prompt, reasoning, answer);
+    assert!(ca.submit(v1::SubmitRequest { spec: Some(s) }).await.unwrap().into_inner().accepted);
+    collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| !indices(c, 12).is_empty()).await;
+    let mut mover = a.client().await;
+    let req = v1::MigrateOutRequest { request_id: 12, target: 2, target_kv_address: target_kv };
+    let _migration = tokio::spawn(async move { mover.migrate_out(req).await });
+    wait_load(&mut cc, "the target reserves blocks", |l| l.gpu_used_blocks > 0).await;
+    a.signal("KILL");
+    a.wait_exit(Duration::from_secs(10));
+    wait_load(&mut cc, "the target releases its reservation", |l| l.gpu_used_blocks == 0).await;
+}
