@@ -136,6 +136,8 @@ pub struct DriverStats {
     pub kv: KvStats,
     pub log: LogStats,
     pub draining: bool,
+    /// Latency histograms of finished requests (Prometheus).
+    pub requests_metrics: crate::metrics::RequestMetrics,
 }
 
 /// What the driver left behind when it stopped.
@@ -190,6 +192,7 @@ pub(crate) struct Driver {
     last_preemptions: u64,
     lateness: LatenessHistogram,
     kv_stats: KvStats,
+    request_metrics: crate::metrics::RequestMetrics,
     tokens: Vec<TokenEmitted>,
     events: Vec<EngineEvent>,
     out: Vec<LogEvent>,
@@ -221,6 +224,7 @@ impl Driver {
             last_preemptions: 0,
             lateness: LatenessHistogram::new(),
             kv_stats: KvStats::default(),
+            request_metrics: crate::metrics::RequestMetrics::default(),
             tokens: Vec::new(),
             events: Vec::new(),
             out: Vec::new(),
@@ -298,6 +302,7 @@ impl Driver {
             kv: self.kv_stats,
             log: self.log.stats(),
             draining: self.draining,
+            requests_metrics: self.request_metrics.clone(),
         }
     }
 
@@ -476,6 +481,7 @@ impl Driver {
                     at_ns: end.0,
                 })),
                 EngineEvent::Finished(record) => {
+                    self.request_metrics.observe(&record);
                     let id = record.id;
                     self.live.remove(&id);
                     self.written.remove(&id);
@@ -532,6 +538,7 @@ impl Driver {
             Err(e @ EngineError::TooLarge { .. }) => {
                 // Final: it can never run here. The leader learns it from the log like a finish.
                 let reason = e.to_string();
+                self.request_metrics.observe(&record);
                 self.rejected.insert(id, reason.clone());
                 self.log.push(LogEvent::Finished(Box::new(proto_record(&record, false))));
                 SubmitOutcome::Rejected(reason)

@@ -24,6 +24,7 @@ pub mod clock;
 pub mod driver;
 pub mod events;
 pub mod lateness;
+pub mod metrics;
 pub mod migrate;
 pub mod options;
 pub mod register;
@@ -87,6 +88,7 @@ pub struct WorkerHandle {
     shutdown: ShutdownTrigger,
     commands: Sender<Command>,
     identity: Option<kvfleet_pki::NodeIdentity>,
+    metrics_addr: Option<SocketAddr>,
     done: Option<tokio::task::JoinHandle<Result<WorkerReport, WorkerError>>>,
 }
 
@@ -107,6 +109,10 @@ impl WorkerHandle {
     /// The cluster identity this worker serves with (`None`: `--plaintext`).
     pub fn identity(&self) -> Option<&kvfleet_pki::NodeIdentity> {
         self.identity.as_ref()
+    }
+    /// Where Prometheus metrics are served (`--metrics-listen`).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
     }
     /// The address the gRPC server is bound to.
     pub fn local_addr(&self) -> SocketAddr {
@@ -229,6 +235,10 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
             None
         }
     };
+    let metrics_addr = match opts.metrics_listen {
+        Some(addr) => Some(serve_metrics(addr, info.model.clone(), commands.clone(), migrator.clone()).await?),
+        None => None,
+    };
     let svc = service::WorkerService::new(info.clone(), commands.clone(), log, shutdown.clone(), migrator.clone());
     let mut server = tonic::transport::Server::builder();
     if let Some(id) = &identity {
@@ -273,7 +283,34 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
         }
         Ok(WorkerReport { driver: report? })
     });
-    Ok(WorkerHandle { info, local_addr, shutdown, commands, identity, done: Some(done) })
+    Ok(WorkerHandle { info, local_addr, metrics_addr, shutdown, commands, identity, done: Some(done) })
+}
+
+/// `GET /metrics` on `addr`: each scrape asks the engine thread for its counters and load.
+async fn serve_metrics(
+    addr: SocketAddr,
+    model: String,
+    commands: std::sync::mpsc::Sender<driver::Command>,
+    migrator: Option<Arc<migrate::Migrator>>,
+) -> Result<SocketAddr, WorkerError> {
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|cause| WorkerError::Bind { addr, cause })?;
+    let bound = listener.local_addr().map_err(|cause| WorkerError::Bind { addr, cause })?;
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (commands, model, migrator) = (commands.clone(), model.clone(), migrator.clone());
+            tokio::spawn(metrics::answer(stream, move || async move {
+                let (stats_tx, stats_rx) = oneshot::channel();
+                let (load_tx, load_rx) = oneshot::channel();
+                commands.send(driver::Command::Stats { reply: stats_tx }).ok()?;
+                commands.send(driver::Command::Load { reply: load_tx }).ok()?;
+                let (stats, load) = (stats_rx.await.ok()?, load_rx.await.ok()?);
+                let mig = migrator.map(|m| m.metrics()).unwrap_or_default();
+                Some(metrics::render(&model, &stats, &load, &mig))
+            }));
+        }
+    });
+    tracing::info!("Prometheus metrics on http://{bound}/metrics");
+    Ok(bound)
 }
 
 /// The QUIC endpoint for live migrations (shaped when `--link-gbps`/`--link-latency-us` ask).

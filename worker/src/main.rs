@@ -93,6 +93,9 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "listening on {}", handle.local_addr()).context("writing the address to stdout")?;
+        if let Some(m) = handle.metrics_addr() {
+            writeln!(out, "metrics on {m}").context("writing the address to stdout")?;
+        }
         out.flush().context("writing the address to stdout")?;
     }
     let trigger = handle.shutdown_trigger();

@@ -62,6 +62,7 @@ pub struct Migrator {
     fenced: tokio::sync::Mutex<HashSet<RequestId>>,
     /// Source: requests paused in doubt (outcome unknown), awaiting the coordinator.
     in_doubt: Mutex<HashSet<RequestId>>,
+    metrics: Mutex<crate::metrics::MigrationMetrics>,
 }
 
 impl std::fmt::Debug for Migrator {
@@ -93,7 +94,13 @@ impl Migrator {
             routes: Mutex::new(HashMap::new()),
             fenced: tokio::sync::Mutex::new(HashSet::new()),
             in_doubt: Mutex::new(HashSet::new()),
+            metrics: Mutex::new(crate::metrics::MigrationMetrics::default()),
         })
+    }
+
+    /// Counters and histograms of the migrations this worker sent.
+    pub fn metrics(&self) -> crate::metrics::MigrationMetrics {
+        self.metrics.lock().expect("metrics lock").clone()
     }
 
     /// The address peers send migrations to.
@@ -180,6 +187,23 @@ impl Migrator {
             }
             Outcome::Unknown(_) => {
                 self.in_doubt.lock().expect("in-doubt lock").insert(request);
+            }
+        }
+        {
+            let mut mm = self.metrics.lock().expect("metrics lock");
+            mm.bytes += report.bytes;
+            match &outcome {
+                Outcome::Committed => {
+                    mm.committed += 1;
+                    if let Some(t) = report.total_time {
+                        mm.total.observe(t.as_secs_f64());
+                    }
+                    if let Some(d) = report.downtime {
+                        mm.downtime.observe(d.as_secs_f64());
+                    }
+                }
+                Outcome::Aborted(_) => mm.aborted += 1,
+                Outcome::Unknown(_) => mm.unknown += 1,
             }
         }
         tracing::info!(%request, migration = %id, %target, outcome = %outcome, bytes = report.bytes, stages = report.stages.len(),

@@ -123,6 +123,10 @@ pub struct WorkerOptions {
     /// Added one-way latency on outgoing migration links, µs (with or without `--link-gbps`).
     #[arg(long, default_value_t = 0.0)]
     pub link_latency_us: f64,
+    /// Serve Prometheus metrics (`GET /metrics`, plain HTTP) on this address (port 0: any free
+    /// port, printed as `metrics on ADDR` on stdout after the `listening on` line).
+    #[arg(long)]
+    pub metrics_listen: Option<SocketAddr>,
     /// The control plane's mutual TLS (cluster certificate), or `--plaintext`.
     #[command(flatten)]
     pub tls: kvfleet_pki::TlsArgs,

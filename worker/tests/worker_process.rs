@@ -246,3 +246,47 @@ async fn sixteen_requests_report_timer_lateness() {
     assert_eq!(field(&line, "kv_errors"), 0.0, "{line}");
     assert!(field(&line, "lateness_p50_us") < 1e6, "{line}");
 }
+
+/// `GET /metrics` on `addr` (plain HTTP/1.1), the body.
+async fn scrape(addr: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect to /metrics");
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).await.unwrap();
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    reply.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
+}
+
+/// The value of the sample `name{...}` (first match) in an exposition.
+fn sample(body: &str, name: &str) -> f64 {
+    body.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no sample {name} in:\n{body}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_metrics_use_vllm_names_and_count_what_happened() {
+    let w = WorkerProc::start(&["--kv-fill", "stamp", "--metrics-listen", "127.0.0.1:0"]);
+    let metrics = w.next_stdout_line().strip_prefix("metrics on ").expect("metrics on ADDR").to_string();
+    let idle = scrape(&metrics).await;
+    assert_eq!(sample(&idle, "vllm:num_requests_running"), 0.0);
+    assert_eq!(sample(&idle, "vllm:request_success_total"), 0.0);
+    let mut client = w.client().await;
+    for id in 1..=3 {
+        let s = spec(id, w.cluster_now_ns(), 32, 20, 10);
+        assert!(client.submit(v1::SubmitRequest { spec: Some(s) }).await.unwrap().into_inner().accepted);
+    }
+    collect_until(&mut client, 0, EVENTS_TIMEOUT, |c| c.finished.len() == 3).await;
+    let body = scrape(&metrics).await;
+    assert_eq!(sample(&body, "vllm:request_success_total"), 3.0);
+    assert_eq!(sample(&body, "vllm:e2e_request_latency_seconds_count"), 3.0);
+    assert_eq!(sample(&body, "vllm:time_per_output_token_seconds_count"), 3.0);
+    assert_eq!(sample(&body, "vllm:generation_tokens_total"), 90.0);
+    assert_eq!(sample(&body, "vllm:num_requests_running"), 0.0);
+    assert_eq!(sample(&body, "kvfleet_kv_errors_total"), 0.0);
+    assert!(sample(&body, "kvfleet_timer_lateness_seconds_count") > 0.0);
+    assert!(body.contains("# TYPE vllm:time_to_first_token_seconds histogram"));
+}

@@ -23,6 +23,8 @@ pub struct WorkerProc {
     stderr: Arc<Mutex<String>>,
     /// The test client's cluster identity when the worker runs with mutual TLS.
     client_tls: Option<kvfleet_pki::NodeIdentity>,
+    /// stdout lines after the first (`metrics on ADDR`, ...).
+    stdout: Mutex<mpsc::Receiver<String>>,
 }
 
 /// A cluster CA in a temp dir with certificates for workers and the test client.
@@ -112,15 +114,24 @@ impl WorkerProc {
                 }
             }
         });
-        let mut proc = WorkerProc { child, addr: String::new(), epoch_unix_ns, stderr, client_tls };
-        let first = rx
-            .recv_timeout(START_TIMEOUT)
-            .unwrap_or_else(|_| panic!("no `listening on` line; stderr:\n{}", proc.stderr()));
+        let first = rx.recv_timeout(START_TIMEOUT);
+        let mut proc =
+            WorkerProc { child, addr: String::new(), epoch_unix_ns, stderr, client_tls, stdout: Mutex::new(rx) };
+        let first = first.unwrap_or_else(|_| panic!("no `listening on` line; stderr:\n{}", proc.stderr()));
         proc.addr = first
             .strip_prefix("listening on ")
             .unwrap_or_else(|| panic!("first stdout line was {first:?}"))
             .to_string();
         proc
+    }
+
+    /// The next stdout line after `listening on`.
+    pub fn next_stdout_line(&self) -> String {
+        self.stdout
+            .lock()
+            .unwrap()
+            .recv_timeout(START_TIMEOUT)
+            .unwrap_or_else(|_| panic!("no more stdout; stderr:\n{}", self.stderr()))
     }
 
     pub fn stderr(&self) -> String {
