@@ -5,9 +5,11 @@
 //! | [`state`] | sans-IO scheduling state: registry, request ownership, the instance-level policy from `kvfleet-core` |
 //! | [`leader`] | the leader's async driver: worker event logs, placement, migration, fenced writes |
 //! | [`node`] | one coordinator process: gRPC service, campaign loop, registry watch |
+//! | [`openai`] | the OpenAI-compatible HTTP API (`--http-listen`): chat/completions, SSE streaming |
 //!
 //! The metadata-store layout is `kvfleet_meta::layout` (shared with workers).
 
 pub mod leader;
 pub mod node;
+pub mod openai;
 pub mod state;

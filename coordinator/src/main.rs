@@ -49,6 +49,11 @@ struct Args {
     /// Seed of the policy's random choices.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Also serve the OpenAI-compatible HTTP API here (port 0: any free port; printed as
+    /// `http on ADDR`). Plain HTTP without authentication: bind it to loopback or put a TLS
+    /// proxy in front. Default: not served.
+    #[arg(long)]
+    http_listen: Option<String>,
 }
 
 #[tokio::main]
@@ -81,6 +86,15 @@ async fn main() -> anyhow::Result<()> {
     let bound = listener.local_addr()?;
     let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
     println!("listening on {bound}");
+    let http_listener = match &args.http_listen {
+        Some(addr) => {
+            let l =
+                tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding --http-listen {addr}"))?;
+            println!("http on {}", l.local_addr()?);
+            Some(l)
+        }
+        None => None,
+    };
     let opts = NodeOptions {
         advertise: advertise.clone(),
         policy: args.policy.clone(),
@@ -95,12 +109,25 @@ async fn main() -> anyhow::Result<()> {
     let node = Node::new(opts, store).await.context("joining the cluster")?;
     tracing::info!(%advertise, policy = %args.policy, "coordinator up; campaigning for leadership");
     tokio::spawn(node.clone().campaign_loop());
-    let shutdown = async {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
         tokio::select! { _ = term.recv() => {}, _ = tokio::signal::ctrl_c() => {} }
         tracing::info!("shutting down");
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
     };
-    serve(node, listener, shutdown).await.context("serving")?;
+    if let Some(l) = http_listener {
+        let (node, stop) = (node.clone(), stopped(stop_rx.clone()));
+        tokio::spawn(async move {
+            if let Err(e) = kvfleet_coordinator::openai::serve_http(node, l, stop).await {
+                tracing::error!("the OpenAI HTTP API stopped: {e}");
+            }
+        });
+    }
+    serve(node, listener, stopped(stop_rx)).await.context("serving")?;
     Ok(())
 }

@@ -1,0 +1,293 @@
+//! The coordinator's OpenAI-compatible HTTP API, end to end: a real coordinator (embedded store,
+//! `--http-listen`) and a real worker; the official `openai` Python client streams and
+//! non-streams against it, and raw HTTP checks the wire format and the error objects.
+
+use kvfleet_tests::{workspace_bin, TempDir};
+use serde_json::Value;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A child process killed (and reaped) on drop, with the addresses it printed.
+struct Proc {
+    child: Child,
+    /// `listening on ADDR`, then `http on ADDR` when asked for.
+    lines: Vec<String>,
+}
+
+impl Proc {
+    fn spawn(bin: &str, args: &[&str], log: &Path, lines: usize) -> Proc {
+        let mut child = Command::new(workspace_bin(bin))
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(log).expect("log file"))
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {bin}: {e}"));
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+        let mut got = Vec::new();
+        for _ in 0..lines {
+            let mut line = String::new();
+            stdout.read_line(&mut line).expect("read stdout");
+            got.push(line.trim().to_string());
+        }
+        let proc = Proc { child, lines: got };
+        if proc.lines.iter().any(String::is_empty) {
+            panic!(
+                "{bin} did not start: printed {:?}; log:\n{}",
+                proc.lines,
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        proc
+    }
+
+    fn addr(&self, prefix: &str) -> String {
+        self.lines
+            .iter()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("no `{prefix}` line in {:?}", self.lines))
+            .to_string()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A coordinator serving HTTP and one worker registered with it.
+struct Cluster {
+    _worker: Proc,
+    _coordinator: Proc,
+    http: String,
+    _tmp: TempDir,
+}
+
+impl Cluster {
+    fn start(tag: &str) -> Cluster {
+        let tmp = TempDir::new(tag);
+        let coordinator = Proc::spawn(
+            "kvfleet-coordinator",
+            &["--plaintext", "--http-listen", "127.0.0.1:0", "--worker-ttl-ms", "60000"],
+            &tmp.join("coordinator.log"),
+            2,
+        );
+        assert!(coordinator.lines[0].starts_with("listening on "), "{:?}", coordinator.lines);
+        let grpc = coordinator.addr("listening on ");
+        let http = coordinator.addr("http on ");
+        let worker = Proc::spawn(
+            "kvfleet-worker",
+            &[
+                "--plaintext",
+                "--instance",
+                "0",
+                "--coordinator",
+                &grpc,
+                "--kv-memory",
+                "64MiB",
+                "--cpu-memory",
+                "64MiB",
+            ],
+            &tmp.join("worker.log"),
+            1,
+        );
+        // The worker registers through the leader: poll /health until the leader sees it.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok((200, body)) = try_http(&http, "GET", "/health", None) {
+                let h: Value = serde_json::from_str(&body).expect("/health is JSON");
+                if h["leader"] == true && h["workers"].as_u64().unwrap_or(0) >= 1 {
+                    break;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the worker did not register within 30 s; coordinator log:\n{}",
+                std::fs::read_to_string(tmp.join("coordinator.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Cluster { _worker: worker, _coordinator: coordinator, http, _tmp: tmp }
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection: (status, body), chunked bodies decoded.
+fn try_http(addr: &str, method: &str, path: &str, body: Option<&[u8]>) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let body = body.unwrap_or_default();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes())?;
+    s.write_all(body)?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    Ok((status, if chunked { dechunk(body) } else { body.to_string() }))
+}
+
+fn http(addr: &str, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    try_http(addr, method, path, body.map(str::as_bytes)).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+/// Decode an HTTP/1.1 chunked body.
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or_else(|_| panic!("bad chunk size {size:?}"));
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].strip_prefix("\r\n").expect("CRLF after a chunk");
+    }
+    out
+}
+
+fn json(body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
+}
+
+/// The `openai` package, or why not.
+fn python_openai() -> Result<(), String> {
+    match Command::new("python3").args(["-c", "import openai"]).output() {
+        Ok(o) if o.status.success() => Ok(()),
+        Ok(o) => Err(String::from_utf8_lossy(&o.stderr).trim().to_string()),
+        Err(e) => Err(format!("python3: {e}")),
+    }
+}
+
+#[test]
+fn the_official_openai_client_streams_emulated_token_counts() {
+    if let Err(why) = python_openai() {
+        println!("SKIPPED: the official `openai` Python package is not importable ({why}); `pip install openai`");
+        return;
+    }
+    let cluster = Cluster::start("openai-python");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("openai_client.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .args(["--base-url", &format!("http://{}/v1", cluster.http), "--reasoning", "12", "--answer", "8"])
+        .output()
+        .expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "openai_client.py failed:\n--- stdout\n{stdout}--- stderr\n{stderr}");
+    assert!(stdout.contains("all checks passed"), "{stdout}");
+    println!("{stdout}");
+}
+
+#[test]
+fn openai_raw_http_streams_sse_chunks_and_rejects_bad_input() {
+    let cluster = Cluster::start("openai-raw");
+    let addr = &cluster.http;
+    let (status, body) = http(addr, "GET", "/v1/models", None);
+    assert_eq!(status, 200, "{body}");
+    let model = json(&body)["data"][0]["id"].as_str().expect("a model id").to_string();
+    assert_eq!(model, "r1-distill-qwen-32b");
+
+    // Streaming chat over raw SSE: one chunk per token, reasoning first, then usage and [DONE].
+    let req = format!(
+        r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}],"stream":true,
+            "stream_options":{{"include_usage":true}},"kvfleet_reasoning_tokens":5,"kvfleet_answer_tokens":3}}"#
+    );
+    let (status, body) = http(addr, "POST", "/v1/chat/completions", Some(&req));
+    assert_eq!(status, 200, "{body}");
+    let events: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{body}");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| json(e)).collect();
+    let field = |c: &Value, f: &str| c["choices"][0]["delta"].get(f).is_some();
+    let kinds: String = chunks
+        .iter()
+        .filter(|c| field(c, "reasoning_content") || field(c, "content"))
+        .map(|c| if field(c, "reasoning_content") { 'r' } else { 'a' })
+        .collect();
+    assert_eq!(kinds, "rrrrraaa", "token chunks in order: {body}");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let finish = &chunks[chunks.len() - 2];
+    assert_eq!(finish["choices"][0]["finish_reason"], "stop", "{body}");
+    let usage = &chunks[chunks.len() - 1]["usage"];
+    assert_eq!(usage["completion_tokens"], 8, "{body}");
+    assert_eq!(usage["completion_tokens_details"]["reasoning_tokens"], 5, "{body}");
+
+    // Non-streaming completion: answer tokens only in `text`, the emulation's measurements attached.
+    let req =
+        format!(r#"{{"model":"{model}","prompt":"a b c","kvfleet_reasoning_tokens":2,"kvfleet_answer_tokens":4}}"#);
+    let (status, body) = http(addr, "POST", "/v1/completions", Some(&req));
+    assert_eq!(status, 200, "{body}");
+    let v = json(&body);
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"].as_str().map(|t| t.split_whitespace().count()), Some(4), "{body}");
+    assert_eq!(v["usage"]["prompt_tokens"], 4, "3 words × 1.3, rounded up");
+    assert_eq!(v["usage"]["completion_tokens"], 6);
+    assert!(v["kvfleet"]["ttft_s"].as_f64().is_some_and(|t| t > 0.0), "{body}");
+    assert!(v["kvfleet"]["request_id"].as_u64().is_some_and(|id| id & (1 << 62) != 0), "{body}");
+
+    // Bad input: OpenAI-style error objects naming the field, with the right status.
+    let chat = |extra: &str| format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
+    let cases: Vec<(&str, String, u16, Option<&str>)> = vec![
+        ("/v1/chat/completions", "{\"model\": ".to_string(), 400, None),
+        ("/v1/chat/completions", format!(r#"{{"model":"{model}"}}"#), 400, Some("messages")),
+        ("/v1/completions", format!(r#"{{"model":"{model}","prompt":"x","max_tokens":-1}}"#), 400, Some("max_tokens")),
+        ("/v1/chat/completions", chat(r#","kvfleet_answer_tokens":0"#), 400, Some("kvfleet_answer_tokens")),
+        (
+            "/v1/chat/completions",
+            chat(r#","kvfleet_reasoning_tokens":99999999999"#),
+            400,
+            Some("kvfleet_reasoning_tokens"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model":"gpt-4o","messages":[{"role":"user","content":"x"}]}"#.into(),
+            404,
+            Some("model"),
+        ),
+        ("/v1/nope", "{}".into(), 404, None),
+    ];
+    for (path, body, want, param) in cases {
+        let (status, reply) = http(addr, "POST", path, Some(&body));
+        assert_eq!(status, want, "{path} {body}: {reply}");
+        let e = json(&reply);
+        assert!(e["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{reply}");
+        assert!(e["error"]["type"].is_string(), "{reply}");
+        assert_eq!(e["error"]["param"].as_str(), param, "{path} {body}: {reply}");
+    }
+    let (status, reply) = oversized(addr, 5 << 20);
+    assert_eq!(status, 413, "{reply}");
+    assert_eq!(json(&reply)["error"]["code"], "request_too_large", "{reply}");
+    let (status, body) = http(addr, "GET", "/health", None);
+    assert_eq!((status, json(&body)["leader"].clone()), (200, Value::Bool(true)), "{body}");
+}
+
+/// POST a body of `len` bytes from a second thread while reading the reply (the server answers
+/// 413 before it has read everything).
+fn oversized(addr: &str, len: usize) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n"
+    );
+    let mut w = s.try_clone().expect("clone the socket");
+    let writer = std::thread::spawn(move || {
+        let _ = w.write_all(head.as_bytes());
+        // The server may stop reading once it has refused the body: write errors are expected.
+        let _ = w.write_all(&vec![b' '; len]);
+    });
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let _ = writer.join();
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, body.to_string())
+}
