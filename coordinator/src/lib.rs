@@ -10,6 +10,7 @@
 //! The metadata-store layout is `kvfleet_meta::layout` (shared with workers).
 
 pub mod leader;
+pub mod metrics;
 pub mod node;
 pub mod openai;
 pub mod state;

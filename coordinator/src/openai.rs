@@ -136,6 +136,7 @@ pub fn router(node: Arc<Node>) -> Router {
     let api = Arc::new(Api { node, ids: RequestIds::random() });
     Router::new()
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
@@ -173,6 +174,14 @@ async fn leader_or_unavailable(node: &Node) -> Result<Arc<Leader>, ApiError> {
         }
         None => "no leader elected yet; retry".to_string(),
     }))
+}
+
+/// Prometheus metrics of this coordinator (`crate::metrics`).
+async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
+    (
+        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        crate::metrics::render(&api.node).await,
+    )
 }
 
 async fn health(State(api): State<Arc<Api>>) -> Json<Value> {

@@ -267,6 +267,21 @@ fn openai_raw_http_streams_sse_chunks_and_rejects_bad_input() {
     assert_eq!(json(&reply)["error"]["code"], "request_too_large", "{reply}");
     let (status, body) = http(addr, "GET", "/health", None);
     assert_eq!((status, json(&body)["leader"].clone()), (200, Value::Bool(true)), "{body}");
+
+    // Prometheus metrics on the same port: the leader, its worker, the two finished requests.
+    let (status, body) = http(addr, "GET", "/metrics", None);
+    assert_eq!(status, 200, "{body}");
+    let sample = |name: &str| -> f64 {
+        body.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in:\n{body}"))
+    };
+    assert_eq!(sample("kvfleet_leader"), 1.0);
+    assert_eq!(sample("kvfleet_workers_alive"), 1.0);
+    assert_eq!(sample("kvfleet_requests_finished_total"), 2.0, "the streamed chat and the completion");
+    assert_eq!(sample("kvfleet_requests_in_flight"), 0.0);
+    assert!(body.contains("# TYPE kvfleet_migration_downtime_seconds histogram"), "{body}");
 }
 
 /// POST a body of `len` bytes from a second thread while reading the reply (the server answers

@@ -11,64 +11,13 @@
 //! emulated (cluster-clock) ones.
 
 use crate::driver::DriverStats;
+use kvfleet_core::metrics::prom::{gauge, Histogram};
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::LoadReport;
 use std::fmt::Write as _;
 
-/// Latency buckets (seconds), vLLM's TTFT buckets extended for reasoning-length waits.
-const LATENCY_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-    160.0, 320.0,
-];
 /// Per-token buckets (seconds), as vLLM's TPOT histogram.
 const TPOT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5];
-
-/// A cumulative Prometheus histogram.
-#[derive(Clone, Debug)]
-pub struct Histogram {
-    bounds: &'static [f64],
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
-}
-
-impl Histogram {
-    pub fn new(bounds: &'static [f64]) -> Histogram {
-        Histogram { bounds, counts: vec![0; bounds.len()], sum: 0.0, count: 0 }
-    }
-
-    pub fn latency() -> Histogram {
-        Histogram::new(LATENCY_BUCKETS)
-    }
-
-    pub fn observe(&mut self, v: f64) {
-        if !v.is_finite() {
-            return;
-        }
-        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
-            self.counts[i] += 1;
-        }
-        self.sum += v;
-        self.count += 1;
-    }
-
-    pub fn count(&self) -> u64 {
-        self.count
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let sep = if labels.is_empty() { "" } else { "," };
-        let mut cumulative = 0;
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            cumulative += c;
-            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {cumulative}");
-        }
-        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}", self.count);
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", self.sum);
-        let _ = writeln!(out, "{name}_count{{{labels}}} {}", self.count);
-    }
-}
 
 /// Per-request latency histograms, fed with every finished record.
 #[derive(Clone, Debug)]
@@ -143,10 +92,6 @@ impl Default for MigrationMetrics {
             downtime: Histogram::latency(),
         }
     }
-}
-
-fn gauge(out: &mut String, name: &str, help: &str, kind: &str, labels: &str, v: f64) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{labels}}} {v}");
 }
 
 /// The whole exposition.
@@ -333,7 +278,7 @@ mod tests {
         assert!(out.contains("t_bucket{model_name=\"x\",le=\"+Inf\"} 1\n"), "{out}");
         assert!(out.contains("t_count{model_name=\"x\"} 1\n"));
         assert_eq!(m.tpot.count(), 1, "(3.0 - 2.0) / 10 answer tokens after the first");
-        assert!((m.tpot.sum - 0.1).abs() < 1e-9);
+        assert!((m.tpot.sum() - 0.1).abs() < 1e-9);
     }
 
     #[tokio::test]

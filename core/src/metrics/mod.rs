@@ -12,6 +12,7 @@
 
 pub mod migration;
 pub mod percentile;
+pub mod prom;
 pub mod record;
 pub mod summary;
 pub mod tail;
