@@ -13,6 +13,7 @@ mod bench_migration;
 mod certs;
 mod plots;
 mod report;
+mod status;
 mod up;
 
 use anyhow::Context;
@@ -43,6 +44,8 @@ enum Command {
     /// Benchmarks that print figures (not tests).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// One screen on a running cluster: leader, instances and their load, requests, migrations.
+    Status(status::StatusArgs),
     /// The cluster PKI (mutual TLS) for processes started by hand: a CA and per-process certificates.
     #[command(subcommand)]
     Certs(certs::CertsCommand),
@@ -112,6 +115,7 @@ fn main() -> ExitCode {
         Command::Bench(b) => bench::run(b),
         Command::Up(args) => up::run(args),
         Command::Certs(c) => certs::run(c),
+        Command::Status(a) => status::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -65,6 +65,7 @@ struct Cluster {
     _worker: Proc,
     _coordinator: Proc,
     http: String,
+    grpc: String,
     _tmp: TempDir,
 }
 
@@ -112,7 +113,7 @@ impl Cluster {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        Cluster { _worker: worker, _coordinator: coordinator, http, _tmp: tmp }
+        Cluster { _worker: worker, _coordinator: coordinator, http, grpc, _tmp: tmp }
     }
 }
 
@@ -282,6 +283,15 @@ fn openai_raw_http_streams_sse_chunks_and_rejects_bad_input() {
     assert_eq!(sample("kvfleet_requests_finished_total"), 2.0, "the streamed chat and the completion");
     assert_eq!(sample("kvfleet_requests_in_flight"), 0.0);
     assert!(body.contains("# TYPE kvfleet_migration_downtime_seconds histogram"), "{body}");
+
+    // `kvfleet status`: one screen naming the leader and the registered instance.
+    let out = kvfleet_tests::run_kvfleet(["status", "--coordinator", &cluster.grpc, "--plaintext"]);
+    assert!(out.status.success(), "{}", kvfleet_tests::describe(&out));
+    let screen = String::from_utf8_lossy(&out.stdout);
+    assert!(screen.contains(&format!("leader {}", cluster.grpc)), "{screen}");
+    assert!(screen.contains("requests: 0 in flight, 2 finished"), "{screen}");
+    let row = screen.lines().find(|l| l.trim_start().starts_with("0 ")).unwrap_or_else(|| panic!("{screen}"));
+    assert!(row.contains("yes") && row.contains("ok"), "{row}");
 }
 
 /// POST a body of `len` bytes from a second thread while reading the reply (the server answers
