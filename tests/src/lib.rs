@@ -37,6 +37,61 @@ pub fn workspace_bin(name: &str) -> PathBuf {
     bin
 }
 
+/// A workspace binary running as a child process, killed and reaped on drop (also when a test
+/// panics). Its first stdout lines (`listening on ADDR`, `http on ADDR`, ...) are read at start;
+/// stderr goes to a log file named in failures.
+pub struct Child {
+    child: std::process::Child,
+    /// The first stdout lines, trimmed.
+    pub lines: Vec<String>,
+}
+
+impl Child {
+    /// Start `bin args…` (a [`workspace_bin`]) and read `lines` stdout lines.
+    pub fn spawn<S: AsRef<std::ffi::OsStr>>(bin: &str, args: &[S], log: &Path, lines: usize) -> Child {
+        use std::io::{BufRead, BufReader};
+        let mut child = Command::new(workspace_bin(bin))
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(log).expect("log file"))
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {bin}: {e}"));
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+        let mut got = Vec::new();
+        for _ in 0..lines {
+            let mut line = String::new();
+            let _ = stdout.read_line(&mut line);
+            got.push(line.trim().to_string());
+        }
+        let proc = Child { child, lines: got };
+        if proc.lines.iter().any(String::is_empty) {
+            panic!(
+                "{bin} did not start: printed {:?}; log:\n{}",
+                proc.lines,
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        proc
+    }
+
+    /// The address of the first stdout line starting with `prefix` (e.g. `"listening on "`).
+    pub fn addr(&self, prefix: &str) -> String {
+        self.lines
+            .iter()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("no `{prefix}` line in {:?}", self.lines))
+            .to_string()
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// `tests/fixtures/<name>`: a config checked in for these tests.
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)

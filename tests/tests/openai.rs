@@ -2,63 +2,16 @@
 //! `--http-listen`) and a real worker; the official `openai` Python client streams and
 //! non-streams against it, and raw HTTP checks the wire format and the error objects.
 
-use kvfleet_tests::{workspace_bin, TempDir};
+use kvfleet_tests::TempDir;
 use serde_json::Value;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// A child process killed (and reaped) on drop, with the addresses it printed.
-struct Proc {
-    child: Child,
-    /// `listening on ADDR`, then `http on ADDR` when asked for.
-    lines: Vec<String>,
-}
-
-impl Proc {
-    fn spawn(bin: &str, args: &[&str], log: &Path, lines: usize) -> Proc {
-        let mut child = Command::new(workspace_bin(bin))
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(log).expect("log file"))
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {bin}: {e}"));
-        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
-        let mut got = Vec::new();
-        for _ in 0..lines {
-            let mut line = String::new();
-            stdout.read_line(&mut line).expect("read stdout");
-            got.push(line.trim().to_string());
-        }
-        let proc = Proc { child, lines: got };
-        if proc.lines.iter().any(String::is_empty) {
-            panic!(
-                "{bin} did not start: printed {:?}; log:\n{}",
-                proc.lines,
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
-        }
-        proc
-    }
-
-    fn addr(&self, prefix: &str) -> String {
-        self.lines
-            .iter()
-            .find_map(|l| l.strip_prefix(prefix))
-            .unwrap_or_else(|| panic!("no `{prefix}` line in {:?}", self.lines))
-            .to_string()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+type Proc = kvfleet_tests::Child;
 
 /// A coordinator serving HTTP and one worker registered with it.
 struct Cluster {

@@ -7,46 +7,11 @@ use kvfleet_pki::{ClusterCa, IdentityFiles, NodeIdentity, Role, TlsArgs};
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::coordinator_client::CoordinatorClient;
 use kvfleet_proto::v1::worker_client::WorkerClient;
-use kvfleet_tests::{workspace_bin, TempDir};
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use kvfleet_tests::TempDir;
 use std::time::Duration;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
-/// A child process killed (and reaped) on drop.
-struct Proc {
-    child: Child,
-    addr: String,
-}
-
-impl Proc {
-    fn spawn(bin: &str, args: &[String], log: &std::path::Path) -> Proc {
-        let mut child = Command::new(workspace_bin(bin))
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(log).expect("log file"))
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {bin}: {e}"));
-        let mut first = String::new();
-        BufReader::new(child.stdout.take().expect("piped stdout")).read_line(&mut first).expect("read stdout");
-        let addr = first.trim().strip_prefix("listening on ").map(str::to_string).unwrap_or_else(|| {
-            let _ = child.kill();
-            panic!(
-                "{bin} did not start: first line {first:?}; log:\n{}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            )
-        });
-        Proc { child, addr }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+type Proc = kvfleet_tests::Child;
 
 fn identity_args(dir: &std::path::Path, stem: &str) -> Vec<String> {
     TlsArgs::files(&IdentityFiles::in_dir(dir, stem)).to_args()
@@ -98,7 +63,9 @@ fn only_cluster_members_register_submit_or_read() {
         "kvfleet-coordinator",
         &[&["--worker-ttl-ms".to_string(), "60000".into()][..], &identity_args(&pki, "coordinator")].concat(),
         &tmp.join("coordinator.log"),
+        1,
     );
+    let coordinator_addr = coordinator.addr("listening on ");
     let worker_args = [
         &[
             "--instance".to_string(),
@@ -108,17 +75,18 @@ fn only_cluster_members_register_submit_or_read() {
             "--cpu-memory".into(),
             "64MiB".into(),
             "--coordinator".into(),
-            coordinator.addr.clone(),
+            coordinator_addr.clone(),
         ][..],
         &identity_args(&pki, "worker"),
     ]
     .concat();
-    let worker = Proc::spawn("kvfleet-worker", &worker_args, &tmp.join("worker.log"));
+    let worker = Proc::spawn("kvfleet-worker", &worker_args, &tmp.join("worker.log"), 1);
+    let worker_addr = worker.addr("listening on ");
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(async {
         // Members: the worker registered over mutual TLS, and a member client is served.
-        let mut c = CoordinatorClient::new(member_channel(&coordinator.addr, &member));
+        let mut c = CoordinatorClient::new(member_channel(&coordinator_addr, &member));
         let status = tokio::time::timeout(Duration::from_secs(30), async {
             loop {
                 if let Ok(s) = c.status(v1::StatusRequest {}).await {
@@ -145,7 +113,7 @@ fn only_cluster_members_register_submit_or_read() {
 
         // Outsiders, at the coordinator: register, submit, resume (read results), status.
         let intruder_worker = v1::WorkerInfo { instance: 7, advertise: "127.0.0.1:1".into(), ..status_info(&status) };
-        for (how, ch) in outsider_channels(&coordinator.addr, &ca, &outsider) {
+        for (how, ch) in outsider_channels(&coordinator_addr, &ca, &outsider) {
             let mut c = CoordinatorClient::new(ch);
             let e = c.register(intruder_worker.clone()).await.expect_err(how);
             assert_refused(how, "register", &e);
@@ -157,7 +125,7 @@ fn only_cluster_members_register_submit_or_read() {
             assert_refused(how, "status", &e);
         }
         // Outsiders, directly at the worker: submit work, read its event log (results).
-        for (how, ch) in outsider_channels(&worker.addr, &ca, &outsider) {
+        for (how, ch) in outsider_channels(&worker_addr, &ca, &outsider) {
             let mut w = WorkerClient::new(ch);
             let e = w.submit(v1::SubmitRequest { spec: Some(spec(3)) }).await.expect_err(how);
             assert_refused(how, "worker submit", &e);
