@@ -132,15 +132,11 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
                 tokens,
                 human(stats.bytes),
                 mode,
-                ms(stats.ended_ns.saturating_sub(stats.started_ns)),
+                ms(stats.total_ns()),
                 ms(stats.downtime_ns),
                 stats.stages,
-                stats.bytes as f64 * 8.0 / (stats.ended_ns.saturating_sub(stats.started_ns).max(1) as f64),
-                if stats.abort_reason.is_empty() {
-                    String::new()
-                } else {
-                    format!("  ABORTED: {}", stats.abort_reason)
-                }
+                stats.bytes as f64 * 8.0 / (stats.total_ns().max(1) as f64),
+                if stats.committed() { String::new() } else { format!("  ABORTED: {}", stats.abort_reason) }
             );
             rows.push(Row { tokens, mode, stats });
         }
@@ -240,7 +236,7 @@ fn table(rows: &[Row]) -> String {
         let p = rows.iter().find(|r| r.tokens == t && r.mode == "pipelined");
         let b = rows.iter().find(|r| r.tokens == t && r.mode == "blocking");
         let Some(p) = p else { continue };
-        let total = ms(p.stats.ended_ns.saturating_sub(p.stats.started_ns));
+        let total = ms(p.stats.total_ns());
         let blocking = b.map(|b| ms(b.stats.downtime_ns));
         let _ = writeln!(
             s,
@@ -261,7 +257,7 @@ fn write_outputs(out: &Path, rows: &[Row], tcp_gbps: f64, quic_gbps: f64) -> any
     let mut csv = String::from("tokens,mode,bytes,stages,total_ms,downtime_ms,goodput_gbps,stage_bytes,abort_reason\n");
     for r in rows {
         let st = &r.stats;
-        let total = st.ended_ns.saturating_sub(st.started_ns);
+        let total = st.total_ns();
         let stage_bytes: Vec<String> = st.stage_bytes.iter().map(u64::to_string).collect();
         let _ = writeln!(
             csv,

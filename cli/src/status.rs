@@ -77,7 +77,7 @@ pub fn render(s: &v1::ClusterStatus) -> String {
             if l.answering_slo_ok { "ok" } else { "LATE" }
         );
     }
-    let ok: Vec<&v1::MigrationStats> = s.migration_log.iter().filter(|m| m.abort_reason.is_empty()).collect();
+    let ok: Vec<&v1::MigrationStats> = s.migration_log.iter().filter(|m| m.committed()).collect();
     if !s.migration_log.is_empty() {
         let down = Distribution::new(ok.iter().map(|m| m.downtime_ns as f64 / 1e6).collect());
         let _ = writeln!(
@@ -97,13 +97,9 @@ pub fn render(s: &v1::ClusterStatus) -> String {
                 m.target,
                 m.kv_tokens,
                 m.stages,
-                m.ended_ns.saturating_sub(m.started_ns) as f64 / 1e6,
+                m.total_ns() as f64 / 1e6,
                 m.downtime_ns as f64 / 1e6,
-                if m.abort_reason.is_empty() {
-                    "committed".to_string()
-                } else {
-                    format!("aborted: {}", m.abort_reason)
-                }
+                if m.committed() { "committed".to_string() } else { format!("aborted: {}", m.abort_reason) }
             );
         }
     }

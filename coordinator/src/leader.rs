@@ -176,13 +176,9 @@ impl Leader {
         let id = InstanceId(rec.instance);
         self.state().join(id, rec.address.clone(), &rec.model, rec.kv_bytes_per_token).map_err(|e| e.to_string())?;
         let mut links = self.links.lock().expect("links lock");
-        if let Some(l) = links.get(&id) {
-            if !l.pump.is_finished() {
-                if let Some(l) = links.get_mut(&id) {
-                    l.kv_address.clone_from(&rec.kv_address);
-                }
-                return Ok(());
-            }
+        if let Some(l) = links.get_mut(&id).filter(|l| !l.pump.is_finished()) {
+            l.kv_address.clone_from(&rec.kv_address);
+            return Ok(());
         }
         let channel = (self.connector)(&rec.address)?;
         let client = WorkerClient::new(channel).max_decoding_message_size(64 << 20);

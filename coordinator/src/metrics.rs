@@ -51,8 +51,8 @@ pub async fn render(node: &Arc<Node>) -> String {
     );
     let (mut total, mut downtime) = (Histogram::latency(), Histogram::latency());
     let mut bytes = 0u64;
-    for m in status.migration_log.iter().filter(|m| m.abort_reason.is_empty()) {
-        total.observe(m.ended_ns.saturating_sub(m.started_ns) as f64 / 1e9);
+    for m in status.migration_log.iter().filter(|m| m.committed()) {
+        total.observe(m.total_ns() as f64 / 1e9);
         downtime.observe(m.downtime_ns as f64 / 1e9);
         bytes += m.bytes;
     }

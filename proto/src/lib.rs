@@ -79,6 +79,18 @@ pub fn require_spec(spec: Option<&v1::RequestSpec>) -> Result<RequestSpec, Inval
     RequestSpec::try_from(spec.ok_or_else(|| missing("spec"))?)
 }
 
+impl v1::MigrationStats {
+    /// The migration committed (the request runs on the target): no abort reason.
+    pub fn committed(&self) -> bool {
+        self.abort_reason.is_empty()
+    }
+
+    /// Start to settle, in nanoseconds.
+    pub fn total_ns(&self) -> u64 {
+        self.ended_ns.saturating_sub(self.started_ns)
+    }
+}
+
 impl From<&LoadReport> for v1::LoadReport {
     fn from(l: &LoadReport) -> Self {
         v1::LoadReport {

@@ -133,7 +133,7 @@ impl Driver {
         if !self.engine.contains(request) {
             return Err(DriverError::Unknown(request));
         }
-        let paused = self.engine.migration_state(request).is_ok();
+        let paused = self.engine.is_migrating_out(request);
         let table = self.engine.kv().table(request).ok_or_else(|| DriverError::Kv {
             request,
             message: "holds no KV (preempted and dropped; it recomputes later)".into(),

@@ -9,12 +9,8 @@ use kvfleet_proto::v1::MigrationStats;
 use std::fmt::Write as _;
 use std::path::Path;
 
-fn committed(m: &MigrationStats) -> bool {
-    m.abort_reason.is_empty()
-}
-
 fn total_s(m: &MigrationStats) -> f64 {
-    m.ended_ns.saturating_sub(m.started_ns) as f64 / 1e9
+    m.total_ns() as f64 / 1e9
 }
 
 /// The standard per-migration records (start → end of the whole migration; aborted when it did
@@ -28,7 +24,7 @@ pub fn records(log: &[MigrationStats]) -> Vec<MigrationRecord> {
             bytes: m.bytes,
             start: SimTime(m.started_ns),
             end: SimTime(m.ended_ns.max(m.started_ns)),
-            aborted: !committed(m),
+            aborted: !m.committed(),
         })
         .collect()
 }
@@ -39,7 +35,7 @@ fn ms(v: Option<f64>) -> String {
 
 /// One-screen summary: counts, P50/P99 total time and downtime, stages, bytes, goodput.
 pub fn table(log: &[MigrationStats]) -> String {
-    let ok: Vec<&MigrationStats> = log.iter().filter(|m| committed(m)).collect();
+    let ok: Vec<&MigrationStats> = log.iter().filter(|m| m.committed()).collect();
     let total = Distribution::new(ok.iter().map(|m| total_s(m)).collect());
     let down = Distribution::new(ok.iter().map(|m| m.downtime_ns as f64 / 1e9).collect());
     let bytes: u64 = ok.iter().map(|m| m.bytes).sum();
@@ -66,7 +62,7 @@ pub fn table(log: &[MigrationStats]) -> String {
         bytes as f64 / (1u64 << 30) as f64,
         if secs > 0.0 { bytes as f64 * 8.0 / secs / 1e9 } else { 0.0 }
     );
-    for m in log.iter().filter(|m| !committed(m)).take(5) {
+    for m in log.iter().filter(|m| !m.committed()).take(5) {
         let _ = writeln!(out, "  aborted: request {} {}→{}: {}", m.request_id, m.source, m.target, m.abort_reason);
     }
     out
@@ -86,7 +82,7 @@ pub fn write_csv(path: &Path, log: &[MigrationStats]) -> std::io::Result<()> {
             m.request_id,
             m.source,
             m.target,
-            if committed(m) { "committed" } else { "aborted" },
+            if m.committed() { "committed" } else { "aborted" },
             m.kv_tokens,
             m.stages,
             m.blocks,

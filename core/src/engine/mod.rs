@@ -713,6 +713,11 @@ impl Engine {
         })
     }
 
+    /// Whether the request is frozen by [`Engine::begin_migration_out`].
+    pub fn is_migrating_out(&self, request: RequestId) -> bool {
+        self.index.get(&request).is_some_and(|&slot| self.req(slot).residence == Residence::MigratingOut)
+    }
+
     /// The state a request frozen by [`Engine::begin_migration_out`] would hand over, without
     /// releasing it (a live migration sends it with COMMIT and frees the source only once the
     /// target confirms; on abort the request carries on here).
