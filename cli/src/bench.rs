@@ -8,6 +8,9 @@ use kvfleet_sim::config::SimConfig;
 use std::path::PathBuf;
 use std::time::Instant;
 
+#[path = "bench_timing.rs"]
+mod bench_timing;
+
 #[derive(Subcommand)]
 pub enum BenchCommand {
     /// Simulator speed: a large cluster (default 1000 instances) over a long workload (default
@@ -18,8 +21,9 @@ pub enum BenchCommand {
     /// largest count whose worst worker p99 stays under 1 ms.
     Workers(WorkersBench),
     /// Timing-model error: the profile model on measured points held out of its own table
-    /// (leave-one-out), and the analytic roofline on every measured point; MAPE per regime.
-    Timing,
+    /// (leave-one-out), and the analytic roofline on every measured point; MAPE per regime. With
+    /// `--held-out DIR`, also on measured points never in the profile; `--cuda` adds live CUDA timing.
+    Timing(bench_timing::TimingBench),
     /// Live migration: raw TCP vs QUIC goodput between two processes, and real migrations of
     /// 256…16k-token requests between two worker processes (total time, downtime; pipelined vs
     /// blocking stop-and-copy).
@@ -77,12 +81,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Migration(b) => crate::bench_migration::run(b),
         BenchCommand::Sink(a) => crate::bench_migration::run_sink(a),
         BenchCommand::Workers(b) => bench_workers(b),
-        BenchCommand::Timing => {
-            let report = kvfleet_core::timing::HoldoutReport::builtin_h100_qwen32b()
-                .map_err(|e| anyhow::anyhow!("building the held-out report: {e}"))?;
-            crate::say!("{report}");
-            Ok(())
-        }
+        BenchCommand::Timing(b) => bench_timing::run(b),
     }
 }
 

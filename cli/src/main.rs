@@ -5,6 +5,7 @@
 //! - `kvfleet up`: a local multi-process cluster (etcd, coordinators, workers) replaying a workload.
 //! - `kvfleet bench sim`: simulator speed (events/s) and the wall time of a large cluster run.
 //! - `kvfleet bench timing`: timing-model error on measured points held out of the profile.
+//! - `kvfleet traces collect|analyze`: the OTLP trace sink and the trace analyser.
 //!
 //! Exit codes: 0 success, 1 runtime failure, 2 invalid input (bad flag, bad config, missing file).
 
@@ -14,6 +15,7 @@ mod certs;
 mod plots;
 mod report;
 mod status;
+mod traces;
 mod up;
 
 use anyhow::Context;
@@ -49,6 +51,9 @@ enum Command {
     /// The cluster PKI (mutual TLS) for processes started by hand: a CA and per-process certificates.
     #[command(subcommand)]
     Certs(certs::CertsCommand),
+    /// The trace sink (OTLP/gRPC → OTLP JSON lines) and the trace analyser (docs/tracing.md).
+    #[command(subcommand)]
+    Traces(traces::TracesCommand),
 }
 
 #[derive(Args)]
@@ -116,6 +121,7 @@ fn main() -> ExitCode {
         Command::Up(args) => up::run(args),
         Command::Certs(c) => certs::run(c),
         Command::Status(a) => status::run(a),
+        Command::Traces(t) => traces::run(t),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -9,6 +9,7 @@
 //! - a refused fenced write means another coordinator leads: this one stops at once (`deposed`).
 
 use crate::state::{ClusterState, OwnedPhase, Ownership};
+use crate::trace::{PlacementNote, RequestTraces};
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::{LoadReport, PhaseDecision};
 use kvfleet_core::{InstanceId, RequestId, RequestSpec};
@@ -58,6 +59,9 @@ pub struct Leader {
     connector: Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync>,
     /// Settled live migrations, as the sources measured them.
     migration_log: Mutex<Vec<v1::MigrationStats>>,
+    /// Open `request` spans; their contexts travel with `Submit` and `MigrateOut`.
+    traces: RequestTraces,
+    epoch_unix_ns: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -103,8 +107,10 @@ impl Leader {
         fence: LeaderKey,
         state: ClusterState,
         connector: Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync>,
+        epoch_unix_ns: u64,
     ) -> Arc<Leader> {
         let (deposed_tx, deposed) = watch::channel(false);
+        let traces = RequestTraces::new(epoch_unix_ns, state.policy_name());
         Arc::new(Leader {
             store,
             fence,
@@ -116,7 +122,15 @@ impl Leader {
             deposed,
             connector,
             migration_log: Mutex::new(Vec::new()),
+            traces,
+            epoch_unix_ns,
         })
+    }
+
+    /// Now on the cluster clock (for span times of decisions made here).
+    fn cluster_now(&self) -> kvfleet_core::SimTime {
+        let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        kvfleet_core::SimTime((unix as u64).saturating_sub(self.epoch_unix_ns))
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, ClusterState> {
@@ -167,6 +181,9 @@ impl Leader {
             restored.push(o);
         }
         let n = restored.iter().filter(|o| o.phase != OwnedPhase::Finished).count();
+        for o in restored.iter().filter(|o| o.phase != OwnedPhase::Finished) {
+            self.traces.open(&o.spec, true);
+        }
         self.state().restore(restored);
         Ok(n)
     }
@@ -219,11 +236,18 @@ impl Leader {
 
     /// Accept a client's request: place, persist, then hand it to the worker.
     pub async fn submit(self: &Arc<Self>, spec: RequestSpec, tx: ClientTx) -> Result<InstanceId, LeaderError> {
-        let to = self.state().place(&spec)?;
+        let (to, note) = {
+            let mut state = self.state();
+            let loads = state.loads();
+            let to = state.place(&spec)?;
+            (to, PlacementNote::new(state.policy_name(), &loads, to))
+        };
         if let Err(e) = self.persist_ownership(spec.id).await {
             self.state().on_finished(spec.id);
             return Err(e);
         }
+        self.traces.open(&spec, false);
+        self.traces.placement(spec.id, self.cluster_now(), &note);
         self.stats.accepted.fetch_add(1, Ordering::Relaxed);
         self.subscribers.lock().expect("subscribers lock").insert(spec.id, tx.clone());
         let _ = tx.send(Ok(v1::ClientEvent { event: Some(v1::client_event::Event::AcceptedOn(to.0)) })).await;
@@ -257,7 +281,7 @@ impl Leader {
         let msg = v1::SubmitRequest { spec: Some(spec.into()) };
         for attempt in 0..3u32 {
             let Some(mut client) = self.client(to) else { break };
-            match client.submit(msg.clone()).await {
+            match client.submit(kvfleet_telemetry::request_with(&self.traces.context(spec.id), msg.clone())).await {
                 Ok(reply) => {
                     let reply = reply.into_inner();
                     if !reply.accepted {
@@ -293,6 +317,7 @@ impl Leader {
         if first {
             self.stats.finished.fetch_add(1, Ordering::Relaxed);
         }
+        self.traces.close(&rec);
         let tx = self.subscribers.lock().expect("subscribers lock").remove(&rec.id);
         if let Some(tx) = tx {
             let _ = tx.send(Ok(finished_event(&rec))).await;
@@ -380,7 +405,7 @@ impl Leader {
         let from = InstanceId(b.instance);
         let decision = self.state().on_boundary(id, from, b.kv_blocks);
         if let PhaseDecision::Migrate { to } = decision {
-            tokio::spawn(self.clone().migrate(id, from, to));
+            tokio::spawn(self.clone().migrate_with_retargets(id, from, to, b.kv_blocks));
         }
     }
 
@@ -390,27 +415,40 @@ impl Leader {
         self.links.lock().expect("links lock").get(&instance).map(|l| l.kv_address.clone()).unwrap_or_default()
     }
 
-    async fn migrate(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId) {
+    /// [`Leader::migrate`], and when the target declines (no room: nothing was copied, the request
+    /// never paused) the policy's next choice without it, up to [`MAX_RETARGETS`] times.
+    async fn migrate_with_retargets(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId, kv_blocks: u32) {
+        let mut declined = vec![to];
+        let mut to = to;
+        while self.clone().migrate(id, from, to).await == Moved::Refused && declined.len() <= MAX_RETARGETS {
+            let next = self.state().retarget(id, from, kv_blocks, &declined);
+            let Some(next) = next else { return };
+            tracing::info!(request = id.0, from = from.0, declined = to.0, to = next.0, "target full; trying another");
+            declined.push(next);
+            to = next;
+        }
+    }
+
+    async fn migrate(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId) -> Moved {
         let (Some(mut src), Some(mut dst)) = (self.client(from), self.client(to)) else {
             self.state().migration_done(id, None);
-            return;
+            return Moved::No;
         };
         let target_kv_address = self.kv_address(to);
         let live = !target_kv_address.is_empty();
         let req = v1::MigrateOutRequest { request_id: id.0, target: to.0, target_kv_address, ..Default::default() };
-        let out = match src.migrate_out(req).await {
+        let out = match src.migrate_out(kvfleet_telemetry::request_with(&self.traces.context(id), req)).await {
             Ok(r) => r.into_inner(),
             Err(e) => {
                 // Nothing moved (finished meanwhile, or an iteration boundary refused it).
                 tracing::debug!(request = id.0, "migrate-out refused: {e}");
                 self.stats.migration_failures.fetch_add(1, Ordering::Relaxed);
                 self.state().migration_done(id, None);
-                return;
+                return Moved::No;
             }
         };
         if live {
-            self.settle_live(id, from, to, out, &mut src, &mut dst).await;
-            return;
+            return self.settle_live(id, from, to, out, &mut src, &mut dst).await;
         }
         let attach = v1::AttachRequest { state: out.state.clone(), kv_rematerialized: true };
         match dst.attach(attach.clone()).await {
@@ -418,6 +456,7 @@ impl Leader {
                 self.state().migration_done(id, Some(to));
                 self.stats.migrations.fetch_add(1, Ordering::Relaxed);
                 let _ = self.persist_ownership(id).await;
+                Moved::Yes
             }
             Err(e) => {
                 tracing::warn!(
@@ -432,6 +471,7 @@ impl Leader {
                     // Source gone too: start it over elsewhere rather than lose it.
                     let _ = self.replace(id).await;
                 }
+                Moved::No
             }
         }
     }
@@ -447,7 +487,7 @@ impl Leader {
         out: v1::MigrateOutReply,
         src: &mut WorkerClient<Channel>,
         dst: &mut WorkerClient<Channel>,
-    ) {
+    ) -> Moved {
         let mut outcome = out.outcome();
         if outcome == v1::MigrationOutcome::MigrationUnknown {
             let held =
@@ -471,6 +511,7 @@ impl Leader {
             outcome =
                 if held { v1::MigrationOutcome::MigrationCommitted } else { v1::MigrationOutcome::MigrationAborted };
         }
+        let refused = out.stats.as_ref().is_some_and(v1::MigrationStats::refused);
         if let Some(stats) = out.stats {
             self.migration_log.lock().expect("migration log lock").push(stats);
         }
@@ -478,9 +519,15 @@ impl Leader {
             self.state().migration_done(id, Some(to));
             self.stats.migrations.fetch_add(1, Ordering::Relaxed);
             let _ = self.persist_ownership(id).await;
+            Moved::Yes
         } else {
             self.stats.migration_failures.fetch_add(1, Ordering::Relaxed);
             self.state().migration_done(id, None);
+            if refused {
+                Moved::Refused
+            } else {
+                Moved::No
+            }
         }
     }
 
@@ -518,7 +565,20 @@ impl Leader {
             .map(|o| (o.instance, o.spec.clone()))
             .collect();
         for (to, spec) in todo {
-            self.submit_to_worker(to, &spec).await;
+            if self.client(to).is_none() {
+                // Its worker's registration lapsed while no leader was watching (it died during
+                // the failover): no delete event will come, so start it over elsewhere now.
+                tracing::warn!(request = spec.id.0, instance = to.0, "owner not registered; re-placing");
+                self.stats.replaced.fetch_add(1, Ordering::Relaxed);
+                if let Err(e) = self.replace(spec.id).await {
+                    tracing::error!(request = spec.id.0, "re-placing failed: {e}");
+                }
+                continue;
+            }
+            // Concurrently: an owner that died but is not evicted yet (its submits time out) must
+            // hold up neither the others nor the registry watch that will evict it.
+            let leader = self.clone();
+            tokio::spawn(async move { leader.submit_to_worker(to, &spec).await });
         }
     }
 
@@ -530,6 +590,19 @@ impl Leader {
         }
     }
 }
+
+/// Where a migration left the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Moved {
+    Yes,
+    /// It stays on its source.
+    No,
+    /// It stays on its source: the target had no room and nothing was copied.
+    Refused,
+}
+
+/// Other targets tried after a target declined a migration for lack of room.
+const MAX_RETARGETS: usize = 2;
 
 fn finished_event(rec: &RequestRecord) -> v1::ClientEvent {
     v1::ClientEvent { event: Some(v1::client_event::Event::Finished(rec.into())) }

@@ -6,6 +6,7 @@
 //! | [`leader`] | the leader's async driver: worker event logs, placement, migration, fenced writes |
 //! | [`node`] | one coordinator process: gRPC service, campaign loop, registry watch |
 //! | [`openai`] | the OpenAI-compatible HTTP API (`--http-listen`): chat/completions, SSE streaming |
+//! | [`trace`] | request spans: open at acceptance, context sent with Submit/MigrateOut, phases at the end |
 //!
 //! The metadata-store layout is `kvfleet_meta::layout` (shared with workers).
 
@@ -14,3 +15,4 @@ pub mod metrics;
 pub mod node;
 pub mod openai;
 pub mod state;
+pub mod trace;

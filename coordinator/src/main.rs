@@ -28,6 +28,8 @@ struct Args {
     etcd: kvfleet_meta::EtcdArgs,
     #[command(flatten)]
     tls: kvfleet_pki::TlsArgs,
+    #[command(flatten)]
+    telemetry: kvfleet_telemetry::TelemetryArgs,
     /// Instance-level policy: pascal, pascal-nonadaptive, pascal-nomigration, least-kv, round-robin, random.
     #[arg(long, default_value = "pascal")]
     policy: String,
@@ -58,12 +60,19 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
     let args = Args::parse();
+    let service = kvfleet_telemetry::Service {
+        name: "kvfleet-coordinator",
+        instance_id: format!("coordinator-{}", args.advertise.as_deref().unwrap_or(&std::process::id().to_string())),
+        attributes: vec![],
+    };
+    let telemetry = kvfleet_telemetry::init(service, &args.telemetry)?;
+    let result = run(args).await;
+    telemetry.shutdown();
+    result
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     // TLS first: a coordinator without its cluster certificate (and not --plaintext) stops here.
     let tls = args.tls.load().context("the control plane's TLS")?;
     let store: Arc<dyn MetaStore> = if args.etcd.etcd.is_empty() {

@@ -124,7 +124,13 @@ impl Node {
         let policy =
             build_policy(&self.opts.policy, &self.opts.policy_params).map_err(|e| NodeError::Policy(e.to_string()))?;
         let state = ClusterState::new(self.opts.model.clone(), policy, self.opts.seed);
-        let leader = Leader::new(self.store.clone(), fence.clone(), state, worker_connector(self.opts.tls.clone()));
+        let leader = Leader::new(
+            self.store.clone(),
+            fence.clone(),
+            state,
+            worker_connector(self.opts.tls.clone()),
+            self.epoch_unix_ns(),
+        );
         let restored = leader.restore().await.map_err(|e| NodeError::BadCluster(e.to_string()))?;
         // Workers already registered, then every change after that listing.
         let listing = self.store.get_prefix(keys::WORKERS).await?;

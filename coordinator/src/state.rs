@@ -229,9 +229,36 @@ impl ClusterState {
         }
     }
 
+    /// The target declined a move of `id` (no room): ask the policy again with the instances in
+    /// `declined` left out. `Some(to)`: try `to` (charged as on the first decision); `None`: it
+    /// stays where it is.
+    pub fn retarget(
+        &mut self,
+        id: RequestId,
+        instance: InstanceId,
+        kv_blocks: u32,
+        declined: &[InstanceId],
+    ) -> Option<InstanceId> {
+        if !self.requests.contains_key(&id) {
+            return None;
+        }
+        let loads: Vec<LoadReport> = self.loads().into_iter().filter(|l| !declined.contains(&l.instance)).collect();
+        let change = PhaseChange { request: id, current: instance, kv_blocks };
+        match self.policy.on_phase_change(&change, &loads, &mut self.rng) {
+            PhaseDecision::Migrate { to } if to != instance && loads.iter().any(|l| l.instance == to) => {
+                self.requests.get_mut(&id).expect("present").phase = OwnedPhase::Migrating;
+                self.charge_move(instance, to, kv_blocks);
+                Some(to)
+            }
+            _ => None,
+        }
+    }
+
     /// The move finished (`to = Some`) or was abandoned (`None`: it stays on its source).
     pub fn migration_done(&mut self, id: RequestId, to: Option<InstanceId>) {
-        if let Some(o) = self.requests.get_mut(&id) {
+        // A request can finish on its source while its move is still being settled: it stays
+        // finished (else it would count as in flight forever and be re-placed if its worker died).
+        if let Some(o) = self.requests.get_mut(&id).filter(|o| o.phase != OwnedPhase::Finished) {
             o.phase = OwnedPhase::Answering;
             if let Some(to) = to {
                 o.instance = to;
@@ -340,6 +367,48 @@ mod tests {
         assert!(s.on_finished(RequestId(7)));
         assert!(!s.on_finished(RequestId(7)), "a duplicate finish report is ignored");
         assert_eq!(s.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_request_that_finishes_during_its_move_stays_finished() {
+        let mut s = state("pascal");
+        for i in 0..2 {
+            s.join(InstanceId(i), format!("w{i}"), "r1-distill-qwen-32b", 262_144).unwrap();
+        }
+        s.on_load(load(0, 10, 4));
+        s.on_load(load(1, 10, 0));
+        let at = s.place(&spec(8)).unwrap();
+        assert_eq!(s.on_boundary(RequestId(8), at, 1), PhaseDecision::Migrate { to: InstanceId(1) });
+        // The answer ends on the source before the move is settled (then aborted or refused).
+        assert!(s.on_finished(RequestId(8)));
+        s.migration_done(RequestId(8), None);
+        assert_eq!(s.ownership(RequestId(8)).unwrap().phase, OwnedPhase::Finished);
+        assert_eq!(s.in_flight(), 0);
+        assert!(s.leave(at).is_empty(), "a finished request is not re-placed when its worker dies");
+    }
+
+    #[test]
+    fn a_declined_move_goes_to_the_next_choice_then_stays() {
+        let mut s = state("pascal");
+        for i in 0..3 {
+            s.join(InstanceId(i), format!("w{i}"), "r1-distill-qwen-32b", 262_144).unwrap();
+        }
+        s.on_load(load(0, 10, 4));
+        s.on_load(load(1, 10, 0));
+        s.on_load(load(2, 10, 1));
+        let at = s.place(&spec(7)).unwrap();
+        assert_eq!(at, InstanceId(0));
+        assert_eq!(s.on_boundary(RequestId(7), at, 1), PhaseDecision::Migrate { to: InstanceId(1) });
+        s.migration_done(RequestId(7), None);
+        // Instance 1 had no room after all: the next fewest-reasoning instance, charged at once.
+        let before = s.members()[&InstanceId(2)].load.gpu_used_blocks;
+        assert_eq!(s.retarget(RequestId(7), at, 1, &[InstanceId(1)]), Some(InstanceId(2)));
+        assert_eq!(s.ownership(RequestId(7)).unwrap().phase, OwnedPhase::Migrating);
+        assert_eq!(s.members()[&InstanceId(2)].load.gpu_used_blocks, before + 1);
+        s.migration_done(RequestId(7), None);
+        // Both declined: only its own instance is left, so it stays.
+        assert_eq!(s.retarget(RequestId(7), at, 1, &[InstanceId(1), InstanceId(2)]), None);
+        assert_eq!(s.retarget(RequestId(99), at, 1, &[]), None, "unknown request");
     }
 
     #[test]

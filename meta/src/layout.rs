@@ -4,6 +4,7 @@
 //! |---|---|---|
 //! | `/kvfleet/cluster` | JSON [`ClusterRecord`]: model, KV bytes/token, clock epoch | first coordinator (create-if-absent) |
 //! | `/kvfleet/workers/<instance>` | JSON `WorkerInfo`, attached to the worker's lease | worker (etcd) or leader on its behalf (embedded) |
+//! | `/kvfleet/instances/<instance>` | the claiming worker's owner token, on the same lease as its registration | worker started with `--instance auto` (create-if-absent) |
 //! | `/kvfleet/requests/<id>` | JSON `Ownership` (coordinator `state.rs`: spec, instance, phase) | leader, fenced, before acknowledging |
 //! | `/kvfleet/results/<id>` | JSON `RequestRecord` | leader, fenced, before acknowledging to the worker |
 //! | `/kvfleet/leader/…` | election keys (value: the leader's advertised address) | `campaign` |
@@ -22,9 +23,17 @@ pub const WORKERS: &str = "/kvfleet/workers/";
 pub const REQUESTS: &str = "/kvfleet/requests/";
 pub const RESULTS: &str = "/kvfleet/results/";
 pub const ELECTION: &str = "/kvfleet/leader";
+/// Instance numbers claimed by `--instance auto` workers (see [`instance_claim`]).
+pub const INSTANCES: &str = "/kvfleet/instances/";
 
 pub fn worker(instance: u32) -> String {
     format!("{WORKERS}{instance}")
+}
+/// The claim key of instance number `instance`: created only if absent (and only while
+/// [`worker`] of the same number is absent), under the lease the worker then registers with, so
+/// the number is free again exactly when the registration lapses.
+pub fn instance_claim(instance: u32) -> String {
+    format!("{INSTANCES}{instance}")
 }
 pub fn request(id: u64) -> String {
     format!("{REQUESTS}{id:020}")

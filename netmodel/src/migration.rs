@@ -159,7 +159,11 @@ pub struct MigrationId(pub u64);
 
 impl fmt::Display for MigrationId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "mig-{}", self.0)
+        // Workers number their migrations `instance << 40 | sequence`: show both parts.
+        match (self.0 >> 40, self.0 & ((1 << 40) - 1)) {
+            (0, seq) => write!(f, "mig-{seq}"),
+            (instance, seq) => write!(f, "mig-{instance}.{seq}"),
+        }
     }
 }
 

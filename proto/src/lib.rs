@@ -79,10 +79,30 @@ pub fn require_spec(spec: Option<&v1::RequestSpec>) -> Result<RequestSpec, Inval
     RequestSpec::try_from(spec.ok_or_else(|| missing("spec"))?)
 }
 
+/// How the source words a declined `Prepare` (`AbortReason::Refused`'s message).
+pub const REFUSED_PREFIX: &str = "refused by the target";
+
 impl v1::MigrationStats {
     /// The migration committed (the request runs on the target): no abort reason.
     pub fn committed(&self) -> bool {
         self.abort_reason.is_empty()
+    }
+
+    /// The target declined the `Prepare` (no room): nothing was copied and the request never
+    /// paused; the coordinator may try another target. Not an abort of a running migration.
+    pub fn refused(&self) -> bool {
+        !self.committed() && self.bytes == 0 && self.abort_reason.starts_with(REFUSED_PREFIX)
+    }
+
+    /// `committed`, `refused` or `aborted`.
+    pub fn outcome_name(&self) -> &'static str {
+        if self.committed() {
+            "committed"
+        } else if self.refused() {
+            "refused"
+        } else {
+            "aborted"
+        }
     }
 
     /// Start to settle, in nanoseconds.

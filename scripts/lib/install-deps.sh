@@ -12,12 +12,19 @@ install_deps() {
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
-  # The OpenAI-compatible API is tested with the official `openai` Python client (PyPI).
-  if command -v python3 >/dev/null 2>&1 && ! python3 -c "import openai" >/dev/null 2>&1; then
-    echo "installing the openai Python package" >&2
-    python3 -m pip install --quiet openai >/dev/null 2>&1 \
-      || python3 -m pip install --quiet --break-system-packages openai >/dev/null 2>&1 \
-      || echo "warning: could not install the openai Python package; its test will be skipped" >&2
+  # The OpenAI-compatible API is tested with the official `openai` Python client, and the trace
+  # sink with the official OpenTelemetry SDK's OTLP/gRPC exporter (both from PyPI).
+  local pkgs=()
+  if command -v python3 >/dev/null 2>&1; then
+    python3 -c "import openai" >/dev/null 2>&1 || pkgs+=(openai)
+    python3 -c "import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.grpc" >/dev/null 2>&1 \
+      || pkgs+=(opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc)
+  fi
+  if ((${#pkgs[@]})); then
+    echo "installing Python packages: ${pkgs[*]}" >&2
+    python3 -m pip install --quiet "${pkgs[@]}" >/dev/null 2>&1 \
+      || python3 -m pip install --quiet --break-system-packages "${pkgs[@]}" >/dev/null 2>&1 \
+      || echo "warning: could not install ${pkgs[*]}; the tests that use them will be skipped" >&2
   fi
   command -v cargo >/dev/null 2>&1 || { echo "cargo not found: install Rust (https://rustup.rs)" >&2; exit 1; }
   if ! cargo nextest --version >/dev/null 2>&1; then

@@ -79,6 +79,8 @@ pub enum SinkKind {
     Tcp,
     /// QUIC with the cluster's mutual TLS.
     Quic,
+    /// Raw UDP datagrams with GSO/GRO ([`crate::bench_udp`]).
+    Udp,
 }
 
 /// What went wrong in a benchmark, naming the step.
@@ -162,6 +164,7 @@ pub async fn serve_sink(
             ready(transport.local_addr());
             serve_quic(transport).await
         }
+        SinkKind::Udp => crate::bench_udp::serve_udp(listen, ready).await,
     }
 }
 

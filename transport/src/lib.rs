@@ -32,9 +32,12 @@
 //! streams are served by whoever called [`KvTransport::accept`].
 
 pub mod bench;
+pub mod bench_udp;
 pub mod frame;
 pub mod mem;
 pub mod quic;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod shaped;
 
 use std::collections::HashMap;

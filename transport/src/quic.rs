@@ -269,7 +269,7 @@ async fn accept_loop(endpoint: quinn::Endpoint, tx: mpsc::Sender<Arc<QuicConnect
     }
 }
 
-fn udp_socket(addr: SocketAddr, buffer_bytes: usize) -> std::io::Result<std::net::UdpSocket> {
+pub(crate) fn udp_socket(addr: SocketAddr, buffer_bytes: usize) -> std::io::Result<std::net::UdpSocket> {
     use socket2::{Domain, Protocol, Socket, Type};
     let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
     if addr.is_ipv6() {

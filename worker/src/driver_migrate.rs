@@ -51,9 +51,10 @@ pub(crate) enum LiveCommand {
         data: Bytes,
         reply: Reply<()>,
     },
+    /// Replies with when the verification ended (the attach follows at once).
     AttachReserved {
         state: Box<MigratedRequest>,
-        reply: Reply<()>,
+        reply: Reply<kvfleet_core::SimTime>,
     },
     Release {
         request: RequestId,
@@ -201,10 +202,10 @@ impl Driver {
         Ok(())
     }
 
-    fn attach_reserved(&mut self, m: MigratedRequest) -> Result<(), DriverError> {
+    fn attach_reserved(&mut self, m: MigratedRequest) -> Result<kvfleet_core::SimTime, DriverError> {
         let id = m.spec.id;
         if self.engine.contains(id) {
-            return Ok(()); // a retried commit: it is already here
+            return Ok(self.clock.now()); // a retried commit: it is already here
         }
         if self.draining {
             return Err(DriverError::Draining);
@@ -221,11 +222,12 @@ impl Driver {
         let n = verify_written(&self.arena, self.block_size, table.tier, &table.blocks, id, kv_tokens)
             .map_err(|cause| DriverError::KvCorrupt { request: id, cause })?;
         self.kv_stats.tokens_verified += n;
-        self.engine.attach(self.clock.now(), m)?;
+        let verified = self.clock.now();
+        self.engine.attach(verified, m)?;
         let blocks = self.engine.kv().table(id).map(|t| t.blocks.clone()).unwrap_or_default();
         self.written.insert(id, Written { tier: Some(table.tier), blocks, tokens: kv_tokens });
         self.accepted.insert(id);
         self.live.insert(id);
-        Ok(())
+        Ok(verified)
     }
 }

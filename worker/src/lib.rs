@@ -10,6 +10,7 @@
 //! | [`driver`] | the real-time engine loop on its own thread: deadline-based iterations, KV writes, events, commands |
 //! | [`events`] | the event log: dense sequence numbers, kept until acknowledged, replayable, bounded |
 //! | [`service`] | the tonic `Worker` service: validation, commands to the driver, event streams |
+//! | [`timing_select`] | `--timing`: the core's models, and `cuda` (live GPU kernels) with the `cuda` feature |
 //! | [`clock`] | cluster time (ns since the cluster epoch) ↔ `Instant` |
 //! | [`lateness`] | timer lateness histogram (p50/p99/max) |
 //! | [`options`] | flags / configuration, instance sizing from model and GPU specs |
@@ -26,9 +27,11 @@ pub mod events;
 pub mod lateness;
 pub mod metrics;
 pub mod migrate;
+pub mod migrate_trace;
 pub mod options;
 pub mod register;
 pub mod service;
+pub mod timing_select;
 
 pub use driver::{DriverReport, DriverStats};
 pub use options::WorkerOptions;
@@ -37,7 +40,7 @@ pub use service::ShutdownTrigger;
 use driver::{Command, Driver, DriverConfig};
 use kvfleet_core::engine::sched::build_scheduler;
 use kvfleet_core::engine::Engine;
-use kvfleet_core::timing::{build_timing, TimingModel};
+use kvfleet_core::timing::TimingModel;
 use kvfleet_core::InstanceId;
 use kvfleet_proto::v1;
 use std::future::Future;
@@ -154,10 +157,8 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
     // TLS first: without a cluster certificate (and not --plaintext) the worker does not start.
     let identity = opts.tls.load()?;
     let shape = opts.shape()?;
-    let timing: Arc<dyn TimingModel> = Arc::from(
-        build_timing(&opts.timing, &shape.model, &shape.gpu, opts.profile_dir.as_deref())
-            .map_err(options::OptionsError::Timing)?,
-    );
+    let timing: Arc<dyn TimingModel> =
+        Arc::from(timing_select::build(&opts.timing, &shape.model, &shape.gpu, opts.profile_dir.as_deref())?);
     let sched = build_scheduler(&opts.scheduler, &shape.scheduler).map_err(options::OptionsError::Scheduler)?;
     let clock = clock::ClusterClock::new(opts.epoch_unix_ns)?;
     let (layout, fill, prefault) = (shape.layout, opts.kv_fill, opts.prefault);
@@ -343,7 +344,8 @@ fn start_migrator(
     params.max_stages = opts.max_stages;
     params.timeout = kvfleet_core::SimDuration::from_secs_f64(opts.migration_timeout_ms as f64 / 1e3);
     params.validate().map_err(|e| WorkerError::Migration(e.to_string()))?;
-    let cfg = migrate::MigrateConfig { params, streams: opts.migration_streams.max(1) };
+    let link = migrate_trace::LinkShape { gbps: opts.link_gbps.unwrap_or(0.0), latency_us: opts.link_latency_us };
+    let cfg = migrate::MigrateConfig { params, streams: opts.migration_streams.max(1), link };
     Ok(migrate::Migrator::new(transport, commands, clock, cfg, opts.instance))
 }
 

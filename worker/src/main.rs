@@ -12,7 +12,8 @@ use anyhow::Context;
 use clap::Parser;
 use kvfleet_meta::layout::WorkerRecord;
 use kvfleet_meta::{EtcdStore, MetaStore};
-use kvfleet_worker::register::{cluster_record, coordinator_loop, etcd_loop};
+use kvfleet_worker::options::{AUTO, AUTO_INSTANCE};
+use kvfleet_worker::register::{claim_instance, cluster_record, coordinator_loop, registration_loop, route_ip};
 use kvfleet_worker::{start, WorkerOptions};
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +26,8 @@ struct Cli {
     opts: WorkerOptions,
     #[command(flatten)]
     etcd: kvfleet_meta::EtcdArgs,
+    #[command(flatten)]
+    telemetry: kvfleet_telemetry::TelemetryArgs,
     /// Embedded-store clusters: coordinator addresses (comma-separated) to register through.
     #[arg(long, value_delimiter = ',')]
     coordinator: Vec<String>,
@@ -38,11 +41,21 @@ use std::process::ExitCode;
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .init();
-    match serve(cli).await {
+    let service = kvfleet_telemetry::Service {
+        name: "kvfleet-worker",
+        instance_id: format!("worker-{}", cli.opts.instance),
+        attributes: vec![kvfleet_telemetry::KeyValue::new("kvfleet.instance", i64::from(cli.opts.instance))],
+    };
+    let telemetry = match kvfleet_telemetry::init(service, &cli.telemetry) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvfleet-worker: error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = serve(cli).await;
+    telemetry.shutdown();
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvfleet-worker: error: {e:#}");
@@ -62,6 +75,7 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
             .context("connecting to etcd")?;
         Some(Arc::new(s))
     };
+    resolve_auto_addresses(&mut opts, &cli.etcd.etcd, &cli.coordinator).await?;
     if let Some(store) = &store {
         let spec =
             kvfleet_core::spec::ModelSpec::load(&opts.model).with_context(|| format!("--model {}", opts.model))?;
@@ -70,13 +84,42 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
             opts.epoch_unix_ns = Some(rec.epoch_unix_ns);
         }
     }
+    let ttl = Duration::from_millis(cli.registration_ttl_ms);
+    // `--instance auto`: the lowest free number, held under the lease the registration will use.
+    let claim = match (&store, opts.instance == AUTO_INSTANCE) {
+        (Some(store), true) => {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            let owner = format!(
+                "{} {} pid {} at {} ns",
+                host.trim(),
+                opts.advertise.as_deref().unwrap_or("-"),
+                std::process::id(),
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+            );
+            let claim = claim_instance(store.clone(), &owner, ttl).await.context("--instance auto")?;
+            opts.instance = claim.instance;
+            Some(claim)
+        }
+        (None, true) => anyhow::bail!("--instance auto needs --etcd (the number is claimed in etcd)"),
+        (_, false) => None,
+    };
     let listen = opts.listen;
     let handle = start(opts).await.with_context(|| format!("starting the worker (--listen {listen})"))?;
     let info = handle.info().clone();
-    let ttl = Duration::from_millis(cli.registration_ttl_ms);
+    // SIGTERM first deregisters (the coordinator re-places this worker's requests at once), then drains.
+    let (deregister_tx, deregister_rx) = tokio::sync::watch::channel(false);
+    let fatal: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+    let mut registration = None;
     if let Some(store) = store {
         let rec = WorkerRecord::from(&info);
-        tokio::spawn(etcd_loop(store, rec, ttl));
+        let (trigger, fatal) = (handle.shutdown_trigger(), fatal.clone());
+        registration = Some(tokio::spawn(async move {
+            if let Err(e) = registration_loop(store, rec, ttl, claim, deregister_rx).await {
+                tracing::error!("{e}; stopping");
+                *fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                trigger.trigger();
+            }
+        }));
     } else if !cli.coordinator.is_empty() {
         let trigger = handle.shutdown_trigger();
         let coordinators = cli.coordinator.clone();
@@ -106,6 +149,12 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
             _ = sigterm.recv() => tracing::info!("SIGTERM: draining"),
             _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: draining"),
         }
+        if let Some(registration) = registration {
+            let _ = deregister_tx.send(true);
+            let _ = tokio::time::timeout(Duration::from_secs(3), registration).await;
+            // Let the leader see the registration go before submits are refused as draining.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         trigger.trigger();
     });
     let report = handle.wait().await.context("serving")?;
@@ -125,5 +174,34 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
         s.log.dropped,
         report.driver.unfinished.iter().map(|r| r.0).collect::<Vec<_>>(),
     );
+    if let Some(e) = fatal.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        anyhow::bail!("registration: {e}");
+    }
+    Ok(())
+}
+
+/// `--advertise auto` / `--kv-advertise auto`: this host's IP on the route to etcd (else the first
+/// coordinator), with the `--listen` / `--kv-listen` port, which must then be fixed.
+async fn resolve_auto_addresses(
+    opts: &mut WorkerOptions,
+    etcd: &[String],
+    coordinators: &[String],
+) -> anyhow::Result<()> {
+    let wants = |v: &Option<String>| v.as_deref().is_some_and(|a| a.eq_ignore_ascii_case(AUTO));
+    if !wants(&opts.advertise) && !wants(&opts.kv_advertise) {
+        return Ok(());
+    }
+    let targets: Vec<String> = etcd.iter().chain(coordinators).cloned().collect();
+    let ip = route_ip(&targets).await.map_err(|e| anyhow::anyhow!("`auto` address: {e}"))?;
+    if wants(&opts.advertise) {
+        anyhow::ensure!(opts.listen.port() != 0, "--advertise auto needs a fixed --listen port (not 0)");
+        opts.advertise = Some(std::net::SocketAddr::new(ip, opts.listen.port()).to_string());
+    }
+    if wants(&opts.kv_advertise) {
+        let port = opts.kv_listen.map_or(0, |a| a.port());
+        anyhow::ensure!(port != 0, "--kv-advertise auto needs --kv-listen with a fixed port (not 0)");
+        opts.kv_advertise = Some(std::net::SocketAddr::new(ip, port).to_string());
+    }
+    tracing::info!(advertise = ?opts.advertise, kv_advertise = ?opts.kv_advertise, "resolved `auto` addresses");
     Ok(())
 }

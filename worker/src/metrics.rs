@@ -75,6 +75,8 @@ impl RequestMetrics {
 pub struct MigrationMetrics {
     pub committed: u64,
     pub aborted: u64,
+    /// Declined `Prepare`s (the target had no room; nothing copied).
+    pub refused: u64,
     pub unknown: u64,
     pub bytes: u64,
     pub total: Histogram,
@@ -86,6 +88,7 @@ impl Default for MigrationMetrics {
         MigrationMetrics {
             committed: 0,
             aborted: 0,
+            refused: 0,
             unknown: 0,
             bytes: 0,
             total: Histogram::latency(),
@@ -190,7 +193,9 @@ pub fn render(model: &str, stats: &DriverStats, load: &LoadReport, migrations: &
     let _ = writeln!(out, "kvfleet_timer_lateness_seconds_count{{{l}}} {}", lat.samples);
     let m = migrations;
     let _ = writeln!(out, "# HELP kvfleet_migrations_total Live migrations out of this worker by outcome.\n# TYPE kvfleet_migrations_total counter");
-    for (outcome, n) in [("committed", m.committed), ("aborted", m.aborted), ("unknown", m.unknown)] {
+    for (outcome, n) in
+        [("committed", m.committed), ("aborted", m.aborted), ("refused", m.refused), ("unknown", m.unknown)]
+    {
         let _ = writeln!(out, "kvfleet_migrations_total{{{l},outcome=\"{outcome}\"}} {n}");
     }
     gauge(

@@ -20,6 +20,7 @@
 
 use crate::clock::ClusterClock;
 use crate::driver::{BlockRead, Command, DriverError, LiveCommand, PausedOut};
+use crate::migrate_trace::{SourceTrace, TargetTrace};
 use bytes::Bytes;
 use kvfleet_core::{RequestId, SimTime};
 use kvfleet_netmodel::migration::wire::{frame::Body, Frame};
@@ -45,6 +46,8 @@ pub struct MigrateConfig {
     pub params: MigrationParams,
     /// Parallel data streams per migration.
     pub streams: usize,
+    /// The shaping of this worker's outbound link (span attributes).
+    pub link: crate::migrate_trace::LinkShape,
 }
 
 /// The worker's live-migration endpoint (both roles).
@@ -141,40 +144,55 @@ impl Migrator {
     ///
     /// `Err` when there is nothing to migrate: the request is not here (finished meanwhile) or
     /// has no KV yet.
+    ///
+    /// `to` names the target's instance (span attributes; `None` if unknown); `parent` is the
+    /// request's trace context, which the target's spans join through `Prepare.trace_context`.
     pub async fn migrate_out(
         self: &Arc<Self>,
         request: RequestId,
         target: SocketAddr,
+        to: Option<u32>,
+        parent: &kvfleet_telemetry::Context,
     ) -> Result<MigrationReport, DriverError> {
         let id = MigrationId(((self.instance as u64) << 40) | self.next_id.fetch_add(1, Ordering::Relaxed));
         let kv_tokens =
             self.ask_raw(|reply| LiveCommand::ReadBlocks { request, first: 0, count: 0, reply }).await?.kv_tokens;
+        let trace =
+            SourceTrace::start(parent, &self.clock, self.now(), id, request, (self.instance, to), self.cfg.link);
         let mut m = match SourceMachine::new(id, request, self.cfg.params.clone(), self.now(), kv_tokens) {
-            Ok(m) => m.with_source_instance(self.instance),
-            Err(e) => return Ok(self.failed_before_start(id, request, e.to_string())),
+            Ok(m) => m.with_source_instance(self.instance).with_trace_context(trace.carrier()),
+            Err(e) => {
+                let report = self.failed_before_start(id, request, e.to_string());
+                trace.finish(&report, self.now());
+                return Ok(report);
+            }
         };
         let connect_timeout = std::time::Duration::from_nanos(self.cfg.params.timeout.0);
         let conn = match tokio::time::timeout(connect_timeout, self.transport.connect(target)).await {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => {
                 m.cancel(self.now(), format!("cannot reach the target: {e}"));
+                trace.finish(m.report(), self.now());
                 return Ok(m.report().clone());
             }
             Err(_) => {
                 m.cancel(self.now(), format!("cannot reach the target {target} within {connect_timeout:?}"));
+                trace.finish(m.report(), self.now());
                 return Ok(m.report().clone());
             }
         };
         m.start(self.now());
-        let span = tracing::info_span!("migration", %request, migration = %id, %target, role = "source");
+        let span = tracing::info_span!("live_migration", %request, migration = %id, %target, role = "source");
         let outcome = tracing::Instrument::instrument(self.drive_source(&mut m, conn), span).await;
         let report = m.report().clone();
         if matches!(outcome, Outcome::Aborted(AbortReason::SourceKvUnavailable(_)))
             && !self.ask(|reply| LiveCommand::Holds { request, reply }).await.unwrap_or(true)
         {
             // It finished here while its KV was being copied: nothing is left to move.
+            trace.finish_vanished(self.now());
             return Err(DriverError::Unknown(request));
         }
+        trace.finish(&report, self.now());
         match &outcome {
             Outcome::Committed => {
                 if let Err(e) = self.ask(|reply| LiveCommand::FinishOut { request, reply }).await {
@@ -202,6 +220,7 @@ impl Migrator {
                         mm.downtime.observe(d.as_secs_f64());
                     }
                 }
+                Outcome::Aborted(AbortReason::Refused(_)) => mm.refused += 1,
                 Outcome::Aborted(_) => mm.aborted += 1,
                 Outcome::Unknown(_) => mm.unknown += 1,
             }
@@ -436,7 +455,7 @@ impl Migrator {
         match &first.body {
             Some(Body::Prepare(p)) => {
                 let span = tracing::info_span!(
-                    "migration",
+                    "live_migration",
                     request = p.request_id,
                     migration = p.migration_id,
                     role = "target"
@@ -485,6 +504,7 @@ impl Migrator {
         };
         let id = m.id();
         let request = m.request();
+        let trace = TargetTrace::start(m.trace_context(), &self.clock, self.now(), id, request, self.instance);
         let (data_tx, mut data) = mpsc::unbounded_channel();
         self.routes.lock().expect("routes lock").insert(id.0, data_tx);
         let (reader, mut frames) = spawn_control_reader(ctl_r);
@@ -497,6 +517,7 @@ impl Migrator {
                         let _ = ctl.send(&f).await;
                     }
                     TargetAction::Reserve { request, kv_tokens, .. } => {
+                        let asked = self.now();
                         let r = if self.fenced.lock().await.contains(&request) {
                             Err(AbortReason::Refused(format!("{request} was settled elsewhere")))
                         } else {
@@ -505,6 +526,8 @@ impl Migrator {
                                 .map_err(AbortReason::TargetOutOfMemory)
                         };
                         reserved = r.is_ok();
+                        let blocks = u64::from(kv_tokens.div_ceil(self.cfg.params.block_size));
+                        trace.phase("migration.reserve", asked, self.now(), Some(blocks));
                         m.on_reserved(self.now(), r);
                     }
                     TargetAction::WriteBlock { index, data, .. } => {
@@ -518,6 +541,7 @@ impl Migrator {
                         }
                     }
                     TargetAction::Attach { state, .. } => {
+                        let commit_at = self.now();
                         let fenced = self.fenced.lock().await;
                         let r = if fenced.contains(&request) {
                             Err(AbortReason::AttachFailed("settled as not migrated by the coordinator".into()))
@@ -532,7 +556,16 @@ impl Migrator {
                         };
                         attached = r.is_ok();
                         drop(fenced);
-                        m.on_attached(self.now(), r);
+                        let now = self.now();
+                        // Verification (every token's stamp) happens in the engine thread just
+                        // before the attach: it reports where one ended and the other began.
+                        let verified = r.as_ref().map_or(now, |&v| v);
+                        let blocks = Some(u64::from(m.report().blocks_written));
+                        trace.phase("migration.verify", commit_at, verified, blocks);
+                        if r.is_ok() {
+                            trace.phase("migration.attach", verified, now, None);
+                        }
+                        m.on_attached(now, r.map(|_| ()));
                     }
                     TargetAction::Release => {
                         if reserved && !attached {
@@ -561,6 +594,7 @@ impl Migrator {
             }
         }
         self.routes.lock().expect("routes lock").remove(&id.0);
+        trace.finish(m.report(), self.now());
         let _ = ctl.finish().await;
         reader.abort();
         tracing::info!(%request, migration = %id, outcome = ?m.outcome(), "inbound live migration settled");

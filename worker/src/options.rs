@@ -18,11 +18,14 @@ pub struct WorkerOptions {
     /// first stdout line, `listening on ADDR`.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
-    /// Address other processes use to reach this worker (default: the bound address).
+    /// Address other processes use to reach this worker (default: the bound address). `auto`:
+    /// this host's IP on the route to etcd (else the first `--coordinator`) with the `--listen`
+    /// port, for replicas that share one command line (docker compose `--scale`, swarm, k8s).
     #[arg(long)]
     pub advertise: Option<String>,
-    /// Instance id within the cluster (dense from 0).
-    #[arg(long, default_value_t = 0)]
+    /// Instance id within the cluster (dense from 0), or `auto`: claim the lowest free number in
+    /// etcd (atomically, under the registration's lease; needs `--etcd`).
+    #[arg(long, default_value = "0", value_parser = parse_instance)]
     pub instance: u32,
     /// Model: a built-in name (`r1-distill-qwen-32b`, `llama-3-8b`, `qwen-7b`) or a model TOML path.
     #[arg(long, default_value = "r1-distill-qwen-32b")]
@@ -31,7 +34,8 @@ pub struct WorkerOptions {
     #[arg(long, default_value = "h100-96gb")]
     pub gpu: String,
     /// Timing model: `auto` (the measured profile where one exists for model and GPU, else
-    /// analytic), `profile` or `analytic`.
+    /// analytic), `profile`, `analytic`, or `cuda` (live kernels on a local GPU; needs a build
+    /// with `--features cuda`, settings from `KVFLEET_CUDA_*` variables).
     #[arg(long, default_value = "auto")]
     pub timing: String,
     /// Directory with `decode.csv`, `prefill.csv`, `copy.csv` for `profile` timing of another GPU/model.
@@ -100,7 +104,7 @@ pub struct WorkerOptions {
     #[arg(long)]
     pub kv_listen: Option<SocketAddr>,
     /// Address other workers send migrations to (default: `--advertise`'s host, else the bound
-    /// address).
+    /// address). `auto`: this host's IP as for `--advertise auto`, with the `--kv-listen` port.
     #[arg(long)]
     pub kv_advertise: Option<String>,
     /// Parallel QUIC data streams per migration.
@@ -166,6 +170,14 @@ impl WorkerOptions {
     /// Resolve specs and size the pools; errors name the flag.
     pub fn shape(&self) -> Result<InstanceShape, OptionsError> {
         let invalid = |flag, message: String| OptionsError::Invalid { flag, message };
+        if self.instance == AUTO_INSTANCE {
+            return Err(invalid("instance", "`auto` is resolved by claiming a number in etcd: it needs --etcd".into()));
+        }
+        for (flag, value) in [("advertise", &self.advertise), ("kv-advertise", &self.kv_advertise)] {
+            if value.as_deref() == Some(AUTO) {
+                return Err(invalid(flag, "`auto` must be resolved to an address before the worker starts".into()));
+            }
+        }
         let model = ModelSpec::load(&self.model).map_err(OptionsError::Model)?;
         let gpu = GpuSpec::load(&self.gpu).map_err(OptionsError::Gpu)?;
         for (flag, v) in [
@@ -215,6 +227,22 @@ impl WorkerOptions {
         };
         let layout = ArenaLayout { block_size: self.block_size, kv_bytes_per_token, gpu_blocks, cpu_blocks };
         Ok(InstanceShape { model, gpu, engine, layout, scheduler })
+    }
+}
+
+/// `--instance auto` before it is resolved (never a real instance: the parser refuses it as a number).
+pub const AUTO_INSTANCE: u32 = u32::MAX;
+/// The value of `--instance`, `--advertise` and `--kv-advertise` that asks the binary to work it out.
+pub const AUTO: &str = "auto";
+
+/// `--instance`: a number below 2^32 - 1, or `auto` ([`AUTO_INSTANCE`]).
+pub fn parse_instance(text: &str) -> Result<u32, String> {
+    if text.trim().eq_ignore_ascii_case(AUTO) {
+        return Ok(AUTO_INSTANCE);
+    }
+    match text.trim().parse::<u32>() {
+        Ok(n) if n != AUTO_INSTANCE => Ok(n),
+        _ => Err(format!("`{text}`: expected an instance number (0, 1, ...) or `auto`")),
     }
 }
 
@@ -276,6 +304,20 @@ mod tests {
     }
 
     #[test]
+    fn auto_values_parse_and_must_be_resolved_before_start() {
+        let o = WorkerOptions::parse_from(["w", "--instance", "auto", "--advertise", "auto"]);
+        assert_eq!(o.instance, AUTO_INSTANCE);
+        let e = o.shape().unwrap_err().to_string();
+        assert!(e.contains("--instance") && e.contains("--etcd"), "{e}");
+        let o = WorkerOptions::parse_from(["w", "--instance", "7", "--advertise", "auto"]);
+        assert_eq!(o.instance, 7);
+        assert!(o.shape().unwrap_err().to_string().contains("--advertise"));
+        let o = WorkerOptions::parse_from(["w", "--kv-advertise", "auto"]);
+        assert!(o.shape().unwrap_err().to_string().contains("--kv-advertise"));
+        assert_eq!(WorkerOptions::parse_from(["w", "--instance", "AUTO"]).instance, AUTO_INSTANCE);
+    }
+
+    #[test]
     fn shape_scales_capacity_never_the_token() {
         let o = WorkerOptions::parse_from(["w", "--kv-memory", "256MiB", "--cpu-memory", "0"]);
         let s = o.shape().unwrap();
@@ -302,6 +344,8 @@ mod tests {
             assert!(e.contains(want), "{args:?} → {e}");
         }
         assert!(WorkerOptions::try_parse_from(["w", "--scheduler", "sjf"]).is_err());
+        assert!(WorkerOptions::try_parse_from(["w", "--instance", "first"]).is_err());
+        assert!(WorkerOptions::try_parse_from(["w", "--instance", "4294967295"]).is_err());
         assert!(WorkerOptions::try_parse_from(["w", "--kv-memory", "lots"]).is_err());
     }
 }

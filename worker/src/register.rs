@@ -6,10 +6,19 @@
 //! - With `--coordinator A,B,…` (embedded store): it registers through whichever coordinator is
 //!   leader, refreshing before the registration's TTL lapses.
 //!
+//! - With `--instance auto` (etcd only): [`claim_instance`] takes the lowest free instance number
+//!   with a create-if-absent transaction on `/kvfleet/instances/<n>` under a lease, and
+//!   [`registration_loop`] registers under that same lease, so the number becomes free exactly when
+//!   the registration lapses (a killed replica's number is reused only after the coordinator has
+//!   seen its registration disappear and re-placed its requests). After losing its lease the
+//!   worker takes its own number back; if another worker claimed it meanwhile, it stops (its
+//!   orchestrator restarts it and it claims a free number).
+//! - [`route_ip`] works out `--advertise auto`: the local IP on the route to etcd or a coordinator.
+//!
 //! A model mismatch is final: the worker exits with the message naming both models.
 
 use kvfleet_meta::layout::{self, ClusterRecord, WorkerRecord};
-use kvfleet_meta::{spawn_keep_alive, MetaStore};
+use kvfleet_meta::{spawn_keep_alive, Condition, LeaseKeeper, MetaStore};
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::coordinator_client::CoordinatorClient;
 use std::sync::Arc;
@@ -48,30 +57,189 @@ pub async fn cluster_record(
     }
 }
 
-/// Keep `rec` registered in etcd for as long as the future runs.
-pub async fn etcd_loop(store: Arc<dyn MetaStore>, rec: WorkerRecord, ttl: Duration) {
+/// An instance number held in etcd by this process (`--instance auto`): the claim key lives on
+/// `keeper`'s lease, which the registration then shares.
+pub struct InstanceClaim {
+    pub instance: u32,
+    /// What the claim key holds: unique to this process, so it can recognise its own claim.
+    pub owner: String,
+    pub keeper: LeaseKeeper,
+}
+
+/// Most instance numbers tried before giving up (a cluster this large is not emulated on one etcd).
+const MAX_CLAIM_ATTEMPTS: u32 = 10_000;
+
+/// Claim the lowest instance number that neither another claim nor a fixed-number registration
+/// holds, atomically (create-if-absent on both keys), under a fresh lease kept alive from now on.
+pub async fn claim_instance(
+    store: Arc<dyn MetaStore>,
+    owner: &str,
+    ttl: Duration,
+) -> Result<InstanceClaim, RegisterError> {
+    let lease = store.grant_lease(ttl).await?;
+    let keeper = spawn_keep_alive(store.clone(), lease, ttl);
+    for _ in 0..MAX_CLAIM_ATTEMPTS {
+        let claims = store.get_prefix(layout::INSTANCES).await?;
+        let workers = store.get_prefix(layout::WORKERS).await?;
+        let taken: std::collections::BTreeSet<u32> = claims
+            .kvs
+            .iter()
+            .filter_map(|kv| kv.key.strip_prefix(layout::INSTANCES))
+            .chain(workers.kvs.iter().filter_map(|kv| kv.key.strip_prefix(layout::WORKERS)))
+            .filter_map(|n| n.parse().ok())
+            .collect();
+        let n =
+            (0..crate::options::AUTO_INSTANCE).find(|n| !taken.contains(n)).unwrap_or(crate::options::AUTO_INSTANCE);
+        if n == crate::options::AUTO_INSTANCE {
+            break;
+        }
+        let (claim, worker) = (layout::instance_claim(n), layout::worker(n));
+        let free = [Condition::absent(claim.clone()), Condition::absent(worker)];
+        if store.put_if(&claim, owner.as_bytes(), Some(lease), &free).await?.is_some() {
+            tracing::info!(instance = n, key = %claim, "claimed instance number");
+            return Ok(InstanceClaim { instance: n, owner: owner.to_string(), keeper });
+        }
+        // Another worker took it between the listing and the transaction: list again.
+    }
+    Err(RegisterError::Refused(format!("no free instance number after {MAX_CLAIM_ATTEMPTS} attempts")))
+}
+
+/// Take `claim`'s number back under a new lease after the old one was lost. `Ok(false)`: someone
+/// else holds it now (final); errors are transient.
+async fn reclaim(
+    store: &dyn MetaStore,
+    instance: u32,
+    owner: &str,
+    lease: kvfleet_meta::LeaseId,
+) -> Result<bool, RegisterError> {
+    let key = layout::instance_claim(instance);
+    loop {
+        let cond = match store.get(&key).await? {
+            Some(kv) if kv.value != owner.as_bytes() => return Ok(false),
+            Some(kv) => Condition::mod_revision(key.clone(), kv.mod_revision),
+            None => Condition::absent(key.clone()),
+        };
+        if store.put_if(&key, owner.as_bytes(), Some(lease), &[cond]).await?.is_some() {
+            return Ok(true);
+        }
+    }
+}
+
+/// Keep `rec` registered in etcd until `stop` turns true, then revoke the registration so the
+/// coordinator re-places this worker's requests at once rather than after the lease TTL.
+///
+/// With a `claim` (`--instance auto`) the registration shares the claim's lease, and a lost lease
+/// is followed by re-claiming the same number; the loop ends with an error if another worker has
+/// claimed it meanwhile. Without one (a fixed `--instance`) it registers under its own lease.
+pub async fn registration_loop(
+    store: Arc<dyn MetaStore>,
+    rec: WorkerRecord,
+    ttl: Duration,
+    claim: Option<InstanceClaim>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), RegisterError> {
     let key = layout::worker(rec.instance);
     let value = serde_json::to_vec(&rec).expect("plain data");
+    let owner = claim.as_ref().map(|c| c.owner.clone());
+    let mut held = claim.map(|c| c.keeper);
     let mut backoff = Duration::from_millis(100);
     loop {
         let attempt = async {
-            let lease = store.grant_lease(ttl).await?;
-            store.put_with_lease(&key, &value, lease).await?;
-            Ok::<_, kvfleet_meta::MetaError>(spawn_keep_alive(store.clone(), lease, ttl))
+            let keeper = match held.take() {
+                Some(k) if !k.is_lost() => k,
+                _ => {
+                    let lease = store.grant_lease(ttl).await?;
+                    if let Some(owner) = &owner {
+                        if !reclaim(store.as_ref(), rec.instance, owner, lease).await? {
+                            let _ = store.revoke(lease).await;
+                            return Err(RegisterError::Refused(format!(
+                                "instance {} was claimed by another worker while this one was cut off from etcd; restart this worker to claim a free number",
+                                rec.instance
+                            )));
+                        }
+                    }
+                    spawn_keep_alive(store.clone(), lease, ttl)
+                }
+            };
+            store.put_with_lease(&key, &value, keeper.lease()).await?;
+            Ok::<_, RegisterError>(keeper)
         };
-        match attempt.await {
+        let outcome = tokio::select! {
+            r = attempt => r,
+            _ = stop_requested(&mut stop) => return Ok(()),
+        };
+        match outcome {
             Ok(keeper) => {
                 tracing::info!(key = %key, "registered in etcd");
                 backoff = Duration::from_millis(100);
-                let reason = keeper.lost().await;
-                tracing::warn!("registration lease lost ({reason}); registering again");
+                tokio::select! {
+                    reason = keeper.lost() => tracing::warn!("registration lease lost ({reason}); registering again"),
+                    _ = stop_requested(&mut stop) => {
+                        let lease = keeper.lease();
+                        drop(keeper);
+                        match tokio::time::timeout(Duration::from_secs(2), store.revoke(lease)).await {
+                            Ok(Ok(())) => tracing::info!(key = %key, "deregistered (lease revoked)"),
+                            Ok(Err(e)) => tracing::warn!("deregistering: {e}; the registration lapses with its lease"),
+                            Err(_) => tracing::warn!("deregistering timed out; the registration lapses with its lease"),
+                        }
+                        return Ok(());
+                    }
+                }
             }
+            Err(e @ RegisterError::Refused(_)) => return Err(e),
             Err(e) => {
                 tracing::warn!("registering in etcd failed ({e}); retrying in {backoff:?}");
-                tokio::time::sleep(backoff).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = stop_requested(&mut stop) => return Ok(()),
+                }
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }
+    }
+}
+
+/// Resolves once `stop` is true; never if its sender is gone without asking.
+async fn stop_requested(stop: &mut tokio::sync::watch::Receiver<bool>) {
+    if stop.wait_for(|s| *s).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// The local IP address on the route to the first of `targets` (`host:port`, or an etcd URL such
+/// as `http://etcd:2379`) that resolves: what `--advertise auto` advertises. No packet is sent
+/// (a UDP socket is only "connected", which makes the kernel pick the source address).
+pub async fn route_ip(targets: &[String]) -> Result<std::net::IpAddr, String> {
+    let mut last = "no etcd endpoint or coordinator to find the route to".to_string();
+    for t in targets {
+        let hostport = t.split_once("://").map_or(t.as_str(), |(_, rest)| rest);
+        let hostport = hostport.split('/').next().unwrap_or(hostport);
+        let addrs = match tokio::net::lookup_host(hostport).await {
+            Ok(a) => a.collect::<Vec<_>>(),
+            Err(e) => {
+                last = format!("resolving {hostport}: {e}");
+                continue;
+            }
+        };
+        for a in addrs {
+            let bind: std::net::SocketAddr =
+                if a.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
+            let probe = std::net::UdpSocket::bind(bind).and_then(|s| s.connect(a).and_then(|_| s.local_addr()));
+            match probe {
+                Ok(local) if !local.ip().is_unspecified() => return Ok(local.ip()),
+                Ok(_) => last = format!("no route to {a}"),
+                Err(e) => last = format!("route to {a}: {e}"),
+            }
+        }
+    }
+    Err(last)
+}
+
+/// Keep `rec` registered in etcd (under its own lease) for as long as the future runs.
+pub async fn etcd_loop(store: Arc<dyn MetaStore>, rec: WorkerRecord, ttl: Duration) {
+    let (_never, stop) = tokio::sync::watch::channel(false);
+    if let Err(e) = registration_loop(store, rec, ttl, None, stop).await {
+        tracing::error!("registration ended: {e}");
     }
 }
 
@@ -110,5 +278,137 @@ pub async fn coordinator_loop(
             tracing::warn!("no leader accepted the registration; retrying");
         }
         tokio::time::sleep(if done { refresh } else { Duration::from_millis(200) }).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvfleet_meta::MemStore;
+
+    fn record(instance: u32) -> WorkerRecord {
+        WorkerRecord {
+            instance,
+            address: format!("10.0.0.{instance}:7100"),
+            model: "r1-distill-qwen-32b".into(),
+            kv_bytes_per_token: 262_144,
+            gpu_blocks: 64,
+            scheduler: "pascal".into(),
+            kv_address: String::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn auto_claims_take_the_lowest_free_number_and_skip_fixed_registrations() {
+        let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
+        let ttl = Duration::from_secs(5);
+        // A worker started with a fixed `--instance 1` holds 1.
+        store.put(&layout::worker(1), b"{}").await.unwrap();
+        let claims = futures_join(store.clone(), ttl, &["a", "b", "c"])
+            .await
+            .into_iter()
+            .map(|c| c.instance)
+            .collect::<Vec<_>>();
+        let mut sorted = claims.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, vec![0, 2, 3], "concurrent claims got distinct free numbers: {claims:?}");
+        assert!(store.get(&layout::instance_claim(0)).await.unwrap().is_some());
+    }
+
+    async fn futures_join(store: Arc<dyn MetaStore>, ttl: Duration, owners: &[&str]) -> Vec<InstanceClaim> {
+        let tasks: Vec<_> = owners
+            .iter()
+            .map(|o| {
+                let (store, o) = (store.clone(), o.to_string());
+                tokio::spawn(async move { claim_instance(store, &o, ttl).await })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap().unwrap());
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn a_number_is_free_again_once_its_registration_is_revoked() {
+        let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
+        let ttl = Duration::from_secs(5);
+        let first = claim_instance(store.clone(), "first", ttl).await.unwrap();
+        assert_eq!(first.instance, 0);
+        let (stop_tx, stop) = tokio::sync::watch::channel(false);
+        let reg = tokio::spawn(registration_loop(store.clone(), record(0), ttl, Some(first), stop));
+        // Registered under the claim's lease.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while store.get(&layout::worker(0)).await.unwrap().is_none() {
+            assert!(tokio::time::Instant::now() < deadline, "never registered");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (w, c) = (
+            store.get(&layout::worker(0)).await.unwrap().unwrap(),
+            store.get(&layout::instance_claim(0)).await.unwrap().unwrap(),
+        );
+        assert_eq!(w.lease, c.lease, "registration and claim share one lease");
+        assert_eq!(claim_instance(store.clone(), "second", ttl).await.unwrap().instance, 1, "0 is held");
+        // SIGTERM: deregister. Both keys go at once, and 0 is free for the next replica.
+        stop_tx.send(true).unwrap();
+        reg.await.unwrap().unwrap();
+        assert!(store.get(&layout::worker(0)).await.unwrap().is_none());
+        assert!(store.get(&layout::instance_claim(0)).await.unwrap().is_none());
+        assert_eq!(claim_instance(store.clone(), "third", ttl).await.unwrap().instance, 0);
+    }
+
+    #[tokio::test]
+    async fn a_lost_lease_takes_the_number_back_unless_another_worker_claimed_it() {
+        let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
+        let ttl = Duration::from_millis(300);
+        // Lease lost while nobody else wanted the number: registered again under the same number.
+        let claim = claim_instance(store.clone(), "me", ttl).await.unwrap();
+        let lease = claim.keeper.lease();
+        let (_keep, stop) = tokio::sync::watch::channel(false);
+        let reg = tokio::spawn(registration_loop(store.clone(), record(0), ttl, Some(claim), stop));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        store.revoke(lease).await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let kv = store.get(&layout::worker(0)).await.unwrap();
+            if kv.as_ref().is_some_and(|kv| kv.lease != Some(lease)) {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "not registered again");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(store.get(&layout::instance_claim(0)).await.unwrap().unwrap().value, b"me");
+        reg.abort();
+
+        // Lease lost and the number claimed by a newcomer meanwhile: the loop stops with an error.
+        let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
+        let claim = claim_instance(store.clone(), "me", ttl).await.unwrap();
+        let lease = claim.keeper.lease();
+        store.revoke(lease).await.unwrap();
+        let newcomer = claim_instance(store.clone(), "newcomer", Duration::from_secs(5)).await.unwrap();
+        assert_eq!(newcomer.instance, 0);
+        let (_keep, stop) = tokio::sync::watch::channel(false);
+        let e = tokio::time::timeout(
+            Duration::from_secs(5),
+            registration_loop(store.clone(), record(0), ttl, Some(claim), stop),
+        )
+        .await
+        .expect("the loop gives up")
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("instance 0 was claimed by another worker"), "{e}");
+        assert_eq!(store.get(&layout::instance_claim(0)).await.unwrap().unwrap().value, b"newcomer");
+    }
+
+    #[tokio::test]
+    async fn route_ip_finds_the_source_address_or_says_why_not() {
+        let ip = route_ip(&["http://127.0.0.1:2379".into()]).await.unwrap();
+        assert!(ip.is_loopback(), "{ip}");
+        let ip = route_ip(&["no-such-host.invalid:1".into(), "localhost:7000/x".into()]).await.unwrap();
+        assert!(ip.is_loopback(), "{ip}");
+        let e = route_ip(&[]).await.unwrap_err();
+        assert!(e.contains("no etcd endpoint or coordinator"), "{e}");
+        assert!(route_ip(&["no-such-host.invalid:1".into()]).await.unwrap_err().contains("no-such-host.invalid"));
     }
 }

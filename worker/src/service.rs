@@ -229,7 +229,9 @@ impl Worker for WorkerService {
             let addr: std::net::SocketAddr = kv_address.parse().map_err(|e| {
                 Status::invalid_argument(format!("`target_kv_address`: {kv_address:?} is not host:port ({e})"))
             })?;
-            let report = self.migrator()?.migrate_out(id, addr).await.map_err(driver_status)?;
+            // The request's trace (W3C `traceparent` in the metadata): the migration joins it.
+            let parent = kvfleet_telemetry::extract_metadata(request.metadata());
+            let report = self.migrator()?.migrate_out(id, addr, Some(target), &parent).await.map_err(driver_status)?;
             let outcome = match &report.outcome {
                 Some(Outcome::Committed) => v1::MigrationOutcome::MigrationCommitted,
                 Some(Outcome::Unknown(_)) => v1::MigrationOutcome::MigrationUnknown,

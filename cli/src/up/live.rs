@@ -41,12 +41,15 @@ pub fn table(log: &[MigrationStats]) -> String {
     let bytes: u64 = ok.iter().map(|m| m.bytes).sum();
     let secs: f64 = ok.iter().map(|m| total_s(m)).sum();
     let stages = ok.iter().map(|m| m.stages as f64).sum::<f64>() / ok.len().max(1) as f64;
+    let refused = log.iter().filter(|m| m.refused()).count();
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "live migrations (QUIC, pipelined stop-and-copy): {} committed, {} aborted",
+        "live migrations (QUIC, pipelined stop-and-copy): {} committed, {} aborted, {} refused by a full target \
+         (nothing copied; the request stayed or went to another target)",
         ok.len(),
-        log.len() - ok.len()
+        log.len() - ok.len() - refused,
+        refused
     );
     if ok.is_empty() {
         return out;
@@ -63,7 +66,8 @@ pub fn table(log: &[MigrationStats]) -> String {
         if secs > 0.0 { bytes as f64 * 8.0 / secs / 1e9 } else { 0.0 }
     );
     for m in log.iter().filter(|m| !m.committed()).take(5) {
-        let _ = writeln!(out, "  aborted: request {} {}→{}: {}", m.request_id, m.source, m.target, m.abort_reason);
+        let what = m.outcome_name();
+        let _ = writeln!(out, "  {what}: request {} {}→{}: {}", m.request_id, m.source, m.target, m.abort_reason);
     }
     out
 }
@@ -82,7 +86,7 @@ pub fn write_csv(path: &Path, log: &[MigrationStats]) -> std::io::Result<()> {
             m.request_id,
             m.source,
             m.target,
-            if m.committed() { "committed" } else { "aborted" },
+            m.outcome_name(),
             m.kv_tokens,
             m.stages,
             m.blocks,

@@ -3,9 +3,10 @@
 //! through the leader in real time, prints the same table and files as `kvfleet sim`, and then
 //! shuts everything down, leaving no process behind.
 
-mod live;
+pub(crate) mod live;
 pub mod procs;
 pub mod replay;
+mod scrape;
 
 use crate::{report, say, InputError};
 use anyhow::{bail, Context};
@@ -13,7 +14,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvfleet_core::metrics::{summarize, tail_ttft_by_reasoning_bin};
 use kvfleet_sim::config::{resolve_policy, SimConfig};
-use procs::{find_etcd, sibling_binary, EtcdSpec, Proc};
+use procs::{find_etcd, free_port, sibling_binary, EtcdSpec, Proc};
 use replay::{replay, schedule, LeaderFinder, ReplayStats};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -84,6 +85,14 @@ pub struct UpArgs {
     /// INSECURE: run the control plane in plain text (no certificates; local debugging only).
     #[arg(long)]
     plaintext: bool,
+    /// Send every process's spans to this OTLP/gRPC endpoint (Jaeger, Tempo, a Collector)
+    /// instead of the built-in trace sink.
+    #[arg(long, value_name = "URL", conflicts_with = "no_traces")]
+    otlp_endpoint: Option<String>,
+    /// Export no spans (by default a `kvfleet traces collect` sink writes `OUT/traces.jsonl` and
+    /// the run ends with its analysis in `OUT/traces/`).
+    #[arg(long)]
+    no_traces: bool,
     /// No progress bar.
     #[arg(short, long)]
     quiet: bool,
@@ -132,13 +141,16 @@ struct Cluster {
     etcd_spec: Option<EtcdSpec>,
     coordinators: Vec<Proc>,
     workers: Vec<Proc>,
+    /// The built-in trace sink (`kvfleet traces collect`).
+    sink: Option<Proc>,
 }
 
 impl Cluster {
-    /// Stop workers first (they drain), then coordinators, then etcd. Every child is reaped.
+    /// Stop workers first (they drain), then coordinators, then the trace sink (after everyone
+    /// flushed their spans into it), then etcd. Every child is reaped.
     fn shutdown(&mut self) -> Vec<String> {
         let mut report = Vec::new();
-        for p in self.workers.iter_mut().chain(self.coordinators.iter_mut()) {
+        for p in self.workers.iter_mut().chain(self.coordinators.iter_mut()).chain(self.sink.iter_mut()) {
             let s = p.stop(Duration::from_secs(5));
             report.push(format!("{}: {s}", p.name));
         }
@@ -194,7 +206,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let epoch_unix_ns = replay::unix_now_ns();
-    let mut cluster = Cluster { etcd: None, etcd_spec: None, coordinators: Vec::new(), workers: Vec::new() };
+    let mut cluster =
+        Cluster { etcd: None, etcd_spec: None, coordinators: Vec::new(), workers: Vec::new(), sink: None };
     let result = (|| -> anyhow::Result<()> {
         // The control plane's certificates (mutual TLS), then etcd or the embedded store.
         let pki = Pki::new(&args)?;
@@ -227,6 +240,26 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             );
         }
         let etcd_url = cluster.etcd.as_ref().map(|e| e.1.clone());
+        // Spans: to the operator's backend, or to a sink of our own.
+        let otlp = if args.no_traces {
+            None
+        } else if let Some(url) = &args.otlp_endpoint {
+            say!("traces      exported to {url}");
+            Some(url.clone())
+        } else {
+            let exe = std::env::current_exe().context("locating the kvfleet binary")?;
+            let file = args.out.join("traces.jsonl");
+            let _ = std::fs::remove_file(&file);
+            let a = ["traces", "collect", "--listen", "127.0.0.1:0", "--out"].map(String::from);
+            let mut a = a.to_vec();
+            a.push(file.display().to_string());
+            let p = Proc::spawn("trace-sink", &exe, &a, &logs.join("trace-sink.log"), Some(Duration::from_secs(30)))?;
+            let url = format!("http://{}", p.addr()?);
+            say!("traces      {url} -> {} (pid {})", file.display(), p.pid());
+            cluster.sink = Some(p);
+            Some(url)
+        };
+        let otlp_args: Vec<String> = otlp.iter().flat_map(|u| ["--otlp-endpoint".to_string(), u.clone()]).collect();
         for i in 0..n_coord {
             let mut a = vec![
                 "--policy".to_string(),
@@ -241,6 +274,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             if let Some(u) = &etcd_url {
                 a.extend(["--etcd".into(), u.clone()]);
             }
+            a.extend(otlp_args.iter().cloned());
             a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Coordinator, &format!("coordinator-{i}"))?);
             let p = Proc::spawn(
                 &format!("coordinator-{i}"),
@@ -256,6 +290,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         let finder = LeaderFinder::new(coord_addrs.clone(), client_tls.clone());
         let (_, status) = rt.block_on(finder.leader(Duration::from_secs(30))).context("waiting for a leader")?;
         say!("leader      {} (store: {})", status.leader, status.store);
+        let mut worker_metrics = Vec::new();
         for i in 0..cfg.cluster.instances {
             let mut a = vec![
                 "--instance".to_string(),
@@ -296,6 +331,10 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             if !args.no_prefault {
                 a.push("--prefault".into());
             }
+            a.extend(otlp_args.iter().cloned());
+            let metrics_addr = format!("127.0.0.1:{}", free_port()?);
+            a.extend(["--metrics-listen".into(), metrics_addr.clone()]);
+            worker_metrics.push((i, metrics_addr));
             a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Worker, &format!("worker-{i}"))?);
             match &etcd_url {
                 Some(u) => a.extend(["--etcd".into(), u.clone()]),
@@ -332,6 +371,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             .map(|e| &e.0)
             .chain(&cluster.coordinators)
             .chain(&cluster.workers)
+            .chain(&cluster.sink)
             .map(|p| format!("{} {}", p.pid(), p.name))
             .collect();
         std::fs::write(args.out.join("pids.txt"), pids.join("\n") + "\n")?;
@@ -433,6 +473,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         let live_log =
             rt.block_on(finder.leader(Duration::from_secs(10))).map(|(_, s)| s.migration_log).unwrap_or_default();
         let migrations = live::records(&live_log);
+        // What each worker counted itself, before it stops.
+        scrape::save_all(&args.out.join("metrics"), &worker_metrics)?;
         let summary = summarize(&ok, &migrations, &cfg.slo);
         let tail_ttft = tail_ttft_by_reasoning_bin(&ok, 256);
         let migrated = ok.iter().filter(|r| r.migrations > 0).count();
@@ -487,7 +529,35 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     for line in cluster.shutdown() {
         tracing_line(&line);
     }
+    // Every process flushed its spans into the sink before the sink stopped: analyse them.
+    if result.is_ok() && !args.no_traces && args.otlp_endpoint.is_none() {
+        if let Err(e) = analyze_traces(&args.out.join("traces.jsonl"), &args.out.join("traces")) {
+            say!("traces      not analysed: {e:#}");
+        }
+    }
     result
+}
+
+/// `kvfleet traces analyze OUT/traces.jsonl --out OUT/traces`, with a one-line summary.
+fn analyze_traces(file: &Path, dir: &Path) -> anyhow::Result<()> {
+    let parsed = kvfleet_traces::parse_file(file)?;
+    let a = kvfleet_traces::analyze(&parsed.spans);
+    let mut written = kvfleet_traces::report::write_outputs(dir, &parsed, &a)?;
+    written.extend(kvfleet_traces::plots::write_plots(dir, &a, 10)?);
+    let complete = a.migrations.iter().filter(|m| m.complete).count();
+    say!(
+        "traces      {} spans in {} traces: {} requests, {} migrations ({} with every phase); {} files in {} \
+         (kvfleet traces analyze {})",
+        a.spans,
+        a.traces,
+        a.requests.len(),
+        a.migrations.len(),
+        complete,
+        written.len(),
+        dir.display(),
+        file.display()
+    );
+    Ok(())
 }
 
 fn tracing_line(line: &str) {

@@ -20,7 +20,8 @@ pub struct Proc {
 
 impl Proc {
     /// Start `program args…`, stderr appended to `log`. With `wait_addr`, block until the child
-    /// prints `listening on ADDR` on stdout (or fail naming the log when it exits or times out).
+    /// prints `listening on ADDR` (or the trace sink's `otlp on ADDR`) on stdout (or fail naming
+    /// the log when it exits or times out).
     pub fn spawn(
         name: &str,
         program: &Path,
@@ -54,7 +55,7 @@ impl Proc {
                 }
                 match rx.recv_timeout(Duration::from_millis(50)) {
                     Ok(line) => {
-                        if let Some(addr) = line.strip_prefix("listening on ") {
+                        if let Some(addr) = line.strip_prefix("listening on ").or_else(|| line.strip_prefix("otlp on ")) {
                             proc.addr = Some(addr.trim().to_string());
                             break;
                         }

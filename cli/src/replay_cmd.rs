@@ -1,0 +1,374 @@
+//! `kvfleet replay`: replay a workload through a cluster that is already running (docker compose,
+//! Docker Swarm, Kubernetes, processes started by hand) and check its outcome.
+//!
+//! It finds the leader through `--coordinators`, waits for the workers, submits every request at
+//! its arrival time on the cluster clock (the load generator of `kvfleet up`: a broken stream is
+//! resumed through the new leader), then prints the summary table of `kvfleet up`, writes the same
+//! files (`results.json`, `summary.csv`, per-request CSVs, plots, `live-migrations.csv`) plus
+//! `replay.json` (the exactly-once accounting), and exits non-zero unless every request completed
+//! exactly once: one final record per request, none failed, none rejected, none duplicated.
+
+use crate::up::replay::{replay, schedule, LeaderFinder, ReplayStats};
+use crate::up::{live, DEFAULT_CONFIG};
+use crate::{report, say, InputError};
+use anyhow::{bail, Context};
+use clap::Args;
+use kvfleet_core::metrics::{summarize, tail_ttft_by_reasoning_bin, RequestRecord};
+use kvfleet_core::{RequestId, RequestSpec, SimTime};
+use kvfleet_sim::config::{resolve_policy, SimConfig};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Args)]
+pub struct ReplayArgs {
+    /// Coordinator addresses, comma-separated (any of them: the leader is found through them).
+    #[arg(long, value_delimiter = ',', required = true)]
+    coordinators: Vec<String>,
+    /// Experiment config: the workload and SLO (default: the embedded `kvfleet up` config). The
+    /// cluster's own settings (model, policy, KV sizes) are the processes' flags, not this file's.
+    #[arg(short, long)]
+    config: Option<PathBuf>,
+    /// Number of requests.
+    #[arg(long)]
+    requests: Option<u64>,
+    /// Arrival rate, requests/s (Poisson/gamma workloads).
+    #[arg(long, allow_negative_numbers = true)]
+    rate: Option<f64>,
+    /// Workload seed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Added to every request id. The cluster keeps results by id, so a second replay against
+    /// the same cluster needs other ids (else it is answered with the first run's records, which
+    /// the check reports as stale).
+    #[arg(long, default_value_t = 0)]
+    id_base: u64,
+    /// Start once at least this many workers are alive (default: the config's `cluster.instances`).
+    #[arg(long)]
+    min_workers: Option<u32>,
+    /// How long to wait for a leader and the workers, seconds.
+    #[arg(long, default_value_t = 120.0)]
+    wait_s: f64,
+    /// Give up this many seconds after the first arrival; unfinished requests then count as failed.
+    #[arg(long, default_value_t = 600.0)]
+    timeout_s: f64,
+    /// Output directory (results, CSVs, plots, `replay.json`).
+    #[arg(short, long, default_value = "results/replay")]
+    out: PathBuf,
+    /// Do not draw plots.
+    #[arg(long)]
+    no_plots: bool,
+    /// No progress bar or progress lines.
+    #[arg(short, long)]
+    quiet: bool,
+    /// The client's cluster certificate (mutual TLS), or `--plaintext`.
+    #[command(flatten)]
+    tls: kvfleet_pki::TlsArgs,
+}
+
+/// The exactly-once accounting of one replay (`replay.json`).
+#[derive(Debug, Default, PartialEq, serde::Serialize)]
+pub struct Outcome {
+    pub requests: usize,
+    /// Requests with exactly one final, not rejected record.
+    pub completed: usize,
+    /// Requests that ended without a record (an error, or the timeout).
+    pub failed: usize,
+    /// Requests rejected by their worker (they could never fit).
+    pub rejected: usize,
+    /// Request ids with more than one final record.
+    pub duplicates: usize,
+    /// Final records for ids that were never submitted.
+    pub unknown: usize,
+    /// Records of an earlier run with the same ids (their arrival is not the one submitted).
+    pub stale: usize,
+    pub resumed: u64,
+    pub retries: u64,
+    pub wall_s: f64,
+    pub exactly_once: bool,
+}
+
+/// Count what came back against what was submitted (`submitted`: each request's id and its
+/// arrival on the cluster clock).
+pub fn account(submitted: &[RequestSpec], records: &[RequestRecord], failed: usize) -> Outcome {
+    let mut seen = std::collections::BTreeMap::<u64, u32>::new();
+    for r in records {
+        *seen.entry(r.id.0).or_default() += 1;
+    }
+    let wanted: std::collections::BTreeMap<u64, SimTime> = submitted.iter().map(|s| (s.id.0, s.arrival)).collect();
+    let rejected = records.iter().filter(|r| r.rejected).count();
+    let duplicates = seen.values().filter(|&&n| n > 1).count();
+    let unknown = seen.keys().filter(|id| !wanted.contains_key(id)).count();
+    let stale = records.iter().filter(|r| wanted.get(&r.id.0).is_some_and(|a| *a != r.arrival)).count();
+    let completed = records
+        .iter()
+        .filter(|r| !r.rejected && wanted.get(&r.id.0) == Some(&r.arrival) && seen.get(&r.id.0) == Some(&1))
+        .count();
+    Outcome {
+        requests: submitted.len(),
+        completed,
+        failed,
+        rejected,
+        duplicates,
+        unknown,
+        stale,
+        exactly_once: completed == submitted.len() && failed == 0 && duplicates == 0 && unknown == 0 && stale == 0,
+        ..Outcome::default()
+    }
+}
+
+pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
+    let mut cfg = match &args.config {
+        Some(p) => SimConfig::load(p).map_err(|e| InputError(e.to_string()))?,
+        None => SimConfig::parse(DEFAULT_CONFIG, "<embedded default>").map_err(|e| InputError(e.to_string()))?,
+    };
+    let base_dir = args.config.as_ref().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default();
+    if let Some(n) = args.requests {
+        cfg.workload.num_requests = Some(n);
+    }
+    if let Some(s) = args.seed {
+        cfg.workload.seed = s;
+    }
+    cfg.sweep = None;
+    cfg.validate().map_err(|e| InputError(e.to_string()))?;
+    for (flag, v) in [("--wait-s", args.wait_s), ("--timeout-s", args.timeout_s)] {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(InputError(format!("{flag} must be a positive number of seconds, got {v}")).into());
+        }
+    }
+    let mut workload = cfg.workload.clone();
+    if let Some(r) = args.rate {
+        if !(r.is_finite() && r > 0.0) {
+            return Err(InputError(format!("--rate must be a positive number, got {r}")).into());
+        }
+        match &mut workload.arrivals {
+            kvfleet_core::workload::ArrivalConfig::Poisson { rate }
+            | kvfleet_core::workload::ArrivalConfig::Gamma { rate, .. } => *rate = r,
+            _ => return Err(InputError("--rate needs a poisson or gamma workload".into()).into()),
+        }
+    }
+    let (intra, instance_policy) = resolve_policy(&cfg.scheduler.policy).map_err(|e| InputError(e.to_string()))?;
+    let mut requests =
+        kvfleet_core::workload::generate(&workload, &base_dir).map_err(|e| InputError(format!("workload: {e}")))?;
+    for r in &mut requests {
+        r.id =
+            r.id.0
+                .checked_add(args.id_base)
+                .map(RequestId)
+                .ok_or_else(|| InputError("--id-base is too large".into()))?;
+    }
+    let tls = args.tls.load().map_err(|e| InputError(e.to_string()))?;
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    let want_workers = args.min_workers.unwrap_or(cfg.cluster.instances) as usize;
+    let finder = LeaderFinder::new(args.coordinators.clone(), tls);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let wait = Duration::from_secs_f64(args.wait_s);
+
+    // A leader, then enough live workers.
+    let deadline = Instant::now() + wait;
+    let status = loop {
+        let (_, s) = rt
+            .block_on(finder.leader(wait))
+            .map_err(|e| anyhow::anyhow!("no leader among {:?}: {}", args.coordinators, e.message()))?;
+        let alive = s.instances.iter().filter(|i| i.alive).count();
+        if alive >= want_workers {
+            break s;
+        }
+        if Instant::now() > deadline {
+            bail!("only {alive} of {want_workers} workers alive after {:.0} s (--min-workers)", args.wait_s);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let alive = status.instances.iter().filter(|i| i.alive).count();
+    say!("leader      {} (store: {}); {alive} workers alive", status.leader, status.store);
+
+    // Replay on the cluster clock.
+    let epoch_unix_ns = status.epoch_unix_ns;
+    schedule(&mut requests, epoch_unix_ns, Duration::from_millis(500));
+    let total = requests.len();
+    say!("replaying   {total} requests ({}, seed {})", cfg.scheduler.policy, cfg.workload.seed);
+    let stats = Arc::new(ReplayStats::default());
+    let interactive = std::io::stderr().is_terminal() && !args.quiet;
+    let bar = if interactive { indicatif::ProgressBar::new(total as u64) } else { indicatif::ProgressBar::hidden() };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests finished {msg}",
+        )
+        .expect("static template"),
+    );
+    let started = Instant::now();
+    let timeout = Duration::from_secs_f64(args.timeout_s);
+    let results = rt.block_on(async {
+        let task = tokio::spawn(replay(finder.clone(), requests.clone(), epoch_unix_ns, stats.clone(), wait));
+        let mut next_line = Instant::now() + Duration::from_secs(5);
+        while !task.is_finished() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let finished = stats.finished.load(Ordering::Relaxed);
+            bar.set_position(finished);
+            bar.set_message(format!("({} tokens streamed)", stats.tokens.load(Ordering::Relaxed)));
+            if !interactive && !args.quiet && Instant::now() >= next_line {
+                next_line += Duration::from_secs(5);
+                say!(
+                    "progress    {finished}/{total} finished, {} resumed, {} retries ({:.0} s)",
+                    stats.resumed.load(Ordering::Relaxed),
+                    stats.retries.load(Ordering::Relaxed),
+                    started.elapsed().as_secs_f64()
+                );
+            }
+            if started.elapsed() > timeout {
+                task.abort();
+                return None;
+            }
+        }
+        task.await.ok()
+    });
+    bar.finish_and_clear();
+    let wall = started.elapsed().as_secs_f64();
+    let Some(results) = results else {
+        bail!(
+            "timed out after {:.0} s (--timeout-s) with {} of {total} requests finished",
+            args.timeout_s,
+            stats.finished.load(Ordering::Relaxed)
+        );
+    };
+    let mut ok = Vec::new();
+    let mut failed = Vec::new();
+    for r in results {
+        match r {
+            Ok(rec) => ok.push(rec),
+            Err(e) => failed.push(e),
+        }
+    }
+    ok.sort_by_key(|r| r.id);
+    let mut outcome = account(&requests, &ok, failed.len());
+    outcome.resumed = stats.resumed.load(Ordering::Relaxed);
+    outcome.retries = stats.retries.load(Ordering::Relaxed);
+    outcome.wall_s = wall;
+
+    // The leader's view after the run: live migrations and the instances it knows.
+    let end = rt.block_on(finder.leader(Duration::from_secs(10))).map(|(_, s)| s).ok();
+    let live_log = end.as_ref().map(|s| s.migration_log.clone()).unwrap_or_default();
+    let migrations = live::records(&live_log);
+    let run = kvfleet_sim::RunResult {
+        policy: cfg.scheduler.policy.clone(),
+        intra,
+        instance_policy,
+        rate: args.rate.or_else(|| kvfleet_sim::arrival_rate(&workload.arrivals)),
+        timing: cfg.cluster.timing.clone(),
+        summary: summarize(&ok, &migrations, &cfg.slo),
+        tail_ttft: tail_ttft_by_reasoning_bin(&ok, 256),
+        records: ok.clone(),
+        migrations,
+        instances: Vec::new(),
+        events: 0,
+        sim_end_s: wall,
+    };
+    say!("{}", report::summary_table(std::slice::from_ref(&run)));
+    say!(
+        "{} of {total} requests completed exactly once ({} failed, {} rejected, {} duplicated, {} stale) in {wall:.1} s; {} migrated at </think>; {} resumed after a leader change; {} client retries",
+        outcome.completed,
+        outcome.failed,
+        outcome.rejected,
+        outcome.duplicates,
+        outcome.stale,
+        ok.iter().filter(|r| r.migrations > 0).count(),
+        outcome.resumed,
+        outcome.retries,
+    );
+    say!("{}", live::table(&live_log).trim_end());
+    if let Some(s) = &end {
+        let alive: Vec<String> = s
+            .instances
+            .iter()
+            .filter(|i| i.alive)
+            .filter_map(|i| i.info.as_ref())
+            .map(|w| w.instance.to_string())
+            .collect();
+        let gone: Vec<String> = s
+            .instances
+            .iter()
+            .filter(|i| !i.alive)
+            .filter_map(|i| i.info.as_ref())
+            .map(|w| w.instance.to_string())
+            .collect();
+        say!("leader      {} at the end; instances alive [{}], gone [{}]", s.leader, alive.join(","), gone.join(","));
+    }
+    for e in failed.iter().take(5) {
+        say!("  failed: {e}");
+    }
+    if !live_log.is_empty() {
+        live::write_csv(&args.out.join("live-migrations.csv"), &live_log)?;
+    }
+    let mut written = report::write_outputs(&args.out, std::slice::from_ref(&run))?;
+    if !args.no_plots {
+        written.extend(crate::plots::write_plots(&args.out, std::slice::from_ref(&run))?);
+    }
+    let json = serde_json::to_string_pretty(&outcome).expect("plain data");
+    std::fs::write(args.out.join("replay.json"), json + "\n").context("writing replay.json")?;
+    say!("wrote {} files to {}", written.len() + 1, args.out.display());
+    if outcome.stale > 0 {
+        say!(
+            "  {} records are an earlier run's (same request ids): replay again with another --id-base",
+            outcome.stale
+        );
+    }
+    if !outcome.exactly_once {
+        bail!(
+            "not every request completed exactly once: {} of {total} completed, {} failed, {} rejected, {} duplicated, {} unknown, {} stale",
+            outcome.completed,
+            outcome.failed,
+            outcome.rejected,
+            outcome.duplicates,
+            outcome.unknown,
+            outcome.stale
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(id: u64) -> RequestSpec {
+        RequestSpec {
+            id: RequestId(id),
+            arrival: SimTime(id * 10),
+            prompt_tokens: 1,
+            reasoning_tokens: 1,
+            answer_tokens: 1,
+        }
+    }
+
+    fn rec(id: u64, rejected: bool) -> RequestRecord {
+        RequestRecord { id: RequestId(id), arrival: SimTime(id * 10), rejected, ..RequestRecord::default() }
+    }
+
+    #[test]
+    fn exactly_once_accounting_from_a_table() {
+        let specs = [spec(1), spec(2), spec(3)];
+        let stale = RequestRecord { arrival: SimTime(7), ..rec(3, false) };
+        // (records, failed, completed, rejected, duplicates, unknown, stale, exactly once)
+        type Row = (Vec<RequestRecord>, usize, usize, usize, usize, usize, usize, bool);
+        let table: Vec<Row> = vec![
+            (vec![rec(1, false), rec(2, false), rec(3, false)], 0, 3, 0, 0, 0, 0, true),
+            (vec![rec(1, false), rec(2, false)], 1, 2, 0, 0, 0, 0, false),
+            (vec![rec(1, false), rec(2, false), rec(3, true)], 0, 2, 1, 0, 0, 0, false),
+            (vec![rec(1, false), rec(2, false), rec(2, false), rec(3, false)], 0, 2, 0, 1, 0, 0, false),
+            (vec![rec(1, false), rec(2, false), rec(3, false), rec(9, false)], 0, 3, 0, 0, 1, 0, false),
+            (vec![rec(1, false), rec(2, false), stale], 0, 2, 0, 0, 0, 1, false),
+        ];
+        for (i, (records, failed, completed, rejected, duplicates, unknown, stale, once)) in
+            table.into_iter().enumerate()
+        {
+            let o = account(&specs, &records, failed);
+            assert_eq!(
+                (o.completed, o.rejected, o.duplicates, o.unknown, o.stale, o.exactly_once),
+                (completed, rejected, duplicates, unknown, stale, once),
+                "row {i}"
+            );
+        }
+    }
+}
