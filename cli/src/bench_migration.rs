@@ -38,6 +38,10 @@ pub struct MigrationBench {
     /// on the fabric, so that is this benchmark's default.
     #[arg(long, default_value_t = 2)]
     stop_copy_blocks: u32,
+    /// The workers' `--stop-copy-ms`: a downtime budget instead of a block count once a live
+    /// stage has measured the link (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    stop_copy_ms: f64,
     /// Skip the blocking stop-and-copy comparison.
     #[arg(long)]
     no_blocking: bool,
@@ -139,11 +143,19 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
     let worker = sibling_binary("kvfleet-worker")?;
     let modes: &[(&str, &str)] =
         if b.no_blocking { &[("pipelined", "3")] } else { &[("pipelined", "3"), ("blocking", "0")] };
+    let threshold = if b.stop_copy_ms > 0.0 {
+        format!("stop-and-copy once the rest copies within {} ms", b.stop_copy_ms)
+    } else {
+        format!("stop-and-copy below {} new blocks", b.stop_copy_blocks)
+    };
     say!(
         "  (c) live migration of one decoding request between two worker processes (32B model, 256 KiB/token, \
-         stop-and-copy below {} new blocks):",
-        b.stop_copy_blocks
+         {threshold}):"
     );
+    let mut stop_args = vec!["--stop-copy-blocks".to_string(), b.stop_copy_blocks.to_string()];
+    if b.stop_copy_ms > 0.0 {
+        stop_args.extend(["--stop-copy-ms".to_string(), b.stop_copy_ms.to_string()]);
+    }
     let mut rows = Vec::new();
     // On a terminal: which migration runs now and for how long (a 16k-token blocking copy takes
     // ten seconds or more here). Hidden when stderr is not a terminal.
@@ -157,7 +169,7 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
         for &(mode, stages) in modes {
             bar.set_message(format!("({tokens} tokens, {mode})"));
             let stats =
-                rt.block_on(migrate_once(&worker, &logs, tokens, stages, b.stop_copy_blocks, &issue, &client))?;
+                rt.block_on(migrate_once(&worker, &logs, tokens, stages, &stop_args, &issue, &client))?;
             bar.inc(1);
             bar.suspend(|| say!(
                 "      {:>6} tokens {:>9} {:>4}: total {:>8.1} ms  downtime {:>8.1} ms  stages {}  {:.2} Gbit/s{}",
@@ -195,7 +207,7 @@ async fn migrate_once(
     logs: &Path,
     tokens: u32,
     max_stages: &str,
-    stop_copy_blocks: u32,
+    stop_args: &[String],
     issue: &dyn Fn(&str) -> anyhow::Result<Vec<String>>,
     client: &NodeIdentity,
 ) -> anyhow::Result<v1::MigrationStats> {
@@ -215,14 +227,13 @@ async fn migrate_once(
             "--prefault",
             "--max-stages",
             max_stages,
-            "--stop-copy-blocks",
-            &stop_copy_blocks.to_string(),
             "--max-batched-tokens",
             &(tokens + 16).max(8192).to_string(),
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
+        a.extend(stop_args.iter().cloned());
         a.extend(issue(&format!("worker-{i}"))?);
         let log = logs.join(format!("worker-{tokens}-{max_stages}-{i}.log"));
         procs.push(Proc::spawn(&format!("worker-{i}"), worker, &a, &log, Some(Duration::from_secs(60)))?);

@@ -6,6 +6,7 @@
 //! - `kvfleet bench sim`: simulator speed (events/s) and the wall time of a large cluster run.
 //! - `kvfleet bench timing`: timing-model error on measured points held out of the profile.
 //! - `kvfleet traces collect|analyze`: the OTLP trace sink and the trace analyser.
+//! - `kvfleet replay`: a workload through an already running cluster (docker-compose, swarm).
 //!
 //! Exit codes: 0 success, 1 runtime failure, 2 invalid input (bad flag, bad config, missing file).
 
@@ -13,6 +14,7 @@ mod bench;
 mod bench_migration;
 mod certs;
 mod plots;
+mod replay_cmd;
 mod report;
 mod status;
 mod traces;
@@ -54,6 +56,9 @@ enum Command {
     /// The trace sink (OTLP/gRPC → OTLP JSON lines) and the trace analyser (docs/tracing.md).
     #[command(subcommand)]
     Traces(traces::TracesCommand),
+    /// Replay a workload through a running cluster (compose, swarm, processes started by hand);
+    /// fails unless every request completed exactly once.
+    Replay(replay_cmd::ReplayArgs),
 }
 
 #[derive(Args)]
@@ -122,6 +127,7 @@ fn main() -> ExitCode {
         Command::Certs(c) => certs::run(c),
         Command::Status(a) => status::run(a),
         Command::Traces(t) => traces::run(t),
+        Command::Replay(a) => replay_cmd::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

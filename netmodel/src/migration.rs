@@ -108,6 +108,12 @@ pub struct MigrationParams {
     /// Deadline of the whole migration, counted from `start` (source) or the `Prepare` (target);
     /// it bounds every wait, and a timeout names the phase that was waiting.
     pub timeout: SimDuration,
+    /// Time-based stop-and-copy: once a live stage has measured the link, pause as soon as the
+    /// new blocks would take at most this long to copy at that stage's goodput, and keep copying
+    /// live while they would take longer (still at most `max_stages`). `stop_copy_blocks` then
+    /// only decides before the first stage. The block count's right value depends on the link
+    /// (16 blocks are ~5 ms at 100 Gbit/s, ~150 ms at 3.5); a downtime budget does not.
+    pub stop_copy_after: Option<SimDuration>,
 }
 
 impl Default for MigrationParams {
@@ -126,6 +132,21 @@ impl MigrationParams {
             block_size,
             block_bytes,
             timeout: SimDuration::from_secs_f64(10.0),
+            stop_copy_after: None,
+        }
+    }
+
+    /// Whether to pause for the stop-and-copy after `live_stages_done` live stages with
+    /// `remaining` new full blocks, the last live stage having moved `last_stage_bytes_per_s`.
+    pub fn stop_copy_now(&self, live_stages_done: u32, remaining: u32, last_stage_bytes_per_s: Option<f64>) -> bool {
+        if live_stages_done >= self.max_stages || remaining == 0 {
+            return true;
+        }
+        match (self.stop_copy_after, last_stage_bytes_per_s) {
+            (Some(budget), Some(rate)) if rate > 0.0 => {
+                remaining as f64 * self.block_bytes as f64 / rate <= budget.as_secs_f64()
+            }
+            _ => remaining < self.stop_copy_blocks,
         }
     }
 

@@ -519,6 +519,13 @@ impl Driver {
         if self.draining {
             return SubmitOutcome::Rejected(DriverError::Draining.to_string());
         }
+        // A live migration of this request was coming in when its source died, and the leader
+        // re-placed it here from the start: the stale reservation goes (the migration, whose
+        // source is gone, aborts on its next frame or its deadline) before the fresh copy runs.
+        if self.engine.reserved_requests().contains(&id) {
+            let freed = self.engine.release_reservation(id);
+            tracing::warn!(request = %id, freed, "re-placed here while a migration of it was coming in; reservation released");
+        }
         let record = RequestRecord {
             id,
             arrival: spec.arrival,

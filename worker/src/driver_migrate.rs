@@ -207,6 +207,11 @@ impl Driver {
         if self.engine.contains(id) {
             return Ok(self.clock.now()); // a retried commit: it is already here
         }
+        if self.accepted.contains(&id) {
+            // It ran here already (re-placed from the start when its source was declared dead):
+            // the old migration must not bring a second copy.
+            return Err(DriverError::Kv { request: id, message: "already run on this instance".into() });
+        }
         if self.draining {
             return Err(DriverError::Draining);
         }

@@ -310,3 +310,34 @@ fn live_commit_with_a_corrupt_block_is_refused_and_the_source_resumes() {
     assert_eq!(s.finished[&5].finished_on, Some(0));
     assert_eq!(s.tokens[&5].len(), 35, "every token exactly once, all on A");
 }
+
+/// The source of an incoming migration was declared dead and the leader re-placed the request
+/// here from the start: the stale reservation is released, the fresh copy runs to the end (it
+/// used to trip the planner: one request id owning blocks twice), and a late commit of the old
+/// migration (a source that was only cut off) cannot attach a second copy.
+#[test]
+fn a_request_re_placed_while_its_migration_was_incoming_runs_fresh() {
+    let a = start(0, "fcfs", 32, 8);
+    let b = start(1, "fcfs", 32, 8);
+    let id = RequestId(5);
+    let live = |cmd| Command::Live(cmd);
+    ask(&a, |reply| Command::Submit { spec: spec(5, 9, 40, 10), reply });
+    wait_for(&a.log, "a few tokens on A", |s| s.tokens.get(&5).is_some_and(|t| t.len() >= 6));
+    let paused = ask(&a, |reply| live(LiveCommand::PauseOut { request: id, reply })).unwrap();
+    let blocks = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
+    ask(&b, |reply| live(LiveCommand::Reserve { request: id, kv_tokens: paused.kv_tokens, reply })).unwrap();
+    for (i, data) in blocks.blocks.iter().enumerate() {
+        ask(&b, |reply| live(LiveCommand::WriteBlock { request: id, index: i as u32, data: data.clone(), reply }))
+            .unwrap();
+    }
+    // (A is declared dead here; the leader re-places the request on B from the start)
+    assert_eq!(ask(&b, |reply| Command::Submit { spec: spec(5, 9, 40, 10), reply }), SubmitOutcome::Accepted);
+    let s = wait_for(&b.log, "the fresh copy's record", |s| s.finished.contains_key(&5));
+    check_request(&s, 5, 40, 10);
+    assert_eq!(ask(&b, |reply| Command::Stats { reply }).kv.errors, 0);
+    // A was only cut off and commits its migration late: refused, no second copy.
+    let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
+    let late = ask(&b, |reply| live(LiveCommand::AttachReserved { state: Box::new(m), reply }));
+    assert!(late.is_err(), "a late commit of a request already run here is refused: {late:?}");
+    assert_eq!(collect(&b.log).finished.len(), 1);
+}

@@ -342,6 +342,11 @@ fn start_migrator(
     let mut params = kvfleet_netmodel::migration::MigrationParams::new(block_size, block_bytes);
     params.stop_copy_blocks = opts.stop_copy_blocks;
     params.max_stages = opts.max_stages;
+    if opts.stop_copy_ms < 0.0 || !opts.stop_copy_ms.is_finite() {
+        return Err(WorkerError::Migration(format!("--stop-copy-ms must be ≥ 0, got {}", opts.stop_copy_ms)));
+    }
+    params.stop_copy_after =
+        (opts.stop_copy_ms > 0.0).then(|| kvfleet_core::SimDuration::from_millis_f64(opts.stop_copy_ms));
     params.timeout = kvfleet_core::SimDuration::from_secs_f64(opts.migration_timeout_ms as f64 / 1e3);
     params.validate().map_err(|e| WorkerError::Migration(e.to_string()))?;
     let link = migrate_trace::LinkShape { gbps: opts.link_gbps.unwrap_or(0.0), latency_us: opts.link_latency_us };

@@ -43,8 +43,18 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let service = kvfleet_telemetry::Service {
         name: "kvfleet-worker",
-        instance_id: format!("worker-{}", cli.opts.instance),
-        attributes: vec![kvfleet_telemetry::KeyValue::new("kvfleet.instance", i64::from(cli.opts.instance))],
+        // `--instance auto` is claimed later, in etcd: such a worker goes by its host name (its
+        // spans carry the claimed number as attributes).
+        instance_id: if cli.opts.instance == AUTO_INSTANCE {
+            format!("worker-{}", std::fs::read_to_string("/etc/hostname").unwrap_or_default().trim())
+        } else {
+            format!("worker-{}", cli.opts.instance)
+        },
+        attributes: if cli.opts.instance == AUTO_INSTANCE {
+            vec![]
+        } else {
+            vec![kvfleet_telemetry::KeyValue::new("kvfleet.instance", i64::from(cli.opts.instance))]
+        },
     };
     let telemetry = match kvfleet_telemetry::init(service, &cli.telemetry) {
         Ok(t) => t,

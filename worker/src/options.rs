@@ -114,6 +114,11 @@ pub struct WorkerOptions {
     /// blocks remain.
     #[arg(long, default_value_t = 16)]
     pub stop_copy_blocks: u32,
+    /// Time-based stop-and-copy (0: off, the block count decides): once a live stage measured
+    /// the link, pause when the new blocks would copy within this many milliseconds at its
+    /// goodput — a downtime budget that is right on any link, unlike a block count.
+    #[arg(long, default_value_t = 0.0)]
+    pub stop_copy_ms: f64,
     /// Pipelined stop-and-copy: most live copy stages before the final one (0: plain stop-and-copy).
     #[arg(long, default_value_t = 3)]
     pub max_stages: u32,

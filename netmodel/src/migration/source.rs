@@ -359,8 +359,12 @@ impl SourceMachine {
     fn next_stage(&mut self, now: SimTime) {
         let full_blocks = self.kv_tokens / self.params.block_size;
         let remaining = full_blocks.saturating_sub(self.sent_blocks);
-        if self.live_stages_done >= self.params.max_stages || remaining == 0 || remaining < self.params.stop_copy_blocks
-        {
+        // The link as the last live stage measured it: its bytes over Copy → StageAck.
+        let rate = self.report.stages.iter().rev().find(|s| !s.final_stage).and_then(|s| {
+            let took = s.ended?.saturating_since(s.started).as_secs_f64();
+            (took > 0.0).then(|| s.bytes as f64 / took)
+        });
+        if self.params.stop_copy_now(self.live_stages_done, remaining, rate) {
             self.report.pause_requested_at = Some(now);
             self.state = State::Pausing;
             self.actions.push_back(SourceAction::Pause);

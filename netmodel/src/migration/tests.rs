@@ -99,6 +99,56 @@ fn happy_path_frames_report_and_bytes() {
     serde_json::to_string(t).unwrap();
 }
 
+/// The time-based threshold: (budget ms, live stages done, remaining blocks, last stage MB/s)
+/// → pause? 4 MiB blocks; `None` rate: before any live stage, the block count decides.
+#[test]
+fn time_based_stop_copy_pauses_when_the_rest_fits_the_budget() {
+    #[rustfmt::skip]
+    let table: &[(Option<f64>, u32, u32, Option<f64>, bool)] = &[
+        // off: the SPEC's block threshold (16)
+        (None, 1, 15, Some(400.0), true),
+        (None, 1, 16, Some(400.0), false),
+        // a 4 MiB block takes 8.4 ms at 500 MB/s; 10 ms at 12.5 GB/s (100 Gbit/s) is 29.8 blocks
+        (Some(10.0), 1, 1, Some(500.0), true),
+        (Some(10.0), 1, 2, Some(500.0), false),
+        (Some(10.0), 1, 29, Some(12_500.0), true),
+        (Some(10.0), 1, 30, Some(12_500.0), false),
+        // not measured yet (before stage 0): the block count
+        (Some(10.0), 0, 20, None, false),
+        (Some(10.0), 0, 3, None, true),
+        // max_stages and "nothing new" always stop
+        (Some(10.0), 3, 1000, Some(1.0), true),
+        (Some(10.0), 1, 0, Some(1.0), true),
+    ];
+    for &(budget, done, remaining, mb_per_s, pause) in table {
+        let mut p = MigrationParams::default();
+        p.stop_copy_after = budget.map(SimDuration::from_millis_f64);
+        let rate = mb_per_s.map(|m| m * 1e6);
+        assert_eq!(p.stop_copy_now(done, remaining, rate), pause, "{budget:?} {done} {remaining} {mb_per_s:?}");
+    }
+}
+
+#[test]
+fn time_based_stop_copy_runs_through_the_machines() {
+    // 400 tokens = 100 full blocks; 40 tokens decoded per live stage = 10 new blocks each time.
+    let run = |budget_s: f64| {
+        let mut cfg = Config::small(400, 3);
+        cfg.decode_per_copy = 40;
+        cfg.params.stop_copy_blocks = 1;
+        cfg.params.stop_copy_after = Some(SimDuration::from_secs_f64(budget_s));
+        let mut w = World::new(cfg);
+        w.start();
+        w.drain();
+        assert_eq!(w.src_outcome(), Some(&Outcome::Committed));
+        w.check_safety();
+        stage_blocks(&w)
+    };
+    // A generous budget: after stage 0 the 10 new blocks fit it, pause at once.
+    assert_eq!(run(1.0), vec![100, 10]);
+    // A budget no copy fits: live stages until max_stages.
+    assert_eq!(run(1e-9), vec![100, 10, 10, 10]);
+}
+
 /// (initial KV tokens, tokens decoded while each live stage copies, stop_copy_blocks, max_stages)
 /// → blocks of every stage (the last is the stop-and-copy stage). 4 tokens per block.
 #[test]
