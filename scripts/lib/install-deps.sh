@@ -12,13 +12,15 @@ install_deps() {
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
-  # The OpenAI-compatible API is tested with the official `openai` Python client, and the trace
-  # sink with the official OpenTelemetry SDK's OTLP/gRPC exporter (both from PyPI).
+  # The OpenAI-compatible API is tested with the official `openai` Python client, the trace sink
+  # with the official OpenTelemetry SDK's OTLP/gRPC exporter (all from PyPI).
   local pkgs=()
   if command -v python3 >/dev/null 2>&1; then
     python3 -c "import openai" >/dev/null 2>&1 || pkgs+=(openai)
     python3 -c "import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.grpc" >/dev/null 2>&1 \
       || pkgs+=(opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc)
+    # /metrics is checked with the Prometheus project's own text-format parser.
+    python3 -c "import prometheus_client" >/dev/null 2>&1 || pkgs+=(prometheus_client)
   fi
   if ((${#pkgs[@]})); then
     echo "installing Python packages: ${pkgs[*]}" >&2

@@ -31,13 +31,75 @@ fn sample(text: &str, name: &str, label: &str) -> f64 {
         .sum()
 }
 
-fn worker_counts(dir: &Path) -> BTreeMap<i64, WorkerCounts> {
+/// `OUT/metrics/worker-N.prom` by instance.
+fn workers_text(dir: &Path) -> BTreeMap<i64, String> {
     let mut out = BTreeMap::new();
     for e in std::fs::read_dir(dir).expect("OUT/metrics written") {
         let path = e.expect("entry").path();
         let name = path.file_stem().and_then(|s| s.to_str()).expect("utf-8 name").to_string();
-        let instance: i64 = name.trim_start_matches("worker-").parse().expect("worker-N.prom");
-        let text = std::fs::read_to_string(&path).expect("readable");
+        if let Some(n) = name.strip_prefix("worker-") {
+            out.insert(n.parse().expect("worker-N.prom"), std::fs::read_to_string(&path).expect("readable"));
+        }
+    }
+    out
+}
+
+/// `tests/parse_metrics.py` (prometheus_client's parser) over every saved page: each parses, the
+/// workers' and the leader's families have the types the README documents.
+fn check_prometheus_parse(dir: &Path) {
+    let mut files: Vec<String> = std::fs::read_dir(dir)
+        .expect("OUT/metrics")
+        .map(|e| e.expect("entry").path().display().to_string())
+        .collect();
+    files.sort();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("parse_metrics.py");
+    let o = std::process::Command::new("python3").arg(&script).args(&files).output();
+    let o = match o {
+        Ok(o) if o.status.code() == Some(77) => {
+            eprintln!("SKIPPED the Prometheus parser check: {}", String::from_utf8_lossy(&o.stderr).trim());
+            return;
+        }
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("SKIPPED the Prometheus parser check: python3 not runnable: {e}");
+            return;
+        }
+    };
+    assert!(o.status.success(), "prometheus_client could not parse: {}", String::from_utf8_lossy(&o.stderr));
+    let parsed: Value = serde_json::from_slice(&o.stdout).expect("the script prints JSON");
+    let mut leaders = 0;
+    for (file, families) in parsed.as_object().expect("by file") {
+        let ty = |f: &str| families[f].as_str().unwrap_or("missing").to_string();
+        if file.contains("worker-") {
+            for (f, t) in [
+                ("vllm:num_requests_running", "gauge"),
+                ("vllm:gpu_cache_usage_perc", "gauge"),
+                ("vllm:num_preemptions", "counter"),
+                ("vllm:time_to_first_token_seconds", "histogram"),
+                ("vllm:time_per_output_token_seconds", "histogram"),
+                ("vllm:e2e_request_latency_seconds", "histogram"),
+                ("kvfleet_timer_lateness_seconds", "summary"),
+                ("kvfleet_kv_errors", "counter"),
+                ("kvfleet_migrations", "counter"),
+                ("kvfleet_migration_downtime_seconds", "histogram"),
+            ] {
+                assert_eq!(ty(f), t, "{file}: {f}");
+            }
+        } else if families.get("kvfleet_workers_alive").is_some() {
+            leaders += 1;
+            assert_eq!(ty("kvfleet_leader"), "gauge", "{file}");
+            assert_eq!(ty("kvfleet_requests_finished"), "counter", "{file}");
+            assert_eq!(ty("kvfleet_migration_downtime_seconds"), "histogram", "{file}");
+        } else {
+            assert_eq!(ty("kvfleet_leader"), "gauge", "{file}: a standby says it is not the leader");
+        }
+    }
+    assert_eq!(leaders, 1, "exactly one coordinator leads: {parsed}");
+}
+
+fn worker_counts(dir: &Path) -> BTreeMap<i64, WorkerCounts> {
+    let mut out = BTreeMap::new();
+    for (instance, text) in workers_text(dir) {
         let c = WorkerCounts {
             committed: sample(&text, "kvfleet_migrations_total", "outcome=\"committed\""),
             aborted: sample(&text, "kvfleet_migrations_total", "outcome=\"aborted\""),
@@ -115,6 +177,13 @@ fn traces_of_a_run_hold_every_migration_with_its_phases_and_the_workers_downtime
             c.downtime_sum_s
         );
     }
+
+    // Every /metrics page parses with the Prometheus project's own parser, with the documented
+    // types; no KV byte was lost on any worker.
+    for (instance, text) in workers_text(&out.join("metrics")) {
+        assert_eq!(sample(&text, "kvfleet_kv_errors_total", ""), 0.0, "worker {instance}: KV errors");
+    }
+    check_prometheus_parse(&out.join("metrics"));
 
     // The coordinator's log of settled live migrations names the same ones.
     let csv = std::fs::read_to_string(out.join("live-migrations.csv")).expect("live-migrations.csv");

@@ -104,7 +104,9 @@ pub async fn udp_send(peer: SocketAddr, bytes: u64, segment: usize) -> Result<Ud
     let any: SocketAddr = if peer.is_ipv4() { ([127, 0, 0, 1], 0).into() } else { (std::net::Ipv6Addr::LOCALHOST, 0).into() };
     let (sock, state) = socket(any)?;
     let segment = segment.clamp(64, 65_000);
-    let per_send = state.max_gso_segments().clamp(1, 64);
+    // A GSO send is one UDP datagram to the kernel: at most 64 KiB in all (quinn-udp swallows the
+    // EMSGSIZE of a larger one, as it does for MTU probes, so a too-large batch would vanish).
+    let per_send = state.max_gso_segments().clamp(1, 65_000 / segment);
     let mut batch = vec![0u8; segment * per_send];
     for (i, b) in batch.iter_mut().enumerate() {
         *b = if i % segment == 0 { TAG_DATA } else { i as u8 };
@@ -156,7 +158,8 @@ mod tests {
         let addr = rx.await.unwrap();
         let r = udp_send(addr, 8 << 20, DEFAULT_SEGMENT_BYTES).await.unwrap();
         assert!(r.sent >= 8 << 20);
-        assert!(r.received > 0 && r.received <= r.sent, "{r:?}");
+        // Most of it arrives (a batch too large for GSO used to vanish without an error).
+        assert!(r.received > r.sent / 10 && r.received <= r.sent, "{r:?}");
         assert!(r.elapsed_s >= 0.0 && r.loss() < 1.0, "{r:?}");
         // A second transfer starts from zero.
         let r2 = udp_send(addr, 1 << 20, DEFAULT_SEGMENT_BYTES).await.unwrap();

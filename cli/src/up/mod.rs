@@ -260,6 +260,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             Some(url)
         };
         let otlp_args: Vec<String> = otlp.iter().flat_map(|u| ["--otlp-endpoint".to_string(), u.clone()]).collect();
+        let mut metric_pages = Vec::new();
         for i in 0..n_coord {
             let mut a = vec![
                 "--policy".to_string(),
@@ -275,6 +276,10 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 a.extend(["--etcd".into(), u.clone()]);
             }
             a.extend(otlp_args.iter().cloned());
+            // Its /metrics (and the OpenAI API) on a loopback port, scraped at the end.
+            let http = format!("127.0.0.1:{}", free_port()?);
+            a.extend(["--http-listen".into(), http.clone()]);
+            metric_pages.push((format!("coordinator-{i}"), http));
             a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Coordinator, &format!("coordinator-{i}"))?);
             let p = Proc::spawn(
                 &format!("coordinator-{i}"),
@@ -290,7 +295,6 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         let finder = LeaderFinder::new(coord_addrs.clone(), client_tls.clone());
         let (_, status) = rt.block_on(finder.leader(Duration::from_secs(30))).context("waiting for a leader")?;
         say!("leader      {} (store: {})", status.leader, status.store);
-        let mut worker_metrics = Vec::new();
         for i in 0..cfg.cluster.instances {
             let mut a = vec![
                 "--instance".to_string(),
@@ -334,7 +338,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             a.extend(otlp_args.iter().cloned());
             let metrics_addr = format!("127.0.0.1:{}", free_port()?);
             a.extend(["--metrics-listen".into(), metrics_addr.clone()]);
-            worker_metrics.push((i, metrics_addr));
+            metric_pages.push((format!("worker-{i}"), metrics_addr));
             a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Worker, &format!("worker-{i}"))?);
             match &etcd_url {
                 Some(u) => a.extend(["--etcd".into(), u.clone()]),
@@ -474,7 +478,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             rt.block_on(finder.leader(Duration::from_secs(10))).map(|(_, s)| s.migration_log).unwrap_or_default();
         let migrations = live::records(&live_log);
         // What each worker counted itself, before it stops.
-        scrape::save_all(&args.out.join("metrics"), &worker_metrics)?;
+        scrape::save_all(&args.out.join("metrics"), &metric_pages)?;
         let summary = summarize(&ok, &migrations, &cfg.slo);
         let tail_ttft = tail_ttft_by_reasoning_bin(&ok, 256);
         let migrated = ok.iter().filter(|r| r.migrations > 0).count();

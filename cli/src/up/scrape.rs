@@ -1,4 +1,5 @@
-//! Prometheus snapshots of the workers at the end of a run (`OUT/metrics/worker-N.prom`), so a
+//! Prometheus snapshots of the workers and coordinators at the end of a run
+//! (`OUT/metrics/worker-N.prom`, `coordinator-N.prom`), so a
 //! run's results can be checked against what each process counted itself (e.g. the trace
 //! analysis's migration downtimes against `kvfleet_migration_downtime_seconds`).
 
@@ -25,18 +26,19 @@ pub fn scrape(addr: &str) -> anyhow::Result<String> {
     Ok(body.to_string())
 }
 
-/// Save every reachable worker's page as `dir/worker-N.prom`; the number saved.
-pub fn save_all(dir: &Path, workers: &[(u32, String)]) -> anyhow::Result<usize> {
+/// Save every reachable process's page as `dir/NAME.prom` (`worker-0`, `coordinator-1`); the
+/// number saved.
+pub fn save_all(dir: &Path, pages: &[(String, String)]) -> anyhow::Result<usize> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut saved = 0;
-    for (i, addr) in workers {
+    for (name, addr) in pages {
         match scrape(addr) {
             Ok(body) => {
-                std::fs::write(dir.join(format!("worker-{i}.prom")), body)?;
+                std::fs::write(dir.join(format!("{name}.prom")), body)?;
                 saved += 1;
             }
-            // A worker killed by fault injection has nothing to say.
-            Err(e) => eprintln!("metrics of worker-{i} not saved: {e:#}"),
+            // A process killed by fault injection has nothing to say.
+            Err(e) => eprintln!("metrics of {name} not saved: {e:#}"),
         }
     }
     Ok(saved)
