@@ -61,6 +61,11 @@ for line in sys.stdin:
         [ -n "$exe" ] && cp "$exe" "target/gpu-bin/kvfleet-cuda-test-$kind-$name"
     done <<<"$exes"
     strip target/gpu-bin/* 2>/dev/null || true
+    # A build sharing the target folder may have replaced a binary with one without the feature.
+    for b in kvfleet kvfleet-worker; do
+        grep -q 'no CUDA driver (libcuda.so)' "target/gpu-bin/$b" ||
+            { echo "gpu-fidelity --prepare: target/gpu-bin/$b lacks the cuda feature (replaced by a concurrent build?); run again" >&2; exit 1; }
+    done
     ls -la target/gpu-bin
     size=$(du -sm target/gpu-bin | cut -f1)
     echo "target/gpu-bin: ${size} MiB (the device tool carries at most 64 MiB with the working tree)"

@@ -33,14 +33,14 @@ pub struct MigrationBench {
     #[arg(long, value_delimiter = ',', default_value = "256,1024,4096,8192,16384")]
     lengths: Vec<u32>,
     /// The workers' `--stop-copy-blocks`: pause for the final copy once fewer new full blocks
-    /// remain. The workers' default, 16 (SPEC), is 64 MiB: ~5 ms on a 100 Gbit/s fabric but
-    /// ~150 ms over this host's ~3.5 Gbit/s loopback QUIC; 2 blocks here take about what 16 take
-    /// on the fabric, so that is this benchmark's default.
-    #[arg(long, default_value_t = 2)]
+    /// remain (SPEC: 16). With `--stop-copy-ms` it only decides before the first live stage.
+    #[arg(long, default_value_t = 16)]
     stop_copy_blocks: u32,
-    /// The workers' `--stop-copy-ms`: a downtime budget instead of a block count once a live
-    /// stage has measured the link (0: off).
-    #[arg(long, default_value_t = 0.0)]
+    /// The workers' `--stop-copy-ms`: once a live stage has measured the link, pause when the new
+    /// blocks would copy within this budget (0: off, the block count decides throughout). 16
+    /// blocks are 64 MiB: ~5 ms at 100 Gbit/s but ~200 ms over this host's ~2.5 Gbit/s loopback
+    /// QUIC; a time budget is right on both.
+    #[arg(long, default_value_t = 10.0)]
     stop_copy_ms: f64,
     /// Skip the blocking stop-and-copy comparison.
     #[arg(long)]

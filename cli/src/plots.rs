@@ -32,19 +32,7 @@ const MAX_CDF_POINTS: usize = 1000;
 /// An axis whose positive data spans more than this ratio (two decades) is drawn logarithmic.
 const LOG_AXIS_SPAN: f64 = 100.0;
 
-/// Tableau 10: distinguishable, and readable in print.
-const PALETTE: [RGBColor; 10] = [
-    RGBColor(31, 119, 180),
-    RGBColor(255, 127, 14),
-    RGBColor(44, 160, 44),
-    RGBColor(214, 39, 40),
-    RGBColor(148, 103, 189),
-    RGBColor(140, 86, 75),
-    RGBColor(227, 119, 194),
-    RGBColor(127, 127, 127),
-    RGBColor(188, 189, 34),
-    RGBColor(23, 190, 207),
-];
+use kvfleet_traces::plots::PALETTE;
 
 /// One line of a chart.
 struct Series {

@@ -233,15 +233,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             stats.finished.load(Ordering::Relaxed)
         );
     };
-    let mut ok = Vec::new();
-    let mut failed = Vec::new();
-    for r in results {
-        match r {
-            Ok(rec) => ok.push(rec),
-            Err(e) => failed.push(e),
-        }
-    }
-    ok.sort_by_key(|r| r.id);
+    let (ok, failed) = crate::up::replay::partition(results);
     let mut outcome = account(&requests, &ok, failed.len());
     outcome.resumed = stats.resumed.load(Ordering::Relaxed);
     outcome.retries = stats.retries.load(Ordering::Relaxed);

@@ -21,8 +21,8 @@ const SIZE_PX: (u32, u32) = (900, 600);
 /// Points per CDF line at most (a 100 000-migration run must not make a 10 MB SVG).
 const MAX_CDF_POINTS: usize = 1000;
 
-/// Tableau 10, as cli/src/plots.rs.
-const PALETTE: [RGBColor; 10] = [
+/// Tableau 10: distinguishable, and readable in print (the CLI's plots use it too).
+pub const PALETTE: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),

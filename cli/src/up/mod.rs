@@ -327,10 +327,11 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 epoch_unix_ns.to_string(),
                 "--load-interval-ms".into(),
                 "20".into(),
-                // Loopback QUIC moves ~3 Gbit/s here: pause for the final copy below 2 new blocks
-                // (8 MiB), about what the SPEC's 16 blocks take on a 100 Gbit/s fabric.
-                "--stop-copy-blocks".into(),
-                "2".into(),
+                // SPEC's 16 blocks decide before the first live stage; after it, pause once the
+                // rest copies within 10 ms at the measured rate (16 blocks are ~200 ms over
+                // loopback QUIC here, ~5 ms on a 100 Gbit/s fabric).
+                "--stop-copy-ms".into(),
+                "10".into(),
             ];
             if !args.no_prefault {
                 a.push("--prefault".into());
@@ -464,15 +465,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         });
         bar.finish_and_clear();
         let wall = started.elapsed().as_secs_f64();
-        let mut ok = Vec::new();
-        let mut failed = Vec::new();
-        for r in records {
-            match r {
-                Ok(rec) => ok.push(rec),
-                Err(e) => failed.push(e),
-            }
-        }
-        ok.sort_by_key(|r| r.id);
+        let (ok, failed) = replay::partition(records);
         // The leader's record of live migrations (each source's measurements).
         let live_log =
             rt.block_on(finder.leader(Duration::from_secs(10))).map(|(_, s)| s.migration_log).unwrap_or_default();

@@ -154,6 +154,19 @@ pub async fn run_request(
 }
 
 /// Submit every request at `epoch + arrival` (cluster clock) and wait for all records.
+/// A replay's outcomes split into the finished records (by request id) and the failures.
+pub fn partition(results: Vec<Result<RequestRecord, String>>) -> (Vec<RequestRecord>, Vec<String>) {
+    let (mut ok, mut failed) = (Vec::new(), Vec::new());
+    for r in results {
+        match r {
+            Ok(rec) => ok.push(rec),
+            Err(e) => failed.push(e),
+        }
+    }
+    ok.sort_by_key(|r| r.id);
+    (ok, failed)
+}
+
 pub async fn replay(
     finder: LeaderFinder,
     requests: Vec<RequestSpec>,
