@@ -134,7 +134,15 @@ fn provider(service: Service, endpoint: &str) -> Result<SdkTracerProvider, Telem
         .with_attribute(KeyValue::new("service.instance.id", service.instance_id))
         .with_attributes(service.attributes)
         .build();
-    Ok(SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource).build())
+    // Export every 500 ms (the SDK's default is 5 s): a process stopped or killed loses at most
+    // that much, and a run's last spans reach the sink before the run is torn down.
+    let batch = opentelemetry_sdk::trace::BatchConfigBuilder::default()
+        .with_scheduled_delay(Duration::from_millis(500))
+        .with_max_queue_size(8192)
+        .build();
+    let processor =
+        opentelemetry_sdk::trace::BatchSpanProcessor::builder(exporter).with_batch_config(batch).build();
+    Ok(SdkTracerProvider::builder().with_span_processor(processor).with_resource(resource).build())
 }
 
 fn tracer() -> global::BoxedTracer {

@@ -143,6 +143,7 @@ fn traces_of_a_run_hold_every_migration_with_its_phases_and_the_workers_downtime
     let o = run_kvfleet(&args);
     assert!(o.status.success(), "{}", describe(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
+    let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(stdout.contains("traces      "), "kvfleet up reports its traces: {stdout}");
 
     let analysis: Value =
@@ -195,7 +196,8 @@ fn traces_of_a_run_hold_every_migration_with_its_phases_and_the_workers_downtime
         let id = &m["migration_id"];
         assert_eq!(m["complete"], true, "{id}: every phase present, missing {}", m["missing"]);
         // Joined to its request's trace (context through MigrateOut's gRPC metadata).
-        assert_eq!(m["policy"], "pascal", "{id}: joined to its request span");
+        let stops: Vec<&str> = stderr.lines().filter(|l| l.starts_with("stopped ")).collect();
+        assert_eq!(m["policy"], "pascal", "{id}: joined to its request span ({stops:?})\n{m}");
         assert!(m["request_span_id"].is_string(), "{id}");
         let phases: Vec<(&str, &str)> = m["phases"]
             .as_array()

@@ -150,8 +150,10 @@ impl Cluster {
     /// flushed their spans into it), then etcd. Every child is reaped.
     fn shutdown(&mut self) -> Vec<String> {
         let mut report = Vec::new();
+        // Ten seconds each: a process flushes its last spans as it stops; on a loaded host that
+        // can take longer than its own shutdown.
         for p in self.workers.iter_mut().chain(self.coordinators.iter_mut()).chain(self.sink.iter_mut()) {
-            let s = p.stop(Duration::from_secs(5));
+            let s = p.stop(Duration::from_secs(10));
             report.push(format!("{}: {s}", p.name));
         }
         if let Some((p, _)) = self.etcd.as_mut() {
