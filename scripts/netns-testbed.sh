@@ -20,7 +20,7 @@
 #   --config F    link and workload config (default scripts/netns-testbed.conf)
 #   --out DIR     results directory (default results/netns-<timestamp>)
 #   --requests N  requests to replay; --arrivals R  arrival rate, req/s; --seed S  workload seed
-#   --bound PCT   link-model check: the largest median |error| that passes (default 15)
+#   --bound PCT   link-model check: the largest median |error| that passes (default 25)
 #
 # `up` leaves the testbed running (its state is in /run/kvfleet-netns/<prefix>/); `run` replays a
 # workload through it; `down` stops every process (SIGTERM first, so spans and stop lines are
@@ -37,7 +37,8 @@
 # Environment: KVFLEET_BIN_DIR (prebuilt binaries: skips `cargo build`), CARGO_TARGET_DIR,
 # KVFLEET_NETNS_PREFIX (namespace prefix, default kvf: <prefix>-ctl, <prefix>-w0, ...),
 # KVFLEET_NETNS_NET (the /24 inside the testbed, default 10.77.0), KVFLEET_KV_MEMORY (worker KV
-# arena, overrides the config's kv_memory), KVFLEET_MODEL (overrides the config's model).
+# arena, overrides the config's kv_memory), KVFLEET_MODEL (overrides the config's model),
+# KVFLEET_NETNS_RT=0 (run the delay line at normal instead of real-time priority).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -98,7 +99,7 @@ load_config() {
       || die "$file:$lineno: expected 'key = value', got '$line'"
     key=${BASH_REMATCH[1]} value=${BASH_REMATCH[2]}
     case "$key" in
-      workers | rate | delay | loss | requests | arrivals | seed | model | kv_memory | migration_timeout_ms | \
+      workers | rate | delay | loss | requests | arrivals | seed | model | kv_memory | migration_timeout_ms | max_stages | \
         prompt_tokens | reasoning_tokens | answer_tokens) ;;
       w[0-9]*.rate | w[0-9]*.delay | w[0-9]*.loss) [[ "$key" =~ ^w[0-9]+\.(rate|delay|loss)$ ]] || die "$file:$lineno: unknown key '$key'" ;;
       *) die "$file:$lineno: unknown key '$key' (see scripts/netns-testbed.conf for the known keys)" ;;
@@ -125,24 +126,24 @@ link_of() {
 # ---------------------------------------------------------------------------------------------
 # Preflight: everything the testbed needs, tried for real in a scratch namespace.
 
-# Why this host cannot run the testbed, or nothing when it can. Sets HAS_NETEM (informational).
-unavailable() {
+# Sets WHY (why this host cannot run the testbed; empty when it can) and HAS_NETEM (informational).
+check_host() {
   local c probe=$PREFIX-probe
-  ((EUID == 0)) || { echo "not running as root (network namespaces, veth and tc need root)"; return; }
+  WHY="" HAS_NETEM=0
+  ((EUID == 0)) || { WHY="not running as root (network namespaces, veth and tc need root)"; return; }
   for c in ip tc iptables nft python3 etcd setsid; do
-    command -v "$c" >/dev/null 2>&1 || { echo "the '$c' command is not installed (apt-get install iproute2 iptables nftables python3 etcd-server util-linux)"; return; }
+    command -v "$c" >/dev/null 2>&1 || { WHY="the '$c' command is not installed (apt-get install iproute2 iptables nftables python3 etcd-server util-linux)"; return; }
   done
   ip netns del "$probe" 2>/dev/null || true
-  ip netns add "$probe" 2>/dev/null || { echo "'ip netns add' failed (no network namespaces?)"; return; }
-  local why=""
+  ip netns add "$probe" 2>/dev/null || { WHY="'ip netns add' failed (no network namespaces?)"; return; }
   if ! ip -n "$probe" link add p0 type veth peer name p1 2>/dev/null; then
-    why="cannot create a veth pair (CONFIG_VETH)"
+    WHY="cannot create a veth pair (CONFIG_VETH)"
   elif ! ip -n "$probe" link add pbr type bridge 2>/dev/null; then
-    why="cannot create a bridge (CONFIG_BRIDGE)"
+    WHY="cannot create a bridge (CONFIG_BRIDGE)"
   elif ! ip -n "$probe" link set p0 gso_max_segs 1 2>/dev/null; then
-    why="'ip link set gso_max_segs' is not supported (iproute2 too old)"
+    WHY="'ip link set gso_max_segs' is not supported (iproute2 too old)"
   elif ! in_ns "$probe" tc qdisc add dev p0 root tbf rate 100mbit burst 32kb latency 50ms 2>/dev/null; then
-    why="tc cannot add a tbf qdisc (CONFIG_NET_SCH_TBF)"
+    WHY="tc cannot add a tbf qdisc (CONFIG_NET_SCH_TBF)"
   elif ! in_ns "$probe" nft -f - 2>/dev/null <<EOF
 table netdev probe {
   chain c {
@@ -152,24 +153,20 @@ table netdev probe {
 }
 EOF
   then
-    why="nft cannot drop at random on a netdev ingress hook (CONFIG_NF_TABLES_NETDEV, CONFIG_NFT_NUMGEN)"
+    WHY="nft cannot drop at random on a netdev ingress hook (CONFIG_NF_TABLES_NETDEV, CONFIG_NFT_NUMGEN)"
   elif ! in_ns "$probe" iptables -t mangle -A PREROUTING -m physdev --physdev-in p1 -j NFQUEUE --queue-num 0 2>/dev/null; then
-    why="iptables cannot queue bridged packets to user space (physdev match, NFQUEUE target: CONFIG_NETFILTER_XT_MATCH_PHYSDEV, CONFIG_NETFILTER_XT_TARGET_NFQUEUE, CONFIG_NETFILTER_NETLINK_QUEUE)"
+    WHY="iptables cannot queue bridged packets to user space (physdev match, NFQUEUE target: CONFIG_NETFILTER_XT_MATCH_PHYSDEV, CONFIG_NETFILTER_XT_TARGET_NFQUEUE, CONFIG_NETFILTER_NETLINK_QUEUE)"
   elif [ "$(in_ns "$probe" cat /proc/sys/net/bridge/bridge-nf-call-iptables 2>/dev/null)" != 1 ] \
     && ! in_ns "$probe" sysctl -qw net.bridge.bridge-nf-call-iptables=1 2>/dev/null; then
-    why="bridged packets do not traverse iptables (CONFIG_BRIDGE_NETFILTER)"
+    WHY="bridged packets do not traverse iptables (CONFIG_BRIDGE_NETFILTER)"
   fi
-  HAS_NETEM=0
   in_ns "$probe" tc qdisc add dev p1 root netem delay 1ms 2>/dev/null && HAS_NETEM=1
   ip netns del "$probe"
-  echo "$why"
 }
 
 preflight() {
-  local why
-  why=$(unavailable)
-  [ -z "$why" ] || die "this host cannot run the netns testbed: $why"
-  unavailable >/dev/null # sets HAS_NETEM in this shell
+  check_host
+  [ -z "$WHY" ] || die "this host cannot run the netns testbed: $WHY"
   say "preflight: root, netns, veth, bridge, tc tbf, nft netdev loss, iptables NFQUEUE delay: ok"
   if ((HAS_NETEM)); then
     say "preflight: tc netem exists too; the testbed uses tbf + nft + a user-space delay line everywhere for the same behaviour on every kernel"
@@ -276,8 +273,8 @@ import collections, os, select, signal, socket, struct, sys, time
 NETLINK_NETFILTER, SUBSYS_QUEUE = 12, 3
 MSG_PACKET, MSG_CONFIG, MSG_VERDICT_BATCH = 0, 2, 3
 NLM_F_REQUEST, NLM_F_ACK, NLMSG_ERROR = 1, 4, 2
-CFG_CMD, CFG_PARAMS, CFG_QUEUE_MAXLEN = 1, 2, 3
-CMD_BIND, COPY_META, NF_ACCEPT = 1, 1, 1
+CFG_CMD, CFG_PARAMS, CFG_QUEUE_MAXLEN, CFG_MASK, CFG_FLAGS = 1, 2, 3, 4, 5
+CMD_BIND, COPY_META, NF_ACCEPT, F_GSO = 1, 1, 1, 4
 PACKET_TYPE = (SUBSYS_QUEUE << 8) | MSG_PACKET
 
 queues = {}
@@ -314,16 +311,31 @@ def configure(queue, attrs):
 
 for q in queues:
     configure(q, [attr(CFG_CMD, struct.pack("!BBH", CMD_BIND, 0, 0))])
-    configure(q, [attr(CFG_PARAMS, struct.pack("!IB", 0, COPY_META)), attr(CFG_QUEUE_MAXLEN, struct.pack("!I", 1 << 16))])
+    # F_GSO: a GSO batch is queued whole (else the kernel would cut it into packets first).
+    configure(q, [attr(CFG_PARAMS, struct.pack("!IB", 0, COPY_META)), attr(CFG_QUEUE_MAXLEN, struct.pack("!I", 1 << 16)),
+                  attr(CFG_MASK, struct.pack("!I", F_GSO)), attr(CFG_FLAGS, struct.pack("!I", F_GSO))])
 sock.setblocking(False)
 pending = {q: collections.deque() for q in queues}
 count = {q: 0 for q in queues}
-worst_late_us = {q: 0.0 for q in queues}
+# Per release, how late its oldest packet left, in 10 us buckets (bounded memory on long runs).
+late = {q: collections.Counter() for q in queues}
+worst_us = {q: 0.0 for q in queues}
+
+
+def percentile_us(hist, p):
+    total, seen = sum(hist.values()), 0
+    for bucket in sorted(hist):
+        seen += hist[bucket]
+        if seen >= p * total:
+            return (bucket + 1) * 10
+    return 0
 
 
 def stop(*_):
     for q in sorted(queues):
-        print(f"delay line: queue {q}: {count[q]} packets delayed {queues[q] * 1e3:g} ms, worst release {worst_late_us[q]:.0f} us late", flush=True)
+        print(f"delay line: queue {q}: {count[q]} packets (a GSO batch counts once) delayed {queues[q] * 1e3:g} ms in "
+              f"{sum(late[q].values())} releases; released late by p50 {percentile_us(late[q], 0.5)} us, "
+              f"p99 {percentile_us(late[q], 0.99)} us, max {worst_us[q]:.0f} us", flush=True)
     sys.exit(0)
 
 
@@ -336,12 +348,15 @@ while True:
     due = None
     for q, line in pending.items():
         last = None
+        if line and line[0][0] <= now:
+            us = (now - line[0][0]) * 1e6
+            late[q][int(us // 10)] += 1
+            worst_us[q] = max(worst_us[q], us)
         while line and line[0][0] <= now:
-            at, last = line.popleft()
+            last = line.popleft()[1]
         if last is not None:
             # One batch verdict accepts every packet of the queue up to this id, in order.
             sock.send(message(q, MSG_VERDICT_BATCH, [attr(2, struct.pack("!II", NF_ACCEPT, last))]))
-            worst_late_us[q] = max(worst_late_us[q], (now - at) * 1e6)
         if line and (due is None or line[0][0] < due):
             due = line[0][0]
     ready, _, _ = select.select([sock], [], [], None if due is None else max(0.0, due - mono()))
@@ -385,8 +400,16 @@ rates are equal), re-shared whenever a transfer starts or drains, and completes 
 (`Fabric::estimate`). Every migration in the traces is a transfer of its KV bytes starting when
 its migration span starts; aborted ones leave the fabric when they ended. Measured = the
 migration's total time (prepare -> commit), the duration the simulator charges a migration.
+
+The model leaves out two costs every real migration pays; the check reports them separately
+("with costs", informational, not judged): the rate is the wire's, and a 1472-byte QUIC datagram
+is 1514 bytes on it (UDP, IPv4, Ethernet headers) for about 1433 bytes of stream data (short
+header, AEAD tag, STREAM frame), so serialisation takes 1514/1433 as long; and the protocol's two
+round trips, PREPARE -> ready and COMMIT -> committed, each the source's plus the target's delay.
 """
 import csv, json, statistics, sys
+
+WIRE_PER_STREAM_BYTE = 1514 / 1433
 
 out, bound = sys.argv[1], float(sys.argv[2])
 links = {}
@@ -400,18 +423,22 @@ except (OSError, ValueError, KeyError) as e:
     sys.exit(f"link check: no trace analysis to check ({out}/traces/analysis.json: {e})")
 
 flows = []
+t0 = min((m["start_ns"] for m in migrations), default=0)
 for m in migrations:
     if not m.get("bytes") or m.get("source") not in links or m.get("target") not in links:
         continue
-    start = m["start_ns"] / 1e9
+    start = (m["start_ns"] - t0) / 1e9  # relative: absolute Unix seconds would cost float precision
     end = start + m["total_ms"] / 1e3
     flows.append({"m": m, "src": m["source"], "dst": m["target"], "start": start, "left": m["bytes"] * 8.0,
                   "cancel": None if m["outcome"] == "committed" else end, "drained": None})
 
 # Fluid simulation of the fabric (floating point; the Rust model is exact to the nanosecond).
 pending = sorted(flows, key=lambda fl: fl["start"])
-active, now, i = [], 0.0, 0
+active, now, i, steps = [], 0.0, 0, 0
 while i < len(pending) or active:
+    # Every step starts, drains or cancels at least one transfer.
+    steps += 1
+    assert steps <= 3 * len(flows) + 2, "link check: the fabric model made no progress (a bug)"
     egress, ingress = {}, {}
     for fl in active:
         egress[fl["src"]] = egress.get(fl["src"], 0) + 1
@@ -428,7 +455,7 @@ while i < len(pending) or active:
     now = nxt
     still = []
     for fl in active:
-        if fl["left"] <= 1e-6:
+        if fl["left"] <= fl["rate"] * 1e-9:  # less than a nanosecond of work left: drained
             fl["drained"] = now
         elif fl["cancel"] is None or fl["cancel"] > now:
             still.append(fl)
@@ -438,22 +465,26 @@ while i < len(pending) or active:
         now = max(now, pending[i]["start"])
         i += 1
 
-rows, errors = [], []
+rows, errors, cost_errors = [], [], []
 for fl in flows:
     m = fl["m"]
     if m["outcome"] != "committed" or fl["drained"] is None:
         continue
     rate, delay_us, _ = links[fl["src"]]
-    alone = m["bytes"] * 8 / rate + delay_us / 1e6
-    predicted = fl["drained"] - fl["start"] + delay_us / 1e6
+    delay, delay_back = delay_us / 1e6, links[fl["dst"]][1] / 1e6
+    alone = m["bytes"] * 8 / rate + delay
+    predicted = fl["drained"] - fl["start"] + delay
+    with_costs = (predicted - delay) * WIRE_PER_STREAM_BYTE + delay + 2 * (delay + delay_back)
     measured = m["total_ms"] / 1e3
-    err = measured / predicted - 1
+    err, cost_err = measured / predicted - 1, measured / with_costs - 1
     errors.append(err)
+    cost_errors.append(cost_err)
     rows.append([m["migration_id"], m["request_id"], f"{fl['src']}->{fl['dst']}", m["bytes"], f"{alone * 1e3:.1f}",
                  f"{predicted * 1e3:.1f}", f"{measured * 1e3:.1f}", f"{err * 100:+.1f}",
-                 f"{m['bytes'] * 8 / measured / 1e6:.1f}"])
+                 f"{m['bytes'] * 8 / measured / 1e6:.1f}", f"{with_costs * 1e3:.1f}", f"{cost_err * 100:+.1f}"])
 rows.sort(key=lambda r: float(r[6]))
-header = ["migration", "request", "link", "bytes", "alone_ms", "predicted_ms", "measured_ms", "error_pct", "goodput_mbit_s"]
+header = ["migration", "request", "link", "bytes", "alone_ms", "predicted_ms", "measured_ms", "error_pct", "goodput_mbit_s",
+          "with_costs_ms", "costs_error_pct"]
 with open(f"{out}/linkcheck.csv", "w", newline="") as f:
     csv.writer(f).writerows([header] + rows)
 
@@ -468,7 +499,7 @@ if rows:
     for r in [header] + rows:
         lines.append("  " + "  ".join(str(c).rjust(w[k]) for k, c in enumerate(r)))
 if not errors:
-    lines.append("link model: no committed migration to compare")
+    lines.append("link model: no committed migration to compare" + ("" if lossy else ": FAIL (a loss-free run must migrate to be checked)"))
     verdict = "NONE"
 else:
     a = sorted(abs(e) for e in errors)
@@ -477,9 +508,19 @@ else:
     bias = statistics.median(errors)
     lines.append(f"link model: |error| median {med * 100:.1f} %, p90 {p90 * 100:.1f} %, max {a[-1] * 100:.1f} % "
                  f"(signed median {bias * 100:+.1f} %: measured slower when positive) over {len(errors)} migrations")
+    c = sorted(abs(e) for e in cost_errors)
+    lines.append(f"with costs (headers x{WIRE_PER_STREAM_BYTE:.3f}, + 2 round trips; informational): |error| median "
+                 f"{statistics.median(c) * 100:.1f} %, signed median {statistics.median(cost_errors) * 100:+.1f} %")
     if lossy:
         lines.append("link model: not judged: the links drop packets, which the loss-free model does not describe "
                      "(QUIC's congestion control slows down on loss)")
+        # For scale: Mathis et al.'s steady state of one Reno-like flow, MSS / RTT * 1.22 / sqrt(p).
+        r, d, l = max(links.values(), key=lambda v: v[2])
+        mathis = 1433 * 8 / (2 * d / 1e6) * 1.22 / (l / 1e6) ** 0.5
+        goodputs = sorted(float(row[8]) for row in rows)
+        lines.append(f"lossy links: one loss-limited flow at {l / 1e4:g} % loss and a {2 * d / 1e3:g} ms round trip "
+                     f"moves about {mathis / 1e6:.1f} Mbit/s (Mathis et al.); committed migrations' goodput: median "
+                     f"{statistics.median(goodputs):.1f}, max {goodputs[-1]:.1f} Mbit/s")
         verdict = "LOSSY"
     elif med * 100 <= bound:
         lines.append(f"link model: PASS (median |error| {med * 100:.1f} % <= {bound:g} %)")
@@ -495,8 +536,9 @@ with open(f"{out}/linkcheck.json", "w") as f:
     json.dump({"verdict": verdict, "bound_pct": bound, "compared": len(errors),
                "median_abs_error_pct": statistics.median([abs(e) * 100 for e in errors]) if errors else None,
                "signed_median_error_pct": statistics.median([e * 100 for e in errors]) if errors else None,
+               "with_costs_median_abs_error_pct": statistics.median([abs(e) * 100 for e in cost_errors]) if errors else None,
                "migrations": len(flows), "committed": committed}, f, indent=1)
-sys.exit(1 if verdict == "FAIL" else 0)
+sys.exit(1 if verdict == "FAIL" or (verdict == "NONE" and not lossy) else 0)
 PY
 }
 
@@ -504,7 +546,7 @@ PY
 # up: namespaces, links, shaping, processes.
 
 create_links() {
-  local n=$1 i ns ip link bps us ppm burst limit queues=() nft_rules=""
+  local n=$1 i ns ip link bps us ppm burst limit queues=()
   ip netns add "$CTL"
   in_ns "$CTL" sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1
   ip -n "$CTL" link set lo up
@@ -526,10 +568,12 @@ create_links() {
     ip -n "$ns" link set lo up
     # Created inside the namespaces: no interface ever appears in the host's namespace.
     ip -n "$CTL" link add "w$i" type veth peer name eth0 netns "$ns"
-    ip -n "$CTL" link set "w$i" master br0 up
+    # The bridge port cuts GSO batches into MTU-sized packets before they reach the worker, so
+    # that loss below is per packet, as on a wire (the worker itself keeps sending GSO batches:
+    # the delay line then handles one batch per message, ten times fewer than packets).
+    ip -n "$CTL" link set "w$i" gso_max_segs 1 master br0 up
     ip -n "$ns" addr add "$ip/24" dev eth0
-    # MTU-sized packets on the wire (no GSO batches), so loss is per packet as on a real link.
-    ip -n "$ns" link set eth0 gso_max_segs 1 up
+    ip -n "$ns" link set eth0 up
     # Rate, both directions: tbf where the worker sends, and where the bridge sends to it. Burst:
     # 2 ms at the rate (ShapeParams::fabric_gbps's choice), queue: 50 ms or 4 x delay.
     burst=$((bps / 8 / 500 > 16384 ? bps / 8 / 500 : 16384))
@@ -537,16 +581,27 @@ create_links() {
     limit=$((limit > 65536 ? limit : 65536))
     in_ns "$ns" tc qdisc add dev eth0 root tbf rate "${bps}bit" burst "$burst" limit "$limit"
     in_ns "$CTL" tc qdisc add dev "w$i" root tbf rate "${bps}bit" burst "$burst" limit "$limit"
-    # Loss: on the wire, as the bridge port receives the worker's packets.
-    nft_rules+="  chain w$i {"$'\n'"    type filter hook ingress device w$i priority 0;"$'\n'"    counter"$'\n'
-    ((ppm > 0)) && nft_rules+="    numgen random mod 1000000 < $ppm counter drop"$'\n'
-    nft_rules+="  }"$'\n'
-    ((us > 0)) && queues+=("$i:$us")
+    # Loss: as the worker's interface receives packets (MTU-sized, see above). Every packet between
+    # two workers crosses exactly one such hook, data and acknowledgements alike.
+    {
+      echo "table netdev kvfleet_link {"
+      echo "  chain ingress {"
+      echo "    type filter hook ingress device eth0 priority 0;"
+      echo "    counter"
+      ((ppm == 0)) || echo "    numgen random mod 1000000 < $ppm counter drop"
+      echo "  }"
+      echo "}"
+    } | in_ns "$ns" nft -f -
+    ((us == 0)) || queues+=("$i:$us")
   done
-  printf 'table netdev kvfleet_links {\n%s}\n' "$nft_rules" | in_ns "$CTL" nft -f -
   if ((${#queues[@]})); then
     write_delay_line "$STATE/delayline.py"
-    spawn delayline "$CTL" "$OUT/logs/delayline.log" python3 "$STATE/delayline.py" "${queues[@]}"
+    # Real-time priority (SCHED_FIFO; it sleeps between packets): on a busy host a delay line that
+    # waits for a CPU releases packets late (measured: p99 1.3 ms late at normal priority, 0.16 ms
+    # with it). KVFLEET_NETNS_RT=0 turns it off.
+    local rt=()
+    [ "${KVFLEET_NETNS_RT:-1}" = 0 ] || ! command -v chrt >/dev/null || rt=(chrt -f 10)
+    spawn delayline "$CTL" "$OUT/logs/delayline.log" "${rt[@]}" python3 "$STATE/delayline.py" "${queues[@]}"
     wait_for_line "$OUT/logs/delayline.log" '^delay line ready' 10 "the delay line" || exit 1
     for q in "${queues[@]}"; do
       in_ns "$CTL" iptables -t mangle -A PREROUTING -m physdev --physdev-in "w${q%%:*}" -j NFQUEUE --queue-num "${q%%:*}"
@@ -558,7 +613,8 @@ create_links() {
 # line's own overhead shows here): "min median max" in ms.
 probe_rtt() {
   local ns=$1 dst=$2
-  in_ns "$CTL" python3 -c '
+  # Not through in_ns: a backgrounded function would be a subshell, and $! not the echo server.
+  ip netns exec "$CTL" python3 -c '
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], 9999)); s.settimeout(5)
 try:
@@ -569,7 +625,7 @@ except socket.timeout:
   local echo_pid=$!
   in_ns "$ns" python3 -c '
 import socket, sys, time
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2); rtt = []
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(0.5); rtt = []
 for i in range(10):
     for attempt in range(5):
         t = time.monotonic(); s.sendto(b"x" * 64, (sys.argv[1], 9999))
@@ -581,6 +637,25 @@ for i in range(10):
 rtt.sort(); print(f"{rtt[0]:.2f} {rtt[len(rtt) // 2]:.2f} {rtt[-1]:.2f}" if rtt else "none")' "$dst"
   kill "$echo_pid" 2>/dev/null || true
   wait "$echo_pid" 2>/dev/null || true
+}
+
+# Whether a measured round trip (ms, or "none") includes at least most of a one-way delay (µs).
+delay_in_effect() {
+  [ "$1" != none ] && awk -v m="$1" -v us="$2" 'BEGIN { exit !(m * 1000 >= 0.8 * us) }'
+}
+
+# The delay line's state, for a run where packets were not delayed.
+delay_diagnostics() {
+  echo "## sysctl (control namespace)"
+  in_ns "$CTL" sysctl net.bridge.bridge-nf-call-iptables
+  echo "## iptables -t mangle -L PREROUTING -v -n (control namespace)"
+  in_ns "$CTL" iptables -t mangle -L PREROUTING -v -n
+  echo "## /proc/net/netfilter/nfnetlink_queue (control namespace)"
+  in_ns "$CTL" cat /proc/net/netfilter/nfnetlink_queue
+  echo "## delay line log"
+  tail -n 20 "$OUT/logs/delayline.log"
+  echo "## bridge ports"
+  ip -n "$CTL" -d link show master br0
 }
 
 start_processes() {
@@ -605,7 +680,7 @@ start_processes() {
       --instance "$i" --listen 0.0.0.0:7100 --advertise auto --kv-listen 0.0.0.0:7200 --kv-advertise auto \
       --etcd "http://$CTL_IP:2379" --tls-dir "$pki/worker" --model "$MODEL" --gpu h100-80gb --timing auto \
       --scheduler pascal --kv-memory "$KV_MEMORY" --cpu-memory "$KV_MEMORY" --kv-fill stamp --load-interval-ms 20 \
-      --stop-copy-blocks 2 --migration-timeout-ms "$MIGRATION_TIMEOUT_MS" --metrics-listen 0.0.0.0:9100 --otlp-endpoint "$otlp"
+      --stop-copy-blocks 2 --max-stages "$MAX_STAGES" --migration-timeout-ms "$MIGRATION_TIMEOUT_MS" --metrics-listen 0.0.0.0:9100 --otlp-endpoint "$otlp"
   done
 }
 
@@ -635,10 +710,30 @@ cmd_up() {
   for ((i = 0; i < n; i++)); do
     link=$(link_of "$i") || exit 2
     read -r bps us ppm <<<"$link"
-    say "link w$i ($(worker_ip "$i")): $((bps / 1000000)) Mbit/s each way, $((us / 1000)) ms one-way, $(python3 -c "print($ppm / 1e4)") % loss"
+    say "link w$i ($(worker_ip "$i")): $(awk "BEGIN {print $bps / 1e6}") Mbit/s each way, $(awk "BEGIN {print $us / 1e3}") ms one-way, $(awk "BEGIN {print $ppm / 1e4}") % loss"
   done
   read -r lo med hi <<<"$(probe_rtt "$(worker_ns 0)" "$CTL_IP")"
   say "measured round trip w0 -> control: min $lo ms, median $med ms, max $hi ms (expected: the link delay, one way shaped)"
+  read -r bps us ppm <<<"$(link_of 0)"
+  if ((us > 0)) && ! delay_in_effect "$med" "$us"; then
+    # Seen once in many runs: packets crossed without being queued. Record what the delay line
+    # and its rule looked like, make sure bridged packets pass iptables, and measure again.
+    delay_diagnostics >"$OUT/testbed/delay-diagnostics.txt" 2>&1
+    say "warning: the round trip is below w0's one-way delay: the delay line is not in effect (state in testbed/delay-diagnostics.txt); checking the bridge's iptables hook and the delay rules, and measuring again"
+    in_ns "$CTL" sysctl -qw net.bridge.bridge-nf-call-iptables=1
+    for ((i = 0; i < n; i++)); do
+      read -r bps us ppm <<<"$(link_of "$i")"
+      ((us == 0)) || in_ns "$CTL" iptables -t mangle -C PREROUTING -m physdev --physdev-in "w$i" -j NFQUEUE --queue-num "$i" 2>/dev/null \
+        || { say "the delay rule of w$i was missing: adding it again"; in_ns "$CTL" iptables -t mangle -A PREROUTING -m physdev --physdev-in "w$i" -j NFQUEUE --queue-num "$i"; }
+    done
+    read -r bps us ppm <<<"$(link_of 0)"
+    read -r lo med hi <<<"$(probe_rtt "$(worker_ns 0)" "$CTL_IP")"
+    say "measured round trip w0 -> control (again): min $lo ms, median $med ms, max $hi ms"
+    delay_in_effect "$med" "$us" || {
+      echo "error: packets cross the links without the configured delay (round trip $med ms, w0's delay $((us / 1000)) ms); see $OUT/testbed/delay-diagnostics.txt" >&2
+      exit 1
+    }
+  fi
   echo "rtt_w0_ctl_ms min=$lo median=$med max=$hi" >"$OUT/testbed/rtt.txt"
   start_processes "$n"
   for ((i = 0; i < n; i++)); do
@@ -656,10 +751,22 @@ load_state() {
   source "$STATE/state.env"
 }
 
+# The workload settings, from the command line over the config, each checked.
+validate_workload() {
+  REQUESTS=${OPT_REQUESTS:-${CONF[requests]:-24}} ARRIVALS=${OPT_ARRIVALS:-${CONF[arrivals]:-4}} SEED=${OPT_SEED:-${CONF[seed]:-7}}
+  positive_int "$REQUESTS" "requests"
+  [[ "$ARRIVALS" =~ ^[0-9]+(\.[0-9]+)?$ && ! "$ARRIVALS" =~ ^0+(\.0+)?$ ]] || die "arrivals must be a positive number of requests per second, got '$ARRIVALS'"
+  [[ "$SEED" =~ ^[0-9]+$ ]] || die "seed must be a non-negative integer, got '$SEED'"
+  local k
+  for k in prompt_tokens reasoning_tokens answer_tokens; do
+    [ -z "${CONF[$k]:-}" ] || positive_int "${CONF[$k]}" "$k"
+  done
+  [ -z "${CONF[workers]:-}" ] || positive_int "${CONF[workers]}" "workers"
+}
+
 # The workload: `kvfleet up`'s default (cli/src/up/default-up.toml) with the config's lengths.
 write_replay_config() {
-  local file=$1 requests=$2 arrivals=$3 seed=$4 p=${CONF[prompt_tokens]:-100} r=${CONF[reasoning_tokens]:-200} a=${CONF[answer_tokens]:-120} k
-  for k in p r a; do positive_int "${!k}" "the config's prompt_tokens/reasoning_tokens/answer_tokens"; done
+  local file=$1 requests=$2 arrivals=$3 seed=$4 p=${CONF[prompt_tokens]:-100} r=${CONF[reasoning_tokens]:-200} a=${CONF[answer_tokens]:-120}
   cat >"$file" <<TOML
 # Written by scripts/netns-testbed.sh: the workload replayed through the testbed. The cluster's
 # settings (model, KV sizes, policy) are the processes' flags; only [workload] and [slo] matter here.
@@ -690,21 +797,19 @@ TOML
 
 cmd_run() {
   load_state
-  local requests=${OPT_REQUESTS:-${CONF[requests]:-24}} arrivals=${OPT_ARRIVALS:-${CONF[arrivals]:-}}
-  local seed=${OPT_SEED:-${CONF[seed]:-}} run=$((RUNS + 1)) dir i rc=0
-  positive_int "$requests" "--requests"
-  [ -z "$arrivals" ] || [[ "$arrivals" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--arrivals must be a number of requests per second, got '$arrivals'"
-  [ -z "$seed" ] || [[ "$seed" =~ ^[0-9]+$ ]] || die "--seed must be a non-negative integer, got '$seed'"
+  local requests=$REQUESTS arrivals=$ARRIVALS seed=$SEED run=$((RUNS + 1)) dir i rc=0
   dir=$OUT/replay
   ((run == 1)) || dir+="-$run"
   sed -i "s/^RUNS=.*/RUNS=$run/" "$STATE/state.env"
-  write_replay_config "$dir.toml" "$requests" "${arrivals:-4}" "${seed:-7}"
+  write_replay_config "$dir.toml" "$requests" "$arrivals" "$seed"
   local args=(replay -c "$dir.toml" --coordinators "${COORD_IPS[0]}:7000,${COORD_IPS[1]}:7000" --tls-dir "$OUT/pki/client"
     --requests "$requests" --min-workers "$N" --out "$dir" --timeout-s 300 --id-base $(((run - 1) * 1000000)))
-  [ -z "$arrivals" ] || args+=(--rate "$arrivals")
-  [ -z "$seed" ] || args+=(--seed "$seed")
+  args+=(--rate "$arrivals" --seed "$seed")
   say "replaying through the leader: kvfleet ${args[*]}"
-  in_ns "$CTL" env RUST_LOG=warn "$BIN_DIR/kvfleet" "${args[@]}" >"$dir.log" 2>&1 || rc=$?
+  # In the background and waited for, so that a signal to this script is handled at once (bash
+  # runs traps only after a foreground command ends); `down` kills it with the namespace.
+  ip netns exec "$CTL" env RUST_LOG=warn "$BIN_DIR/kvfleet" "${args[@]}" >"$dir.log" 2>&1 &
+  wait $! || rc=$?
   cat "$dir.log"
   in_ns "$CTL" "$BIN_DIR/kvfleet" status --coordinator "${COORD_IPS[0]}:7000,${COORD_IPS[1]}:7000" \
     --tls-dir "$OUT/pki/client" >"$dir-status.txt" 2>&1 || true
@@ -734,10 +839,36 @@ cmd_down() {
   stop_procs 10 coordinator-0 coordinator-1
   stop_procs 5 traces
   stop_procs 5 etcd delayline
+  save_counters "$N"
   teardown_namespaces
   rm -rf "$STATE"
   say "down: processes stopped, namespaces deleted"
   finish_report "$OUT"
+}
+
+# What the shapers did, read before the namespaces go: tc and nft counters, and per worker the
+# packets its interface received and the share the loss rule dropped (testbed/loss.tsv).
+save_counters() {
+  local n=$1 i ns got dropped
+  printf 'instance\treceived_packets\tdropped_packets\tdropped_pct\n' >"$OUT/testbed/loss.tsv"
+  for ((i = 0; i < n; i++)); do
+    ns=$(worker_ns "$i")
+    {
+      echo "== w$i: tc -s qdisc (worker side, what it sends)"
+      in_ns "$ns" tc -s qdisc show dev eth0
+      echo "== w$i: tc -s qdisc (bridge side, what it receives)"
+      in_ns "$CTL" tc -s qdisc show dev "w$i"
+      echo "== w$i: nft (loss on receive)"
+      in_ns "$ns" nft list table netdev kvfleet_link
+    } >>"$OUT/testbed/counters.txt" 2>&1 || true
+    # The first counter sees every packet, the second (if any) the dropped ones.
+    read -r got dropped < <(in_ns "$ns" nft list table netdev kvfleet_link 2>/dev/null \
+      | grep -o 'counter packets [0-9]*' | awk '{print $3}' | tr '\n' ' '; echo) || true
+    [ -n "${got:-}" ] || continue
+    printf '%s\t%s\t%s\t%s\n' "$i" "$got" "${dropped:-0}" "$(python3 -c "import sys; print(f'{100 * int(sys.argv[2]) / max(1, int(sys.argv[1])):.2f}')" "$got" "${dropped:-0}")" >>"$OUT/testbed/loss.tsv"
+  done
+  say "loss applied (packets received by each worker's interface, dropped by the loss rule):"
+  column -t "$OUT/testbed/loss.tsv" | sed 's/^/  /'
 }
 
 # Kill whatever still runs in this prefix's namespaces (all of it started here) and delete them.
@@ -819,15 +950,16 @@ cmd_experiment() {
 
 CMD=${1:-}
 [ -n "$CMD" ] || { sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2; }
+[[ "$CMD" != -h && "$CMD" != --help ]] || { sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0; }
 shift
 UP_STARTED=0 ARG_N="" OPT_RATE="" OPT_DELAY="" OPT_LOSS="" OPT_OUT="" OPT_REQUESTS="" OPT_ARRIVALS="" OPT_SEED=""
-CONFIG=$ROOT/scripts/netns-testbed.conf BOUND=15 CHECK_DIR=""
+CONFIG=$ROOT/scripts/netns-testbed.conf CONFIG_GIVEN=0 BOUND=25 CHECK_DIR=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --rate) OPT_RATE=${2:?--rate needs a value}; shift 2 ;;
     --delay) OPT_DELAY=${2:?--delay needs a value}; shift 2 ;;
     --loss) OPT_LOSS=${2:?--loss needs a value}; shift 2 ;;
-    --config) CONFIG=${2:?--config needs a file}; shift 2 ;;
+    --config) CONFIG=${2:?--config needs a file} CONFIG_GIVEN=1; shift 2 ;;
     --out) OPT_OUT=${2:?--out needs a directory}; shift 2 ;;
     --requests) OPT_REQUESTS=${2:?--requests needs a number}; shift 2 ;;
     --arrivals) OPT_ARRIVALS=${2:?--arrivals needs a number}; shift 2 ;;
@@ -843,13 +975,26 @@ while [ $# -gt 0 ]; do
   esac
 done
 [[ "$BOUND" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--bound must be a percentage (a number), got '$BOUND'"
+[[ "$NET" =~ ^[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}$ ]] || die "KVFLEET_NETNS_NET must be the first three octets of a /24 (e.g. 10.77.0), got '$NET'"
+[[ "$PREFIX" =~ ^[A-Za-z0-9][A-Za-z0-9-]{0,15}$ ]] || die "KVFLEET_NETNS_PREFIX must be 1-16 letters, digits or '-', got '$PREFIX'"
+# A running testbed keeps the config it was brought up with (for run, down and status).
+if ! ((CONFIG_GIVEN)) && [[ "$CMD" = run || "$CMD" = down || "$CMD" = status ]] && [ -f "$STATE/state.env" ]; then
+  CONFIG=$(sed -n 's/^OUT=//p' "$STATE/state.env")/testbed/config.conf
+fi
 load_config "$CONFIG"
+validate_workload
 MODEL=${KVFLEET_MODEL:-${CONF[model]:-r1-distill-qwen-32b}}
 KV_MEMORY=${KVFLEET_KV_MEMORY:-${CONF[kv_memory]:-1GiB}}
 MIGRATION_TIMEOUT_MS=${CONF[migration_timeout_ms]:-30000}
 positive_int "$MIGRATION_TIMEOUT_MS" "migration_timeout_ms"
+MAX_STAGES=${CONF[max_stages]:-3}
+[[ "$MAX_STAGES" =~ ^[0-9]+$ ]] || die "max_stages must be a non-negative integer, got '$MAX_STAGES'"
 case "$CMD" in
-  up) cmd_up ;;
+  up)
+    # A failed `up` removes what it had created.
+    trap 'rc=$?; trap - EXIT; if ((rc != 0 && UP_STARTED)); then say "up failed: tearing down"; cmd_down >/dev/null 2>&1 || true; fi; exit $rc' EXIT
+    trap 'exit 130' INT TERM
+    cmd_up ;;
   run) cmd_run ;;
   down) cmd_down ;;
   experiment) cmd_experiment ;;

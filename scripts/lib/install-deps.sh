@@ -5,6 +5,9 @@ install_deps() {
   command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
   # etcd: the emulator's metadata store (`kvfleet up` runs without it, with an embedded store).
   command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+  # nft and iptables: the network-namespace testbed's loss and delay rules (its test runs as root).
+  command -v nft >/dev/null 2>&1 || missing+=(nftables)
+  command -v iptables >/dev/null 2>&1 || missing+=(iptables)
   if ((${#missing[@]})); then
     local SUDO=""
     if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi

@@ -140,8 +140,7 @@ fn provider(service: Service, endpoint: &str) -> Result<SdkTracerProvider, Telem
         .with_scheduled_delay(Duration::from_millis(500))
         .with_max_queue_size(8192)
         .build();
-    let processor =
-        opentelemetry_sdk::trace::BatchSpanProcessor::builder(exporter).with_batch_config(batch).build();
+    let processor = opentelemetry_sdk::trace::BatchSpanProcessor::builder(exporter).with_batch_config(batch).build();
     Ok(SdkTracerProvider::builder().with_span_processor(processor).with_resource(resource).build())
 }
 
@@ -243,10 +242,11 @@ pub struct OpenSpan {
 impl OpenSpan {
     /// Start `name` at `start` under `parent` (a root span when `parent` holds none).
     pub fn start(name: &'static str, parent: &Context, start: SystemTime, attributes: Vec<KeyValue>) -> OpenSpan {
-        let span = tracer().span_builder(name).with_start_time(start).with_attributes(attributes).start_with_context(
-            &tracer(),
-            parent,
-        );
+        let span = tracer()
+            .span_builder(name)
+            .with_start_time(start)
+            .with_attributes(attributes)
+            .start_with_context(&tracer(), parent);
         let cx = parent.with_remote_span_context(span.span_context().clone());
         OpenSpan { span, cx }
     }

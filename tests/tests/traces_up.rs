@@ -47,10 +47,8 @@ fn workers_text(dir: &Path) -> BTreeMap<i64, String> {
 /// `tests/parse_metrics.py` (prometheus_client's parser) over every saved page: each parses, the
 /// workers' and the leader's families have the types the README documents.
 fn check_prometheus_parse(dir: &Path) {
-    let mut files: Vec<String> = std::fs::read_dir(dir)
-        .expect("OUT/metrics")
-        .map(|e| e.expect("entry").path().display().to_string())
-        .collect();
+    let mut files: Vec<String> =
+        std::fs::read_dir(dir).expect("OUT/metrics").map(|e| e.expect("entry").path().display().to_string()).collect();
     files.sort();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("parse_metrics.py");
     let o = std::process::Command::new("python3").arg(&script).args(&files).output();

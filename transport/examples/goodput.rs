@@ -167,9 +167,11 @@ async fn run() -> Result<(), String> {
     for &streams in &args.streams {
         let tcp = bench::tcp_send(tcp_addr, args.bytes, streams).await.map_err(|e| e.to_string())?;
         row("tcp", streams, &tcp, None);
-        let quic = bench::quic_send_tuned(quic_addr, &sender_id, args.tuning.clone(), args.bytes, streams, args.chunk)
-            .await
-            .map_err(|e| e.to_string())?;
+        let quic =
+            bench::quic_send_measured(quic_addr, &sender_id, args.tuning.clone(), args.bytes, streams, args.chunk)
+                .await
+                .map_err(|e| e.to_string())?
+                .goodput;
         row("quic", streams, &quic, Some(tcp.gbit_per_s()));
     }
     let _ = tcp_child.kill();

@@ -15,22 +15,27 @@
 //!
 //! # Measured (2-core shared VM, loopback, two processes, 1 GiB, 4 MiB frames)
 //!
-//! Raw TCP: 13–47 Gbit/s; QUIC (quinn 0.11, TLS 1.3 AES-GCM, default [`QuicTuning`]): 2.2–4.9
-//! Gbit/s with 1, 4 or 8 streams, i.e. QUIC/TCP ≈ 0.1–0.3, far from 0.8: quinn encrypts, builds
-//! and parses every ~1.4 kB packet in user space, and copies the payload three more times than
-//! the kernel's TCP (frame buffer — avoided by [`FrameWriter::send_with_payload`] —, quinn's
-//! send buffer, packet assembly, and the read into the frame buffer). What mattered:
-//! - UDP segmentation offload (GSO): off → 0.7 Gbit/s, on → 2.4 (×3.4, the largest effect);
+//! Raw TCP: 13–47 Gbit/s. QUIC (quinn 0.11, TLS 1.3 AES-GCM, default [`QuicTuning`]):
+//! - with Ethernet-sized datagrams (1452 bytes): 2.2–4.9 Gbit/s with 1, 4 or 8 streams;
+//! - with the path's MTU (loopback: 65 507-byte datagrams, found by MTU discovery up to the
+//!   route's interface MTU): 6.0–9.4 Gbit/s; 16 KiB datagrams 6.7–8.1. Large datagrams divide
+//!   quinn's per-packet work; the remaining cost is per byte: AES-GCM both ways (~13 % of the
+//!   CPU), three user-space copies (quinn's send buffer, packet assembly, the read into the frame
+//!   buffer) and the kernel's two.
+//!
+//! QUIC / TCP ≈ 0.2–0.3: the 0.8 target is not met on this host. What mattered:
+//! - the datagram size (above);
+//! - UDP segmentation offload (GSO), at 1452 bytes: off → 0.7 Gbit/s, on → 2.4 (×3.4);
+//! - GSO batches within one 64 KiB send: quinn batches 10 datagrams, and the kernel refuses (and
+//!   quinn-udp silently drops) a batch above 64 KiB, so 9000-byte datagrams once lost a third of
+//!   all packets and tripped black-hole detection; the endpoint's socket now splits such batches;
 //! - UDP socket buffers of 32 MiB (forced past `rmem_max` with `CAP_NET_ADMIN`): 4 streams lost
 //!   ~10 000 packets per GiB to receive-buffer overflow with 8 MiB, none with 32 MiB;
 //! - a current-thread runtime per process: +25 % over a 2-worker runtime (fewer cross-thread
 //!   wake-ups between the endpoint driver, the connection and the stream tasks);
 //! - the congestion controller did not matter once nothing was lost (Cubic ≈ NewReno ≥ BBR);
 //!   nor did send fairness, a 16 vs 64 MiB stream window, or 1 vs 4 MiB frames, within the
-//!   noise of a shared host;
-//! - datagrams above 1452 bytes made it worse: MTU discovery reached 9000 but the first losses
-//!   of large packets tripped quinn's black-hole detection back to 1200 bytes, and forcing 9000
-//!   lost a third of all packets.
+//!   noise of a shared host.
 
 use crate::frame::{FrameReader, FrameWriter};
 use crate::quic::{QuicTransport, QuicTuning};
@@ -320,7 +325,7 @@ async fn join_all(mut tasks: JoinSet<Result<u64, BenchError>>) -> Result<u64, Be
     Ok(total)
 }
 
-/// [`quic_send_tuned`] with the default tuning.
+/// [`quic_send_measured`]'s goodput with the default tuning.
 pub async fn quic_send(
     peer: SocketAddr,
     identity: &NodeIdentity,
@@ -328,19 +333,30 @@ pub async fn quic_send(
     streams: usize,
     chunk_bytes: usize,
 ) -> Result<Goodput, BenchError> {
-    quic_send_tuned(peer, identity, QuicTuning::default(), bytes, streams, chunk_bytes).await
+    Ok(quic_send_measured(peer, identity, QuicTuning::default(), bytes, streams, chunk_bytes).await?.goodput)
+}
+
+/// A QUIC transfer and what its connection's path saw.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct QuicRun {
+    pub goodput: Goodput,
+    /// The datagram size MTU discovery reached (UDP payload bytes).
+    pub datagram_bytes: u16,
+    /// Packets sent, and declared lost by the sender.
+    pub sent_packets: u64,
+    pub lost_packets: u64,
 }
 
 /// Send `bytes` over one QUIC connection with `streams` parallel streams of `chunk_bytes`
 /// frames to a [`SinkKind::Quic`] sink.
-pub async fn quic_send_tuned(
+pub async fn quic_send_measured(
     peer: SocketAddr,
     identity: &NodeIdentity,
     tuning: QuicTuning,
     bytes: u64,
     streams: usize,
     chunk_bytes: usize,
-) -> Result<Goodput, BenchError> {
+) -> Result<QuicRun, BenchError> {
     let local = SocketAddr::new(
         if peer.is_ipv4() { IpAddr::V4(Ipv4Addr::UNSPECIFIED) } else { IpAddr::V6(Ipv6Addr::UNSPECIFIED) },
         0,
@@ -374,9 +390,15 @@ pub async fn quic_send_tuned(
     let elapsed_s = start.elapsed().as_secs_f64();
     // Losses, congestion events and the path MTU explain a poor run (RUST_LOG=debug).
     debug!(stats = ?qconn.quinn().stats(), "QUIC benchmark connection");
+    let path = qconn.quinn().stats().path;
     conn.close("benchmark done");
     transport.close();
-    Ok(Goodput { bytes: acked?, elapsed_s })
+    Ok(QuicRun {
+        goodput: Goodput { bytes: acked?, elapsed_s },
+        datagram_bytes: path.current_mtu,
+        sent_packets: path.sent_packets,
+        lost_packets: path.lost_packets,
+    })
 }
 
 #[cfg(test)]

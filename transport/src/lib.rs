@@ -50,7 +50,8 @@ use tokio::io::{AsyncRead, AsyncWrite};
 pub use frame::{FrameCodec, FrameError, FrameReader, FrameWriter, DEFAULT_MAX_FRAME_BYTES};
 pub use mem::{MemConnection, MemNetwork, MemTransport};
 pub use quic::{
-    quinn_client_config, quinn_configs, CongestionControl, QuicConnection, QuicTransport, QuicTuning, KV_ALPN,
+    quinn_client_config, quinn_configs, route_udp_payload, CongestionControl, QuicConnection, QuicTransport,
+    QuicTuning, KV_ALPN, MAX_UDP_PAYLOAD, STREAM_ABANDONED,
 };
 pub use shaped::{Shaped, ShapedConnection, ShapedLink, ShapedWriter};
 

@@ -181,6 +181,8 @@ pub(crate) struct Driver {
     live: HashSet<RequestId>,
     /// Every id ever accepted here (idempotent submits); rejections with their reason.
     accepted: HashSet<RequestId>,
+    /// Accepted here once, then moved away by a committed migration: it may come back the same way.
+    migrated_away: HashSet<RequestId>,
     rejected: IdMap<RequestId, String>,
     rematerialized: HashSet<RequestId>,
     /// Migrations-out waiting for the iteration in flight to end.
@@ -214,6 +216,7 @@ impl Driver {
             written: IdMap::default(),
             live: HashSet::new(),
             accepted: HashSet::new(),
+            migrated_away: HashSet::new(),
             rejected: IdMap::default(),
             rematerialized: HashSet::new(),
             pending: Vec::new(),
@@ -538,8 +541,7 @@ impl Driver {
         };
         match self.engine.submit(self.clock.now(), spec) {
             Ok(()) => {
-                self.accepted.insert(id);
-                self.live.insert(id);
+                self.arrived(id);
                 SubmitOutcome::Accepted
             }
             Err(e @ EngineError::TooLarge { .. }) => {
@@ -564,8 +566,7 @@ impl Driver {
         }
         let kv_tokens = m.kv_tokens();
         self.engine.attach(self.clock.now(), m)?;
-        self.accepted.insert(id);
-        self.live.insert(id);
+        self.arrived(id);
         if rematerialized {
             self.rematerialized.insert(id);
         }
@@ -573,6 +574,21 @@ impl Driver {
         self.written.remove(&id);
         self.write_kv(id, kv_tokens);
         Ok(())
+    }
+
+    /// Bookkeeping of a request that now runs here (submitted, or attached by a migration).
+    pub(super) fn arrived(&mut self, id: RequestId) {
+        self.accepted.insert(id);
+        self.migrated_away.remove(&id);
+        self.live.insert(id);
+    }
+
+    /// Bookkeeping of a request that left by a committed migration (it may come back by another).
+    pub(super) fn left(&mut self, request: RequestId) {
+        self.migrated_away.insert(request);
+        self.written.remove(&request);
+        self.live.remove(&request);
+        self.rematerialized.remove(&request);
     }
 
     fn migrate_out(&mut self, request: RequestId) -> Result<MigratedOut, DriverError> {
@@ -593,10 +609,8 @@ impl Driver {
                 }
             }
         }
-        self.written.remove(&request);
         let migrated = self.engine.finish_migration_out(request)?;
-        self.live.remove(&request);
-        self.rematerialized.remove(&request);
+        self.left(request);
         let state =
             serde_json::to_vec(&migrated).map_err(|e| DriverError::Serialize { request, message: e.to_string() })?;
         Ok(MigratedOut { state, kv_tokens: out.kv_tokens, kv_bytes: out.kv_bytes })

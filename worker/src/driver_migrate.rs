@@ -182,9 +182,7 @@ impl Driver {
 
     fn finish_out(&mut self, request: RequestId) -> Result<(), DriverError> {
         self.engine.finish_migration_out(request)?;
-        self.written.remove(&request);
-        self.live.remove(&request);
-        self.rematerialized.remove(&request);
+        self.left(request);
         Ok(())
     }
 
@@ -207,9 +205,10 @@ impl Driver {
         if self.engine.contains(id) {
             return Ok(self.clock.now()); // a retried commit: it is already here
         }
-        if self.accepted.contains(&id) {
+        if self.accepted.contains(&id) && !self.migrated_away.contains(&id) {
             // It ran here already (re-placed from the start when its source was declared dead):
-            // the old migration must not bring a second copy.
+            // the old migration must not bring a second copy. One that left by a committed
+            // migration may come back by another.
             return Err(DriverError::Kv { request: id, message: "already run on this instance".into() });
         }
         if self.draining {
@@ -231,8 +230,7 @@ impl Driver {
         self.engine.attach(verified, m)?;
         let blocks = self.engine.kv().table(id).map(|t| t.blocks.clone()).unwrap_or_default();
         self.written.insert(id, Written { tier: Some(table.tier), blocks, tokens: kv_tokens });
-        self.accepted.insert(id);
-        self.live.insert(id);
+        self.arrived(id);
         Ok(verified)
     }
 }

@@ -232,6 +232,15 @@ fn shutdown_reports_unfinished_requests_and_closes_the_log() {
     assert_eq!(r.log.read_after(last, 10, &mut out), crate::events::Read::Closed);
 }
 
+/// Write `blocks` of `id` into `to`'s reservation as logical blocks `first`, `first + 1`, ….
+fn write_blocks(to: &Running, id: RequestId, first: u32, blocks: &[bytes::Bytes]) {
+    for (i, data) in blocks.iter().enumerate() {
+        let index = first + i as u32;
+        ask(to, |reply| Command::Live(LiveCommand::WriteBlock { request: id, index, data: data.clone(), reply }))
+            .unwrap();
+    }
+}
+
 /// The engine-thread half of a live migration, driven by hand: copy full blocks while the request
 /// keeps decoding on A, pause, copy the rest, attach on B's reservation, release A. B verifies
 /// every token's bytes; tokens continue on B exactly where A stopped; nothing is lost or doubled.
@@ -248,10 +257,7 @@ fn live_commands_copy_a_running_request_block_by_block() {
     assert_eq!(first.kv_tokens % 4, 0, "only whole blocks while running");
     assert_eq!(first.blocks.len() as u32, first.kv_tokens / 4);
     ask(&b, |reply| live(LiveCommand::Reserve { request: id, kv_tokens: first.kv_tokens, reply })).unwrap();
-    for (i, data) in first.blocks.iter().enumerate() {
-        ask(&b, |reply| live(LiveCommand::WriteBlock { request: id, index: i as u32, data: data.clone(), reply }))
-            .unwrap();
-    }
+    write_blocks(&b, id, 0, &first.blocks);
     wait_for(&a.log, "more tokens on A during the copy", |s| s.tokens[&9].len() >= 14);
     // Stop-and-copy: pause, then everything from where stage 0 ended (incl. the partial block).
     let paused = ask(&a, |reply| live(LiveCommand::PauseOut { request: id, reply })).unwrap();
@@ -259,10 +265,7 @@ fn live_commands_copy_a_running_request_block_by_block() {
     let rest = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: sent, count: 100, reply })).unwrap();
     assert_eq!(rest.kv_tokens, paused.kv_tokens, "everything is final once paused");
     assert_eq!(sent + rest.blocks.len() as u32, paused.kv_tokens.div_ceil(4));
-    for (i, data) in rest.blocks.iter().enumerate() {
-        let index = sent + i as u32;
-        ask(&b, |reply| live(LiveCommand::WriteBlock { request: id, index, data: data.clone(), reply })).unwrap();
-    }
+    write_blocks(&b, id, sent, &rest.blocks);
     let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
     assert_eq!(m.kv_tokens(), paused.kv_tokens);
     let generated = m.generated;
@@ -326,10 +329,7 @@ fn a_request_re_placed_while_its_migration_was_incoming_runs_fresh() {
     let paused = ask(&a, |reply| live(LiveCommand::PauseOut { request: id, reply })).unwrap();
     let blocks = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
     ask(&b, |reply| live(LiveCommand::Reserve { request: id, kv_tokens: paused.kv_tokens, reply })).unwrap();
-    for (i, data) in blocks.blocks.iter().enumerate() {
-        ask(&b, |reply| live(LiveCommand::WriteBlock { request: id, index: i as u32, data: data.clone(), reply }))
-            .unwrap();
-    }
+    write_blocks(&b, id, 0, &blocks.blocks);
     // (A is declared dead here; the leader re-places the request on B from the start)
     assert_eq!(ask(&b, |reply| Command::Submit { spec: spec(5, 9, 40, 10), reply }), SubmitOutcome::Accepted);
     let s = wait_for(&b.log, "the fresh copy's record", |s| s.finished.contains_key(&5));
@@ -340,4 +340,48 @@ fn a_request_re_placed_while_its_migration_was_incoming_runs_fresh() {
     let late = ask(&b, |reply| live(LiveCommand::AttachReserved { state: Box::new(m), reply }));
     assert!(late.is_err(), "a late commit of a request already run here is refused: {late:?}");
     assert_eq!(collect(&b.log).finished.len(), 1);
+}
+
+/// A whole live move of `id` from `from` to `to` through the engine threads' live commands:
+/// pause, copy every block, attach on the reservation, release the source. The tokens generated
+/// before the move.
+fn live_move(from: &Running, to: &Running, id: RequestId) -> u32 {
+    let live = |cmd| Command::Live(cmd);
+    let paused = ask(from, |reply| live(LiveCommand::PauseOut { request: id, reply })).unwrap();
+    let all = ask(from, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 1000, reply })).unwrap();
+    ask(to, |reply| live(LiveCommand::Reserve { request: id, kv_tokens: paused.kv_tokens, reply })).unwrap();
+    write_blocks(to, id, 0, &all.blocks);
+    let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
+    let generated = m.generated;
+    ask(to, |reply| live(LiveCommand::AttachReserved { state: Box::new(m), reply })).unwrap();
+    ask(from, |reply| live(LiveCommand::FinishOut { request: id, reply })).unwrap();
+    generated
+}
+
+/// PASCAL moves a request at phase boundaries, so it can come back to an instance it left: the
+/// guard against a second copy of a re-placed request must not refuse that (seen in the compose
+/// chaos run as "already run on this instance" aborts).
+#[test]
+fn a_request_migrated_away_can_migrate_back() {
+    let a = start(0, "fcfs", 32, 8);
+    let b = start(1, "fcfs", 32, 8);
+    let id = RequestId(3);
+    ask(&a, |reply| Command::Submit { spec: spec(3, 9, 80, 10), reply });
+    wait_for(&a.log, "tokens on A", |s| s.tokens.get(&3).is_some_and(|t| t.len() >= 5));
+    let before_b = live_move(&a, &b, id);
+    wait_for(&b.log, "tokens on B", |s| s.tokens.get(&3).is_some_and(|t| t.len() >= 5));
+    let before_back = live_move(&b, &a, id);
+    let s = wait_for(&a.log, "the record, back on A", |s| s.finished.contains_key(&3));
+    assert_eq!(s.finished[&3].finished_on, Some(0));
+    assert_eq!(s.finished[&3].migrations, 2);
+    let on_a: Vec<u32> = s.tokens[&3].iter().map(|t| t.0).collect();
+    let mut expected: Vec<u32> = (0..before_b).collect();
+    expected.extend(before_back..90);
+    assert_eq!(on_a, expected, "A: the tokens before the first move and after the second");
+    let on_b: Vec<u32> = collect(&b.log).tokens[&3].iter().map(|t| t.0).collect();
+    assert_eq!(on_b, (before_b..before_back).collect::<Vec<_>>(), "B: the tokens in between");
+    assert_eq!(
+        ask(&a, |reply| Command::Stats { reply }).kv.errors + ask(&b, |reply| Command::Stats { reply }).kv.errors,
+        0
+    );
 }

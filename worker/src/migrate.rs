@@ -326,8 +326,14 @@ impl Migrator {
         if let Some(c) = copy {
             c.abort();
         }
-        for mut w in data {
-            let _ = w.finish().await;
+        if matches!(outcome, Outcome::Aborted(_)) {
+            // Dropped unfinished, the data streams are reset: KV still queued for an aborted
+            // migration is discarded rather than sent over the target's link.
+            drop(data);
+        } else {
+            for mut w in data {
+                let _ = w.finish().await;
+            }
         }
         let _ = ctl.finish().await;
         reader.abort();

@@ -178,7 +178,8 @@ impl TargetTrace {
             int("kvfleet.instance", instance),
         ];
         let epoch_unix_ns = clock.epoch_unix_ns();
-        let span = OpenSpan::start("migration.target", &extract(trace_context), unix_time(epoch_unix_ns + now.0), attrs);
+        let span =
+            OpenSpan::start("migration.target", &extract(trace_context), unix_time(epoch_unix_ns + now.0), attrs);
         TargetTrace { span, epoch_unix_ns }
     }
 

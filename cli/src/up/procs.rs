@@ -55,7 +55,8 @@ impl Proc {
                 }
                 match rx.recv_timeout(Duration::from_millis(50)) {
                     Ok(line) => {
-                        if let Some(addr) = line.strip_prefix("listening on ").or_else(|| line.strip_prefix("otlp on ")) {
+                        if let Some(addr) = line.strip_prefix("listening on ").or_else(|| line.strip_prefix("otlp on "))
+                        {
                             proc.addr = Some(addr.trim().to_string());
                             break;
                         }
