@@ -8,7 +8,7 @@
 //! `replay.json` (the exactly-once accounting), and exits non-zero unless every request completed
 //! exactly once: one final record per request, none failed, none rejected, none duplicated.
 
-use crate::up::replay::{replay, schedule, LeaderFinder, ReplayStats};
+use crate::up::replay::{replay, schedule, GiveUp, LeaderFinder, ReplayStats};
 use crate::up::{live, DEFAULT_CONFIG};
 use crate::{report, say, InputError};
 use anyhow::{bail, Context};
@@ -200,8 +200,11 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     );
     let started = Instant::now();
     let timeout = Duration::from_secs_f64(args.timeout_s);
+    let give_up = GiveUp::default();
+    let mut timed_out = false;
     let results = rt.block_on(async {
-        let task = tokio::spawn(replay(finder.clone(), requests.clone(), epoch_unix_ns, stats.clone(), wait));
+        let task =
+            tokio::spawn(replay(finder.clone(), requests.clone(), epoch_unix_ns, stats.clone(), wait, give_up.clone()));
         let mut next_line = Instant::now() + Duration::from_secs(5);
         while !task.is_finished() {
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -217,22 +220,24 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
                     started.elapsed().as_secs_f64()
                 );
             }
-            if started.elapsed() > timeout {
-                task.abort();
-                return None;
+            if started.elapsed() > timeout && !timed_out {
+                // Every unfinished request ends with an error naming where it was.
+                timed_out = true;
+                give_up.give_up(format!("--timeout-s {:.0} passed", args.timeout_s));
             }
         }
         task.await.ok()
     });
     bar.finish_and_clear();
     let wall = started.elapsed().as_secs_f64();
-    let Some(results) = results else {
-        bail!(
+    let Some(results) = results else { bail!("the replay's client task failed") };
+    if timed_out {
+        say!(
             "timed out after {:.0} s (--timeout-s) with {} of {total} requests finished",
             args.timeout_s,
             stats.finished.load(Ordering::Relaxed)
         );
-    };
+    }
     let (ok, failed) = crate::up::replay::partition(results);
     let mut outcome = account(&requests, &ok, failed.len());
     outcome.resumed = stats.resumed.load(Ordering::Relaxed);

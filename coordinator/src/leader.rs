@@ -582,11 +582,18 @@ impl Leader {
         }
     }
 
-    /// Stop: abort every worker pump (a deposed leader must stop scheduling at once).
+    /// Stop: abort every worker pump (a deposed leader must stop scheduling at once) and end every
+    /// client's stream with `UNAVAILABLE`, so each client resumes through the next leader. (Tasks
+    /// still finishing an RPC may hold this leader for a while; its client streams must not wait
+    /// for them: a client left on a silent stream would never learn how its request ended.)
     pub fn stop(&self) {
         let _ = self.deposed_tx.send(true);
         for (_, l) in std::mem::take(&mut *self.links.lock().expect("links lock")) {
             l.pump.abort();
+        }
+        for (_, tx) in std::mem::take(&mut *self.subscribers.lock().expect("subscribers lock")) {
+            // A full channel: the stream ends anyway when `tx` drops.
+            let _ = tx.try_send(Err(Status::unavailable("this coordinator stepped down; resume with the new leader")));
         }
     }
 }
@@ -606,4 +613,54 @@ const MAX_RETARGETS: usize = 2;
 
 fn finished_event(rec: &RequestRecord) -> v1::ClientEvent {
     v1::ClientEvent { event: Some(v1::client_event::Event::Finished(rec.into())) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::ClusterModel;
+    use kvfleet_core::policy::registry::{build_policy, PolicyParams};
+    use kvfleet_core::SimTime;
+    use kvfleet_meta::MemStore;
+
+    #[tokio::test]
+    async fn a_stopped_leader_ends_its_client_streams() {
+        let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
+        let lease = store.grant_lease(Duration::from_secs(60)).await.unwrap();
+        let fence = store.campaign(keys::ELECTION, b"here", lease).await.unwrap();
+        let model = ClusterModel { model: "r1-distill-qwen-32b".into(), kv_bytes_per_token: 262_144 };
+        let state = ClusterState::new(model.clone(), build_policy("pascal", &PolicyParams::default()).unwrap(), 1);
+        let leader = Leader::new(store, fence, state, worker_connector(None), 0);
+        // A worker nobody listens for: the request is placed and recorded, never served.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let rec = WorkerRecord {
+            instance: 0,
+            address: format!("http://{closed}"),
+            model: model.model.clone(),
+            kv_bytes_per_token: model.kv_bytes_per_token,
+            gpu_blocks: 1000,
+            scheduler: "pascal".into(),
+            kv_address: String::new(),
+        };
+        leader.admit(&rec).unwrap();
+        let (tx, mut rx) = mpsc::channel(16);
+        let spec = RequestSpec {
+            id: RequestId(7),
+            arrival: SimTime(0),
+            prompt_tokens: 8,
+            reasoning_tokens: 4,
+            answer_tokens: 4,
+        };
+        leader.submit(spec, tx).await.unwrap();
+        let accepted = rx.recv().await.expect("accepted").unwrap();
+        assert!(matches!(accepted.event, Some(v1::client_event::Event::AcceptedOn(0))), "{accepted:?}");
+        // Something else (a task finishing an RPC) still holds the leader when it stops.
+        let held = leader.clone();
+        leader.stop();
+        let end = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await.expect("the stream ends, not hangs");
+        let status = end.expect("an explicit error first").expect_err("not an event");
+        assert_eq!(status.code(), tonic::Code::Unavailable, "{status}");
+        assert!(rx.recv().await.is_none(), "then the stream is closed");
+        drop(held);
+    }
 }

@@ -15,7 +15,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvfleet_core::metrics::{summarize, tail_ttft_by_reasoning_bin};
 use kvfleet_sim::config::{resolve_policy, SimConfig};
 use procs::{find_etcd, free_port, sibling_binary, EtcdSpec, Proc};
-use replay::{replay, schedule, LeaderFinder, ReplayStats};
+use replay::{replay, schedule, GiveUp, LeaderFinder, ReplayStats};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -93,6 +93,10 @@ pub struct UpArgs {
     /// the run ends with its analysis in `OUT/traces/`).
     #[arg(long)]
     no_traces: bool,
+    /// Give up when no request finishes and no token streams for this many seconds while requests
+    /// are outstanding: the run then fails naming every unfinished request and where it was.
+    #[arg(long, default_value_t = 120.0)]
+    stall_timeout_s: f64,
     /// No progress bar.
     #[arg(short, long)]
     quiet: bool,
@@ -394,6 +398,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         );
         let started = Instant::now();
         let mut failover_ms: Option<u128> = None;
+        let give_up = GiveUp::default();
+        let mut stall = StallWatch::new(Duration::from_secs_f64(args.stall_timeout_s));
         let records = rt.block_on(async {
             let replay_task = tokio::spawn(replay(
                 finder.clone(),
@@ -401,6 +407,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 epoch_unix_ns,
                 stats.clone(),
                 Duration::from_secs(30),
+                give_up.clone(),
             ));
             let mut chaos_leader = args.kill_leader_after_s.map(|s| started + Duration::from_secs_f64(s));
             let mut chaos_worker = args.kill_worker_after_s.map(|s| started + Duration::from_secs_f64(s));
@@ -408,8 +415,14 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             let mut etcd_back_at: Option<Instant> = None;
             while !replay_task.is_finished() {
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                bar.set_position(stats.finished.load(Ordering::Relaxed));
-                bar.set_message(format!("({} tokens streamed)", stats.tokens.load(Ordering::Relaxed)));
+                let (finished, tokens) = (stats.finished.load(Ordering::Relaxed), stats.tokens.load(Ordering::Relaxed));
+                bar.set_position(finished);
+                bar.set_message(format!("({tokens} tokens streamed)"));
+                if let Some(idle) = stall.check((finished, tokens)) {
+                    let why = format!("no request finished and no token streamed for {:.0} s", idle.as_secs_f64());
+                    bar.suspend(|| say!("stalled: {why} (--stall-timeout-s); giving up on the unfinished requests"));
+                    give_up.give_up(why);
+                }
                 if chaos_leader.is_some_and(|t| Instant::now() >= t) {
                     chaos_leader = None;
                     if let Ok((_, s)) = finder.leader(Duration::from_secs(5)).await {
@@ -512,6 +525,10 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         for e in failed.iter().take(5) {
             say!("  failed: {e}");
         }
+        if !failed.is_empty() {
+            std::fs::write(args.out.join("failed.txt"), failed.join("\n") + "\n")?;
+            say!("  (all {} failures in {})", failed.len(), args.out.join("failed.txt").display());
+        }
         let mut written = report::write_outputs(&args.out, std::slice::from_ref(&run))?;
         written.extend(crate::plots::write_plots(&args.out, std::slice::from_ref(&run))?);
         say!("wrote {} files to {} (process logs in {})", written.len(), args.out.display(), logs.display());
@@ -559,6 +576,52 @@ fn analyze_traces(file: &Path, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Notices a run that stopped making progress: nothing finished and nothing streamed for `limit`.
+struct StallWatch {
+    limit: Duration,
+    last: (u64, u64),
+    since: Instant,
+    fired: bool,
+}
+
+impl StallWatch {
+    fn new(limit: Duration) -> Self {
+        StallWatch { limit, last: (0, 0), since: Instant::now(), fired: false }
+    }
+
+    /// Feed the current (finished, tokens) counters; `Some(idle)` once, when the limit passes.
+    fn check(&mut self, now: (u64, u64)) -> Option<Duration> {
+        if now != self.last {
+            self.last = now;
+            self.since = Instant::now();
+            return None;
+        }
+        let idle = self.since.elapsed();
+        if self.fired || idle < self.limit {
+            return None;
+        }
+        self.fired = true;
+        Some(idle)
+    }
+}
+
 fn tracing_line(line: &str) {
     eprintln!("stopped {line}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StallWatch;
+    use std::time::Duration;
+
+    #[test]
+    fn a_stall_fires_once_and_progress_postpones_it() {
+        let mut never = StallWatch::new(Duration::from_secs(3600));
+        assert_eq!(never.check((0, 0)), None, "within the limit");
+        let mut w = StallWatch::new(Duration::ZERO);
+        assert_eq!(w.check((1, 0)), None, "a finished request is progress");
+        assert_eq!(w.check((1, 5)), None, "a streamed token is progress");
+        assert!(w.check((1, 5)).is_some(), "no change past the limit: stalled");
+        assert_eq!(w.check((1, 5)), None, "reported once");
+    }
 }

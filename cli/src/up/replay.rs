@@ -8,8 +8,9 @@ use kvfleet_core::{RequestSpec, SimTime};
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::coordinator_client::CoordinatorClient;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::watch;
 use tonic::transport::Channel;
 use tonic::Code;
 
@@ -21,6 +22,56 @@ pub struct ReplayStats {
     pub resumed: AtomicU64,
     pub retries: AtomicU64,
     pub tokens: AtomicU64,
+}
+
+/// Where one request's client has got to; named in its error if the run gives up on it.
+#[derive(Debug, Default)]
+struct Progress {
+    phase: &'static str,
+    /// The instance the leader last said it placed the request on.
+    instance: Option<u32>,
+    tokens: u64,
+    attempts: u32,
+}
+
+impl Progress {
+    fn set(cell: &Mutex<Progress>, f: impl FnOnce(&mut Progress)) {
+        f(&mut cell.lock().expect("progress lock"));
+    }
+
+    fn describe(&self) -> String {
+        let on = self.instance.map_or_else(|| "not placed".to_string(), |i| format!("last placed on instance {i}"));
+        format!("{} ({on}, {} tokens received, attempt {})", self.phase, self.tokens, self.attempts)
+    }
+}
+
+/// Tells every request still running to give up, with the reason (a timeout, a stalled cluster):
+/// each then ends with an error naming where it was, so a run that cannot finish says which
+/// requests are missing and why instead of waiting forever.
+#[derive(Clone, Debug)]
+pub struct GiveUp(watch::Sender<Option<String>>);
+
+impl Default for GiveUp {
+    fn default() -> Self {
+        GiveUp(watch::channel(None).0)
+    }
+}
+
+impl GiveUp {
+    pub fn give_up(&self, reason: impl Into<String>) {
+        self.0.send_replace(Some(reason.into()));
+    }
+
+    /// Resolves with the reason once [`GiveUp::give_up`] was called.
+    async fn wait(&self) -> String {
+        let mut rx = self.0.subscribe();
+        if rx.wait_for(Option::is_some).await.is_err() {
+            // The sender lives in `self`: the channel cannot close while we wait.
+            std::future::pending::<()>().await;
+        }
+        let reason = rx.borrow().clone().unwrap_or_default();
+        reason
+    }
 }
 
 /// Finds and talks to the current leader among `coordinators`.
@@ -80,11 +131,12 @@ pub fn unix_now_ns() -> u64 {
 }
 
 /// Run one request to its final record. `spec.arrival` is on the cluster clock.
-pub async fn run_request(
+async fn run_request(
     finder: LeaderFinder,
     spec: RequestSpec,
     stats: Arc<ReplayStats>,
     failover_wait: Duration,
+    progress: &Mutex<Progress>,
 ) -> Result<RequestRecord, String> {
     let mut submitted = false;
     let mut attempts = 0u32;
@@ -95,6 +147,10 @@ pub async fn run_request(
         if attempts > 200 {
             return Err(format!("request {} gave up after {attempts} attempts", spec.id.0));
         }
+        Progress::set(progress, |p| {
+            p.phase = "finding the leader";
+            p.attempts = attempts;
+        });
         let (mut client, _) =
             finder.leader(failover_wait).await.map_err(|e| format!("request {}: no leader: {e}", spec.id.0))?;
         let stream = if submitted {
@@ -128,13 +184,21 @@ pub async fn run_request(
         if !submitted {
             stats.submitted.fetch_add(1, Ordering::Relaxed);
         }
+        Progress::set(progress, |p| p.phase = "waiting for the leader to place it");
         backoff = Duration::from_millis(50);
         loop {
             match stream.message().await {
                 Ok(Some(ev)) => match ev.event {
-                    Some(v1::client_event::Event::AcceptedOn(_)) => {}
+                    Some(v1::client_event::Event::AcceptedOn(i)) => Progress::set(progress, |p| {
+                        p.phase = "placed, waiting for tokens";
+                        p.instance = Some(i);
+                    }),
                     Some(v1::client_event::Event::Tokens(t)) => {
                         stats.tokens.fetch_add(t.count as u64, Ordering::Relaxed);
+                        Progress::set(progress, |p| {
+                            p.phase = "streaming tokens";
+                            p.tokens += t.count as u64;
+                        });
                     }
                     Some(v1::client_event::Event::Finished(r)) => {
                         stats.finished.fetch_add(1, Ordering::Relaxed);
@@ -153,7 +217,6 @@ pub async fn run_request(
     }
 }
 
-/// Submit every request at `epoch + arrival` (cluster clock) and wait for all records.
 /// A replay's outcomes split into the finished records (by request id) and the failures.
 pub fn partition(results: Vec<Result<RequestRecord, String>>) -> (Vec<RequestRecord>, Vec<String>) {
     let (mut ok, mut failed) = (Vec::new(), Vec::new());
@@ -167,24 +230,39 @@ pub fn partition(results: Vec<Result<RequestRecord, String>>) -> (Vec<RequestRec
     (ok, failed)
 }
 
+/// Submit every request at `epoch + arrival` (cluster clock) and wait for all records, or until
+/// `give_up` fires: every request still running then ends with an error naming where it was.
 pub async fn replay(
     finder: LeaderFinder,
     requests: Vec<RequestSpec>,
     epoch_unix_ns: u64,
     stats: Arc<ReplayStats>,
     failover_wait: Duration,
+    give_up: GiveUp,
 ) -> Vec<Result<RequestRecord, String>> {
     let mut tasks = Vec::with_capacity(requests.len());
     for spec in requests {
         let finder = finder.clone();
         let stats = stats.clone();
+        let give_up = give_up.clone();
         tasks.push(tokio::spawn(async move {
-            let due_unix = epoch_unix_ns + spec.arrival.0;
-            let now = unix_now_ns();
-            if due_unix > now {
-                tokio::time::sleep(Duration::from_nanos(due_unix - now)).await;
+            let id = spec.id.0;
+            let progress = Mutex::new(Progress { phase: "not yet due", ..Progress::default() });
+            let run = async {
+                let due_unix = epoch_unix_ns + spec.arrival.0;
+                let now = unix_now_ns();
+                if due_unix > now {
+                    tokio::time::sleep(Duration::from_nanos(due_unix - now)).await;
+                }
+                run_request(finder, spec, stats, failover_wait, &progress).await
+            };
+            tokio::select! {
+                r = run => r,
+                why = give_up.wait() => Err(format!(
+                    "request {id}: given up ({why}) while {}",
+                    progress.lock().expect("progress lock").describe()
+                )),
             }
-            run_request(finder, spec, stats, failover_wait).await
         }));
     }
     let mut out = Vec::with_capacity(tasks.len());
@@ -199,5 +277,51 @@ pub fn schedule(requests: &mut [RequestSpec], epoch_unix_ns: u64, lead: Duration
     let start = unix_now_ns().saturating_sub(epoch_unix_ns) + lead.as_nanos() as u64;
     for r in requests {
         r.arrival = SimTime(start + r.arrival.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvfleet_core::RequestId;
+
+    fn spec(id: u64, arrival_ns: u64) -> RequestSpec {
+        RequestSpec {
+            id: RequestId(id),
+            arrival: SimTime(arrival_ns),
+            prompt_tokens: 1,
+            reasoning_tokens: 1,
+            answer_tokens: 1,
+        }
+    }
+
+    #[tokio::test]
+    async fn giving_up_ends_every_unfinished_request_with_where_it_was() {
+        // One request due in an hour, one due now against a coordinator that is not there
+        // (a closed port: the client keeps looking for a leader).
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let finder = LeaderFinder::new(vec![format!("http://{closed}")], None);
+        let epoch = unix_now_ns();
+        let requests = vec![spec(0, 3_600_000_000_000), spec(1, 0)];
+        let give_up = GiveUp::default();
+        let stats = Arc::new(ReplayStats::default());
+        let run = tokio::spawn(replay(finder, requests, epoch, stats, Duration::from_secs(3600), give_up.clone()));
+        // On this single-threaded runtime, yielding lets the replay spawn its request tasks and
+        // the due one start looking for its leader.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        give_up.give_up("test over");
+        let results = tokio::time::timeout(Duration::from_secs(10), run).await.expect("ends once given up").unwrap();
+        let errors: Vec<String> = results.into_iter().map(|r| r.expect_err("nothing can finish")).collect();
+        assert!(errors[0].starts_with("request 0: given up (test over) while not yet due"), "{}", errors[0]);
+        assert!(errors[1].starts_with("request 1: given up (test over) while finding the leader"), "{}", errors[1]);
+        assert!(errors[1].contains("not placed"), "{}", errors[1]);
+    }
+
+    #[test]
+    fn progress_names_the_instance_and_the_tokens() {
+        let p = Progress { phase: "streaming tokens", instance: Some(3), tokens: 17, attempts: 2 };
+        assert_eq!(p.describe(), "streaming tokens (last placed on instance 3, 17 tokens received, attempt 2)");
     }
 }
