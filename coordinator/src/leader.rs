@@ -436,6 +436,16 @@ impl Leader {
         };
         let target_kv_address = self.kv_address(to);
         let live = !target_kv_address.is_empty();
+        if live {
+            // Where it is going, durably, before anything moves: a leader that takes over while
+            // the move is open settles it (`settle_inherited_moves`) instead of leaving the
+            // request paused in doubt on its source.
+            if let Err(e) = self.persist_ownership(id).await {
+                tracing::warn!(request = id.0, "not migrating: recording the move failed ({e})");
+                self.state().migration_done(id, None);
+                return Moved::No;
+            }
+        }
         let req = v1::MigrateOutRequest { request_id: id.0, target: to.0, target_kv_address, ..Default::default() };
         let out = match src.migrate_out(kvfleet_telemetry::request_with(&self.traces.context(id), req)).await {
             Ok(r) => r.into_inner(),
@@ -552,6 +562,51 @@ impl Leader {
             store: self.store.store_kind().to_string(),
             migration_log: self.migration_log.lock().expect("migration log lock").clone(),
         }
+    }
+
+    /// Moves a previous leader recorded as started but not as settled: it may have died (or lost
+    /// its lease) with the source paused in doubt after a lost COMMIT reply, or in the middle of
+    /// the copy. Settled as [`Leader::settle_live`] settles an unknown outcome: the target is
+    /// asked whether it holds the request (from then on it refuses a late COMMIT), and the source
+    /// is told which copy lives (a source that is not in doubt ignores it; its move, if still
+    /// copying, aborts at the target's refusal and the request goes on there).
+    pub async fn settle_inherited_moves(self: &Arc<Self>) -> usize {
+        let open: Vec<(RequestId, InstanceId, InstanceId)> = self
+            .state()
+            .requests()
+            .values()
+            .filter(|o| o.phase == OwnedPhase::Migrating)
+            .filter_map(|o| o.migrating_to.map(|to| (o.spec.id, o.instance, to)))
+            .collect();
+        for &(id, from, to) in &open {
+            let held = match self.client(to) {
+                Some(mut dst) => dst
+                    .resolve_migration(v1::ResolveMigrationRequest { request_id: id.0, committed: None })
+                    .await
+                    .is_ok_and(|r| r.into_inner().held),
+                // Not registered: its registration lapsed, and with it anything it held.
+                None => false,
+            };
+            if let Some(mut src) = self.client(from) {
+                let tell = v1::ResolveMigrationRequest { request_id: id.0, committed: Some(held) };
+                if let Err(e) = src.resolve_migration(tell).await {
+                    tracing::warn!(request = id.0, "telling the source about an inherited move failed: {e}");
+                }
+            }
+            tracing::warn!(
+                request = id.0,
+                from = from.0,
+                to = to.0,
+                held,
+                "settled a move the previous leader left open"
+            );
+            self.state().migration_done(id, held.then_some(to));
+            if held {
+                self.stats.migrations.fetch_add(1, Ordering::Relaxed);
+            }
+            let _ = self.persist_ownership(id).await;
+        }
+        open.len()
     }
 
     /// Unfinished requests and where they are owned (a new leader re-submits them: workers treat

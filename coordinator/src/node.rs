@@ -138,11 +138,14 @@ impl Node {
             admit(&leader, &kv.value);
         }
         *self.leader.write().await = Some(leader.clone());
+        // Where a move was left open, first learn which copy lives, then re-submit to the owner.
+        let inherited_moves = leader.settle_inherited_moves().await;
         leader.resubmit_unfinished().await;
         tracing::info!(
             advertise = %self.opts.advertise,
             store = self.store.store_kind(),
             restored,
+            inherited_moves,
             workers = listing.kvs.len(),
             took_ms = started.elapsed().as_millis() as u64,
             "became leader"

@@ -29,6 +29,11 @@ pub struct Ownership {
     /// Times the request was re-placed because its worker died.
     pub replaced: u32,
     pub migrations: u32,
+    /// While `phase` is `Migrating`: where to. Persisted before the move starts, so a leader that
+    /// takes over knows to settle a move its predecessor left undecided (see
+    /// `Leader::settle_inherited_moves`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrating_to: Option<InstanceId>,
 }
 
 #[derive(Clone, Debug)]
@@ -144,8 +149,10 @@ impl ClusterState {
         }
         let to = self.choose(spec)?;
         let phase = if spec.reasoning_tokens > 0 { OwnedPhase::Reasoning } else { OwnedPhase::Answering };
-        self.requests
-            .insert(spec.id, Ownership { spec: spec.clone(), instance: to, phase, replaced: 0, migrations: 0 });
+        self.requests.insert(
+            spec.id,
+            Ownership { spec: spec.clone(), instance: to, phase, replaced: 0, migrations: 0, migrating_to: None },
+        );
         self.charge(to, spec);
         Ok(to)
     }
@@ -192,6 +199,7 @@ impl ClusterState {
         o.instance = to;
         o.replaced += 1;
         o.phase = if spec.reasoning_tokens > 0 { OwnedPhase::Reasoning } else { OwnedPhase::Answering };
+        o.migrating_to = None;
         Ok(to)
     }
 
@@ -221,7 +229,9 @@ impl ClusterState {
         let change = PhaseChange { request: id, current: instance, kv_blocks };
         match self.policy.on_phase_change(&change, &loads, &mut self.rng) {
             PhaseDecision::Migrate { to } if to != instance && loads.iter().any(|l| l.instance == to) => {
-                self.requests.get_mut(&id).expect("present").phase = OwnedPhase::Migrating;
+                let o = self.requests.get_mut(&id).expect("present");
+                o.phase = OwnedPhase::Migrating;
+                o.migrating_to = Some(to);
                 self.charge_move(instance, to, kv_blocks);
                 PhaseDecision::Migrate { to }
             }
@@ -246,7 +256,9 @@ impl ClusterState {
         let change = PhaseChange { request: id, current: instance, kv_blocks };
         match self.policy.on_phase_change(&change, &loads, &mut self.rng) {
             PhaseDecision::Migrate { to } if to != instance && loads.iter().any(|l| l.instance == to) => {
-                self.requests.get_mut(&id).expect("present").phase = OwnedPhase::Migrating;
+                let o = self.requests.get_mut(&id).expect("present");
+                o.phase = OwnedPhase::Migrating;
+                o.migrating_to = Some(to);
                 self.charge_move(instance, to, kv_blocks);
                 Some(to)
             }
@@ -260,6 +272,7 @@ impl ClusterState {
         // finished (else it would count as in flight forever and be re-placed if its worker died).
         if let Some(o) = self.requests.get_mut(&id).filter(|o| o.phase != OwnedPhase::Finished) {
             o.phase = OwnedPhase::Answering;
+            o.migrating_to = None;
             if let Some(to) = to {
                 o.instance = to;
                 o.migrations += 1;
@@ -318,6 +331,18 @@ mod tests {
     }
 
     #[test]
+    fn ownership_records_of_earlier_versions_still_load() {
+        // Written before `migrating_to` existed.
+        let old = r#"{"spec":{"id":3,"arrival":0,"prompt_tokens":1,"reasoning_tokens":1,"answer_tokens":1},
+                     "instance":2,"phase":"Migrating","replaced":0,"migrations":1}"#;
+        let o: Ownership = serde_json::from_str(old).unwrap();
+        assert_eq!((o.instance, o.phase, o.migrating_to), (InstanceId(2), OwnedPhase::Migrating, None));
+        let moving = Ownership { migrating_to: Some(InstanceId(5)), ..o };
+        let back: Ownership = serde_json::from_slice(&serde_json::to_vec(&moving).unwrap()).unwrap();
+        assert_eq!(back, moving);
+    }
+
+    #[test]
     fn model_mismatch_is_refused_with_both_names() {
         let mut s = state("pascal");
         let e = s.join(InstanceId(0), "a".into(), "llama-3-8b", 131_072).unwrap_err().to_string();
@@ -360,6 +385,7 @@ mod tests {
         assert_eq!(at, InstanceId(0), "equal footprints: lowest id");
         assert_eq!(s.on_boundary(RequestId(7), at, 1), PhaseDecision::Migrate { to: InstanceId(1) });
         assert_eq!(s.ownership(RequestId(7)).unwrap().phase, OwnedPhase::Migrating);
+        assert_eq!(s.ownership(RequestId(7)).unwrap().migrating_to, Some(InstanceId(1)), "where to, for a successor");
         let (src, dst) = (&s.members()[&InstanceId(0)].load, &s.members()[&InstanceId(1)].load);
         assert_eq!((src.gpu_used_blocks, dst.gpu_used_blocks), (10 + 11 - 1, 10 + 1), "the move is charged at once");
         s.migration_done(RequestId(7), Some(InstanceId(1)));
@@ -404,6 +430,9 @@ mod tests {
         let before = s.members()[&InstanceId(2)].load.gpu_used_blocks;
         assert_eq!(s.retarget(RequestId(7), at, 1, &[InstanceId(1)]), Some(InstanceId(2)));
         assert_eq!(s.ownership(RequestId(7)).unwrap().phase, OwnedPhase::Migrating);
+        assert_eq!(s.ownership(RequestId(7)).unwrap().migrating_to, Some(InstanceId(2)));
+        s.migration_done(RequestId(7), Some(InstanceId(2)));
+        assert_eq!(s.ownership(RequestId(7)).unwrap().migrating_to, None, "settled");
         assert_eq!(s.members()[&InstanceId(2)].load.gpu_used_blocks, before + 1);
         s.migration_done(RequestId(7), None);
         // Both declined: only its own instance is left, so it stays.

@@ -407,14 +407,20 @@ impl Migrator {
     }
 
     /// The coordinator settled an unknown outcome: free the paused copy (the target runs it) or
-    /// resume it here.
-    pub async fn resolve_source(&self, request: RequestId, committed: bool) -> Result<(), String> {
-        self.in_doubt.lock().expect("in-doubt lock").remove(&request);
-        if committed {
-            self.ask(|reply| LiveCommand::FinishOut { request, reply }).await
-        } else {
-            self.ask(|reply| LiveCommand::ResumeOut { request, reply }).await
+    /// resume it here. Only a request paused in doubt is touched: a leader that took over settles
+    /// every move its predecessor left open, and a move still copying (or long settled) must go
+    /// on undisturbed (its target, fenced by that leader, refuses the COMMIT if it comes).
+    /// Returns whether the request was in doubt here.
+    pub async fn resolve_source(&self, request: RequestId, committed: bool) -> Result<bool, String> {
+        if !self.in_doubt.lock().expect("in-doubt lock").remove(&request) {
+            return Ok(false);
         }
+        if committed {
+            self.ask(|reply| LiveCommand::FinishOut { request, reply }).await?;
+        } else {
+            self.ask(|reply| LiveCommand::ResumeOut { request, reply }).await?;
+        }
+        Ok(true)
     }
 
     // ---------------------------------------------------------------- target

@@ -231,7 +231,15 @@ impl Worker for WorkerService {
             })?;
             // The request's trace (W3C `traceparent` in the metadata): the migration joins it.
             let parent = kvfleet_telemetry::extract_metadata(request.metadata());
-            let report = self.migrator()?.migrate_out(id, addr, Some(target), &parent).await.map_err(driver_status)?;
+            // In its own task: a coordinator that dies (or gives up on the call) mid-migration
+            // cancels this handler, and a migration dropped half-way would leave its request
+            // paused here with nobody to resume it. Run to its end, it settles itself (committed,
+            // resumed here, or in doubt for the next leader to settle).
+            let migrator = self.migrator()?.clone();
+            let report = tokio::spawn(async move { migrator.migrate_out(id, addr, Some(target), &parent).await })
+                .await
+                .map_err(|e| Status::internal(format!("the migration task failed: {e}")))?
+                .map_err(driver_status)?;
             let outcome = match &report.outcome {
                 Some(Outcome::Committed) => v1::MigrationOutcome::MigrationCommitted,
                 Some(Outcome::Unknown(_)) => v1::MigrationOutcome::MigrationUnknown,
@@ -265,7 +273,10 @@ impl Worker for WorkerService {
         let held = match request.get_ref().committed {
             None => m.resolve_target(id).await.map_err(Status::unavailable)?,
             Some(committed) => {
-                m.resolve_source(id, committed).await.map_err(Status::failed_precondition)?;
+                let in_doubt = m.resolve_source(id, committed).await.map_err(Status::failed_precondition)?;
+                if !in_doubt {
+                    tracing::debug!(request = %id, committed, "resolution for a request not in doubt here: nothing to do");
+                }
                 !committed
             }
         };

@@ -127,6 +127,108 @@ async fn failed_migrations_abort_and_the_request_finishes_on_the_source() {
     );
 }
 
+/// The coordinator that asked for a migration dies (its call is cancelled) in the middle of the
+/// copy: the migration still runs to its end, so the request is neither left paused on its
+/// source nor lost; here, with no fault, it commits and finishes on the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_outlives_the_cancelled_call_that_started_it() {
+    let pki = TestPki::new("cancel");
+    let args = ["--kv-fill", "stamp", "--kv-memory", "512MiB", "--cpu-memory", "64MiB"];
+    let a = WorkerProc::start_tls(&[&args[..], &["--instance", "0"]].concat(), &pki, "w0");
+    let b = WorkerProc::start_tls(&[&args[..], &["--instance", "1"]].concat(), &pki, "w1");
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    let target_kv = cb.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
+    // 1200 prompt tokens: 75 blocks (300 MiB) to copy, long enough to cancel the call mid-copy.
+    let (prompt, reasoning, answer) = (1200, 300, 20);
+    assert!(
+        ca.submit(v1::SubmitRequest { spec: Some(spec(11, a.cluster_now_ns(), prompt, reasoning, answer)) })
+            .await
+            .unwrap()
+            .into_inner()
+            .accepted
+    );
+    collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 11).len() >= 3).await;
+
+    // Start the migration on a connection of its own, and close that connection (as a dying
+    // coordinator's would close) once the target has reserved room (PREPARE done).
+    let mut caller = a.client().await;
+    let mut call = Box::pin(async move {
+        caller.migrate_out(v1::MigrateOutRequest { request_id: 11, target: 1, target_kv_address: target_kv }).await
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        tokio::select! {
+            r = &mut call => panic!("the migration ended before the call could be cancelled: {r:?}"),
+            _ = tokio::time::sleep(Duration::from_millis(2)) => {}
+        }
+        if cb.load(v1::LoadRequest {}).await.unwrap().into_inner().gpu_used_blocks > 0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the target never reserved room");
+    }
+    drop(call); // and with it the caller's only connection
+
+    // It commits anyway and finishes on B; every token exactly once across A and B.
+    let on_b = collect_until(&mut cb, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&11)).await;
+    let r = &on_b.finished[&11];
+    assert_eq!((r.migrations, r.finished_on), (1, Some(1)), "{r:?}");
+    let ib = indices(&on_b, 11);
+    let first_on_b = *ib.first().expect("tokens on B");
+    let on_a = collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 11).len() as u32 >= first_on_b).await;
+    let ia = indices(&on_a, 11);
+    assert_eq!(ia, (0..first_on_b).collect::<Vec<_>>(), "A emitted up to the pause");
+    assert_eq!(ib, (first_on_b..reasoning + answer).collect::<Vec<_>>(), "B continues at the next token");
+    assert!(!on_a.finished.contains_key(&11), "A does not finish it too");
+}
+
+/// What a leader that took over does with a move its predecessor recorded as started: it asks
+/// the target (which from then on refuses the move) and tells the source which copy lives. A
+/// source that is not in doubt (the move never started, is still copying, or settled long ago)
+/// goes on undisturbed, and the fenced target refuses the move if it comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_successor_settling_a_move_that_is_not_in_doubt_leaves_the_request_running() {
+    let pki = TestPki::new("settle");
+    let args = ["--kv-fill", "stamp", "--kv-memory", "256MiB", "--cpu-memory", "64MiB"];
+    let a = WorkerProc::start_tls(&[&args[..], &["--instance", "0"]].concat(), &pki, "w0");
+    let b = WorkerProc::start_tls(&[&args[..], &["--instance", "1"]].concat(), &pki, "w1");
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    let target_kv = cb.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
+    assert!(
+        ca.submit(v1::SubmitRequest { spec: Some(spec(9, a.cluster_now_ns(), 100, 150, 20)) })
+            .await
+            .unwrap()
+            .into_inner()
+            .accepted
+    );
+    collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 9).len() >= 3).await;
+
+    let held = cb
+        .resolve_migration(v1::ResolveMigrationRequest { request_id: 9, committed: None })
+        .await
+        .unwrap()
+        .into_inner()
+        .held;
+    assert!(!held, "B never received it");
+    ca.resolve_migration(v1::ResolveMigrationRequest { request_id: 9, committed: Some(false) })
+        .await
+        .expect("telling a source that is not in doubt is not an error");
+
+    // The fenced target refuses the move; the request stays where it runs.
+    let out = ca
+        .migrate_out(v1::MigrateOutRequest { request_id: 9, target: 1, target_kv_address: target_kv })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(out.outcome(), v1::MigrationOutcome::MigrationAborted, "{out:?}");
+    let reason = out.stats.unwrap().abort_reason;
+    assert!(reason.contains("settled elsewhere"), "{reason}");
+
+    let c = collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&9)).await;
+    assert_eq!(indices(&c, 9), (0..170).collect::<Vec<_>>(), "every token once, all on A");
+    assert_eq!((c.finished[&9].finished_on, c.finished[&9].migrations), (Some(0), 0));
+    assert_eq!(cb.load(v1::LoadRequest {}).await.unwrap().into_inner().gpu_used_blocks, 0, "nothing reserved on B");
+}
+
 /// Wait until `cond` holds on the worker's load report (polled; fails after 60 s).
 async fn wait_load(
     c: &mut kvfleet_proto::v1::worker_client::WorkerClient<tonic::transport::Channel>,
