@@ -458,7 +458,7 @@ impl Leader {
             }
         };
         if live {
-            return self.settle_live(id, from, to, out, &mut src, &mut dst).await;
+            return self.settle_live(id, from, to, out, &src, &dst).await;
         }
         let attach = v1::AttachRequest { state: out.state.clone(), kv_rematerialized: true };
         match dst.attach(attach.clone()).await {
@@ -495,18 +495,12 @@ impl Leader {
         from: InstanceId,
         to: InstanceId,
         out: v1::MigrateOutReply,
-        src: &mut WorkerClient<Channel>,
-        dst: &mut WorkerClient<Channel>,
+        src: &WorkerClient<Channel>,
+        dst: &WorkerClient<Channel>,
     ) -> Moved {
         let mut outcome = out.outcome();
         if outcome == v1::MigrationOutcome::MigrationUnknown {
-            let held =
-                match dst.resolve_migration(v1::ResolveMigrationRequest { request_id: id.0, committed: None }).await {
-                    Ok(r) => r.into_inner().held,
-                    // The target is unreachable: its registration will lapse and its requests be
-                    // re-placed; the paused source copy is the one that lives.
-                    Err(_) => false,
-                };
+            let held = settle_by_asking(id, Some(dst.clone()), Some(src.clone())).await;
             tracing::warn!(
                 request = id.0,
                 from = from.0,
@@ -514,10 +508,6 @@ impl Leader {
                 held,
                 "live migration outcome unknown; settled by asking the target"
             );
-            let tell = v1::ResolveMigrationRequest { request_id: id.0, committed: Some(held) };
-            if let Err(e) = src.resolve_migration(tell).await {
-                tracing::warn!(request = id.0, "telling the source failed: {e}");
-            }
             outcome =
                 if held { v1::MigrationOutcome::MigrationCommitted } else { v1::MigrationOutcome::MigrationAborted };
         }
@@ -579,20 +569,7 @@ impl Leader {
             .filter_map(|o| o.migrating_to.map(|to| (o.spec.id, o.instance, to)))
             .collect();
         for &(id, from, to) in &open {
-            let held = match self.client(to) {
-                Some(mut dst) => dst
-                    .resolve_migration(v1::ResolveMigrationRequest { request_id: id.0, committed: None })
-                    .await
-                    .is_ok_and(|r| r.into_inner().held),
-                // Not registered: its registration lapsed, and with it anything it held.
-                None => false,
-            };
-            if let Some(mut src) = self.client(from) {
-                let tell = v1::ResolveMigrationRequest { request_id: id.0, committed: Some(held) };
-                if let Err(e) = src.resolve_migration(tell).await {
-                    tracing::warn!(request = id.0, "telling the source about an inherited move failed: {e}");
-                }
-            }
+            let held = settle_by_asking(id, self.client(to), self.client(from)).await;
             tracing::warn!(
                 request = id.0,
                 from = from.0,
@@ -651,6 +628,31 @@ impl Leader {
             let _ = tx.try_send(Err(Status::unavailable("this coordinator stepped down; resume with the new leader")));
         }
     }
+}
+
+/// Which copy of `id` lives after a move whose outcome is unknown: the target (`dst`) is asked
+/// whether it holds the request (from then on it refuses a late COMMIT), then the source (`src`)
+/// is told. An unreachable or unregistered target holds nothing that will live: its registration
+/// lapses and its requests are re-placed, so the source's copy is the one that lives.
+async fn settle_by_asking(
+    id: RequestId,
+    dst: Option<WorkerClient<Channel>>,
+    src: Option<WorkerClient<Channel>>,
+) -> bool {
+    let held = match dst {
+        Some(mut dst) => dst
+            .resolve_migration(v1::ResolveMigrationRequest { request_id: id.0, committed: None })
+            .await
+            .is_ok_and(|r| r.into_inner().held),
+        None => false,
+    };
+    if let Some(mut src) = src {
+        let tell = v1::ResolveMigrationRequest { request_id: id.0, committed: Some(held) };
+        if let Err(e) = src.resolve_migration(tell).await {
+            tracing::warn!(request = id.0, "telling the source which copy lives failed: {e}");
+        }
+    }
+    held
 }
 
 /// Where a migration left the request.
