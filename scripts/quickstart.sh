@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 source scripts/lib/install-deps.sh
 install_deps
 cargo build --release --workspace --bins
-./target/release/kvfleet up --out results/up "$@"
+"${CARGO_TARGET_DIR:-target}/release/kvfleet" up --out results/up "$@"

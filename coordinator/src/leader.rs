@@ -568,20 +568,30 @@ impl Leader {
             .filter(|o| o.phase == OwnedPhase::Migrating)
             .filter_map(|o| o.migrating_to.map(|to| (o.spec.id, o.instance, to)))
             .collect();
-        for &(id, from, to) in &open {
-            let held = settle_by_asking(id, self.client(to), self.client(from)).await;
-            tracing::warn!(
-                request = id.0,
-                from = from.0,
-                to = to.0,
-                held,
-                "settled a move the previous leader left open"
-            );
-            self.state().migration_done(id, held.then_some(to));
-            if held {
-                self.stats.migrations.fetch_add(1, Ordering::Relaxed);
-            }
-            let _ = self.persist_ownership(id).await;
+        // Concurrently: one hung worker must not hold up the others.
+        let settling: Vec<_> = open
+            .iter()
+            .map(|&(id, from, to)| {
+                let leader = self.clone();
+                tokio::spawn(async move {
+                    let held = settle_by_asking(id, leader.client(to), leader.client(from)).await;
+                    tracing::warn!(
+                        request = id.0,
+                        from = from.0,
+                        to = to.0,
+                        held,
+                        "settled a move the previous leader left open"
+                    );
+                    leader.state().migration_done(id, held.then_some(to));
+                    if held {
+                        leader.stats.migrations.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let _ = leader.persist_ownership(id).await;
+                })
+            })
+            .collect();
+        for t in settling {
+            let _ = t.await;
         }
         open.len()
     }
@@ -640,20 +650,26 @@ async fn settle_by_asking(
     src: Option<WorkerClient<Channel>>,
 ) -> bool {
     let held = match dst {
-        Some(mut dst) => dst
-            .resolve_migration(v1::ResolveMigrationRequest { request_id: id.0, committed: None })
-            .await
-            .is_ok_and(|r| r.into_inner().held),
+        Some(mut dst) => {
+            let ask = dst.resolve_migration(v1::ResolveMigrationRequest { request_id: id.0, committed: None });
+            // A hung target answers nothing: as if unreachable.
+            matches!(tokio::time::timeout(SETTLE_CALL_TIMEOUT, ask).await, Ok(Ok(r)) if r.get_ref().held)
+        }
         None => false,
     };
     if let Some(mut src) = src {
         let tell = v1::ResolveMigrationRequest { request_id: id.0, committed: Some(held) };
-        if let Err(e) = src.resolve_migration(tell).await {
-            tracing::warn!(request = id.0, "telling the source which copy lives failed: {e}");
+        match tokio::time::timeout(SETTLE_CALL_TIMEOUT, src.resolve_migration(tell)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(request = id.0, "telling the source which copy lives failed: {e}"),
+            Err(_) => tracing::warn!(request = id.0, "telling the source which copy lives timed out"),
         }
     }
     held
 }
+
+/// Bound on each call that settles a move: a leader taking over must not wait on a hung worker.
+const SETTLE_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Where a migration left the request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
