@@ -74,6 +74,10 @@ impl GiveUp {
     }
 }
 
+/// How long one coordinator may take to answer `Status` (above the coordinator's own 5 s bound on
+/// the etcd read it makes to name the leader).
+const STATUS_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Finds and talks to the current leader among `coordinators`.
 #[derive(Clone)]
 pub struct LeaderFinder {
@@ -103,7 +107,9 @@ impl LeaderFinder {
         loop {
             for addr in &self.coordinators {
                 let mut c = CoordinatorClient::new(self.channel(addr)?);
-                match c.status(v1::StatusRequest {}).await {
+                // A coordinator that accepts the connection but never answers counts as down.
+                let answer = tokio::time::timeout(STATUS_TIMEOUT, c.status(v1::StatusRequest {})).await;
+                match answer.unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded(format!("{addr}: no answer")))) {
                     Ok(s) => {
                         let s = s.into_inner();
                         if s.leader.is_empty() {
@@ -111,7 +117,8 @@ impl LeaderFinder {
                             continue;
                         }
                         let mut lc = CoordinatorClient::new(self.channel(&s.leader)?);
-                        if let Ok(ls) = lc.status(v1::StatusRequest {}).await {
+                        if let Ok(Ok(ls)) = tokio::time::timeout(STATUS_TIMEOUT, lc.status(v1::StatusRequest {})).await
+                        {
                             return Ok((lc, ls.into_inner()));
                         }
                     }
