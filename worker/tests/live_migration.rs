@@ -8,13 +8,21 @@ mod common;
 
 use common::*;
 use kvfleet_proto::v1;
+use kvfleet_proto::v1::worker_client::WorkerClient;
 use std::time::Duration;
+use tonic::transport::Channel;
 
 const EVENTS_TIMEOUT: Duration = Duration::from_secs(120);
 const KV_TOKEN_BYTES: u64 = 256 << 10;
 
 fn spec(id: u64, arrival_ns: u64, prompt: u32, reasoning: u32, answer: u32) -> v1::RequestSpec {
     v1::RequestSpec { id, arrival_ns, prompt_tokens: prompt, reasoning_tokens: reasoning, answer_tokens: answer }
+}
+
+/// Submit to a worker, which must accept.
+async fn submit(c: &mut WorkerClient<Channel>, spec: v1::RequestSpec) {
+    let reply = c.submit(v1::SubmitRequest { spec: Some(spec) }).await.expect("Submit").into_inner();
+    assert!(reply.accepted, "refused: {reply:?}");
 }
 
 /// Token indices of `id` in `c`, in stream order.
@@ -33,13 +41,7 @@ async fn a_running_request_moves_with_its_kv_bytes_and_continues_on_the_target()
     assert!(!target_kv.is_empty(), "a TLS worker advertises a migration endpoint");
     // 600 prompt tokens = 38 blocks of 4 MiB (150 MiB of KV) that stage 0 copies while it decodes.
     let (prompt, reasoning, answer) = (600, 400, 40);
-    assert!(
-        ca.submit(v1::SubmitRequest { spec: Some(spec(7, a.cluster_now_ns(), prompt, reasoning, answer)) })
-            .await
-            .unwrap()
-            .into_inner()
-            .accepted
-    );
+    submit(&mut ca, spec(7, a.cluster_now_ns(), prompt, reasoning, answer)).await;
     collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 7).len() >= 5).await;
 
     let req = v1::MigrateOutRequest { request_id: 7, target: 1, target_kv_address: target_kv };
@@ -84,13 +86,7 @@ async fn failed_migrations_abort_and_the_request_finishes_on_the_source() {
     );
     let (mut ca, mut cb) = (a.client().await, b.client().await);
     let target_kv = cb.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
-    assert!(
-        ca.submit(v1::SubmitRequest { spec: Some(spec(3, a.cluster_now_ns(), 200, 200, 20)) })
-            .await
-            .unwrap()
-            .into_inner()
-            .accepted
-    );
+    submit(&mut ca, spec(3, a.cluster_now_ns(), 200, 200, 20)).await;
     collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 3).len() >= 3).await;
 
     // Target full: PREPARE refused.
@@ -140,13 +136,7 @@ async fn a_migration_outlives_the_cancelled_call_that_started_it() {
     let target_kv = cb.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
     // 1200 prompt tokens: 75 blocks (300 MiB) to copy, long enough to cancel the call mid-copy.
     let (prompt, reasoning, answer) = (1200, 300, 20);
-    assert!(
-        ca.submit(v1::SubmitRequest { spec: Some(spec(11, a.cluster_now_ns(), prompt, reasoning, answer)) })
-            .await
-            .unwrap()
-            .into_inner()
-            .accepted
-    );
+    submit(&mut ca, spec(11, a.cluster_now_ns(), prompt, reasoning, answer)).await;
     collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 11).len() >= 3).await;
 
     // Start the migration on a connection of its own, and close that connection (as a dying
@@ -193,13 +183,7 @@ async fn a_successor_settling_a_move_that_is_not_in_doubt_leaves_the_request_run
     let b = WorkerProc::start_tls(&[&args[..], &["--instance", "1"]].concat(), &pki, "w1");
     let (mut ca, mut cb) = (a.client().await, b.client().await);
     let target_kv = cb.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
-    assert!(
-        ca.submit(v1::SubmitRequest { spec: Some(spec(9, a.cluster_now_ns(), 100, 150, 20)) })
-            .await
-            .unwrap()
-            .into_inner()
-            .accepted
-    );
+    submit(&mut ca, spec(9, a.cluster_now_ns(), 100, 150, 20)).await;
     collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 9).len() >= 3).await;
 
     let held = cb
