@@ -658,11 +658,18 @@ async fn settle_by_asking(
         None => false,
     };
     if let Some(mut src) = src {
-        let tell = v1::ResolveMigrationRequest { request_id: id.0, committed: Some(held) };
-        match tokio::time::timeout(SETTLE_CALL_TIMEOUT, src.resolve_migration(tell)).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => tracing::warn!(request = id.0, "telling the source which copy lives failed: {e}"),
-            Err(_) => tracing::warn!(request = id.0, "telling the source which copy lives timed out"),
+        // A source left uninformed stays paused in doubt: worth a few tries.
+        for attempt in 1..=SETTLE_TELL_ATTEMPTS {
+            let tell = v1::ResolveMigrationRequest { request_id: id.0, committed: Some(held) };
+            let why = match tokio::time::timeout(SETTLE_CALL_TIMEOUT, src.resolve_migration(tell)).await {
+                Ok(Ok(_)) => break,
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("no answer within {SETTLE_CALL_TIMEOUT:?}"),
+            };
+            tracing::warn!(request = id.0, attempt, "telling the source which copy lives failed: {why}");
+            if attempt < SETTLE_TELL_ATTEMPTS {
+                tokio::time::sleep(Duration::from_millis(500) * attempt).await;
+            }
         }
     }
     held
@@ -670,6 +677,8 @@ async fn settle_by_asking(
 
 /// Bound on each call that settles a move: a leader taking over must not wait on a hung worker.
 const SETTLE_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Tries at telling a source which copy of its request lives.
+const SETTLE_TELL_ATTEMPTS: u32 = 3;
 
 /// Where a migration left the request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
