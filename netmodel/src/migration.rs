@@ -451,16 +451,20 @@ pub fn checksum(data: &[u8]) -> u64 {
 
 /// A `BlockData` frame for logical block `index` holding `tokens` valid tokens, with its checksum.
 pub fn block_frame(id: MigrationId, stage: u32, index: u32, tokens: u32, data: Bytes) -> Frame {
-    Frame {
-        body: Some(Body::BlockData(wire::BlockData {
-            migration_id: id.0,
-            stage,
-            index,
-            tokens,
-            checksum: checksum(&data),
-            data,
-        })),
-    }
+    let mut head = block_frame_head(id, stage, index, tokens, &data);
+    head.data = data;
+    Frame { body: Some(Body::BlockData(head)) }
+}
+
+/// Field numbers from `Frame` down to `BlockData.data`: where a sender that writes a block's
+/// bytes without copying them into the frame puts them (`FrameWriter::send_with_payload` with
+/// [`block_frame_head`]); the receiver decodes the same [`block_frame`].
+pub const BLOCK_DATA_PAYLOAD_PATH: [u32; 2] = [3, 6];
+
+/// [`block_frame`]'s `BlockData` without the data (checksum included), for sending the data
+/// separately at [`BLOCK_DATA_PAYLOAD_PATH`].
+pub fn block_frame_head(id: MigrationId, stage: u32, index: u32, tokens: u32, data: &[u8]) -> wire::BlockData {
+    wire::BlockData { migration_id: id.0, stage, index, tokens, checksum: checksum(data), data: Bytes::new() }
 }
 
 /// Blocks that `kv_tokens` tokens occupy: `ceil(kv_tokens / block_size)` (0 if `block_size` is 0).

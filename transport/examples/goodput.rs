@@ -8,7 +8,7 @@
 //!
 //! The parent makes a throwaway cluster CA, starts itself as the sink process (`--sink tcp|quic`),
 //! sends to it and prints one row per configuration with the QUIC ÷ TCP ratio. Tuning flags
-//! (`--cc`, `--mtu`, `--no-gso`, `--no-fairness`, `--stream-window`, `--udp-buffer`) apply to
+//! (`--cc`, `--mtu`, `--no-gso`, `--no-fairness`, `--stream-window`, `--conn-window`, `--udp-buffer`) apply to
 //! both ends; `GOODPUT_THREADS=1` runs each process on a current-thread tokio runtime (default 2
 //! worker threads).
 
@@ -90,6 +90,11 @@ fn parse() -> Result<Args, String> {
                 a.tuning.stream_receive_window_bytes = parse_size(&v)?;
                 a.tuning_args.extend(["--stream-window".into(), v]);
             }
+            "--conn-window" => {
+                let v = value()?;
+                a.tuning.receive_window_bytes = parse_size(&v)?;
+                a.tuning_args.extend(["--conn-window".into(), v]);
+            }
             "--no-gso" => {
                 a.tuning.segmentation_offload = false;
                 a.tuning_args.push(flag);
@@ -170,9 +175,9 @@ async fn run() -> Result<(), String> {
         let quic =
             bench::quic_send_measured(quic_addr, &sender_id, args.tuning.clone(), args.bytes, streams, args.chunk)
                 .await
-                .map_err(|e| e.to_string())?
-                .goodput;
-        row("quic", streams, &quic, Some(tcp.gbit_per_s()));
+                .map_err(|e| e.to_string())?;
+        row("quic", streams, &quic.goodput, Some(tcp.gbit_per_s()));
+        println!("       {} of {} packets lost", quic.lost_packets, quic.sent_packets);
     }
     let _ = tcp_child.kill();
     let _ = quic_child.kill();

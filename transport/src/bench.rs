@@ -13,29 +13,38 @@
 //! when the receiver has acknowledged every byte, so buffered-but-undelivered data never counts.
 //! Goodput counts payload bytes only.
 //!
-//! # Measured (2-core shared VM, loopback, two processes, 1 GiB, 4 MiB frames)
+//! # Measured (2-core shared VM, loopback, two processes, 1–2 GiB, 4 MiB frames, 4 streams)
 //!
-//! Raw TCP: 13–47 Gbit/s. QUIC (quinn 0.11, TLS 1.3 AES-GCM, default [`QuicTuning`]):
-//! - with Ethernet-sized datagrams (1452 bytes): 2.2–4.9 Gbit/s with 1, 4 or 8 streams;
-//! - with the path's MTU (loopback: 65 507-byte datagrams, found by MTU discovery up to the
-//!   route's interface MTU): 6.0–9.4 Gbit/s; 16 KiB datagrams 6.7–8.1. Large datagrams divide
-//!   quinn's per-packet work; the remaining cost is per byte: AES-GCM both ways (~13 % of the
-//!   CPU), three user-space copies (quinn's send buffer, packet assembly, the read into the frame
-//!   buffer) and the kernel's two.
+//! Raw TCP 19–39 Gbit/s; raw UDP with GSO/GRO (1452-byte datagrams) 23–33 Gbit/s. QUIC (quinn
+//! 0.11, TLS 1.3 AES-128-GCM, default [`QuicTuning`]): 12–17 Gbit/s, **QUIC / best UDP 0.63**
+//! in the `kvfleet bench migration` run of session 6 (was 0.20–0.31). Each process is one core
+//! here; sender and receiver each run at ~90–100 % of theirs, so goodput is CPU per byte.
 //!
-//! QUIC / TCP ≈ 0.2–0.3: the 0.8 target is not met on this host. What mattered:
-//! - the datagram size (above);
+//! What mattered, largest first:
+//! - the datagram size: the path's MTU (loopback: 65 507-byte datagrams, found by MTU discovery
+//!   up to the route's interface MTU) against 1452 bytes: ×2.5–4 (per-packet work divided);
 //! - UDP segmentation offload (GSO), at 1452 bytes: off → 0.7 Gbit/s, on → 2.4 (×3.4);
+//! - the payload handed to quinn whole ([`crate::SendHalf::write_chunk`]) instead of copied into
+//!   its send buffer: that copy was 18 % of the sender's CPU, and a 512 MiB send buffer of copies
+//!   evicted everything from the cache; with it gone, 8.7–9.2 → 13–15 Gbit/s;
+//! - flow control below the receiver's socket buffer: with a 512 MiB connection window over a
+//!   32 MiB UDP receive buffer the (now faster) sender overran a CPU-bound receiver, which dropped
+//!   12–15 % of all packets; a 64 MiB window over a 64 MiB buffer: no loss, +20 %;
+//! - a reader that never reads past the frame it is filling (a capacity-sized overshoot was
+//!   copied again when the buffer grew for the next 4 MiB frame);
 //! - GSO batches within one 64 KiB send: quinn batches 10 datagrams, and the kernel refuses (and
 //!   quinn-udp silently drops) a batch above 64 KiB, so 9000-byte datagrams once lost a third of
 //!   all packets and tripped black-hole detection; the endpoint's socket now splits such batches;
-//! - UDP socket buffers of 32 MiB (forced past `rmem_max` with `CAP_NET_ADMIN`): 4 streams lost
-//!   ~10 000 packets per GiB to receive-buffer overflow with 8 MiB, none with 32 MiB;
-//! - a current-thread runtime per process: +25 % over a 2-worker runtime (fewer cross-thread
+//! - a current-thread runtime per process: +10–25 % over a 2-worker runtime (fewer cross-thread
 //!   wake-ups between the endpoint driver, the connection and the stream tasks);
-//! - the congestion controller did not matter once nothing was lost (Cubic ≈ NewReno ≥ BBR);
-//!   nor did send fairness, a 16 vs 64 MiB stream window, or 1 vs 4 MiB frames, within the
-//!   noise of a shared host.
+//! - not the congestion controller once nothing was lost (Cubic ≈ NewReno ≥ BBR), nor send
+//!   fairness or 1 vs 4 MiB frames, within the noise of a shared host.
+//!
+//! What is left (perf, both processes): AES-GCM ~32 % of each side (ring's VAES-AVX2 code, as
+//! fast as this CPU goes), the kernel's UDP copies 19–23 %, quinn's packet assembly copy on the
+//! sender (~14 %) and, on the receiver, quinn's copy of each received datagram (~13 %) and the
+//! read into the frame buffer (~22 %). Only the last is ours; removing it means frames whose
+//! payload stays a list of received chunks down to the KV arena.
 
 use crate::frame::{FrameReader, FrameWriter};
 use crate::quic::{QuicTransport, QuicTuning};
@@ -376,8 +385,8 @@ pub async fn quic_send_measured(
             let mut left = share;
             while left > 0 {
                 let n = (left as usize).min(chunk.len());
-                // The payload goes from `chunk` to the stream without a copy into the frame buffer.
-                writer.send_with_payload(&BenchChunk::default(), BenchChunk::DATA_TAG, &chunk[..n]).await?;
+                // The payload goes to the stream whole, uncopied (as a migration's KV blocks do).
+                writer.send_with_payload(&BenchChunk::default(), &[BenchChunk::DATA_TAG], chunk.slice(..n)).await?;
                 left -= n as u64;
             }
             writer.finish().await?;

@@ -8,7 +8,8 @@
 //! Zero-copy where it counts: a received frame is split off the read buffer and frozen into
 //! [`Bytes`], so `bytes` fields declared `#[prost(bytes = "bytes")]` decode as slices of it. On
 //! the send side the header and body are encoded into one reused buffer and written with a single
-//! `write_all` (one copy of the payload, none per frame allocation).
+//! `write_all`; a large payload (a KV block) can instead be handed to the stream whole, uncopied
+//! ([`FrameWriter::send_with_payload`]).
 //!
 //! After any error a [`FrameReader`] drops its stream (closing it towards the peer) and every
 //! later `recv` fails: a stream that carried a bad frame is not trusted again.
@@ -147,43 +148,6 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         Ok(())
     }
 
-    /// Send `msg` with one more `bytes` field, number `payload_tag`, set to `payload`, without
-    /// copying the payload into the frame buffer: the header, `msg` and the field's key and length
-    /// are encoded into the buffer and the payload is written straight from `payload`.
-    ///
-    /// The receiver decodes exactly `msg` with that field set (protobuf fields may come in any
-    /// order). `msg` must leave that field empty (a repeated field gets `payload` appended).
-    pub async fn send_with_payload<M: Message>(
-        &mut self,
-        msg: &M,
-        payload_tag: u32,
-        payload: &[u8],
-    ) -> Result<(), FrameError> {
-        if !(1..=MAX_FIELD_TAG).contains(&payload_tag) {
-            return Err(FrameError::Io(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("protobuf field number {payload_tag} is out of range"),
-            )));
-        }
-        let key = u64::from(payload_tag) << 3 | 2; // wire type 2: length-delimited
-        let len = msg.encoded_len()
-            + prost::encoding::encoded_len_varint(key)
-            + prost::encoding::encoded_len_varint(payload.len() as u64)
-            + payload.len();
-        if len > self.codec.limit() {
-            return Err(FrameError::TooLarge { len: len as u64, max: self.codec.limit() });
-        }
-        self.buf.clear();
-        self.buf.reserve(HEADER_BYTES + len - payload.len());
-        self.buf.put_u32(len as u32);
-        msg.encode(&mut self.buf).map_err(|e| io::Error::other(format!("encoding a frame: {e}")))?;
-        prost::encoding::encode_varint(key, &mut self.buf);
-        prost::encoding::encode_varint(payload.len() as u64, &mut self.buf);
-        self.inner.write_all(&self.buf).await?;
-        self.inner.write_all(payload).await?;
-        Ok(())
-    }
-
     /// Flush the underlying stream.
     pub async fn flush(&mut self) -> Result<(), FrameError> {
         Ok(self.inner.flush().await?)
@@ -197,6 +161,70 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
     /// The underlying stream.
     pub fn into_inner(self) -> W {
         self.inner
+    }
+}
+
+impl<W: crate::SendHalf> FrameWriter<W> {
+    /// Send a frame whose `bytes` field at `path` holds `payload`, without copying the payload:
+    /// the header, `msg` and the fields' keys and lengths are encoded into the buffer and the
+    /// payload is handed to the stream whole ([`crate::SendHalf::write_chunk`]).
+    ///
+    /// `path` lists field numbers from the frame's message down to the payload field: `[6]` puts
+    /// the payload in field 6 of `msg`; `[3, 6]` puts `msg` in field 3 of the frame's message
+    /// (an enclosing message with no other field set, such as a `oneof` wrapper) and the payload
+    /// in field 6 of `msg`. The receiver decodes exactly the nested message with that field set
+    /// (protobuf fields may come in any order). `msg` must leave the payload field empty (a
+    /// repeated field gets `payload` appended).
+    pub async fn send_with_payload<M: Message>(
+        &mut self,
+        msg: &M,
+        path: &[u32],
+        payload: Bytes,
+    ) -> Result<(), FrameError> {
+        let keys = path
+            .iter()
+            .map(|&tag| {
+                if (1..=MAX_FIELD_TAG).contains(&tag) {
+                    Ok(u64::from(tag) << 3 | 2) // wire type 2: length-delimited
+                } else {
+                    Err(FrameError::Io(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("protobuf field number {tag} is out of range"),
+                    )))
+                }
+            })
+            .collect::<Result<Vec<u64>, _>>()?;
+        let Some((&payload_key, enclosing)) = keys.split_last() else {
+            return Err(FrameError::Io(io::Error::new(io::ErrorKind::InvalidInput, "empty payload path")));
+        };
+        // Lengths from the inside out: `lens[i]` is the body length of the message at depth `i`.
+        let mut lens = vec![0usize; keys.len()];
+        let mut len = msg.encoded_len()
+            + prost::encoding::encoded_len_varint(payload_key)
+            + prost::encoding::encoded_len_varint(payload.len() as u64)
+            + payload.len();
+        for (i, &key) in enclosing.iter().enumerate().rev() {
+            lens[i + 1] = len;
+            len += prost::encoding::encoded_len_varint(key) + prost::encoding::encoded_len_varint(len as u64);
+        }
+        if len > self.codec.limit() {
+            return Err(FrameError::TooLarge { len: len as u64, max: self.codec.limit() });
+        }
+        self.buf.clear();
+        self.buf.reserve(HEADER_BYTES + len - payload.len());
+        self.buf.put_u32(len as u32);
+        for (i, &key) in enclosing.iter().enumerate() {
+            prost::encoding::encode_varint(key, &mut self.buf);
+            prost::encoding::encode_varint(lens[i + 1] as u64, &mut self.buf);
+        }
+        msg.encode(&mut self.buf).map_err(|e| io::Error::other(format!("encoding a frame: {e}")))?;
+        prost::encoding::encode_varint(payload_key, &mut self.buf);
+        prost::encoding::encode_varint(payload.len() as u64, &mut self.buf);
+        self.inner.write_all(&self.buf).await?;
+        if !payload.is_empty() {
+            self.inner.write_chunk(payload).await?;
+        }
+        Ok(())
     }
 }
 
@@ -238,16 +266,22 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             if let Some(msg) = self.codec.decode(&mut self.buf)? {
                 return Ok(Some(msg));
             }
-            let want = HEADER_BYTES + self.codec.body_len(&self.buf)?.unwrap_or(0);
-            // Read at least the rest of this frame (so large bodies arrive in large reads).
-            let missing =
-                want.saturating_sub(self.buf.len()).max(MIN_READ_BYTES.min(self.codec.limit() + HEADER_BYTES));
-            self.buf.reserve(missing);
+            let body = self.codec.body_len(&self.buf)?;
+            let want = HEADER_BYTES + body.unwrap_or(0);
+            // Read the rest of this frame (so large bodies arrive in large reads), or a small
+            // batch while the next header is unknown. Never past a large frame's end: what the
+            // buffer holds beyond the frame split off would be copied again when it grows for the
+            // next one (a capacity-sized overshoot, megabytes per KV block).
+            let limit = match body {
+                Some(_) if want > MIN_READ_BYTES => want - self.buf.len(),
+                _ => want.saturating_sub(self.buf.len()).max(MIN_READ_BYTES.min(self.codec.limit() + HEADER_BYTES)),
+            };
+            self.buf.reserve(limit);
             let inner = self
                 .inner
                 .as_mut()
                 .ok_or_else(|| io::Error::other("frame stream was closed after an earlier error"))?;
-            let n = inner.read_buf(&mut self.buf).await?;
+            let n = inner.read_buf(&mut (&mut self.buf).limit(limit)).await?;
             if n == 0 {
                 if self.buf.is_empty() {
                     return Ok(None);

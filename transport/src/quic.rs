@@ -42,12 +42,18 @@ pub enum CongestionControl {
 /// datacenter links.
 #[derive(Clone, Debug, PartialEq)]
 pub struct QuicTuning {
-    /// Per-stream receive window: how far one stream may run ahead of its reader. 64 MiB covers a
-    /// 400 Gbps × 1 ms bandwidth-delay product, so one stream is never window-limited.
+    /// Per-stream receive window: how far one stream may run ahead of its reader: 16 MiB (a
+    /// migration's 4 data streams together fill the connection's window).
     pub stream_receive_window_bytes: u64,
-    /// Connection-wide receive window (all streams together): 512 MiB.
+    /// Connection-wide receive window (all streams together): 64 MiB, a 400 Gbps × 1.3 ms
+    /// bandwidth-delay product. At most the UDP socket's receive buffer: flow control, not the
+    /// socket overflowing, must hold back a sender faster than its receiver. With 512 MiB over a
+    /// 32 MiB buffer, a CPU-bound receiver on loopback dropped 12–15 % of all packets (each one
+    /// encrypted, sent, lost, and sent again) and goodput fell by a fifth (see [`crate::bench`]).
     pub receive_window_bytes: u64,
-    /// Connection-wide send buffer (bytes accepted from writers but not yet acknowledged): 512 MiB.
+    /// Connection-wide send buffer (bytes accepted from writers but not yet acknowledged): 128 MiB,
+    /// twice the peer's receive window. Writers wait beyond it, so a fast reader of KV blocks
+    /// does not pin more snapshots than the link can take.
     pub send_window_bytes: u64,
     /// Concurrent bidirectional streams a peer may open: 256 (a control stream plus data streams
     /// for many migrations at once).
@@ -70,8 +76,8 @@ pub struct QuicTuning {
     /// per-packet work (header protection, AEAD set-up, ACK bookkeeping, one `sendmsg` slot):
     /// on this host's loopback, 16 KiB datagrams moved 2.5 × the goodput of 1452-byte ones.
     pub mtu_upper_bound: u16,
-    /// Requested `SO_SNDBUF`/`SO_RCVBUF` of the UDP socket: 32 MiB, so bursts are not dropped by
-    /// the receiving socket (drops read as congestion). Forced past `net.core.{w,r}mem_max` where
+    /// Requested `SO_SNDBUF`/`SO_RCVBUF` of the UDP socket: 64 MiB (the connection's receive
+    /// window), so bursts are not dropped by the receiving socket (drops read as congestion). Forced past `net.core.{w,r}mem_max` where
     /// the process has `CAP_NET_ADMIN`, else capped by the kernel.
     pub socket_buffer_bytes: usize,
     /// Round-robin between streams with data (fair; keeps the control stream responsive next to
@@ -82,9 +88,9 @@ pub struct QuicTuning {
 impl Default for QuicTuning {
     fn default() -> Self {
         QuicTuning {
-            stream_receive_window_bytes: 64 << 20,
-            receive_window_bytes: 512 << 20,
-            send_window_bytes: 512 << 20,
+            stream_receive_window_bytes: 16 << 20,
+            receive_window_bytes: 64 << 20,
+            send_window_bytes: 128 << 20,
             max_concurrent_bidi_streams: 256,
             keep_alive_interval: Some(Duration::from_secs(2)),
             idle_timeout: Duration::from_secs(10),
@@ -92,7 +98,7 @@ impl Default for QuicTuning {
             congestion: CongestionControl::Cubic,
             segmentation_offload: true,
             mtu_upper_bound: MAX_UDP_PAYLOAD,
-            socket_buffer_bytes: 32 << 20,
+            socket_buffer_bytes: 64 << 20,
             send_fairness: true,
         }
     }
@@ -498,7 +504,7 @@ impl QuicConnection {
 ///
 /// quinn finishes a dropped stream, so everything written to it is still delivered; a migration
 /// that aborts mid-copy would then keep its target's link busy with KV nobody wants (hundreds of
-/// MiB may be queued: the send window is 512 MiB). Dropping this one without `shutdown` resets the
+/// MiB may be queued: the send window is 128 MiB). Dropping this one without `shutdown` resets the
 /// stream instead (RESET_STREAM: the queued data is discarded, the reader sees the reset). A
 /// writer that completes its transfer shuts down (`FrameWriter::finish`) as before.
 struct QuicSendStream {
@@ -547,6 +553,13 @@ impl tokio::io::AsyncWrite for QuicSendStream {
         // Once shutdown began, the stream is being finished: never reset it afterwards.
         self.shut_down = true;
         tokio::io::AsyncWrite::poll_shutdown(std::pin::Pin::new(&mut self.inner), cx)
+    }
+}
+
+/// quinn queues the block itself (a `Bytes` clone per packet's worth), no copy.
+impl crate::SendHalf for QuicSendStream {
+    fn write_chunk(&mut self, chunk: bytes::Bytes) -> BoxFuture<'_, std::io::Result<()>> {
+        Box::pin(async move { Ok(self.inner.write_chunk(chunk).await?) })
     }
 }
 

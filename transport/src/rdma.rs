@@ -481,6 +481,8 @@ struct RdmaWriter {
     id: u32,
 }
 
+impl crate::SendHalf for RdmaWriter {}
+
 impl AsyncWrite for RdmaWriter {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         self.conn.shared.lock().poll_write(self.id, cx, buf)

@@ -176,6 +176,10 @@ impl<W: AsyncWrite + Send + Unpin + 'static> ShapedWriter<W> {
     }
 }
 
+/// Shaped writes go through the token bucket in `poll_write` (a copy; shaping emulates a slower
+/// link, where the copy does not matter).
+impl<W: AsyncWrite + Send + Unpin + 'static> crate::SendHalf for ShapedWriter<W> {}
+
 impl<W: AsyncWrite + Send + Unpin + 'static> AsyncWrite for ShapedWriter<W> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let this = &mut *self;

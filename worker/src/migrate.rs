@@ -25,8 +25,8 @@ use bytes::Bytes;
 use kvfleet_core::{RequestId, SimTime};
 use kvfleet_netmodel::migration::wire::{frame::Body, Frame};
 use kvfleet_netmodel::migration::{
-    block_frame, block_tokens, AbortReason, MigrationId, MigrationParams, MigrationReport, Outcome, SourceAction,
-    SourceMachine, TargetAction, TargetMachine,
+    block_frame_head, block_tokens, AbortReason, MigrationId, MigrationParams, MigrationReport, Outcome, SourceAction,
+    SourceMachine, TargetAction, TargetMachine, BLOCK_DATA_PAYLOAD_PATH,
 };
 use kvfleet_proto::v1;
 use kvfleet_transport::{FrameReader, FrameWriter, KvConnection, KvTransport, StreamReader, StreamWriter};
@@ -378,8 +378,10 @@ impl Migrator {
                         Ok(_) => return (w, Err(format!("read: block {i} is not final yet"))),
                         Err(e) => return (w, Err(format!("read: {e}"))),
                     };
-                    let frame = block_frame(id, stage, i, block_tokens(i, kv_tokens, bs), data);
-                    if let Err(e) = w.send(&frame).await {
+                    // The block's bytes go to the stream whole (no copy into the frame buffer,
+                    // none into QUIC's send buffer).
+                    let head = block_frame_head(id, stage, i, block_tokens(i, kv_tokens, bs), &data);
+                    if let Err(e) = w.send_with_payload(&head, &BLOCK_DATA_PAYLOAD_PATH, data).await {
                         return (w, Err(format!("send: {e}")));
                     }
                     i += n;

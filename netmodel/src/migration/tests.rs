@@ -54,6 +54,30 @@ fn block_geometry_helpers() {
     assert_ne!(checksum(b"abc"), checksum(b"abd"));
 }
 
+/// A block sent as its head, then the data at `BLOCK_DATA_PAYLOAD_PATH` (what a zero-copy sender
+/// writes: each enclosing field's key and length, the head's fields, the data field's key, length
+/// and bytes), decodes as the whole `block_frame`.
+#[test]
+fn block_head_and_payload_at_its_path_decode_as_the_block_frame() {
+    use prost::encoding::{encode_varint, encoded_len_varint};
+    use prost::Message;
+    for len in [0usize, 1, 127, 128, 4 << 20] {
+        let data = Bytes::from((0..len).map(|i| (i % 253) as u8).collect::<Vec<_>>());
+        let head = block_frame_head(MigrationId(7), 2, 9, 16, &data);
+        let [outer, inner] = BLOCK_DATA_PAYLOAD_PATH.map(|tag| u64::from(tag) << 3 | 2);
+        let inner_len = head.encoded_len() + encoded_len_varint(inner) + encoded_len_varint(len as u64) + len;
+        let mut wire = Vec::new();
+        encode_varint(outer, &mut wire);
+        encode_varint(inner_len as u64, &mut wire);
+        head.encode(&mut wire).unwrap();
+        encode_varint(inner, &mut wire);
+        encode_varint(len as u64, &mut wire);
+        wire.extend_from_slice(&data);
+        let decoded = Frame::decode(&wire[..]).unwrap();
+        assert_eq!(decoded, block_frame(MigrationId(7), 2, 9, 16, data), "{len} bytes");
+    }
+}
+
 #[test]
 fn happy_path_frames_report_and_bytes() {
     // 50 tokens, 4 per block: 12 full blocks (≥ stop_copy_blocks = 4) go live, then the request

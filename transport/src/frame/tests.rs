@@ -121,12 +121,15 @@ async fn payload_frames_decode_as_the_message_with_the_field_set() {
     let writer = tokio::spawn(async move {
         let mut w = FrameWriter::with_codec(a, FrameCodec::new(300_000));
         let head = Block { data: Bytes::new(), ..big.clone() };
-        w.send_with_payload(&head, 2, &big.data).await.unwrap();
-        w.send_with_payload(&Block::default(), 2, &[]).await.unwrap();
+        w.send_with_payload(&head, &[2], big.data.clone()).await.unwrap();
+        w.send_with_payload(&Block::default(), &[2], Bytes::new()).await.unwrap();
         // Over the limit with the payload counted: refused before anything is written.
-        let too_big = vec![0u8; 300_000];
-        assert!(matches!(w.send_with_payload(&head, 2, &too_big).await, Err(FrameError::TooLarge { .. })));
-        assert!(matches!(w.send_with_payload(&head, 0, b"x").await, Err(FrameError::Io(_))));
+        let too_big = Bytes::from(vec![0u8; 300_000]);
+        assert!(matches!(w.send_with_payload(&head, &[2], too_big).await, Err(FrameError::TooLarge { .. })));
+        for bad in [&[0u32][..], &[], &[1 << 29], &[2, 0]] {
+            let sent = w.send_with_payload(&head, bad, Bytes::from_static(b"x")).await;
+            assert!(matches!(sent, Err(FrameError::Io(_))), "path {bad:?}: {sent:?}");
+        }
         w.send(&block(6, 10)).await.unwrap();
         w.finish().await.unwrap();
     });
@@ -136,6 +139,47 @@ async fn payload_frames_decode_as_the_message_with_the_field_set() {
     assert_eq!(r.recv::<Block>().await.unwrap(), Some(block(6, 10)));
     assert_eq!(r.recv::<Block>().await.unwrap(), None);
     writer.await.unwrap();
+}
+
+/// A `oneof` wrapper around [`Block`], shaped like the migration protocol's `Frame`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Wrapper {
+    #[prost(oneof = "Wrapped", tags = "1, 7")]
+    body: Option<Wrapped>,
+}
+
+#[derive(Clone, PartialEq, prost::Oneof)]
+enum Wrapped {
+    #[prost(uint64, tag = "1")]
+    Other(u64),
+    #[prost(message, tag = "7")]
+    Block(Block),
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// A payload nested one message deep (the KV block inside `Frame.block_data`) decodes as the
+    /// whole message, at every payload and message size, including lengths whose varints change
+    /// width (127/128, 16383/16384 bytes).
+    #[test]
+    fn nested_payload_frames_decode_as_the_whole_message(
+        id in any::<u64>(),
+        len in prop_oneof![0usize..300, 16_250usize..16_500, 120usize..140],
+        note_len in 0usize..200,
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let full = Block { note: "n".repeat(note_len), ..block(id, len) };
+        let got = rt.block_on(async {
+            let (a, b) = tokio::io::duplex(1 << 20);
+            let mut w = FrameWriter::new(a);
+            let head = Block { data: Bytes::new(), ..full.clone() };
+            w.send_with_payload(&head, &[7, 2], full.data.clone()).await.unwrap();
+            w.finish().await.unwrap();
+            FrameReader::new(b).recv::<Wrapper>().await.unwrap()
+        });
+        prop_assert_eq!(got, Some(Wrapper { body: Some(Wrapped::Block(full)) }));
+    }
 }
 
 #[tokio::test]
