@@ -8,7 +8,7 @@
 //!
 //! The parent makes a throwaway cluster CA, starts itself as the sink process (`--sink tcp|quic`),
 //! sends to it and prints one row per configuration with the QUIC ÷ TCP ratio. Tuning flags
-//! (`--cc`, `--mtu`, `--no-gso`, `--no-fairness`, `--stream-window`, `--conn-window`, `--udp-buffer`) apply to
+//! (`--cc`, `--mtu`, `--no-gso`, `--no-fairness`, `--stream-window`, `--conn-window`, `--udp-buffer`, `--shared-runtime`) apply to
 //! both ends; `GOODPUT_THREADS=1` runs each process on a current-thread tokio runtime (default 2
 //! worker threads).
 
@@ -94,6 +94,10 @@ fn parse() -> Result<Args, String> {
                 let v = value()?;
                 a.tuning.receive_window_bytes = parse_size(&v)?;
                 a.tuning_args.extend(["--conn-window".into(), v]);
+            }
+            "--shared-runtime" => {
+                a.tuning.dedicated_thread = false;
+                a.tuning_args.push(flag);
             }
             "--no-gso" => {
                 a.tuning.segmentation_offload = false;

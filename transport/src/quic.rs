@@ -83,6 +83,11 @@ pub struct QuicTuning {
     /// Round-robin between streams with data (fair; keeps the control stream responsive next to
     /// bulk data streams) or finish one stream's buffered data first. No goodput difference.
     pub send_fairness: bool,
+    /// Run the endpoint and its connections (packet assembly, encryption, ACKs, the socket) on a
+    /// thread of their own with a single-threaded runtime, instead of on the caller's runtime:
+    /// no cross-thread hand-offs between the endpoint driver, the connection drivers and their
+    /// timers, and no competition with the process's other tasks. Default on.
+    pub dedicated_thread: bool,
 }
 
 impl Default for QuicTuning {
@@ -100,6 +105,7 @@ impl Default for QuicTuning {
             mtu_upper_bound: MAX_UDP_PAYLOAD,
             socket_buffer_bytes: 64 << 20,
             send_fairness: true,
+            dedicated_thread: true,
         }
     }
 }
@@ -151,6 +157,62 @@ pub struct QuicTransport {
     pool: ConnectionPool<QuicConnection>,
     incoming: tokio::sync::Mutex<mpsc::Receiver<Arc<QuicConnection>>>,
     acceptor: tokio::task::JoinHandle<()>,
+    /// The endpoint's own thread, if [`QuicTuning::dedicated_thread`] (connections hold it too).
+    thread: Option<Arc<NetThread>>,
+}
+
+/// A thread running a single-threaded tokio runtime for one endpoint's quinn tasks; it stops
+/// once the transport and every connection made through it are dropped.
+#[derive(Debug)]
+struct NetThread {
+    handle: tokio::runtime::Handle,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl NetThread {
+    fn start(name: String) -> std::io::Result<Arc<NetThread>> {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let handle = rt.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new().name(name).spawn(move || {
+            let _ = rt.block_on(stopped);
+        })?;
+        Ok(Arc::new(NetThread { handle, stop: Some(stop) }))
+    }
+}
+
+impl Drop for NetThread {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// quinn's tokio runtime pinned to one runtime (the endpoint's [`NetThread`]): its drivers are
+/// spawned there and its socket and timers registered with that runtime's reactor, whichever
+/// runtime the caller of `connect` or `accept` runs on.
+#[derive(Debug)]
+struct PinnedRuntime(tokio::runtime::Handle);
+
+impl quinn::Runtime for PinnedRuntime {
+    fn new_timer(&self, at: std::time::Instant) -> std::pin::Pin<Box<dyn quinn::AsyncTimer>> {
+        let _in = self.0.enter();
+        quinn::TokioRuntime.new_timer(at)
+    }
+
+    fn spawn(&self, future: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>) {
+        self.0.spawn(future);
+    }
+
+    fn wrap_udp_socket(&self, socket: std::net::UdpSocket) -> std::io::Result<Arc<dyn quinn::AsyncUdpSocket>> {
+        let _in = self.0.enter();
+        quinn::TokioRuntime.wrap_udp_socket(socket)
+    }
+
+    fn now(&self) -> std::time::Instant {
+        quinn::TokioRuntime.now()
+    }
 }
 
 impl std::fmt::Debug for QuicTransport {
@@ -187,14 +249,21 @@ impl QuicTransport {
         endpoint_config
             .max_udp_payload_size(tuning.mtu_upper_bound.max(1200))
             .map_err(|e| TransportError::Bind { addr: listen, reason: format!("mtu_upper_bound: {e}") })?;
-        let runtime = Arc::new(quinn::TokioRuntime);
-        let socket = quinn::Runtime::wrap_udp_socket(&*runtime, socket).map_err(bind_err)?;
+        let thread = match tuning.dedicated_thread {
+            true => Some(NetThread::start(format!("kv-quic-{}", listen.port())).map_err(bind_err)?),
+            false => None,
+        };
+        let runtime: Arc<dyn quinn::Runtime> = match &thread {
+            Some(t) => Arc::new(PinnedRuntime(t.handle.clone())),
+            None => Arc::new(quinn::TokioRuntime),
+        };
+        let socket = runtime.wrap_udp_socket(socket).map_err(bind_err)?;
         let socket = Arc::new(SplittingSocket::new(socket, tuning.mtu_upper_bound.max(1200)));
         let endpoint = quinn::Endpoint::new_with_abstract_socket(endpoint_config, Some(server), socket, runtime)
             .map_err(bind_err)?;
         let local = endpoint.local_addr().map_err(bind_err)?;
         let (tx, rx) = mpsc::channel(ACCEPT_BACKLOG);
-        let acceptor = tokio::spawn(accept_loop(endpoint.clone(), tx));
+        let acceptor = tokio::spawn(accept_loop(endpoint.clone(), tx, thread.clone()));
         debug!(%local, "QUIC transport bound");
         Ok(QuicTransport {
             endpoint,
@@ -204,6 +273,7 @@ impl QuicTransport {
             pool: ConnectionPool::default(),
             incoming: tokio::sync::Mutex::new(rx),
             acceptor,
+            thread,
         })
     }
 
@@ -221,7 +291,7 @@ impl QuicTransport {
                         .map_err(|e| err(e.to_string()))?;
                     let conn = connecting.await.map_err(|e| err(e.to_string()))?;
                     debug!(%peer, "QUIC connection established");
-                    Ok(Arc::new(QuicConnection { peer, conn }))
+                    Ok(Arc::new(QuicConnection { peer, conn, _thread: self.thread.clone() }))
                 },
             )
             .await
@@ -280,16 +350,17 @@ pub fn quinn_client_config(
 
 /// Accept connections and run their handshakes concurrently, so one slow or hostile client does
 /// not hold up the others; failed handshakes are logged and dropped.
-async fn accept_loop(endpoint: quinn::Endpoint, tx: mpsc::Sender<Arc<QuicConnection>>) {
+async fn accept_loop(endpoint: quinn::Endpoint, tx: mpsc::Sender<Arc<QuicConnection>>, thread: Option<Arc<NetThread>>) {
     while let Some(incoming) = endpoint.accept().await {
         let tx = tx.clone();
+        let thread = thread.clone();
         tokio::spawn(async move {
             let peer = incoming.remote_address();
             match incoming.await {
                 Ok(conn) => {
                     debug!(%peer, "QUIC connection accepted");
                     // Nobody accepting any more: the connection is dropped (closed).
-                    let _ = tx.send(Arc::new(QuicConnection { peer, conn })).await;
+                    let _ = tx.send(Arc::new(QuicConnection { peer, conn, _thread: thread })).await;
                 }
                 Err(e) => warn!(%peer, error = %e, "refused a QUIC connection (handshake failed)"),
             }
@@ -487,6 +558,8 @@ impl Drop for QuicTransport {
 pub struct QuicConnection {
     peer: SocketAddr,
     conn: quinn::Connection,
+    /// Keeps the endpoint's thread (its drivers) running while the connection lives.
+    _thread: Option<Arc<NetThread>>,
 }
 
 impl QuicConnection {
