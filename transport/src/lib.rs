@@ -22,7 +22,9 @@
 //! (`AsyncWriteExt::shutdown`) is a clean end of stream: the peer's reads return EOF. When the
 //! connection is closed or lost, pending and later reads and writes fail with an I/O error of
 //! kind `NotConnected` (quinn's; the in-memory transport does the same), never a clean EOF.
-//! A lost peer that sends nothing is detected after [`QuicTuning::idle_timeout`].
+//! A lost peer that sends nothing is detected after [`QuicTuning::idle_timeout`]. The writer is a
+//! [`SendHalf`]: besides `AsyncWrite`, it takes owned buffers whole ([`SendHalf::write_chunk`]),
+//! which QUIC queues without a copy (a migration's KV blocks go that way).
 //!
 //! # Connections
 //!
