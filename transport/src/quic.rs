@@ -250,7 +250,11 @@ impl QuicTransport {
             .max_udp_payload_size(tuning.mtu_upper_bound.max(1200))
             .map_err(|e| TransportError::Bind { addr: listen, reason: format!("mtu_upper_bound: {e}") })?;
         let thread = match tuning.dedicated_thread {
-            true => Some(NetThread::start(format!("kv-quic-{}", listen.port())).map_err(bind_err)?),
+            // Named after the bound port (`top -H`, profiles): "kv-quic-40123".
+            true => {
+                let port = socket.local_addr().map_err(bind_err)?.port();
+                Some(NetThread::start(format!("kv-quic-{port}")).map_err(bind_err)?)
+            }
             false => None,
         };
         let runtime: Arc<dyn quinn::Runtime> = match &thread {
