@@ -104,7 +104,7 @@ impl ModelSpec {
                 });
             }
         }
-        if self.q_heads % self.kv_heads != 0 {
+        if !self.q_heads.is_multiple_of(self.kv_heads) {
             return Err(SpecError::Invalid {
                 kind: "model",
                 path: path.into(),

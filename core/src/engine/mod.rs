@@ -526,14 +526,14 @@ impl Engine {
             return false;
         }
         let bs = self.cfg.block_size;
-        let extra = self.batch.iter().filter(|e| self.req(e.slot).context() % bs == 0).count() as u32;
+        let extra = self.batch.iter().filter(|e| self.req(e.slot).context().is_multiple_of(bs)).count() as u32;
         if extra > self.kv.free(Tier::Gpu) {
             return false;
         }
         if extra > 0 {
             for i in 0..self.batch.len() {
                 let r = self.req(self.batch[i].slot);
-                if r.context() % bs == 0 {
+                if r.context().is_multiple_of(bs) {
                     let (id, tokens) = (r.spec.id, r.context() + 1);
                     self.kv.grow(id, tokens).expect("growth checked against free blocks");
                 }
@@ -731,7 +731,7 @@ impl Engine {
             spec: req.spec.clone(),
             generated: req.generated,
             record: req.record.clone(),
-            pacer: req.pacer.clone(),
+            pacer: req.pacer,
             awaiting_after_reasoning: req.awaiting_after_reasoning,
             demoted: req.sched.demoted,
         })
