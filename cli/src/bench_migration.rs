@@ -117,6 +117,8 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
     quic_args.extend(issue("sink")?);
     let quic = Proc::spawn("quic-sink", &me, &quic_args, &logs.join("quic-sink.log"), Some(Duration::from_secs(10)))?;
     let quic_peer: SocketAddr = quic.addr()?.parse()?;
+    // CPU both processes spend on the transfer (handshake included), as a share of one core.
+    let cpu_before = (cpu_seconds("self"), cpu_seconds(&quic.pid().to_string()));
     let quic_r = rt.block_on(bench::quic_send_measured(
         quic_peer,
         &client,
@@ -125,6 +127,7 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
         b.streams,
         DEFAULT_CHUNK_BYTES,
     ))?;
+    let cpu_after = (cpu_seconds("self"), cpu_seconds(&quic.pid().to_string()));
     drop(quic);
     let quic_g = quic_r.goodput;
     // The UDP baselines: Ethernet-sized datagrams in GSO batches (GRO makes them cheap on
@@ -175,6 +178,16 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
         "      QUIC path: {datagram}-byte datagrams (MTU discovery), {} of {} packets lost",
         quic_r.lost_packets,
         quic_r.sent_packets
+    );
+    let share = |before: Option<f64>, after: Option<f64>| match (before, after) {
+        (Some(b0), Some(b1)) => format!("{:.0} %", 100.0 * (b1 - b0) / quic_g.elapsed_s.max(1e-9)),
+        _ => "?".to_string(),
+    };
+    say!(
+        "      QUIC CPU: sender {}, receiver {} of one core (on {} cores; near 100 % each, goodput is CPU per byte)",
+        share(cpu_before.0, cpu_after.0),
+        share(cpu_before.1, cpu_after.1),
+        std::thread::available_parallelism().map_or(0, |n| n.get())
     );
 
     // (c) real migrations between two worker processes.
@@ -369,4 +382,48 @@ fn write_outputs(out: &Path, rows: &[Row], gbps: [f64; 3], datagram_bytes: usize
     });
     std::fs::write(out.join("goodput.json"), serde_json::to_string_pretty(&json)?)?;
     Ok(())
+}
+
+/// User + system CPU seconds a process has used (`/proc/PID/stat`; `pid` "self" for this one), or
+/// `None` where there is no such file (not Linux, process gone).
+fn cpu_seconds(pid: &str) -> Option<f64> {
+    parse_cpu_seconds(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// User + system CPU seconds from the text of a `/proc/PID/stat`.
+fn parse_cpu_seconds(stat: &str) -> Option<f64> {
+    // The command name (field 2) may hold spaces and parentheses: count fields after its last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // Fields 14 and 15 (utime, stime) are the 12th and 13th after the name, in clock ticks of
+    // USER_HZ, which Linux fixes at 100 for everything it exports in /proc.
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_seconds_are_utime_plus_stime_after_a_name_with_spaces() {
+        let stat = "4242 (kv (quic) 1) S 1 4242 4242 0 -1 4194560 500 0 0 0 250 130 0 0 20 0 3 0 99 0 0";
+        assert_eq!(parse_cpu_seconds(stat), Some(3.8));
+        assert_eq!(parse_cpu_seconds("4242 (truncated) S 1 2"), None);
+        assert_eq!(parse_cpu_seconds("no name at all"), None);
+    }
+
+    #[test]
+    fn this_process_cpu_time_grows_while_it_computes() {
+        let start = cpu_seconds("self").expect("/proc/self/stat on Linux");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut x = 1u64;
+        // Busy until the kernel has charged at least 3 clock ticks (or the deadline passes).
+        while cpu_seconds("self").unwrap() < start + 0.03 && std::time::Instant::now() < deadline {
+            for i in 0..100_000u64 {
+                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(i));
+            }
+        }
+        assert!(cpu_seconds("self").unwrap() >= start + 0.03, "no CPU time charged in 10 s of computing ({x})");
+    }
 }

@@ -16,9 +16,10 @@
 //! # Measured (2-core shared VM, loopback, two processes, 1–2 GiB, 4 MiB frames, 4 streams)
 //!
 //! Raw TCP 19–39 Gbit/s; raw UDP with GSO/GRO (1452-byte datagrams) 23–33 Gbit/s. QUIC (quinn
-//! 0.11, TLS 1.3 AES-128-GCM, default [`QuicTuning`]): 12–17 Gbit/s, **QUIC / best UDP 0.63**
-//! in the `kvfleet bench migration` run of session 6 (was 0.20–0.31). Each process is one core
-//! here; sender and receiver each run at ~90–100 % of theirs, so goodput is CPU per byte.
+//! 0.11, TLS 1.3 AES-128-GCM, default [`QuicTuning`]): 10–17 Gbit/s; **QUIC / best UDP
+//! 0.31–0.63** (median 0.46) over eight `kvfleet bench migration` runs in session 6 (was
+//! 0.20–0.31). The receiver runs at 94–100 % of a core, the sender at 75–93 %: goodput is CPU per
+//! byte.
 //!
 //! What mattered, largest first:
 //! - the datagram size: the path's MTU (loopback: 65 507-byte datagrams, found by MTU discovery
