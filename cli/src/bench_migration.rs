@@ -118,7 +118,8 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
     let quic = Proc::spawn("quic-sink", &me, &quic_args, &logs.join("quic-sink.log"), Some(Duration::from_secs(10)))?;
     let quic_peer: SocketAddr = quic.addr()?.parse()?;
     // CPU both processes spend on the transfer (handshake included), as a share of one core.
-    let cpu_before = (cpu_seconds("self"), cpu_seconds(&quic.pid().to_string()));
+    let sink_pid = quic.pid().to_string();
+    let cpu_before = (cpu_seconds("self"), cpu_seconds(&sink_pid));
     let quic_r = rt.block_on(bench::quic_send_measured(
         quic_peer,
         &client,
@@ -127,7 +128,7 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
         b.streams,
         DEFAULT_CHUNK_BYTES,
     ))?;
-    let cpu_after = (cpu_seconds("self"), cpu_seconds(&quic.pid().to_string()));
+    let cpu_after = (cpu_seconds("self"), cpu_seconds(&sink_pid));
     drop(quic);
     let quic_g = quic_r.goodput;
     // The UDP baselines: Ethernet-sized datagrams in GSO batches (GRO makes them cheap on

@@ -197,25 +197,27 @@ impl<W: crate::SendHalf> FrameWriter<W> {
         let Some((&payload_key, enclosing)) = keys.split_last() else {
             return Err(FrameError::Io(io::Error::new(io::ErrorKind::InvalidInput, "empty payload path")));
         };
-        // Lengths from the inside out: `lens[i]` is the body length of the message at depth `i`.
-        let mut lens = vec![0usize; keys.len()];
+        // From the inside out: `len` grows to the whole body; `bodies` holds the length that
+        // follows each enclosing key (innermost first, reversed below to match `enclosing`).
         let mut len = msg.encoded_len()
             + prost::encoding::encoded_len_varint(payload_key)
             + prost::encoding::encoded_len_varint(payload.len() as u64)
             + payload.len();
-        for (i, &key) in enclosing.iter().enumerate().rev() {
-            lens[i + 1] = len;
+        let mut bodies = Vec::with_capacity(enclosing.len());
+        for &key in enclosing.iter().rev() {
+            bodies.push(len);
             len += prost::encoding::encoded_len_varint(key) + prost::encoding::encoded_len_varint(len as u64);
         }
+        bodies.reverse();
         if len > self.codec.limit() {
             return Err(FrameError::TooLarge { len: len as u64, max: self.codec.limit() });
         }
         self.buf.clear();
         self.buf.reserve(HEADER_BYTES + len - payload.len());
         self.buf.put_u32(len as u32);
-        for (i, &key) in enclosing.iter().enumerate() {
+        for (&key, &body) in enclosing.iter().zip(&bodies) {
             prost::encoding::encode_varint(key, &mut self.buf);
-            prost::encoding::encode_varint(lens[i + 1] as u64, &mut self.buf);
+            prost::encoding::encode_varint(body as u64, &mut self.buf);
         }
         msg.encode(&mut self.buf).map_err(|e| io::Error::other(format!("encoding a frame: {e}")))?;
         prost::encoding::encode_varint(payload_key, &mut self.buf);

@@ -77,8 +77,9 @@ pub struct QuicTuning {
     /// on this host's loopback, 16 KiB datagrams moved 2.5 × the goodput of 1452-byte ones.
     pub mtu_upper_bound: u16,
     /// Requested `SO_SNDBUF`/`SO_RCVBUF` of the UDP socket: 64 MiB (the connection's receive
-    /// window), so bursts are not dropped by the receiving socket (drops read as congestion). Forced past `net.core.{w,r}mem_max` where
-    /// the process has `CAP_NET_ADMIN`, else capped by the kernel.
+    /// window), so bursts are not dropped by the receiving socket (drops read as congestion).
+    /// Forced past `net.core.{w,r}mem_max` where the process has `CAP_NET_ADMIN`, else capped by
+    /// the kernel.
     pub socket_buffer_bytes: usize,
     /// Round-robin between streams with data (fair; keeps the control stream responsive next to
     /// bulk data streams) or finish one stream's buffered data first. No goodput difference.

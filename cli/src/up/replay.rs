@@ -78,6 +78,15 @@ impl GiveUp {
 /// the etcd read it makes to name the leader).
 const STATUS_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// A coordinator's `Status`, within [`STATUS_TIMEOUT`]: one that accepts the connection but never
+/// answers counts as down.
+async fn status_within(c: &mut CoordinatorClient<Channel>, addr: &str) -> Result<v1::ClusterStatus, tonic::Status> {
+    match tokio::time::timeout(STATUS_TIMEOUT, c.status(v1::StatusRequest {})).await {
+        Ok(answer) => answer.map(tonic::Response::into_inner),
+        Err(_) => Err(tonic::Status::deadline_exceeded(format!("{addr}: no answer within {STATUS_TIMEOUT:?}"))),
+    }
+}
+
 /// Finds and talks to the current leader among `coordinators`.
 #[derive(Clone)]
 pub struct LeaderFinder {
@@ -107,19 +116,15 @@ impl LeaderFinder {
         loop {
             for addr in &self.coordinators {
                 let mut c = CoordinatorClient::new(self.channel(addr)?);
-                // A coordinator that accepts the connection but never answers counts as down.
-                let answer = tokio::time::timeout(STATUS_TIMEOUT, c.status(v1::StatusRequest {})).await;
-                match answer.unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded(format!("{addr}: no answer")))) {
+                match status_within(&mut c, addr).await {
                     Ok(s) => {
-                        let s = s.into_inner();
                         if s.leader.is_empty() {
                             last = tonic::Status::unavailable("no leader elected yet");
                             continue;
                         }
                         let mut lc = CoordinatorClient::new(self.channel(&s.leader)?);
-                        if let Ok(Ok(ls)) = tokio::time::timeout(STATUS_TIMEOUT, lc.status(v1::StatusRequest {})).await
-                        {
-                            return Ok((lc, ls.into_inner()));
+                        if let Ok(ls) = status_within(&mut lc, &s.leader).await {
+                            return Ok((lc, ls));
                         }
                     }
                     Err(e) => last = e,
