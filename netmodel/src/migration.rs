@@ -449,6 +449,21 @@ pub fn checksum(data: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(data)
 }
 
+/// [`checksum`] of a payload held in pieces (the same value as over the joined bytes).
+pub fn checksum_payload(data: &crate::Payload) -> u64 {
+    match data.chunks() {
+        [] => checksum(&[]),
+        [one] => checksum(one),
+        many => {
+            let mut h = xxhash_rust::xxh3::Xxh3::new();
+            for c in many {
+                h.update(c);
+            }
+            h.digest()
+        }
+    }
+}
+
 /// A `BlockData` frame for logical block `index` holding `tokens` valid tokens, with its checksum.
 pub fn block_frame(id: MigrationId, stage: u32, index: u32, tokens: u32, data: Bytes) -> Frame {
     let mut head = block_frame_head(id, stage, index, tokens, &data);

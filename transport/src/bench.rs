@@ -270,8 +270,9 @@ async fn serve_quic(transport: QuicTransport) -> Result<(), BenchError> {
 async fn quic_receive(w: crate::StreamWriter, r: crate::StreamReader) -> Result<(), BenchError> {
     let mut reader = FrameReader::new(r);
     let mut bytes = 0u64;
-    while let Some(chunk) = reader.recv::<BenchChunk>().await? {
-        bytes += chunk.data.len() as u64;
+    // The payload stays in the buffers it arrived in (as a migration's KV blocks do).
+    while let Some((chunk, payload)) = reader.recv_with_payload::<BenchChunk>(&[BenchChunk::DATA_TAG]).await? {
+        bytes += payload.map_or(chunk.data.len(), |p| p.len()) as u64;
     }
     let mut writer = FrameWriter::new(w);
     writer.send(&BenchAck { bytes }).await?;

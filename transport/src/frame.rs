@@ -15,6 +15,7 @@
 //! later `recv` fails: a stream that carried a bad frame is not trusted again.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use kvfleet_netmodel::Payload;
 use prost::Message;
 use std::io;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -306,6 +307,202 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// The underlying stream, unless it was dropped after an error. Buffered bytes are lost.
     pub fn into_inner(self) -> Option<R> {
         self.inner
+    }
+}
+
+impl<R: crate::RecvHalf> FrameReader<R> {
+    /// The next frame, its bulk payload kept as the buffers it arrived in: the receiving side of
+    /// [`FrameWriter::send_with_payload`]. `Ok(None)` at a clean end of stream.
+    ///
+    /// The frame is read with [`crate::RecvHalf::read_chunk`] (never past its end) and not joined
+    /// into one buffer. When its `bytes` field at `path` is the body's last field, with each
+    /// enclosing message (`path`'s leading field numbers) the only field of its parent, the
+    /// message comes back without that field and the field's bytes as the [`Payload`]; any other
+    /// valid encoding (or a frame that arrived in one buffer) decodes whole, the payload inside
+    /// the message, and `None`. Either way it is the same message, and errors are [`Self::recv`]'s.
+    pub async fn recv_with_payload<M: Message + Default>(
+        &mut self,
+        path: &[u32],
+    ) -> Result<Option<(M, Option<Payload>)>, FrameError> {
+        let result = self.recv_payload_inner(path).await;
+        if result.is_err() {
+            self.inner = None;
+            self.buf = BytesMut::new();
+        }
+        result
+    }
+
+    async fn recv_payload_inner<M: Message + Default>(
+        &mut self,
+        path: &[u32],
+    ) -> Result<Option<(M, Option<Payload>)>, FrameError> {
+        let mut header = Payload::new();
+        if !self.fill(&mut header, HEADER_BYTES).await? {
+            if header.is_empty() {
+                return Ok(None);
+            }
+            return Err(FrameError::Truncated { have: header.len(), want: HEADER_BYTES });
+        }
+        let len = self.codec.body_len(&header.to_bytes())?.unwrap_or_default();
+        let mut body = Payload::new();
+        if !self.fill(&mut body, len).await? {
+            return Err(FrameError::Truncated { have: HEADER_BYTES + body.len(), want: HEADER_BYTES + len });
+        }
+        if body.chunks().len() > 1 {
+            if let Some((head, payload)) = split_payload(&body, path) {
+                return Ok(Some((M::decode(head)?, Some(payload))));
+            }
+        }
+        Ok(Some((M::decode(body.to_bytes())?, None)))
+    }
+
+    /// Append the stream's next bytes to `dst` until it holds `want` (buffered bytes first, then
+    /// chunks of at most what is missing); `false` if the stream ended first.
+    async fn fill(&mut self, dst: &mut Payload, want: usize) -> io::Result<bool> {
+        while dst.len() < want {
+            let missing = want - dst.len();
+            if !self.buf.is_empty() {
+                dst.push(self.buf.split_to(missing.min(self.buf.len())).freeze());
+                continue;
+            }
+            let inner = self
+                .inner
+                .as_mut()
+                .ok_or_else(|| io::Error::other("frame stream was closed after an earlier error"))?;
+            match inner.read_chunk(missing).await? {
+                Some(chunk) if chunk.len() > missing => {
+                    return Err(io::Error::other(format!(
+                        "the stream returned {} bytes where at most {missing} were asked for",
+                        chunk.len()
+                    )))
+                }
+                Some(chunk) => dst.push(chunk),
+                None => return Ok(false),
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// Split a frame body into its message without the `bytes` field at `path` (re-encoded, small)
+/// and that field's bytes, if the field is the body's last and each enclosing field is the only
+/// one of its message (the layout [`FrameWriter::send_with_payload`] writes); `None` otherwise.
+fn split_payload(body: &Payload, path: &[u32]) -> Option<(Bytes, Payload)> {
+    let (&payload_tag, enclosing) = path.split_last()?;
+    let mut cur = Cursor::new(body.chunks());
+    for &tag in enclosing {
+        let key = prost::encoding::decode_varint(&mut cur).ok()?;
+        let len = prost::encoding::decode_varint(&mut cur).ok()?;
+        if key != (u64::from(tag) << 3 | 2) || len != cur.remaining() as u64 {
+            return None;
+        }
+    }
+    let inner_start = cur.offset();
+    let inner_end = loop {
+        if !cur.has_remaining() {
+            return None; // no payload field
+        }
+        let field_start = cur.offset();
+        let key = prost::encoding::decode_varint(&mut cur).ok()?;
+        let skip = match key & 7 {
+            0 => {
+                prost::encoding::decode_varint(&mut cur).ok()?;
+                0
+            }
+            1 => 8,
+            2 => {
+                let len = prost::encoding::decode_varint(&mut cur).ok()?;
+                if key >> 3 == u64::from(payload_tag) {
+                    if len != cur.remaining() as u64 {
+                        return None; // not the last field
+                    }
+                    break field_start;
+                }
+                usize::try_from(len).ok()?
+            }
+            5 => 4,
+            _ => return None, // groups: leave them to prost
+        };
+        if skip > cur.remaining() {
+            return None;
+        }
+        cur.advance(skip);
+    };
+    let payload: Payload = Cursor::new(body.chunks()).slices(cur.offset(), body.len()).collect();
+    let mut head = BytesMut::with_capacity(inner_end - inner_start + 16 * enclosing.len());
+    for c in Cursor::new(body.chunks()).slices(inner_start, inner_end) {
+        head.extend_from_slice(&c);
+    }
+    for &tag in enclosing.iter().rev() {
+        let mut outer = BytesMut::with_capacity(head.len() + 16);
+        prost::encoding::encode_varint(u64::from(tag) << 3 | 2, &mut outer);
+        prost::encoding::encode_varint(head.len() as u64, &mut outer);
+        outer.extend_from_slice(&head);
+        head = outer;
+    }
+    Some((head.freeze(), payload))
+}
+
+/// A [`Buf`] over a list of buffers (protobuf varints may straddle two of them).
+struct Cursor<'a> {
+    chunks: &'a [Bytes],
+    /// Index of the current chunk and the position within it.
+    index: usize,
+    at: usize,
+    /// Bytes consumed before the current chunk.
+    before: usize,
+    total: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn new(chunks: &'a [Bytes]) -> Cursor<'a> {
+        let total = chunks.iter().map(Bytes::len).sum();
+        let mut c = Cursor { chunks, index: 0, at: 0, before: 0, total };
+        c.skip_exhausted();
+        c
+    }
+
+    fn offset(&self) -> usize {
+        self.before + self.at
+    }
+
+    fn skip_exhausted(&mut self) {
+        while self.index < self.chunks.len() && self.at == self.chunks[self.index].len() {
+            self.before += self.chunks[self.index].len();
+            self.index += 1;
+            self.at = 0;
+        }
+    }
+
+    /// The bytes between offsets `from` and `to` as slices of the chunks (no copy).
+    fn slices(self, from: usize, to: usize) -> impl Iterator<Item = Bytes> + 'a {
+        let mut start = 0;
+        self.chunks.iter().filter_map(move |c| {
+            let (lo, hi) = (start, start + c.len());
+            start = hi;
+            let (a, b) = (from.max(lo), to.min(hi));
+            (a < b).then(|| c.slice(a - lo..b - lo))
+        })
+    }
+}
+
+impl Buf for Cursor<'_> {
+    fn remaining(&self) -> usize {
+        self.total - self.offset()
+    }
+
+    fn chunk(&self) -> &[u8] {
+        self.chunks.get(self.index).map_or(&[], |c| &c[self.at..])
+    }
+
+    fn advance(&mut self, mut cnt: usize) {
+        assert!(cnt <= self.remaining(), "advancing past the end");
+        while cnt > 0 {
+            let step = cnt.min(self.chunks[self.index].len() - self.at);
+            self.at += step;
+            cnt -= step;
+            self.skip_exhausted();
+        }
     }
 }
 

@@ -364,6 +364,7 @@ impl AsyncRead for MemPipe {
 }
 
 impl crate::SendHalf for MemPipe {}
+impl crate::RecvHalf for MemPipe {}
 
 impl AsyncWrite for MemPipe {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {

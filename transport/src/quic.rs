@@ -175,9 +175,13 @@ impl NetThread {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let handle = rt.handle().clone();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (started_tx, started) = std::sync::mpsc::sync_channel::<()>(1);
         std::thread::Builder::new().name(name).spawn(move || {
+            let _ = started_tx.send(());
             let _ = rt.block_on(stopped);
         })?;
+        // The thread names itself as it starts: once it runs, it shows under its name.
+        let _ = started.recv();
         Ok(Arc::new(NetThread { handle, stop: Some(stop) }))
     }
 }
@@ -638,6 +642,18 @@ impl tokio::io::AsyncWrite for QuicSendStream {
 impl crate::SendHalf for QuicSendStream {
     fn write_chunk(&mut self, chunk: bytes::Bytes) -> BoxFuture<'_, std::io::Result<()>> {
         Box::pin(async move { Ok(self.inner.write_chunk(chunk).await?) })
+    }
+}
+
+/// quinn hands over the received packets' buffers (slices of them), no copy.
+impl crate::RecvHalf for quinn::RecvStream {
+    fn read_chunk(&mut self, max: usize) -> BoxFuture<'_, std::io::Result<Option<bytes::Bytes>>> {
+        Box::pin(async move {
+            if max == 0 {
+                return Ok(Some(bytes::Bytes::new()));
+            }
+            Ok(quinn::RecvStream::read_chunk(self, max, true).await?.map(|c| c.bytes))
+        })
     }
 }
 

@@ -510,6 +510,8 @@ struct RdmaReader {
     id: u32,
 }
 
+impl crate::RecvHalf for RdmaReader {}
+
 impl AsyncRead for RdmaReader {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         self.conn.shared.lock().poll_read(self.id, cx, buf)

@@ -15,6 +15,7 @@
 
 use kvfleet_core::kv::{KvMove, Tier};
 use kvfleet_core::RequestId;
+use kvfleet_netmodel::Payload;
 use memmap2::{MmapMut, MmapOptions};
 
 /// Bytes of a token slot written in [`KvFill::Stamp`] mode (one cache line).
@@ -377,13 +378,14 @@ impl KvArena {
         self.block_bytes_of(tier, block)
     }
 
-    /// Overwrite one block with `data` (a live migration's target landing a received block).
-    pub fn write_block(&mut self, tier: Tier, block: u32, data: &[u8]) -> Result<(), ArenaError> {
+    /// Overwrite one block with `data` (a live migration's target landing a received block, from
+    /// the buffers it arrived in: copied once, in order).
+    pub fn write_block(&mut self, tier: Tier, block: u32, data: &Payload) -> Result<(), ArenaError> {
         let want = self.layout.block_bytes();
         if data.len() as u64 != want {
             return Err(ArenaError::BlockLength { got: data.len() as u64, want });
         }
-        self.block_bytes_mut(tier, block)?.copy_from_slice(data);
+        data.copy_to_slice(self.block_bytes_mut(tier, block)?);
         Ok(())
     }
 

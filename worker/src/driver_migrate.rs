@@ -48,7 +48,7 @@ pub(crate) enum LiveCommand {
     WriteBlock {
         request: RequestId,
         index: u32,
-        data: Bytes,
+        data: kvfleet_netmodel::Payload,
         reply: Reply<()>,
     },
     /// Replies with when the verification ended (the attach follows at once).
@@ -186,7 +186,12 @@ impl Driver {
         Ok(())
     }
 
-    fn write_block(&mut self, request: RequestId, index: u32, data: &[u8]) -> Result<(), DriverError> {
+    fn write_block(
+        &mut self,
+        request: RequestId,
+        index: u32,
+        data: &kvfleet_netmodel::Payload,
+    ) -> Result<(), DriverError> {
         let bs = self.block_size;
         let blocks = self.engine.kv().table(request).map_or(0, |t| t.blocks.len() as u32);
         if index >= blocks {

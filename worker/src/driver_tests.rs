@@ -232,12 +232,14 @@ fn shutdown_reports_unfinished_requests_and_closes_the_log() {
     assert_eq!(r.log.read_after(last, 10, &mut out), crate::events::Read::Closed);
 }
 
-/// Write `blocks` of `id` into `to`'s reservation as logical blocks `first`, `first + 1`, ….
+/// Write `blocks` of `id` into `to`'s reservation as logical blocks `first`, `first + 1`, …,
+/// each in the pieces a receiver may hold it in (cut at a different point per block).
 fn write_blocks(to: &Running, id: RequestId, first: u32, blocks: &[bytes::Bytes]) {
     for (i, data) in blocks.iter().enumerate() {
         let index = first + i as u32;
-        ask(to, |reply| Command::Live(LiveCommand::WriteBlock { request: id, index, data: data.clone(), reply }))
-            .unwrap();
+        let cut = (i * 997) % (data.len() + 1);
+        let data: kvfleet_netmodel::Payload = [data.slice(..cut), data.slice(cut..)].into_iter().collect();
+        ask(to, |reply| Command::Live(LiveCommand::WriteBlock { request: id, index, data, reply })).unwrap();
     }
 }
 
@@ -300,7 +302,7 @@ fn live_commit_with_a_corrupt_block_is_refused_and_the_source_resumes() {
         if i == 1 {
             bytes[100] ^= 0x40;
         }
-        let data = bytes::Bytes::from(bytes);
+        let data = bytes::Bytes::from(bytes).into();
         ask(&b, |reply| live(LiveCommand::WriteBlock { request: id, index: i as u32, data, reply })).unwrap();
     }
     let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();

@@ -29,7 +29,7 @@ use kvfleet_netmodel::migration::{
     SourceMachine, TargetAction, TargetMachine, BLOCK_DATA_PAYLOAD_PATH,
 };
 use kvfleet_proto::v1;
-use kvfleet_transport::{FrameReader, FrameWriter, KvConnection, KvTransport, StreamReader, StreamWriter};
+use kvfleet_transport::{FrameReader, FrameWriter, KvConnection, KvTransport, Payload, StreamReader, StreamWriter};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,6 +39,8 @@ use tokio::sync::{mpsc, oneshot};
 
 type Writer = FrameWriter<StreamWriter>;
 type Reader = FrameReader<StreamReader>;
+/// A target's inbound data-stream frames, each with its block's data if it arrived apart.
+type DataRoute = mpsc::UnboundedSender<(Frame, Option<Payload>)>;
 
 /// How this worker migrates.
 #[derive(Clone, Debug)]
@@ -59,7 +61,7 @@ pub struct Migrator {
     instance: u32,
     next_id: AtomicU64,
     /// Target: data-stream frames by migration.
-    routes: Mutex<HashMap<u64, mpsc::UnboundedSender<Frame>>>,
+    routes: Mutex<HashMap<u64, DataRoute>>,
     /// Target: requests settled as "not here" by the coordinator; a late COMMIT is refused. Held
     /// across the check-and-attach so a resolve cannot slip in between.
     fenced: tokio::sync::Mutex<HashSet<RequestId>>,
@@ -458,7 +460,8 @@ impl Migrator {
 
     async fn serve_stream(self: Arc<Self>, w: StreamWriter, r: StreamReader) {
         let mut reader: Reader = FrameReader::new(r);
-        let first = match reader.recv::<Frame>().await {
+        // A data stream's blocks stay in the buffers they arrived in, down to the arena.
+        let first = match reader.recv_with_payload::<Frame>(&BLOCK_DATA_PAYLOAD_PATH).await {
             Ok(Some(f)) => f,
             Ok(None) => return,
             Err(e) => {
@@ -466,15 +469,15 @@ impl Migrator {
                 return;
             }
         };
-        match &first.body {
-            Some(Body::Prepare(p)) => {
+        match &first.0.body {
+            Some(Body::Prepare(p)) if first.1.is_none() => {
                 let span = tracing::info_span!(
                     "live_migration",
                     request = p.request_id,
                     migration = p.migration_id,
                     role = "target"
                 );
-                tracing::Instrument::instrument(self.run_target(first, reader, FrameWriter::new(w)), span).await
+                tracing::Instrument::instrument(self.run_target(first.0, reader, FrameWriter::new(w)), span).await
             }
             Some(Body::BlockData(b)) => {
                 let id = b.migration_id;
@@ -488,7 +491,7 @@ impl Migrator {
                 // Frames until EOF; an error (corrupt or oversized frame) ends the stream and
                 // the migration times out or aborts on the control stream.
                 loop {
-                    match reader.recv::<Frame>().await {
+                    match reader.recv_with_payload::<Frame>(&BLOCK_DATA_PAYLOAD_PATH).await {
                         Ok(Some(f)) => {
                             if route.send(f).is_err() {
                                 return;
@@ -497,7 +500,7 @@ impl Migrator {
                         Ok(None) => return,
                         Err(e) => {
                             tracing::warn!(migration = id, "data stream: {e}");
-                            let _ = route.send(Frame { body: None });
+                            let _ = route.send((Frame { body: None }, None));
                             return;
                         }
                     }
@@ -599,8 +602,8 @@ impl Migrator {
                     None => m.on_disconnect(self.now()),
                 },
                 f = data.recv() => match f {
-                    Some(Frame { body: None }) | None => m.on_disconnect(self.now()),
-                    Some(frame) => m.on_frame(self.now(), frame),
+                    Some((Frame { body: None }, _)) | None => m.on_disconnect(self.now()),
+                    Some((frame, payload)) => m.on_frame_with_payload(self.now(), frame, payload),
                 },
                 _ = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() => {
                     m.on_timeout(self.now());

@@ -18,6 +18,20 @@ pub(super) fn token_bytes(request: u64, token: u32, bytes_per_token: usize) -> V
     (0..bytes_per_token).map(|j| (seed.rotate_left(j as u32 % 64) as u8) ^ (j as u8)).collect()
 }
 
+/// A `BlockData` frame as a receiver that keeps payloads apart may see it: for odd `pick`, the
+/// data taken out and cut in two at a `pick`-chosen point; otherwise the frame as it is.
+fn split_block(mut f: Frame, pick: usize) -> (Frame, Option<crate::Payload>) {
+    use super::wire::frame::Body;
+    match &mut f.body {
+        Some(Body::BlockData(b)) if pick % 2 == 1 => {
+            let data = std::mem::take(&mut b.data);
+            let cut = (pick / 2) % (data.len() + 1);
+            (f, Some([data.slice(..cut), data.slice(cut..)].into_iter().collect()))
+        }
+        _ => (f, None),
+    }
+}
+
 /// Serialized request state at a given KV length (what `on_paused` hands over).
 pub(super) fn request_state(kv_tokens: u32) -> Bytes {
     Bytes::from(format!("state of request {REQUEST} at {kv_tokens} tokens"))
@@ -85,7 +99,7 @@ pub(super) struct World {
     next_stream: usize,
     pub blocks_sent_pending: Option<u32>,
     pub reserve_pending: bool,
-    pub writes_pending: Vec<(u32, u32, Bytes)>,
+    pub writes_pending: Vec<(u32, u32, crate::Payload)>,
     pub attach_pending: Option<(Bytes, u32, u32)>,
     /// The target's arena for this migration: index → (valid tokens, data).
     pub target_blocks: Blocks,
@@ -310,7 +324,8 @@ impl World {
         evs
     }
 
-    /// Applies `ev`; `pick` chooses which pending write completes for [`Ev::WriteDone`].
+    /// Applies `ev`; `pick` chooses which pending write completes for [`Ev::WriteDone`], and
+    /// whether (and where) a data frame's block arrives apart from it in two buffers.
     pub fn apply(&mut self, ev: Ev, pick: usize) {
         self.now += SimDuration::from_nanos(1_000);
         let now = self.now;
@@ -327,7 +342,11 @@ impl World {
             }
             Ev::Data(k) => {
                 if let Some(f) = self.data.get_mut(k).and_then(|q| q.pop_front()) {
-                    self.deliver_to_target(f);
+                    match (split_block(f, pick), self.tgt.as_mut()) {
+                        ((f, payload @ Some(_)), Some(t)) => t.on_frame_with_payload(now, f, payload),
+                        ((f, None), _) => self.deliver_to_target(f),
+                        ((_, Some(_)), None) => unreachable!("data frames follow the target's acceptance"),
+                    }
                 }
             }
             Ev::Decode => {
@@ -360,7 +379,7 @@ impl World {
                 match self.fail_next_write.take() {
                     Some(reason) => t.on_write_failed(now, reason),
                     None => {
-                        self.target_blocks.insert(index, (tokens, data));
+                        self.target_blocks.insert(index, (tokens, data.to_bytes()));
                         t.on_written(now, index);
                     }
                 }

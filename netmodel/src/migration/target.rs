@@ -2,9 +2,10 @@
 
 use super::wire::{self, frame::Body, Frame};
 use super::{
-    abort_frame, block_tokens, blocks_for_tokens, body_migration_id, body_name, checksum, frame, AbortKind,
+    abort_frame, block_tokens, blocks_for_tokens, body_migration_id, body_name, checksum_payload, frame, AbortKind,
     AbortReason, MigrationId, MigrationParams, MigrationPhase, Outcome,
 };
+use crate::Payload;
 use bytes::Bytes;
 use kvfleet_core::{RequestId, SimTime};
 use serde::{Deserialize, Serialize};
@@ -23,7 +24,8 @@ pub enum TargetAction {
     /// Write this verified block (logical `index`, `tokens` valid tokens, exactly `block_bytes`
     /// long) into the reservation, growing it if needed; a later write of the same index replaces
     /// it. Answer with [`TargetMachine::on_written`] or [`TargetMachine::on_write_failed`].
-    WriteBlock { index: u32, tokens: u32, data: Bytes },
+    /// The data is in the buffers it arrived in (see [`TargetMachine::on_frame_with_payload`]).
+    WriteBlock { index: u32, tokens: u32, data: Payload },
     /// Commit: attach the request with `state`, `kv_tokens` tokens in logical blocks `0..blocks`
     /// (all written), and answer with [`TargetMachine::on_attached`]. This is the commit point:
     /// from here on only a failed attach aborts.
@@ -238,6 +240,13 @@ impl TargetMachine {
     /// A frame from the source (control or data stream). Once attaching, frames are ignored: the
     /// commit point has passed.
     pub fn on_frame(&mut self, now: SimTime, frame: Frame) {
+        self.on_frame_with_payload(now, frame, None)
+    }
+
+    /// [`TargetMachine::on_frame`] for a `BlockData` frame whose data was received apart from
+    /// it, as a list of buffers (`payload`; the frame's own `data` is then empty): the bytes are
+    /// verified and written from those buffers, never joined.
+    pub fn on_frame_with_payload(&mut self, now: SimTime, frame: Frame, payload: Option<Payload>) {
         if matches!(self.state, State::Attaching | State::Done) {
             return;
         }
@@ -254,7 +263,21 @@ impl TargetMachine {
                 let reason = AbortReason::PeerAborted { kind: AbortKind::from_wire(a.code), message: a.reason };
                 self.fail(now, reason, false);
             }
-            (State::Receiving, Body::BlockData(b)) => self.on_block(now, b),
+            (State::Receiving, Body::BlockData(mut b)) => match payload {
+                None => {
+                    let data = Payload::from(std::mem::take(&mut b.data));
+                    self.on_block(now, b, data)
+                }
+                Some(data) if b.data.is_empty() => self.on_block(now, b, data),
+                Some(_) => {
+                    let msg = format!("BlockData {} carries its data twice (inline and apart)", b.index);
+                    self.fail(now, AbortReason::BadFrame(msg), true)
+                }
+            },
+            (_, body) if payload.is_some() => {
+                let msg = format!("a payload beside {}, which has no data field", body_name(&body));
+                self.fail(now, AbortReason::BadFrame(msg), true);
+            }
             (State::Receiving, Body::StageEnd(e)) => self.on_stage_end(now, e),
             (State::Receiving, Body::Commit(c)) => self.on_commit(now, c),
             (_, body) => {
@@ -340,7 +363,7 @@ impl TargetMachine {
         self.fail(now, reason, true);
     }
 
-    fn on_block(&mut self, now: SimTime, b: wire::BlockData) {
+    fn on_block(&mut self, now: SimTime, b: wire::BlockData, data: Payload) {
         let bad = |msg: String| AbortReason::BadFrame(format!("BlockData {} of stage {}: {msg}", b.index, b.stage));
         if b.stage != self.stage {
             return self.fail(now, bad(format!("expected stage {}", self.stage)), true);
@@ -354,18 +377,18 @@ impl TargetMachine {
             let msg = format!("{} tokens, expected 1..={}", b.tokens, self.params.block_size);
             return self.fail(now, bad(msg), true);
         }
-        if b.data.len() as u64 != self.params.block_bytes {
-            let msg = format!("{} bytes, expected {}", b.data.len(), self.params.block_bytes);
+        if data.len() as u64 != self.params.block_bytes {
+            let msg = format!("{} bytes, expected {}", data.len(), self.params.block_bytes);
             return self.fail(now, bad(msg), true);
         }
-        if checksum(&b.data) != b.checksum {
+        if checksum_payload(&data) != b.checksum {
             return self.fail(now, AbortReason::ChecksumMismatch { block: b.index }, true);
         }
         self.progress.received += 1;
-        self.report.bytes_received += b.data.len() as u64;
+        self.report.bytes_received += data.len() as u64;
         self.pending.entry(b.index).or_default().push_back(b.tokens);
         self.pending_writes += 1;
-        self.actions.push_back(TargetAction::WriteBlock { index: b.index, tokens: b.tokens, data: b.data });
+        self.actions.push_back(TargetAction::WriteBlock { index: b.index, tokens: b.tokens, data });
     }
 
     fn on_stage_end(&mut self, now: SimTime, e: wire::StageEnd) {

@@ -372,6 +372,63 @@ fn corrupted_block_is_detected_and_aborts_both_sides() {
     }
 }
 
+/// A block received apart from its frame, in pieces: verified over the pieces (a flipped byte in
+/// any piece is a checksum mismatch), and a payload that comes twice or beside a frame without a
+/// data field is a bad frame.
+#[test]
+fn a_block_received_in_pieces_is_verified_and_misuse_is_a_bad_frame() {
+    #[derive(Clone, Copy, Debug)]
+    enum Case {
+        Flip(usize),
+        Twice,
+        BesideStageEnd,
+    }
+    for case in [Case::Flip(0), Case::Flip(100), Case::Flip(255), Case::Twice, Case::BesideStageEnd] {
+        let mut w = World::new(Config::small(64, 1));
+        w.start();
+        w.run_until(|w| !w.data[0].is_empty());
+        let mut f = w.data[0].pop_front().unwrap();
+        let Some(Body::BlockData(b)) = &mut f.body else { panic!() };
+        let index = b.index;
+        let data = b.data.clone();
+        let pieces = |flip: Option<usize>| -> crate::Payload {
+            let mut bytes = data.to_vec();
+            if let Some(at) = flip {
+                bytes[at] ^= 1;
+            }
+            let bytes = Bytes::from(bytes);
+            [bytes.slice(..7), bytes.slice(7..130), bytes.slice(130..)].into_iter().collect()
+        };
+        let (frame, payload) = match case {
+            Case::Flip(at) => {
+                b.data = Bytes::new();
+                (f, pieces(Some(at)))
+            }
+            Case::Twice => (f, pieces(None)),
+            Case::BesideStageEnd => {
+                let end =
+                    Frame { body: Some(Body::StageEnd(wire::StageEnd { migration_id: 1, ..Default::default() })) };
+                (end, pieces(None))
+            }
+        };
+        let now = w.now;
+        w.tgt.as_mut().unwrap().on_frame_with_payload(now, frame, Some(payload));
+        w.drain();
+        match (case, w.tgt_outcome()) {
+            (Case::Flip(_), Some(Outcome::Aborted(AbortReason::ChecksumMismatch { block }))) => {
+                assert_eq!(*block, index)
+            }
+            (Case::Twice, Some(Outcome::Aborted(AbortReason::BadFrame(m)))) => assert!(m.contains("twice"), "{m}"),
+            (Case::BesideStageEnd, Some(Outcome::Aborted(AbortReason::BadFrame(m)))) => {
+                assert!(m.contains("beside StageEnd"), "{m}")
+            }
+            (case, other) => panic!("{case:?}: {other:?}"),
+        }
+        assert!(w.attached.is_none());
+        w.check_safety();
+    }
+}
+
 #[test]
 fn wrong_length_block_is_a_bad_frame() {
     let mut w = World::new(Config::small(64, 1));
