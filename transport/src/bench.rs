@@ -15,11 +15,11 @@
 //!
 //! # Measured (2-core shared VM, loopback, two processes, 1–2 GiB, 4 MiB frames, 4 streams)
 //!
-//! Raw TCP 19–39 Gbit/s; raw UDP with GSO/GRO (1452-byte datagrams) 23–33 Gbit/s. QUIC (quinn
-//! 0.11, TLS 1.3 AES-128-GCM, default [`QuicTuning`]): 10–17 Gbit/s; **QUIC / best UDP
-//! 0.31–0.63** (median 0.46) over eight `kvfleet bench migration` runs in session 6 (was
-//! 0.20–0.31). The receiver runs at 94–100 % of a core, the sender at 75–93 %: goodput is CPU per
-//! byte.
+//! Raw TCP 19–39 Gbit/s; raw UDP with GSO/GRO (1452-byte datagrams) 19–31 Gbit/s. QUIC (quinn
+//! 0.11, TLS 1.3 AES-128-GCM, default [`QuicTuning`]): 11–18 Gbit/s; **QUIC / best UDP
+//! 0.45–0.70** (median 0.58) over nine `kvfleet bench migration` runs in session 7 (0.31–0.63,
+//! median 0.46 in session 6; 0.20–0.31 in session 4). Sender and receiver each run at 87–103 % of
+//! a core: goodput is CPU per byte.
 //!
 //! What mattered, largest first:
 //! - the datagram size: the path's MTU (loopback: 65 507-byte datagrams, found by MTU discovery
@@ -28,6 +28,9 @@
 //! - the payload handed to quinn whole ([`crate::SendHalf::write_chunk`]) instead of copied into
 //!   its send buffer: that copy was 18 % of the sender's CPU, and a 512 MiB send buffer of copies
 //!   evicted everything from the cache; with it gone, 8.7–9.2 → 13–15 Gbit/s;
+//! - received payloads kept as quinn's buffers ([`crate::RecvHalf::read_chunk`],
+//!   [`crate::FrameReader::recv_with_payload`]) instead of read into the frame buffer: that copy
+//!   was ~22 % of the receiver's CPU; 14.5 → 18.0 Gbit/s (mean of four alternated pairs, won 4/4);
 //! - flow control below the receiver's socket buffer: with a 512 MiB connection window over a
 //!   32 MiB UDP receive buffer the (now faster) sender overran a CPU-bound receiver, which dropped
 //!   12–15 % of all packets; a 64 MiB window over a 64 MiB buffer: no loss, +20 %;
@@ -41,11 +44,11 @@
 //! - not the congestion controller once nothing was lost (Cubic ≈ NewReno ≥ BBR), nor send
 //!   fairness or 1 vs 4 MiB frames, within the noise of a shared host.
 //!
-//! What is left (perf, both processes): AES-GCM ~32 % of each side (ring's VAES-AVX2 code, as
-//! fast as this CPU goes), the kernel's UDP copies 19–23 %, quinn's packet assembly copy on the
-//! sender (~14 %) and, on the receiver, quinn's copy of each received datagram (~13 %) and the
-//! read into the frame buffer (~22 %). Only the last is ours; removing it means frames whose
-//! payload stays a list of received chunks down to the KV arena.
+//! What is left (perf, both processes, session 7): nothing of ours. AES-GCM 30–32 % of each side
+//! (ring's VAES-AVX2 code, as fast as this CPU goes); the kernel's UDP copies (11–15 %); quinn's
+//! packet assembly copy on the sender (~17 %) and its copy of every received datagram batch into
+//! a new buffer on the receiver (~18 %, `quinn::endpoint::RecvState::poll_socket`). Each side's
+//! endpoint thread does all of its side's per-byte work, and the two fill this host's two cores.
 
 use crate::frame::{FrameReader, FrameWriter};
 use crate::quic::{QuicTransport, QuicTuning};

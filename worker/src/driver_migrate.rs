@@ -18,6 +18,10 @@ use kvfleet_core::engine::MigratedRequest;
 use kvfleet_core::RequestId;
 use tokio::sync::oneshot;
 
+/// Blocks an incoming migration's reservation takes beyond its KV at PREPARE, where the target has
+/// room: 4 blocks of 16 tokens cover a request decoding one token per 25 ms for a 1.6 s copy.
+const RESERVE_HEADROOM_BLOCKS: u32 = 4;
+
 type Reply<T> = oneshot::Sender<Result<T, DriverError>>;
 
 #[derive(Debug)]
@@ -103,7 +107,14 @@ impl Driver {
                 let r = if self.draining {
                     Err(DriverError::Draining)
                 } else {
-                    self.engine.reserve_incoming(request, kv_tokens).map(|_| ()).map_err(DriverError::from)
+                    // Room for the tokens the request decodes on the source during the copy, where
+                    // there is some (a target filled meanwhile by its own requests would refuse
+                    // the growth and abort the migration); the attach gives back what is unused.
+                    let headroom = RESERVE_HEADROOM_BLOCKS * self.block_size;
+                    self.engine
+                        .reserve_incoming_with_headroom(request, kv_tokens, headroom)
+                        .map(|_| ())
+                        .map_err(DriverError::from)
                 };
                 let _ = reply.send(r);
             }

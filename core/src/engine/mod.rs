@@ -760,6 +760,20 @@ impl Engine {
     /// on the source: GPU blocks when there is room, else CPU (offload) blocks. Returns the
     /// reserved block ids, in token order, on the tier of [`KvBlockManager::tier_of`].
     pub fn reserve_incoming(&mut self, request: RequestId, tokens: u32) -> Result<&[u32], EngineError> {
+        self.reserve_incoming_with_headroom(request, tokens, 0)
+    }
+
+    /// [`Engine::reserve_incoming`], a new reservation taking up to `headroom` more tokens where
+    /// its tier has room for them: the request keeps decoding on the source while its KV is
+    /// copied, and a target that meanwhile filled up with its own requests could not grow the
+    /// reservation. The tier is chosen as for `tokens` alone (GPU whenever `tokens` fit there);
+    /// [`Engine::attach`] gives back what is left unused.
+    pub fn reserve_incoming_with_headroom(
+        &mut self,
+        request: RequestId,
+        tokens: u32,
+        headroom: u32,
+    ) -> Result<&[u32], EngineError> {
         if self.index.contains_key(&request) {
             return Err(EngineError::Duplicate(request));
         }
@@ -779,8 +793,22 @@ impl Engine {
             }
             // GPU memory if there is room, else the CPU pool (it is then reloaded when scheduled,
             // like an offloaded request), as a re-materialising attach would place it.
-            if let Err(e) = self.kv.allocate(request, Tier::Gpu, tokens) {
-                self.kv.allocate(request, Tier::Cpu, tokens).map_err(|_| room(e))?;
+            let with_headroom = tokens.saturating_add(headroom);
+            let mut first_err = None;
+            let placed = [Tier::Gpu, Tier::Cpu].into_iter().any(|tier| {
+                [with_headroom, tokens].into_iter().any(|t| match self.kv.allocate(request, tier, t) {
+                    Ok(_) => true,
+                    Err(e) => {
+                        // The room `tokens` alone lacked on the GPU names the refusal.
+                        if t == tokens {
+                            first_err.get_or_insert(e);
+                        }
+                        false
+                    }
+                })
+            });
+            if !placed {
+                return Err(room(first_err.expect("`tokens` alone was tried")));
             }
             self.reserved.push(request);
         }

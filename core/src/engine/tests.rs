@@ -294,6 +294,45 @@ fn reserved_blocks_are_never_planned_over() {
     e.check_invariants().unwrap();
 }
 
+/// Headroom for the tokens a request decodes during its copy: taken where the tier has room, never
+/// at the price of the tier (a GPU fit without headroom beats CPU with it), given back at attach.
+#[test]
+fn a_reservation_takes_headroom_where_there_is_room_and_attach_gives_it_back() {
+    // Request 1 with 41 tokens of KV, paused for the move.
+    let migrated = || {
+        let mut src = engine("fcfs", 64, 0, 500);
+        let mut ev = Vec::new();
+        src.submit(SimTime(0), spec(1, 0, 40, 2, 3)).unwrap();
+        src.step(SimTime(0), &mut ev);
+        src.complete_iteration(SimTime(UNIT), &mut ev);
+        src.begin_migration_out(RequestId(1)).unwrap();
+        src.finish_migration_out(RequestId(1)).unwrap()
+    };
+    // (GPU blocks, CPU blocks, blocks held elsewhere) → (tier, blocks reserved for 40 + 32 tokens)
+    let cases = [(8, 0, 0, Tier::Gpu, 5), (8, 16, 4, Tier::Gpu, 3), (8, 16, 6, Tier::Cpu, 5), (8, 4, 6, Tier::Cpu, 3)];
+    for (gpu, cpu, held, tier, blocks) in cases {
+        let mut dst = engine("fcfs", gpu, cpu, 500);
+        if held > 0 {
+            dst.reserve_incoming(RequestId(9), held * 16).unwrap();
+        }
+        let got = dst.reserve_incoming_with_headroom(RequestId(1), 40, 32).unwrap().len() as u32;
+        let case = (gpu, cpu, held);
+        assert_eq!((dst.kv().tier_of(RequestId(1)), got), (Some(tier), blocks), "{case:?}");
+        dst.check_invariants().unwrap();
+        if tier == Tier::Gpu {
+            dst.attach(SimTime(UNIT), migrated()).unwrap();
+            assert_eq!(dst.kv().table(RequestId(1)).unwrap().blocks.len(), 3, "{case:?}: 41 tokens");
+            assert_eq!(dst.kv().free(Tier::Gpu), gpu - held - 3, "{case:?}: the headroom is free again");
+        }
+    }
+    // No room at all: refused, naming the room.
+    let mut full = engine("fcfs", 8, 0, 500);
+    full.reserve_incoming(RequestId(9), 7 * 16).unwrap();
+    let e = full.reserve_incoming_with_headroom(RequestId(1), 40, 32).unwrap_err();
+    assert!(matches!(e, EngineError::NoRoom { needed: 3, free: 1, .. }), "{e}");
+    full.check_invariants().unwrap();
+}
+
 #[test]
 fn live_migration_target_reserves_grows_attaches_in_place_or_releases() {
     let mut src = engine("fcfs", 64, 0, 500);
