@@ -513,7 +513,10 @@ impl Driver {
 
     fn submit(&mut self, spec: RequestSpec) -> SubmitOutcome {
         let id = spec.id;
-        if self.accepted.contains(&id) {
+        // A repeated submit is a duplicate while the request is here; one that left by a
+        // committed migration comes back by a submit when the leader re-placed it from the start
+        // (the instance it moved to died): it runs here afresh, not "already accepted" and never.
+        if self.accepted.contains(&id) && !self.migrated_away.contains(&id) {
             return SubmitOutcome::Duplicate;
         }
         if let Some(reason) = self.rejected.get(&id) {

@@ -106,6 +106,11 @@ impl Driver {
             LiveCommand::Reserve { request, kv_tokens, reply } => {
                 let r = if self.draining {
                     Err(DriverError::Draining)
+                } else if self.engine.reserved_requests().contains(&request) {
+                    // Another migration of it is coming in (a stale one whose source was declared
+                    // dead, say): two must not share one reservation, as the first's abort would
+                    // free the blocks the second writes.
+                    Err(DriverError::Kv { request, message: "another migration of it is already coming in".into() })
                 } else {
                     // Room for the tokens the request decodes on the source during the copy, where
                     // there is some (a target filled meanwhile by its own requests would refuse
