@@ -31,6 +31,11 @@ const MAX_FIELD_TAG: u32 = (1 << 29) - 1;
 /// A writer keeps its encode buffer between frames unless it grew past this for a rare big one.
 const SHRINK_ABOVE_BYTES: usize = 16 << 20;
 
+/// The protobuf key of length-delimited field `tag` (wire type 2).
+fn len_delimited_key(tag: u32) -> u64 {
+    u64::from(tag) << 3 | 2
+}
+
 /// What went wrong with a frame.
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
@@ -186,7 +191,7 @@ impl<W: crate::SendHalf> FrameWriter<W> {
             .iter()
             .map(|&tag| {
                 if (1..=MAX_FIELD_TAG).contains(&tag) {
-                    Ok(u64::from(tag) << 3 | 2) // wire type 2: length-delimited
+                    Ok(len_delimited_key(tag))
                 } else {
                     Err(FrameError::Io(io::Error::new(
                         io::ErrorKind::InvalidInput,
@@ -393,7 +398,7 @@ fn split_payload(body: &Payload, path: &[u32]) -> Option<(Bytes, Payload)> {
     for &tag in enclosing {
         let key = prost::encoding::decode_varint(&mut cur).ok()?;
         let len = prost::encoding::decode_varint(&mut cur).ok()?;
-        if key != (u64::from(tag) << 3 | 2) || len != cur.remaining() as u64 {
+        if key != len_delimited_key(tag) || len != cur.remaining() as u64 {
             return None;
         }
     }
@@ -435,7 +440,7 @@ fn split_payload(body: &Payload, path: &[u32]) -> Option<(Bytes, Payload)> {
     }
     for &tag in enclosing.iter().rev() {
         let mut outer = BytesMut::with_capacity(head.len() + 16);
-        prost::encoding::encode_varint(u64::from(tag) << 3 | 2, &mut outer);
+        prost::encoding::encode_varint(len_delimited_key(tag), &mut outer);
         prost::encoding::encode_varint(head.len() as u64, &mut outer);
         outer.extend_from_slice(&head);
         head = outer;

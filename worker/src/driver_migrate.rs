@@ -16,6 +16,7 @@ use super::{verify_written, Driver, DriverError, Written};
 use bytes::Bytes;
 use kvfleet_core::engine::MigratedRequest;
 use kvfleet_core::RequestId;
+use kvfleet_netmodel::Payload;
 use tokio::sync::oneshot;
 
 /// Blocks an incoming migration's reservation takes beyond its KV at PREPARE, where the target has
@@ -52,7 +53,7 @@ pub(crate) enum LiveCommand {
     WriteBlock {
         request: RequestId,
         index: u32,
-        data: kvfleet_netmodel::Payload,
+        data: Payload,
         reply: Reply<()>,
     },
     /// Replies with when the verification ended (the attach follows at once).
@@ -202,12 +203,7 @@ impl Driver {
         Ok(())
     }
 
-    fn write_block(
-        &mut self,
-        request: RequestId,
-        index: u32,
-        data: &kvfleet_netmodel::Payload,
-    ) -> Result<(), DriverError> {
+    fn write_block(&mut self, request: RequestId, index: u32, data: &Payload) -> Result<(), DriverError> {
         let bs = self.block_size;
         let blocks = self.engine.kv().table(request).map_or(0, |t| t.blocks.len() as u32);
         if index >= blocks {

@@ -461,7 +461,7 @@ impl Migrator {
     async fn serve_stream(self: Arc<Self>, w: StreamWriter, r: StreamReader) {
         let mut reader: Reader = FrameReader::new(r);
         // A data stream's blocks stay in the buffers they arrived in, down to the arena.
-        let first = match reader.recv_with_payload::<Frame>(&BLOCK_DATA_PAYLOAD_PATH).await {
+        let (first, first_payload) = match reader.recv_with_payload::<Frame>(&BLOCK_DATA_PAYLOAD_PATH).await {
             Ok(Some(f)) => f,
             Ok(None) => return,
             Err(e) => {
@@ -469,15 +469,15 @@ impl Migrator {
                 return;
             }
         };
-        match &first.0.body {
-            Some(Body::Prepare(p)) if first.1.is_none() => {
+        match &first.body {
+            Some(Body::Prepare(p)) => {
                 let span = tracing::info_span!(
                     "live_migration",
                     request = p.request_id,
                     migration = p.migration_id,
                     role = "target"
                 );
-                tracing::Instrument::instrument(self.run_target(first.0, reader, FrameWriter::new(w)), span).await
+                tracing::Instrument::instrument(self.run_target(first, reader, FrameWriter::new(w)), span).await
             }
             Some(Body::BlockData(b)) => {
                 let id = b.migration_id;
@@ -485,7 +485,7 @@ impl Migrator {
                     tracing::warn!(migration = id, "data stream for an unknown migration; dropped");
                     return;
                 };
-                if route.send(first).is_err() {
+                if route.send((first, first_payload)).is_err() {
                     return;
                 }
                 // Frames until EOF; an error (corrupt or oversized frame) ends the stream and

@@ -793,22 +793,13 @@ impl Engine {
             }
             // GPU memory if there is room, else the CPU pool (it is then reloaded when scheduled,
             // like an offloaded request), as a re-materialising attach would place it.
+            // Headroom only where the tier has room for it: `tokens` alone decide the tier.
             let with_headroom = tokens.saturating_add(headroom);
-            let mut first_err = None;
-            let placed = [Tier::Gpu, Tier::Cpu].into_iter().any(|tier| {
-                [with_headroom, tokens].into_iter().any(|t| match self.kv.allocate(request, tier, t) {
-                    Ok(_) => true,
-                    Err(e) => {
-                        // The room `tokens` alone lacked on the GPU names the refusal.
-                        if t == tokens {
-                            first_err.get_or_insert(e);
-                        }
-                        false
-                    }
-                })
-            });
-            if !placed {
-                return Err(room(first_err.expect("`tokens` alone was tried")));
+            let kv = &mut self.kv;
+            let mut place =
+                |tier| kv.allocate(request, tier, with_headroom).or_else(|_| kv.allocate(request, tier, tokens));
+            if let Err(e) = place(Tier::Gpu) {
+                place(Tier::Cpu).map_err(|_| room(e))?;
             }
             self.reserved.push(request);
         }
