@@ -1,11 +1,12 @@
+//! Generates the gRPC services of `kvfleet.v1` (tonic). The messages are not generated again:
+//! `extern_path` points the service code at the types in `kvfleet-wire`, whose `proto/` directory
+//! holds the one copy of the .proto files.
 fn main() {
-    println!("cargo:rerun-if-changed=proto/kvfleet.proto");
-    println!("cargo:rerun-if-changed=proto/migration.proto");
+    println!("cargo:rerun-if-changed=../wire/proto/kvfleet.proto");
     // Needs `protoc` (Debian: protobuf-compiler); scripts/lib/install-deps.sh installs it.
     tonic_prost_build::configure()
-        // KV blocks and request state are handed around without copying (`bytes::Bytes`).
-        .bytes(".kvfleet.migration.v1.BlockData.data")
-        .bytes(".kvfleet.migration.v1.Commit.state")
-        .compile_protos(&["proto/kvfleet.proto", "proto/migration.proto"], &["proto/"])
-        .expect("compile proto/kvfleet.proto and proto/migration.proto (is protoc installed?)");
+        .extern_path(".kvfleet.v1", "::kvfleet_wire::v1")
+        .extern_path(".kvfleet.migration.v1", "::kvfleet_wire::migration")
+        .compile_protos(&["../wire/proto/kvfleet.proto"], &["../wire/proto/"])
+        .expect("compile ../wire/proto/kvfleet.proto (is protoc installed?)");
 }

@@ -1,4 +1,7 @@
-//! The leader: turns worker events into [`ClusterState`] calls and executes its decisions.
+//! The leader: turns worker events into [`Controller`] events and executes the actions it decides.
+//! Every scheduling decision (placement, re-placement, migration targets and retries, ownership)
+//! is the controller's, shared with the simulator; this module holds only I/O: fenced writes to
+//! the metadata store, worker RPCs, client streams.
 //!
 //! Invariants it keeps (the emulator issue's "no request lost, none run twice"):
 //! - a request's ownership is written to the store, fenced on the leader key, *before* the
@@ -8,10 +11,10 @@
 //!   record is stored twice at most, never counted twice;
 //! - a refused fenced write means another coordinator leads: this one stops at once (`deposed`).
 
-use crate::state::{ClusterState, OwnedPhase, Ownership};
 use crate::trace::{PlacementNote, RequestTraces};
+use kvfleet_control::{Action, ControlError, Controller, Event, MoveOutcome, OwnedPhase, Ownership};
 use kvfleet_core::metrics::RequestRecord;
-use kvfleet_core::policy::{LoadReport, PhaseDecision};
+use kvfleet_core::policy::LoadReport;
 use kvfleet_core::{InstanceId, RequestId, RequestSpec};
 use kvfleet_meta::layout::{self as keys, WorkerRecord};
 use kvfleet_meta::{Condition, LeaderKey, MetaStore};
@@ -50,7 +53,7 @@ struct WorkerLink {
 pub struct Leader {
     store: Arc<dyn MetaStore>,
     fence: LeaderKey,
-    state: Mutex<ClusterState>,
+    control: Mutex<Controller>,
     links: Mutex<BTreeMap<InstanceId, WorkerLink>>,
     subscribers: Mutex<HashMap<RequestId, ClientTx>>,
     pub stats: LeaderStats,
@@ -71,16 +74,17 @@ pub enum LeaderError {
     #[error("metadata store: {0}")]
     Store(#[from] kvfleet_meta::MetaError),
     #[error("{0}")]
-    State(#[from] crate::state::StateError),
+    Control(#[from] ControlError),
+    #[error("no live worker to place request {0} on")]
+    NoWorkers(RequestId),
 }
 
 impl From<LeaderError> for Status {
     fn from(e: LeaderError) -> Status {
         match e {
-            LeaderError::State(crate::state::StateError::Duplicate(id)) => {
+            LeaderError::Control(ControlError::Duplicate(id)) => {
                 Status::already_exists(format!("request {id} was already submitted; use Resume"))
             }
-            LeaderError::State(e @ crate::state::StateError::NoWorkers(_)) => Status::unavailable(e.to_string()),
             other => Status::unavailable(other.to_string()),
         }
     }
@@ -105,16 +109,16 @@ impl Leader {
     pub fn new(
         store: Arc<dyn MetaStore>,
         fence: LeaderKey,
-        state: ClusterState,
+        control: Controller,
         connector: Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync>,
         epoch_unix_ns: u64,
     ) -> Arc<Leader> {
         let (deposed_tx, deposed) = watch::channel(false);
-        let traces = RequestTraces::new(epoch_unix_ns, state.policy_name());
+        let traces = RequestTraces::new(epoch_unix_ns, control.policy_name());
         Arc::new(Leader {
             store,
             fence,
-            state: Mutex::new(state),
+            control: Mutex::new(control),
             links: Mutex::new(BTreeMap::new()),
             subscribers: Mutex::new(HashMap::new()),
             stats: LeaderStats::default(),
@@ -133,8 +137,14 @@ impl Leader {
         kvfleet_core::SimTime((unix as u64).saturating_sub(self.epoch_unix_ns))
     }
 
-    fn state(&self) -> std::sync::MutexGuard<'_, ClusterState> {
-        self.state.lock().expect("state lock not poisoned")
+    fn control(&self) -> std::sync::MutexGuard<'_, Controller> {
+        self.control.lock().expect("controller lock not poisoned")
+    }
+
+    /// Apply `event` now; the actions it decided, to execute.
+    fn decide(&self, event: Event) -> Result<Vec<Action>, ControlError> {
+        let now = self.cluster_now();
+        self.control().decide(now, event)
     }
 
     pub fn is_deposed(&self) -> bool {
@@ -156,7 +166,7 @@ impl Leader {
     }
 
     async fn persist_ownership(&self, id: RequestId) -> Result<(), LeaderError> {
-        let o = self.state().ownership(id).cloned();
+        let o = self.control().ownership(id).cloned();
         match o {
             Some(o) => self.persist(&keys::request(id.0), &json(&o)).await,
             None => Ok(()),
@@ -184,19 +194,35 @@ impl Leader {
         for o in restored.iter().filter(|o| o.phase != OwnedPhase::Finished) {
             self.traces.open(&o.spec, true);
         }
-        self.state().restore(restored);
+        self.control().restore(restored);
         Ok(n)
     }
 
     /// A worker registered (or re-registered). Refuses a model mismatch.
     pub fn admit(self: &Arc<Self>, rec: &WorkerRecord) -> Result<(), String> {
         let id = InstanceId(rec.instance);
-        self.state().join(id, rec.address.clone(), &rec.model, rec.kv_bytes_per_token).map_err(|e| e.to_string())?;
+        let joined = Event::Joined {
+            instance: id,
+            address: rec.address.clone(),
+            model: rec.model.clone(),
+            kv_bytes_per_token: rec.kv_bytes_per_token,
+        };
+        self.decide(joined).map_err(|e| e.to_string())?;
         let mut links = self.links.lock().expect("links lock");
         if let Some(l) = links.get_mut(&id).filter(|l| !l.pump.is_finished()) {
             l.kv_address.clone_from(&rec.kv_address);
             return Ok(());
         }
+        // Until its first load report, the instance is as big as it registered, and empty: a
+        // burst of arrivals right after it joins is charged in its real block geometry.
+        let _ = self.decide(Event::Load(LoadReport {
+            instance: id,
+            gpu_total_blocks: rec.gpu_blocks,
+            block_tokens: rec.block_size,
+            block_bytes: u64::from(rec.block_size) * rec.kv_bytes_per_token,
+            answering_slo_ok: true,
+            ..LoadReport::default()
+        }));
         let channel = (self.connector)(&rec.address)?;
         let client = WorkerClient::new(channel).max_decoding_message_size(64 << 20);
         let pump = tokio::spawn(self.clone().pump(id, client.clone()));
@@ -210,24 +236,57 @@ impl Leader {
         if let Some(l) = self.links.lock().expect("links lock").remove(&instance) {
             l.pump.abort();
         }
-        let orphans = self.state().leave(instance);
-        tracing::warn!(instance = instance.0, orphans = orphans.len(), "worker left; re-placing its requests");
-        for id in orphans {
-            self.stats.replaced.fetch_add(1, Ordering::Relaxed);
-            if let Err(e) = self.replace(id).await {
-                tracing::error!(request = id.0, "re-placing failed: {e}");
+        let actions = self.decide(Event::Left { instance }).unwrap_or_default();
+        tracing::warn!(instance = instance.0, orphans = actions.len(), "worker left; re-placing its requests");
+        let moves = self.execute(actions).await;
+        self.spawn_moves(moves);
+    }
+
+    /// The request's copy is lost: start it over on a live worker.
+    async fn replace(self: &Arc<Self>, id: RequestId) {
+        match self.decide(Event::Lost { request: id }) {
+            Ok(actions) => {
+                let moves = self.execute(actions).await;
+                debug_assert!(moves.is_empty(), "re-placing a request moves nothing");
             }
+            Err(e) => tracing::debug!(request = id.0, "not re-placed: {e}"),
         }
     }
 
-    async fn replace(self: &Arc<Self>, id: RequestId) -> Result<(), LeaderError> {
-        let to = self.state().replace(id)?;
-        self.persist_ownership(id).await?;
-        let spec = self.state().ownership(id).map(|o| o.spec.clone());
-        if let Some(spec) = spec {
-            self.submit_to_worker(to, &spec).await;
+    /// Carry out the controller's placements; the moves it decided are returned, for
+    /// [`Leader::spawn_moves`] (a move waits on the copy, so it runs in its own task).
+    async fn execute(self: &Arc<Self>, actions: Vec<Action>) -> Vec<(RequestId, InstanceId, InstanceId)> {
+        let mut moves = Vec::new();
+        for action in actions {
+            match action {
+                Action::Place { request, on, replaced } => {
+                    debug_assert!(replaced > 0, "new requests are placed by `submit`");
+                    self.stats.replaced.fetch_add(1, Ordering::Relaxed);
+                    if let Err(e) = self.persist_ownership(request).await {
+                        tracing::error!(request = request.0, "re-placing failed: {e}");
+                        continue;
+                    }
+                    let spec = self.control().ownership(request).map(|o| o.spec.clone());
+                    if let Some(spec) = spec {
+                        self.submit_to_worker(on, &spec).await;
+                    }
+                }
+                Action::Reject { request, reason } => {
+                    // It stays owned by its dead worker; a worker that joins and a new leader's
+                    // `resubmit_unfinished` retry it.
+                    tracing::error!(request = request.0, ?reason, "no live worker to re-place the request on");
+                }
+                Action::Migrate { request, from, to, .. } => moves.push((request, from, to)),
+                other => tracing::error!(?other, "an action this coordinator does not execute; ignored"),
+            }
         }
-        Ok(())
+        moves
+    }
+
+    fn spawn_moves(self: &Arc<Self>, moves: Vec<(RequestId, InstanceId, InstanceId)>) {
+        for (request, from, to) in moves {
+            tokio::spawn(self.clone().run_move(request, from, to));
+        }
     }
 
     fn client(&self, instance: InstanceId) -> Option<WorkerClient<Channel>> {
@@ -236,14 +295,19 @@ impl Leader {
 
     /// Accept a client's request: place, persist, then hand it to the worker.
     pub async fn submit(self: &Arc<Self>, spec: RequestSpec, tx: ClientTx) -> Result<InstanceId, LeaderError> {
+        let now = self.cluster_now();
         let (to, note) = {
-            let mut state = self.state();
-            let loads = state.loads();
-            let to = state.place(&spec)?;
-            (to, PlacementNote::new(state.policy_name(), &loads, to))
+            let mut control = self.control();
+            let loads = control.loads().to_vec();
+            let placed = control.decide(now, Event::Arrival(spec.clone()))?;
+            let to = match placed.as_slice() {
+                [Action::Place { on, .. }] => *on,
+                _ => return Err(LeaderError::NoWorkers(spec.id)),
+            };
+            (to, PlacementNote::new(control.policy_name(), &loads, to))
         };
         if let Err(e) = self.persist_ownership(spec.id).await {
-            self.state().on_finished(spec.id);
+            let _ = self.decide(Event::Finished { request: spec.id });
             return Err(e);
         }
         self.traces.open(&spec, false);
@@ -263,7 +327,7 @@ impl Leader {
             let _ = tx.send(Ok(finished_event(&rec))).await;
             return Ok(());
         }
-        let owned = self.state().ownership(id).cloned();
+        let owned = self.control().ownership(id).cloned();
         match owned {
             Some(o) => {
                 let _ = tx
@@ -313,7 +377,7 @@ impl Leader {
     /// Store a finished record, then tell the client. Idempotent.
     async fn finish(&self, rec: RequestRecord) -> Result<(), LeaderError> {
         self.persist(&keys::result(rec.id.0), &json(&rec)).await?;
-        let first = self.state().on_finished(rec.id);
+        let first = self.decide(Event::Finished { request: rec.id }).is_ok();
         if first {
             self.stats.finished.fetch_add(1, Ordering::Relaxed);
         }
@@ -374,7 +438,7 @@ impl Leader {
                         true
                     }
                     Some(v1::worker_event::Event::Load(l)) => {
-                        self.state().on_load(LoadReport::from(&l));
+                        let _ = self.decide(Event::Load(LoadReport::from(&l)));
                         false
                     }
                     None => false,
@@ -401,37 +465,68 @@ impl Leader {
     }
 
     fn on_boundary(self: &Arc<Self>, b: v1::PhaseBoundary) {
-        let id = RequestId(b.request_id);
-        let from = InstanceId(b.instance);
-        let decision = self.state().on_boundary(id, from, b.kv_blocks);
-        if let PhaseDecision::Migrate { to } = decision {
-            tokio::spawn(self.clone().migrate_with_retargets(id, from, to, b.kv_blocks));
+        let event = Event::Boundary { request: RequestId(b.request_id), instance: InstanceId(b.instance), kv_blocks: b.kv_blocks };
+        if let Ok(actions) = self.decide(event) {
+            let moves = actions
+                .into_iter()
+                .filter_map(|a| match a {
+                    Action::Migrate { request, from, to, .. } => Some((request, from, to)),
+                    other => {
+                        tracing::error!(?other, "unexpected action at a phase boundary; ignored");
+                        None
+                    }
+                })
+                .collect();
+            self.spawn_moves(moves);
         }
     }
 
-    /// Move a request between workers. The KV is re-materialised on the target (the QUIC issue
-    /// replaces this with a real copy). On any failure the request keeps running on its source.
     fn kv_address(&self, instance: InstanceId) -> String {
         self.links.lock().expect("links lock").get(&instance).map(|l| l.kv_address.clone()).unwrap_or_default()
     }
 
-    /// [`Leader::migrate`], and when the target declines (no room: nothing was copied, the request
-    /// never paused) the policy's next choice without it, up to [`MAX_RETARGETS`] times.
-    async fn migrate_with_retargets(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId, kv_blocks: u32) {
-        let mut declined = vec![to];
-        let mut to = to;
-        while self.clone().migrate(id, from, to).await == Moved::Refused && declined.len() <= MAX_RETARGETS {
-            let next = self.state().retarget(id, from, kv_blocks, &declined);
-            let Some(next) = next else { return };
-            tracing::info!(request = id.0, from = from.0, declined = to.0, to = next.0, "target full; trying another");
-            declined.push(next);
-            to = next;
+    /// One move the controller decided, and the ones it decides next when a target declines (no
+    /// room: nothing was copied, the request never paused).
+    async fn run_move(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId) {
+        let mut next = Some((from, to));
+        while let Some((from, to)) = next.take() {
+            let moved = self.clone().migrate(id, from, to).await;
+            let outcome = match moved {
+                Moved::Yes => MoveOutcome::Committed,
+                Moved::Refused => MoveOutcome::Refused,
+                Moved::No | Moved::Lost => MoveOutcome::Aborted,
+            };
+            let actions = match self.decide(Event::MigrationEnded { request: id, outcome }) {
+                Ok(actions) => actions,
+                Err(e) => {
+                    tracing::debug!(request = id.0, "move ended for a request no longer in flight: {e}");
+                    Vec::new()
+                }
+            };
+            if moved == Moved::Yes {
+                self.stats.migrations.fetch_add(1, Ordering::Relaxed);
+            }
+            if moved != Moved::Refused {
+                let _ = self.persist_ownership(id).await;
+            }
+            if moved == Moved::Lost {
+                // Source and target both gone: start it over elsewhere rather than lose it.
+                self.replace(id).await;
+            }
+            for action in actions {
+                match action {
+                    Action::Migrate { request, from, to: next_to, .. } if request == id => {
+                        tracing::info!(request = id.0, from = from.0, declined = to.0, to = next_to.0, "target full; trying another");
+                        next = Some((from, next_to));
+                    }
+                    other => tracing::error!(?other, "unexpected action after a move; ignored"),
+                }
+            }
         }
     }
 
     async fn migrate(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId) -> Moved {
         let (Some(mut src), Some(mut dst)) = (self.client(from), self.client(to)) else {
-            self.state().migration_done(id, None);
             return Moved::No;
         };
         let target_kv_address = self.kv_address(to);
@@ -442,7 +537,6 @@ impl Leader {
             // request paused in doubt on its source.
             if let Err(e) = self.persist_ownership(id).await {
                 tracing::warn!(request = id.0, "not migrating: recording the move failed ({e})");
-                self.state().migration_done(id, None);
                 return Moved::No;
             }
         }
@@ -453,7 +547,6 @@ impl Leader {
                 // Nothing moved (finished meanwhile, or an iteration boundary refused it).
                 tracing::debug!(request = id.0, "migrate-out refused: {e}");
                 self.stats.migration_failures.fetch_add(1, Ordering::Relaxed);
-                self.state().migration_done(id, None);
                 return Moved::No;
             }
         };
@@ -462,12 +555,7 @@ impl Leader {
         }
         let attach = v1::AttachRequest { state: out.state.clone(), kv_rematerialized: true };
         match dst.attach(attach.clone()).await {
-            Ok(_) => {
-                self.state().migration_done(id, Some(to));
-                self.stats.migrations.fetch_add(1, Ordering::Relaxed);
-                let _ = self.persist_ownership(id).await;
-                Moved::Yes
-            }
+            Ok(_) => Moved::Yes,
             Err(e) => {
                 tracing::warn!(
                     request = id.0,
@@ -476,10 +564,8 @@ impl Leader {
                     "attach failed ({e}); returning the request to its source"
                 );
                 self.stats.migration_failures.fetch_add(1, Ordering::Relaxed);
-                self.state().migration_done(id, None);
                 if src.attach(attach).await.is_err() {
-                    // Source gone too: start it over elsewhere rather than lose it.
-                    let _ = self.replace(id).await;
+                    return Moved::Lost;
                 }
                 Moved::No
             }
@@ -516,13 +602,9 @@ impl Leader {
             self.migration_log.lock().expect("migration log lock").push(stats);
         }
         if outcome == v1::MigrationOutcome::MigrationCommitted {
-            self.state().migration_done(id, Some(to));
-            self.stats.migrations.fetch_add(1, Ordering::Relaxed);
-            let _ = self.persist_ownership(id).await;
             Moved::Yes
         } else {
             self.stats.migration_failures.fetch_add(1, Ordering::Relaxed);
-            self.state().migration_done(id, None);
             if refused {
                 Moved::Refused
             } else {
@@ -532,21 +614,20 @@ impl Leader {
     }
 
     pub fn status(&self, leader: &str, epoch_unix_ns: u64) -> v1::ClusterStatus {
-        let state = self.state();
-        let instances = state
+        let control = self.control();
+        let instances = control
             .members()
-            .iter()
-            .map(|(id, m)| v1::InstanceStatus {
-                info: Some(v1::WorkerInfo { instance: id.0, advertise: m.address.clone(), ..Default::default() }),
-                load: Some((&m.load).into()),
-                alive: m.alive,
+            .map(|(id, address, load, alive)| v1::InstanceStatus {
+                info: Some(v1::WorkerInfo { instance: id.0, advertise: address.to_string(), ..Default::default() }),
+                load: Some((&load).into()),
+                alive,
             })
             .collect();
         v1::ClusterStatus {
             leader: leader.to_string(),
             epoch_unix_ns,
             instances,
-            requests_in_flight: state.in_flight() as u64,
+            requests_in_flight: control.in_flight() as u64,
             requests_finished: self.stats.finished.load(Ordering::Relaxed),
             migrations: self.stats.migrations.load(Ordering::Relaxed),
             store: self.store.store_kind().to_string(),
@@ -562,7 +643,7 @@ impl Leader {
     /// copying, aborts at the target's refusal and the request goes on there).
     pub async fn settle_inherited_moves(self: &Arc<Self>) -> usize {
         let open: Vec<(RequestId, InstanceId, InstanceId)> = self
-            .state()
+            .control()
             .requests()
             .values()
             .filter(|o| o.phase == OwnedPhase::Migrating)
@@ -582,7 +663,8 @@ impl Leader {
                         held,
                         "settled a move the previous leader left open"
                     );
-                    leader.state().migration_done(id, held.then_some(to));
+                    let outcome = if held { MoveOutcome::Committed } else { MoveOutcome::Aborted };
+                    let _ = leader.decide(Event::MigrationEnded { request: id, outcome });
                     if held {
                         leader.stats.migrations.fetch_add(1, Ordering::Relaxed);
                     }
@@ -600,10 +682,10 @@ impl Leader {
     /// a known request id as already accepted, so nothing runs twice).
     pub async fn resubmit_unfinished(self: &Arc<Self>) {
         let todo: Vec<(InstanceId, RequestSpec)> = self
-            .state()
+            .control()
             .requests()
             .values()
-            .filter(|o| o.phase != OwnedPhase::Finished)
+            .filter(|o| o.unfinished())
             .map(|o| (o.instance, o.spec.clone()))
             .collect();
         for (to, spec) in todo {
@@ -611,10 +693,7 @@ impl Leader {
                 // Its worker's registration lapsed while no leader was watching (it died during
                 // the failover): no delete event will come, so start it over elsewhere now.
                 tracing::warn!(request = spec.id.0, instance = to.0, "owner not registered; re-placing");
-                self.stats.replaced.fetch_add(1, Ordering::Relaxed);
-                if let Err(e) = self.replace(spec.id).await {
-                    tracing::error!(request = spec.id.0, "re-placing failed: {e}");
-                }
+                self.replace(spec.id).await;
                 continue;
             }
             // Concurrently: an owner that died but is not evicted yet (its submits time out) must
@@ -688,10 +767,9 @@ enum Moved {
     No,
     /// It stays on its source: the target had no room and nothing was copied.
     Refused,
+    /// Neither the target nor the source holds it any more.
+    Lost,
 }
-
-/// Other targets tried after a target declined a migration for lack of room.
-const MAX_RETARGETS: usize = 2;
 
 fn finished_event(rec: &RequestRecord) -> v1::ClientEvent {
     v1::ClientEvent { event: Some(v1::client_event::Event::Finished(rec.into())) }
@@ -700,40 +778,74 @@ fn finished_event(rec: &RequestRecord) -> v1::ClientEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::ClusterModel;
     use kvfleet_core::policy::registry::{build_policy, PolicyParams};
-    use kvfleet_core::SimTime;
+    use kvfleet_core::{SimRng, SimTime};
     use kvfleet_meta::MemStore;
 
-    #[tokio::test]
-    async fn a_stopped_leader_ends_its_client_streams() {
+    const MODEL: &str = "r1-distill-qwen-32b";
+    const KV_BYTES: u64 = 262_144;
+
+    /// A leader of `workers` registered workers nobody serves (a closed port): requests are
+    /// placed and recorded, never run.
+    async fn leader_with_unserved_workers(policy: &str, workers: u32) -> Arc<Leader> {
         let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
         let lease = store.grant_lease(Duration::from_secs(60)).await.unwrap();
         let fence = store.campaign(keys::ELECTION, b"here", lease).await.unwrap();
-        let model = ClusterModel { model: "r1-distill-qwen-32b".into(), kv_bytes_per_token: 262_144 };
-        let state = ClusterState::new(model.clone(), build_policy("pascal", &PolicyParams::default()).unwrap(), 1);
-        let leader = Leader::new(store, fence, state, worker_connector(None), 0);
-        // A worker nobody listens for: the request is placed and recorded, never served.
+        let control = Controller::new(build_policy(policy, &PolicyParams::default()).unwrap(), SimRng::seed_from_u64(1))
+            .expect_model(MODEL, KV_BYTES)
+            .retain_finished();
+        let leader = Leader::new(store, fence, control, worker_connector(None), 0);
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-        let rec = WorkerRecord {
-            instance: 0,
-            address: format!("http://{closed}"),
-            model: model.model.clone(),
-            kv_bytes_per_token: model.kv_bytes_per_token,
-            gpu_blocks: 1000,
-            scheduler: "pascal".into(),
-            kv_address: String::new(),
-        };
-        leader.admit(&rec).unwrap();
+        for instance in 0..workers {
+            let rec = WorkerRecord {
+                instance,
+                address: format!("http://{closed}"),
+                model: MODEL.into(),
+                kv_bytes_per_token: KV_BYTES,
+                gpu_blocks: 1000,
+                block_size: 16,
+                scheduler: "pascal".into(),
+                kv_address: String::new(),
+            };
+            leader.admit(&rec).unwrap();
+        }
+        leader
+    }
+
+    fn spec(id: u64, prompt_tokens: u32) -> RequestSpec {
+        RequestSpec { id: RequestId(id), arrival: SimTime(0), prompt_tokens, reasoning_tokens: 4, answer_tokens: 4 }
+    }
+
+    #[tokio::test]
+    async fn simultaneous_arrivals_land_on_distinct_idle_workers() {
+        for policy in ["pascal", "least-kv"] {
+            let leader = leader_with_unserved_workers(policy, 8).await;
+            let mut streams = Vec::new();
+            // Submitted together, before any worker reports a load.
+            for id in 0..8 {
+                let (tx, rx) = mpsc::channel(16);
+                let leader = leader.clone();
+                tokio::spawn(async move { leader.submit(spec(id, 4000), tx).await });
+                streams.push(rx);
+            }
+            let mut on = Vec::new();
+            for rx in &mut streams {
+                match rx.recv().await.expect("an event").expect("not an error").event {
+                    Some(v1::client_event::Event::AcceptedOn(i)) => on.push(i),
+                    other => panic!("{policy}: expected the placement first, got {other:?}"),
+                }
+            }
+            on.sort_unstable();
+            assert_eq!(on, (0..8).collect::<Vec<_>>(), "{policy}: one request per idle worker");
+            leader.stop();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stopped_leader_ends_its_client_streams() {
+        let leader = leader_with_unserved_workers("pascal", 1).await;
         let (tx, mut rx) = mpsc::channel(16);
-        let spec = RequestSpec {
-            id: RequestId(7),
-            arrival: SimTime(0),
-            prompt_tokens: 8,
-            reasoning_tokens: 4,
-            answer_tokens: 4,
-        };
-        leader.submit(spec, tx).await.unwrap();
+        leader.submit(spec(7, 8), tx).await.unwrap();
         let accepted = rx.recv().await.expect("accepted").unwrap();
         assert!(matches!(accepted.event, Some(v1::client_event::Event::AcceptedOn(0))), "{accepted:?}");
         // Something else (a task finishing an RPC) still holds the leader when it stops.

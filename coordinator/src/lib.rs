@@ -2,8 +2,7 @@
 //!
 //! | module | what lives there |
 //! |---|---|
-//! | [`state`] | sans-IO scheduling state: registry, request ownership, the instance-level policy from `kvfleet-core` |
-//! | [`leader`] | the leader's async driver: worker event logs, placement, migration, fenced writes |
+//! | [`leader`] | the leader's async driver of the cluster controller (`kvfleet-control`, shared with the simulator): worker event logs, fenced ownership writes, migrations, client streams |
 //! | [`node`] | one coordinator process: gRPC service, campaign loop, registry watch |
 //! | [`openai`] | the OpenAI-compatible HTTP API (`--http-listen`): chat/completions, SSE streaming |
 //! | [`trace`] | request spans: open at acceptance, context sent with Submit/MigrateOut, phases at the end |
@@ -14,5 +13,4 @@ pub mod leader;
 pub mod metrics;
 pub mod node;
 pub mod openai;
-pub mod state;
 pub mod trace;

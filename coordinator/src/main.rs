@@ -4,7 +4,7 @@
 use anyhow::Context;
 use clap::Parser;
 use kvfleet_coordinator::node::{serve, Node, NodeOptions};
-use kvfleet_coordinator::state::ClusterModel;
+use kvfleet_coordinator::node::ClusterModel;
 use kvfleet_core::policy::registry::PolicyParams;
 use kvfleet_core::spec::ModelSpec;
 use kvfleet_meta::{MemStore, MetaStore};

@@ -2,7 +2,9 @@
 //! while leader runs a [`Leader`]; standbys answer `Status` and point clients at the leader.
 
 use crate::leader::{worker_connector, ClientTx, Leader};
-use crate::state::{ClusterModel, ClusterState};
+use kvfleet_control::Controller;
+use kvfleet_core::SimRng;
+pub use kvfleet_meta::layout::ClusterModel;
 use kvfleet_core::policy::registry::{build_policy, PolicyParams};
 use kvfleet_core::{InstanceId, RequestId};
 use kvfleet_meta::layout::{self as keys, ClusterRecord, WorkerRecord};
@@ -123,11 +125,13 @@ impl Node {
         let started = std::time::Instant::now();
         let policy =
             build_policy(&self.opts.policy, &self.opts.policy_params).map_err(|e| NodeError::Policy(e.to_string()))?;
-        let state = ClusterState::new(self.opts.model.clone(), policy, self.opts.seed);
+        let control = Controller::new(policy, SimRng::seed_from_u64(self.opts.seed))
+            .expect_model(self.opts.model.model.clone(), self.opts.model.kv_bytes_per_token)
+            .retain_finished();
         let leader = Leader::new(
             self.store.clone(),
             fence.clone(),
-            state,
+            control,
             worker_connector(self.opts.tls.clone()),
             self.epoch_unix_ns(),
         );

@@ -86,7 +86,7 @@ impl IntoResponse for ApiError {
 impl From<LeaderError> for ApiError {
     fn from(e: LeaderError) -> ApiError {
         match e {
-            LeaderError::State(crate::state::StateError::Duplicate(id)) => {
+            LeaderError::Control(kvfleet_control::ControlError::Duplicate(id)) => {
                 ApiError::internal(format!("request id {id} collided with an earlier request; retry"))
             }
             other => ApiError::unavailable(other.to_string()),

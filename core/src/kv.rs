@@ -93,6 +93,16 @@ pub struct KvBlockManager {
     journal: Option<Vec<KvMove>>,
 }
 
+/// Blocks needed to hold `tokens` tokens in blocks of `block_size` tokens (0 when `block_size`
+/// is 0: an instance that did not say its block size). The one place this arithmetic lives: the
+/// engine allocates by it and the cluster controller charges placements by it.
+pub fn blocks_for_tokens(tokens: u32, block_size: u32) -> u32 {
+    if block_size == 0 {
+        return 0;
+    }
+    tokens.div_ceil(block_size)
+}
+
 impl KvBlockManager {
     /// `block_size` tokens per block (vLLM default 16); pool capacities in blocks.
     pub fn new(block_size: u32, gpu_blocks: u32, cpu_blocks: u32) -> Self {
@@ -119,7 +129,7 @@ impl KvBlockManager {
     }
     /// Blocks needed to hold `tokens` tokens.
     pub fn blocks_for(&self, tokens: u32) -> u32 {
-        tokens.div_ceil(self.block_size)
+        blocks_for_tokens(tokens, self.block_size)
     }
     pub fn capacity(&self, tier: Tier) -> u32 {
         self.pool(tier).capacity

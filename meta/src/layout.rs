@@ -58,6 +58,9 @@ pub struct WorkerRecord {
     pub model: String,
     pub kv_bytes_per_token: u64,
     pub gpu_blocks: u32,
+    /// Tokens per KV block (0 in records of earlier versions: unknown until its first load report).
+    #[serde(default)]
+    pub block_size: u32,
     pub scheduler: String,
     /// Where it receives live KV migrations (QUIC); empty when it cannot.
     #[serde(default)]
@@ -73,6 +76,7 @@ impl From<&kvfleet_proto::v1::WorkerInfo> for WorkerRecord {
             model: info.model.clone(),
             kv_bytes_per_token: info.kv_bytes_per_token,
             gpu_blocks: info.gpu_blocks,
+            block_size: info.block_size,
             scheduler: info.scheduler.clone(),
             kv_address: info.kv_address.clone(),
         }

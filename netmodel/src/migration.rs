@@ -78,7 +78,7 @@ mod proptests;
 #[cfg(test)]
 mod tests;
 
-pub use kvfleet_proto::migration as wire;
+pub use kvfleet_wire::migration as wire;
 pub use source::{SourceAction, SourceMachine};
 pub use target::{TargetAction, TargetMachine, TargetReport};
 

@@ -1,204 +1,32 @@
-//! kvfleet-proto: generated protobuf types and gRPC services (`kvfleet.v1`), and conversions
-//! between them and `kvfleet-core` types. Times on the wire are nanoseconds on the cluster clock.
+//! kvfleet-proto: the gRPC services of `kvfleet.v1` (`Worker`, `Coordinator`; tonic clients and
+//! servers) over the protobuf messages of `kvfleet-wire`.
+//!
+//! Every message, and its conversions to `kvfleet-core` types, lives in `kvfleet-wire` (no RPC
+//! stack, so the sans-IO crates can use it); this crate re-exports it under the same paths
+//! (`kvfleet_proto::v1::RequestSpec` is `kvfleet_wire::v1::RequestSpec`) and adds what needs tonic:
+//! the services, and validation failures as `Status::invalid_argument`.
 
+/// `kvfleet.v1`: the messages of [`kvfleet_wire::v1`] and the generated services
+/// (`worker_client`, `worker_server`, `coordinator_client`, `coordinator_server`).
 pub mod v1 {
+    pub use kvfleet_wire::v1::*;
     tonic::include_proto!("kvfleet.v1");
 }
 
-pub mod migration {
-    tonic::include_proto!("kvfleet.migration.v1");
+pub use kvfleet_wire::migration;
+pub use kvfleet_wire::{InvalidField, MAX_TOKENS_PER_REQUEST, REFUSED_PREFIX};
+
+use kvfleet_core::RequestSpec;
+
+/// A message that failed validation, as the gRPC status to answer with (names the field).
+pub fn invalid_argument(e: InvalidField) -> tonic::Status {
+    tonic::Status::invalid_argument(e.to_string())
 }
 
-use kvfleet_core::metrics::RequestRecord;
-use kvfleet_core::policy::LoadReport;
-use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimTime};
-
-/// A message from the network failed validation: names the field, for `Status::invalid_argument`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InvalidField {
-    pub field: &'static str,
-    pub message: String,
-}
-
-impl std::fmt::Display for InvalidField {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "`{}`: {}", self.field, self.message)
-    }
-}
-
-impl From<InvalidField> for tonic::Status {
-    fn from(e: InvalidField) -> Self {
-        tonic::Status::invalid_argument(e.to_string())
-    }
-}
-
-fn missing(field: &'static str) -> InvalidField {
-    InvalidField { field, message: "missing".into() }
-}
-
-/// Largest request the control plane accepts (a typo guard; no model has this context).
-pub const MAX_TOKENS_PER_REQUEST: u32 = 1 << 24;
-
-impl From<&RequestSpec> for v1::RequestSpec {
-    fn from(s: &RequestSpec) -> Self {
-        v1::RequestSpec {
-            id: s.id.0,
-            arrival_ns: s.arrival.0,
-            prompt_tokens: s.prompt_tokens,
-            reasoning_tokens: s.reasoning_tokens,
-            answer_tokens: s.answer_tokens,
-        }
-    }
-}
-
-impl TryFrom<&v1::RequestSpec> for RequestSpec {
-    type Error = InvalidField;
-    fn try_from(s: &v1::RequestSpec) -> Result<Self, InvalidField> {
-        if s.answer_tokens == 0 {
-            return Err(InvalidField { field: "spec.answer_tokens", message: "must be at least 1".into() });
-        }
-        let total = s.prompt_tokens as u64 + s.reasoning_tokens as u64 + s.answer_tokens as u64;
-        if total > MAX_TOKENS_PER_REQUEST as u64 {
-            return Err(InvalidField {
-                field: "spec",
-                message: format!("prompt + reasoning + answer = {total} tokens exceeds {MAX_TOKENS_PER_REQUEST}"),
-            });
-        }
-        Ok(RequestSpec {
-            id: RequestId(s.id),
-            arrival: SimTime(s.arrival_ns),
-            prompt_tokens: s.prompt_tokens,
-            reasoning_tokens: s.reasoning_tokens,
-            answer_tokens: s.answer_tokens,
-        })
-    }
-}
-
-/// The `spec` field of a message that must carry one.
-pub fn require_spec(spec: Option<&v1::RequestSpec>) -> Result<RequestSpec, InvalidField> {
-    RequestSpec::try_from(spec.ok_or_else(|| missing("spec"))?)
-}
-
-/// How the source words a declined `Prepare` (`AbortReason::Refused`'s message).
-pub const REFUSED_PREFIX: &str = "refused by the target";
-
-impl v1::MigrationStats {
-    /// The migration committed (the request runs on the target): no abort reason.
-    pub fn committed(&self) -> bool {
-        self.abort_reason.is_empty()
-    }
-
-    /// The target declined the `Prepare` (no room): nothing was copied and the request never
-    /// paused; the coordinator may try another target. Not an abort of a running migration.
-    pub fn refused(&self) -> bool {
-        !self.committed() && self.bytes == 0 && self.abort_reason.starts_with(REFUSED_PREFIX)
-    }
-
-    /// `committed`, `refused` or `aborted`.
-    pub fn outcome_name(&self) -> &'static str {
-        if self.committed() {
-            "committed"
-        } else if self.refused() {
-            "refused"
-        } else {
-            "aborted"
-        }
-    }
-
-    /// Start to settle, in nanoseconds.
-    pub fn total_ns(&self) -> u64 {
-        self.ended_ns.saturating_sub(self.started_ns)
-    }
-}
-
-impl From<&LoadReport> for v1::LoadReport {
-    fn from(l: &LoadReport) -> Self {
-        v1::LoadReport {
-            instance: l.instance.0,
-            gpu_used_blocks: l.gpu_used_blocks,
-            cpu_used_blocks: l.cpu_used_blocks,
-            gpu_total_blocks: l.gpu_total_blocks,
-            block_bytes: l.block_bytes,
-            reasoning_requests: l.reasoning_requests,
-            fresh_answering_requests: l.fresh_answering_requests,
-            answering_requests: l.answering_requests,
-            waiting_requests: l.waiting_requests,
-            answering_slo_ok: l.answering_slo_ok,
-        }
-    }
-}
-
-impl From<&v1::LoadReport> for LoadReport {
-    fn from(l: &v1::LoadReport) -> Self {
-        LoadReport {
-            instance: InstanceId(l.instance),
-            gpu_used_blocks: l.gpu_used_blocks,
-            cpu_used_blocks: l.cpu_used_blocks,
-            gpu_total_blocks: l.gpu_total_blocks,
-            block_bytes: l.block_bytes,
-            reasoning_requests: l.reasoning_requests,
-            fresh_answering_requests: l.fresh_answering_requests,
-            answering_requests: l.answering_requests,
-            waiting_requests: l.waiting_requests,
-            answering_slo_ok: l.answering_slo_ok,
-        }
-    }
-}
-
-fn ns(t: Option<SimTime>) -> Option<u64> {
-    t.map(|t| t.0)
-}
-fn time(ns: Option<u64>) -> Option<SimTime> {
-    ns.map(SimTime)
-}
-
-impl From<&RequestRecord> for v1::RequestRecord {
-    fn from(r: &RequestRecord) -> Self {
-        v1::RequestRecord {
-            id: r.id.0,
-            arrival_ns: r.arrival.0,
-            prompt_tokens: r.prompt_tokens,
-            reasoning_tokens: r.reasoning_tokens,
-            answer_tokens: r.answer_tokens,
-            placed_on: r.placed_on.0,
-            finished_on: r.finished_on.map(|i| i.0),
-            first_scheduled_ns: ns(r.first_scheduled),
-            first_token_ns: ns(r.first_token),
-            reasoning_end_ns: ns(r.reasoning_end),
-            first_scheduled_after_reasoning_ns: ns(r.first_scheduled_after_reasoning),
-            first_answer_token_ns: ns(r.first_answer_token),
-            finish_ns: ns(r.finish),
-            qoe: r.qoe,
-            preemptions: r.preemptions,
-            migrations: r.migrations,
-            rejected: r.rejected,
-            kv_rematerialized: false,
-        }
-    }
-}
-
-impl From<&v1::RequestRecord> for RequestRecord {
-    fn from(r: &v1::RequestRecord) -> Self {
-        RequestRecord {
-            id: RequestId(r.id),
-            arrival: SimTime(r.arrival_ns),
-            prompt_tokens: r.prompt_tokens,
-            reasoning_tokens: r.reasoning_tokens,
-            answer_tokens: r.answer_tokens,
-            placed_on: InstanceId(r.placed_on),
-            finished_on: r.finished_on.map(InstanceId),
-            first_scheduled: time(r.first_scheduled_ns),
-            first_token: time(r.first_token_ns),
-            reasoning_end: time(r.reasoning_end_ns),
-            first_scheduled_after_reasoning: time(r.first_scheduled_after_reasoning_ns),
-            first_answer_token: time(r.first_answer_token_ns),
-            finish: time(r.finish_ns),
-            qoe: r.qoe,
-            preemptions: r.preemptions,
-            migrations: r.migrations,
-            rejected: r.rejected,
-        }
-    }
+/// The `spec` field of a message that must carry one, validated; `invalid_argument` otherwise
+/// ([`kvfleet_wire::require_spec`] for the `InvalidField` itself).
+pub fn require_spec(spec: Option<&v1::RequestSpec>) -> Result<RequestSpec, tonic::Status> {
+    kvfleet_wire::require_spec(spec).map_err(invalid_argument)
 }
 
 #[cfg(test)]
@@ -206,30 +34,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn record_round_trips() {
-        let r = RequestRecord {
-            id: RequestId(9),
-            arrival: SimTime(5),
-            prompt_tokens: 1,
-            reasoning_tokens: 2,
-            answer_tokens: 3,
-            placed_on: InstanceId(1),
-            finished_on: Some(InstanceId(2)),
-            first_token: Some(SimTime(7)),
-            finish: Some(SimTime(11)),
-            qoe: Some(0.5),
-            migrations: 1,
-            ..RequestRecord::default()
-        };
-        assert_eq!(RequestRecord::from(&v1::RequestRecord::from(&r)), r);
+    fn invalid_specs_are_invalid_arguments_naming_the_field() {
+        let status = require_spec(None).unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(status.message().contains("`spec`"), "{}", status.message());
+        let bad = v1::RequestSpec { id: 1, answer_tokens: 0, ..Default::default() };
+        assert!(require_spec(Some(&bad)).unwrap_err().message().contains("spec.answer_tokens"));
     }
 
     #[test]
-    fn invalid_specs_name_the_field() {
-        let bad = v1::RequestSpec { id: 1, answer_tokens: 0, ..Default::default() };
-        assert_eq!(RequestSpec::try_from(&bad).unwrap_err().field, "spec.answer_tokens");
-        assert_eq!(require_spec(None).unwrap_err().field, "spec");
-        let huge = v1::RequestSpec { id: 1, prompt_tokens: u32::MAX, answer_tokens: 1, ..Default::default() };
-        assert!(RequestSpec::try_from(&huge).is_err());
+    fn services_use_the_wire_types() {
+        // `kvfleet_proto::v1::X` is `kvfleet_wire::v1::X` (a re-export, not a second copy).
+        fn takes(_: tonic::Request<kvfleet_wire::v1::InfoRequest>) {}
+        let req: tonic::Request<v1::InfoRequest> = tonic::Request::new(v1::InfoRequest::default());
+        takes(req);
     }
 }

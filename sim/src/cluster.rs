@@ -1,4 +1,8 @@
-//! The discrete-event loop: N engines, one instance-level policy, one fabric, virtual time.
+//! The discrete-event loop: N engines, the cluster [`Controller`], one fabric, virtual time.
+//!
+//! Every cluster decision (placement, the move at `</think>`) is the controller's, the same
+//! object the coordinator's leader drives: this loop only turns engine events into controller
+//! events and executes the controller's actions on the engines and the fabric.
 //!
 //! Events are processed in time slices: every event at time `t` is handled (iteration ends,
 //! arrivals, finished transfers), then every instance touched at `t` that has work and no
@@ -9,7 +13,8 @@
 use kvfleet_core::engine::sched::build_scheduler;
 use kvfleet_core::engine::{Engine, EngineConfig, EngineEvent, EngineStats};
 use kvfleet_core::metrics::{MigrationRecord, RequestRecord};
-use kvfleet_core::policy::{InstancePolicy, LoadReport, PhaseChange, PhaseDecision};
+use kvfleet_control::{Action, Controller, Event as Control, MoveOutcome};
+use kvfleet_core::policy::InstancePolicy;
 use kvfleet_core::timing::TimingModel;
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimRng, SimTime};
 use kvfleet_netmodel::{Fabric, LinkParams, TransferId};
@@ -58,10 +63,8 @@ struct PendingMigration {
 /// A simulated cluster. Build it, then [`Cluster::run`] a workload.
 pub struct Cluster {
     engines: Vec<Engine>,
-    loads: Vec<LoadReport>,
-    policy: Box<dyn InstancePolicy>,
+    control: Controller,
     fabric: Fabric,
-    rng: SimRng,
     queue: BinaryHeap<Reverse<(SimTime, u64, Event)>>,
     seq: u64,
     fabric_gen: u64,
@@ -85,14 +88,23 @@ impl Cluster {
             let sched = build_scheduler(intra, intra_params).map_err(|e| e.to_string())?;
             engines.push(Engine::new(InstanceId(i), engine.clone(), timing.clone(), sched));
         }
-        let loads = engines.iter().map(|e| e.load_report()).collect();
         let fabric = Fabric::new(instances, link).map_err(|e| e.to_string())?;
+        let mut control = Controller::new(policy, SimRng::seed_from_u64(seed).fork(0x5C4E_D01E));
+        for e in &engines {
+            let instance = e.instance();
+            let joined = Control::Joined {
+                instance,
+                address: format!("sim-{}", instance.0),
+                model: String::new(),
+                kv_bytes_per_token: engine.kv_bytes_per_token,
+            };
+            control.handle(SimTime::ZERO, joined).map_err(|e| e.to_string())?;
+            control.handle(SimTime::ZERO, Control::Load(e.load_report())).map_err(|e| e.to_string())?;
+        }
         Ok(Cluster {
             engines,
-            loads,
-            policy,
+            control,
             fabric,
-            rng: SimRng::seed_from_u64(seed).fork(0x5C4E_D01E),
             queue: BinaryHeap::new(),
             seq: 0,
             fabric_gen: 0,
@@ -110,20 +122,25 @@ impl Cluster {
         self.touched.push(i);
     }
 
-    fn refresh_load(&mut self, i: u32) {
-        self.loads[i as usize] = self.engines[i as usize].load_report();
+    /// Instance `i` publishes its load (the controller drops the charges it now shows).
+    fn refresh_load(&mut self, now: SimTime, i: u32) {
+        let load = self.engines[i as usize].load_report();
+        // Only unknown requests can make an event fail; a load report never does.
+        let _ = self.control.handle(now, Control::Load(load));
     }
 
-    /// Every published load equals what its engine would report now (checked in debug builds).
+    /// Every published load rests on the report its engine would give now (checked in debug
+    /// builds): in virtual time every report is instant. (A published load may still carry
+    /// charges: a move decided and not yet reserved on its target.)
     fn loads_are_fresh(&self) -> bool {
-        self.engines.iter().zip(&self.loads).all(|(e, l)| e.load_report() == *l)
+        self.engines.iter().zip(self.control.loads()).all(|(e, l)| e.load_report().admitted == l.admitted)
     }
 
     /// Instances changed earlier in this time slice publish their load before a policy reads it.
-    fn refresh_touched_loads(&mut self) {
+    fn refresh_touched_loads(&mut self, now: SimTime) {
         for k in 0..self.touched.len() {
             let i = self.touched[k];
-            self.loads[i as usize] = self.engines[i as usize].load_report();
+            self.refresh_load(now, i);
         }
     }
 
@@ -159,25 +176,26 @@ impl Cluster {
                         if let Some(next) = requests.get(idx as usize + 1) {
                             self.push(next.arrival.max(now), Event::Arrival(idx + 1));
                         }
-                        self.refresh_touched_loads();
+                        self.refresh_touched_loads(now);
                         debug_assert!(self.loads_are_fresh(), "policy would see a stale load report");
-                        let target = self.policy.place(spec, &self.loads, &mut self.rng);
-                        let engine = &mut self.engines[target.0 as usize];
-                        match engine.submit(now, spec.clone()) {
-                            Ok(()) => {
-                                self.refresh_load(target.0);
-                                self.touch(target.0);
-                            }
-                            Err(_) => records.push(rejected(spec, target)),
+                        if let Err(e) = self.control.handle(now, Control::Arrival(spec.clone())) {
+                            // A duplicate id in the workload: it ran once already.
+                            records.push(rejected(spec, InstanceId(0)));
+                            debug_assert!(false, "{e}");
+                            continue;
                         }
+                        self.execute(now, spec, &mut records);
                     }
                     Event::IterationEnd(i) => {
                         self.engines[i as usize].complete_iteration(now, &mut events_buf);
-                        for ev in events_buf.drain(..) {
+                        for ev in std::mem::take(&mut events_buf) {
                             match ev {
-                                EngineEvent::Finished(r) => records.push(*r),
+                                EngineEvent::Finished(r) => {
+                                    let _ = self.control.handle(now, Control::Finished { request: r.id });
+                                    records.push(*r);
+                                }
                                 EngineEvent::PhaseBoundary { request, kv_blocks } => {
-                                    self.on_phase_boundary(now, i, request, kv_blocks);
+                                    self.on_phase_boundary(now, i, request, kv_blocks, &mut records);
                                 }
                             }
                         }
@@ -204,8 +222,10 @@ impl Cluster {
                                 end: now,
                                 aborted: false,
                             });
-                            self.refresh_load(m.from.0);
-                            self.refresh_load(m.to.0);
+                            let ended = Control::MigrationEnded { request: m.request, outcome: MoveOutcome::Committed };
+                            let _ = self.control.handle(now, ended);
+                            self.refresh_load(now, m.from.0);
+                            self.refresh_load(now, m.to.0);
                             self.touch(m.from.0);
                             self.touch(m.to.0);
                         }
@@ -223,7 +243,7 @@ impl Cluster {
                         self.push(end, Event::IterationEnd(i));
                     }
                 }
-                self.refresh_load(i);
+                self.refresh_load(now, i);
             }
             touched.clear();
             self.touched = touched;
@@ -242,25 +262,63 @@ impl Cluster {
         }
     }
 
-    fn on_phase_boundary(&mut self, now: SimTime, i: u32, request: RequestId, kv_blocks: u32) {
-        if !self.policy.migrates_at_phase_boundary() {
-            return;
+    /// Execute the controller's decisions: placements on engines, moves on the fabric.
+    fn execute(&mut self, now: SimTime, arrival: &RequestSpec, records: &mut Vec<RequestRecord>) {
+        while let Some(action) = self.control.poll_action() {
+            match action {
+                Action::Place { request, on, .. } => {
+                    debug_assert_eq!(request, arrival.id, "the simulator re-places nothing: no instance dies");
+                    match self.engines[on.0 as usize].submit(now, arrival.clone()) {
+                        Ok(()) => {
+                            self.refresh_load(now, on.0);
+                            self.touch(on.0);
+                        }
+                        Err(_) => {
+                            // Can never fit that instance: finished as rejected (not lost).
+                            let _ = self.control.handle(now, Control::Finished { request });
+                            records.push(rejected(arrival, on));
+                        }
+                    }
+                }
+                Action::Reject { .. } => records.push(rejected(arrival, InstanceId(0))),
+                Action::Migrate { request, from, to, .. } => self.start_migration(now, request, from, to),
+                other => debug_assert!(false, "the simulator cannot execute {other:?}"),
+            }
         }
+    }
+
+    fn on_phase_boundary(
+        &mut self,
+        now: SimTime,
+        i: u32,
+        request: RequestId,
+        kv_blocks: u32,
+        records: &mut Vec<RequestRecord>,
+    ) {
         // Loads as of this instant: the source's view must include the iteration that just ended.
-        self.refresh_load(i);
-        self.refresh_touched_loads();
+        self.refresh_load(now, i);
+        self.refresh_touched_loads(now);
         debug_assert!(self.loads_are_fresh(), "policy would see a stale load report");
-        let change = PhaseChange { request, current: InstanceId(i), kv_blocks };
-        let PhaseDecision::Migrate { to } = self.policy.on_phase_change(&change, &self.loads, &mut self.rng) else {
+        let boundary = Control::Boundary { request, instance: InstanceId(i), kv_blocks };
+        let _ = self.control.handle(now, boundary);
+        while let Some(action) = self.control.poll_action() {
+            match action {
+                Action::Migrate { request, from, to, .. } => self.start_migration(now, request, from, to),
+                other => {
+                    debug_assert!(false, "unexpected decision at a phase boundary: {other:?}");
+                    let _ = records;
+                }
+            }
+        }
+    }
+
+    fn start_migration(&mut self, now: SimTime, request: RequestId, from: InstanceId, to: InstanceId) {
+        let Ok(out) = self.engines[from.0 as usize].begin_migration_out(request) else {
+            let _ = self.control.handle(now, Control::MigrationEnded { request, outcome: MoveOutcome::Aborted });
             return;
         };
-        if to.0 == i || to.0 as usize >= self.engines.len() {
-            return;
-        }
-        let Ok(out) = self.engines[i as usize].begin_migration_out(request) else { return };
-        let id = self.fabric.start(now, InstanceId(i), to, out.kv_bytes);
-        self.transfers
-            .insert(id, PendingMigration { request, from: InstanceId(i), to, bytes: out.kv_bytes, start: now });
+        let id = self.fabric.start(now, from, to, out.kv_bytes);
+        self.transfers.insert(id, PendingMigration { request, from, to, bytes: out.kv_bytes, start: now });
         self.schedule_fabric_wake();
     }
 
@@ -285,3 +343,6 @@ fn rejected(spec: &RequestSpec, on: InstanceId) -> RequestRecord {
         ..RequestRecord::default()
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -293,6 +293,7 @@ mod tests {
             model: "r1-distill-qwen-32b".into(),
             kv_bytes_per_token: 262_144,
             gpu_blocks: 64,
+            block_size: 16,
             scheduler: "pascal".into(),
             kv_address: String::new(),
         }

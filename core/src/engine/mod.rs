@@ -210,6 +210,8 @@ pub struct Engine {
     epoch: u64,
     /// PASCAL's t_i as of the end of the last iteration.
     slo_ok: bool,
+    /// Requests taken in so far ([`LoadReport::admitted`]).
+    admitted: u64,
     stats: EngineStats,
 }
 
@@ -238,6 +240,7 @@ impl Engine {
             dirty: false,
             epoch: 0,
             slo_ok: true,
+            admitted: 0,
             stats: EngineStats::default(),
         }
     }
@@ -357,6 +360,7 @@ impl Engine {
             selected_epoch: 0,
         };
         self.enqueue(req);
+        self.admitted += 1;
         Ok(())
     }
 
@@ -802,6 +806,7 @@ impl Engine {
                 place(Tier::Cpu).map_err(|_| room(e))?;
             }
             self.reserved.push(request);
+            self.admitted += 1;
         }
         self.dirty = true;
         Ok(&self.kv.table(request).expect("just reserved").blocks)
@@ -837,6 +842,10 @@ impl Engine {
         }
         let tokens = m.kv_tokens();
         let reserved = self.reserved.contains(&id);
+        if !reserved {
+            // A reserved one was counted when its reservation was made.
+            self.admitted += 1;
+        }
         if reserved {
             let tier = self.kv.tier_of(id).unwrap_or(Tier::Gpu);
             self.kv.resize(id, tokens).map_err(|_| EngineError::NoRoom {
@@ -883,12 +892,17 @@ impl Engine {
             gpu_total_blocks: self.kv.capacity(Tier::Gpu),
             block_bytes: self.cfg.block_bytes(),
             answering_slo_ok: self.slo_ok,
+            block_tokens: self.cfg.block_size,
+            admitted: self.admitted,
             ..LoadReport::default()
         };
         for &s in &self.active {
             let req = self.req(s);
-            if req.residence == Residence::Waiting && req.generated == 0 {
-                r.waiting_requests += 1;
+            if req.residence == Residence::Waiting {
+                if req.generated == 0 {
+                    r.waiting_requests += 1;
+                }
+                r.waiting_blocks += self.kv.blocks_for(req.context());
             }
             if req.sched.in_reasoning_queue() && req.phase() == Phase::Reasoning {
                 r.reasoning_requests += 1;

@@ -34,12 +34,31 @@ pub struct LoadReport {
     pub waiting_requests: u32,
     /// t_i: every answering request's token pacer is on pace (QoE so far ≥ the SLO threshold).
     pub answering_slo_ok: bool,
+    /// Tokens per KV block (0 in reports from builds that did not send it).
+    #[serde(default)]
+    pub block_tokens: u32,
+    /// Blocks the requests holding no KV yet (new, or preempted for recomputation) take when
+    /// admitted: placed load that the block counts above do not show yet.
+    #[serde(default)]
+    pub waiting_blocks: u32,
+    /// Requests this instance has taken in so far (submits accepted, inbound migrations
+    /// reserved or attached): lets a controller tell which of its recent decisions a report
+    /// already reflects.
+    #[serde(default)]
+    pub admitted: u64,
 }
 
 impl LoadReport {
-    /// m_i of Alg. 1: total KV footprint, GPU + CPU, in bytes.
+    /// m_i of Alg. 1: total KV footprint, GPU + CPU, in bytes, counting the requests placed here
+    /// that hold no KV yet at what their admission will take (a burst of simultaneous arrivals
+    /// must not all see the same empty instance).
     pub fn kv_footprint_bytes(&self) -> u64 {
-        (self.gpu_used_blocks as u64 + self.cpu_used_blocks as u64) * self.block_bytes
+        (self.gpu_used_blocks as u64 + self.cpu_used_blocks as u64 + self.waiting_blocks as u64) * self.block_bytes
+    }
+    /// Blocks `tokens` tokens take on this instance: the engine's own arithmetic
+    /// ([`crate::kv::blocks_for_tokens`]).
+    pub fn blocks_for(&self, tokens: u32) -> u32 {
+        crate::kv::blocks_for_tokens(tokens, self.block_tokens)
     }
     pub fn gpu_free_blocks(&self) -> u32 {
         self.gpu_total_blocks.saturating_sub(self.gpu_used_blocks)

@@ -1,0 +1,649 @@
+//! The cluster controller: events in, actions out.
+//!
+//! ```text
+//! driver (sim event loop | coordinator leader)          Controller
+//!   instance registered ─────── Event::Joined ─────────▶ membership, published load
+//!   load report ─────────────── Event::Load ───────────▶ published load (charges it covers dropped)
+//!   client request ──────────── Event::Arrival ────────▶ policy.place ─▶ Action::Place | Reject
+//!   `</think>` ─────────────── Event::Boundary ───────▶ policy.on_phase_change ─▶ Action::Migrate
+//!   move settled ────────────── Event::MigrationEnded ─▶ ownership; a refused move: next target
+//!   instance gone ───────────── Event::Left ───────────▶ Action::Place (re-placed) for its requests
+//!   final record ────────────── Event::Finished ───────▶ ownership
+//! ```
+//!
+//! Three rules live here and nowhere else:
+//! - **Charge on decide.** A placement or a move counts in the target's published load at once,
+//!   as the blocks the engine will take for it ([`LoadReport::blocks_for`], the engine's own
+//!   arithmetic), until a report from that instance shows it (its [`LoadReport::admitted`]
+//!   counter reaches the decision's) or [`CHARGE_TTL`] passes. Without it a burst of
+//!   simultaneous arrivals all see the same least-loaded instance.
+//! - **Fallback.** A policy that names an instance that is not live gets the least-loaded live
+//!   instance for a placement, and "stay" for a move, with a log line; never a panic.
+//! - **Ownership.** One record per request says where it runs; a phase event from an instance
+//!   that does not own the request, or for a finished request, never moves it.
+
+use crate::ownership::{initial_phase, OwnedPhase, Ownership};
+use kvfleet_core::policy::{InstancePolicy, LoadReport, PhaseChange, PhaseDecision};
+use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimDuration, SimRng, SimTime};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+/// Other targets tried after a target declined a move for lack of room.
+pub const MAX_RETARGETS: usize = 2;
+
+/// How long a decision counts in its target's published load when no report shows it (a submit
+/// that never arrived, a worker that restarted and counts from zero again).
+pub const CHARGE_TTL: SimDuration = SimDuration(2_000_000_000);
+
+/// What happened in the cluster.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum Event {
+    /// An instance (re)joined. `address` is a label for status displays.
+    Joined {
+        /// The instance.
+        instance: InstanceId,
+        /// Where it listens (shown in status; the controller never connects).
+        address: String,
+        /// The model it serves and its KV bytes per token (checked against the cluster's).
+        model: String,
+        /// KV bytes per token of `model` on that instance.
+        kv_bytes_per_token: u64,
+    },
+    /// An instance is gone: its unfinished requests start over elsewhere.
+    Left {
+        /// The instance.
+        instance: InstanceId,
+    },
+    /// An instance published its load.
+    Load(LoadReport),
+    /// A client submitted a request.
+    Arrival(RequestSpec),
+    /// A request produced its last reasoning token on `instance`.
+    Boundary {
+        /// The request.
+        request: RequestId,
+        /// Where it crossed the boundary.
+        instance: InstanceId,
+        /// KV it holds now, in blocks.
+        kv_blocks: u32,
+    },
+    /// A move decided by [`Action::Migrate`] ended.
+    MigrationEnded {
+        /// The request.
+        request: RequestId,
+        /// How it ended.
+        outcome: MoveOutcome,
+    },
+    /// The request's copy is lost (its instance failed it, or both ends of a move did): start it
+    /// over on a live instance.
+    Lost {
+        /// The request.
+        request: RequestId,
+    },
+    /// The request's final record was stored (finished or rejected by its instance).
+    Finished {
+        /// The request.
+        request: RequestId,
+    },
+    /// Time passed: charges no report covered expire.
+    Tick,
+}
+
+/// How a move ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoveOutcome {
+    /// The request runs on the target.
+    Committed,
+    /// The request stays on its source.
+    Aborted,
+    /// The target declined before anything moved (no room): try the policy's next choice.
+    Refused,
+}
+
+/// What a driver must do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Action {
+    /// Run `request` on `on`; `replaced` > 0 when it starts over after losing its instance.
+    Place {
+        /// The request.
+        request: RequestId,
+        /// Where.
+        on: InstanceId,
+        /// Times it was re-placed so far (0 for a new request).
+        replaced: u32,
+    },
+    /// The request cannot run.
+    Reject {
+        /// The request.
+        request: RequestId,
+        /// Why.
+        reason: RejectReason,
+    },
+    /// Move `request` from `from` to `to` (its KV holds `kv_blocks` blocks); answer with
+    /// [`Event::MigrationEnded`].
+    Migrate {
+        /// The request.
+        request: RequestId,
+        /// Its instance now.
+        from: InstanceId,
+        /// Where it goes.
+        to: InstanceId,
+        /// KV it holds, in blocks.
+        kv_blocks: u32,
+    },
+}
+
+/// Why a request cannot run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RejectReason {
+    /// No live instance to place it on.
+    NoInstance,
+}
+
+/// An event the controller cannot apply.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ControlError {
+    /// A joining instance serves another model than the cluster.
+    #[error("worker {instance} serves model `{got}` ({got_bytes} KV bytes/token) but the cluster runs `{want}` ({want_bytes})")]
+    ModelMismatch {
+        /// The instance.
+        instance: u32,
+        /// Its model.
+        got: String,
+        /// Its KV bytes per token.
+        got_bytes: u64,
+        /// The cluster's model.
+        want: String,
+        /// The cluster's KV bytes per token.
+        want_bytes: u64,
+    },
+    /// The request id is already known.
+    #[error("request {0} is already known")]
+    Duplicate(RequestId),
+    /// The request is unknown or already finished.
+    #[error("request {0} is not in flight")]
+    NotInFlight(RequestId),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ChargeKind {
+    /// A new (or re-placed) request in its reasoning phase.
+    Reasoning,
+    /// A new request without reasoning.
+    Answering,
+    /// An inbound move (the target reserves the KV at once).
+    MoveIn,
+}
+
+#[derive(Clone, Debug)]
+struct Charge {
+    request: RequestId,
+    kind: ChargeKind,
+    blocks: u32,
+    at: SimTime,
+    /// The instance's `admitted` counter once it has taken this one in.
+    covered_at: u64,
+}
+
+#[derive(Debug)]
+struct Instance {
+    address: String,
+    /// Its last report.
+    base: LoadReport,
+    charges: Vec<Charge>,
+    alive: bool,
+    /// Position in `Controller::live` while alive.
+    live_slot: Option<usize>,
+}
+
+impl Instance {
+    /// The last report plus every decision it does not show yet.
+    fn published(&self) -> LoadReport {
+        let mut l = self.base.clone();
+        for c in &self.charges {
+            match c.kind {
+                ChargeKind::Reasoning | ChargeKind::Answering => {
+                    l.waiting_blocks = l.waiting_blocks.saturating_add(c.blocks);
+                    l.waiting_requests += 1;
+                }
+                ChargeKind::MoveIn => l.gpu_used_blocks = l.gpu_used_blocks.saturating_add(c.blocks),
+            }
+            if c.kind == ChargeKind::Reasoning {
+                l.reasoning_requests += 1;
+            } else {
+                l.answering_requests += 1;
+                l.fresh_answering_requests += 1;
+            }
+        }
+        l
+    }
+}
+
+/// A move in progress: what a retry after a refusal needs.
+#[derive(Clone, Debug)]
+struct Move {
+    from: InstanceId,
+    kv_blocks: u32,
+    declined: Vec<InstanceId>,
+}
+
+/// The cluster controller. See the module documentation.
+#[derive(Debug)]
+pub struct Controller {
+    policy: Box<dyn InstancePolicy>,
+    rng: SimRng,
+    model: Option<(String, u64)>,
+    instances: BTreeMap<InstanceId, Instance>,
+    /// Published loads of the live instances, in id order: what policies see.
+    live: Vec<LoadReport>,
+    requests: BTreeMap<RequestId, Ownership>,
+    moves: HashMap<RequestId, Move>,
+    retain_finished: bool,
+    now: SimTime,
+    actions: VecDeque<Action>,
+}
+
+impl Controller {
+    /// A controller deciding with `policy`, drawing from `rng`. Finished requests are forgotten
+    /// unless [`Controller::retain_finished`] is set.
+    pub fn new(policy: Box<dyn InstancePolicy>, rng: SimRng) -> Controller {
+        Controller {
+            policy,
+            rng,
+            model: None,
+            instances: BTreeMap::new(),
+            live: Vec::new(),
+            requests: BTreeMap::new(),
+            moves: HashMap::new(),
+            retain_finished: false,
+            now: SimTime::ZERO,
+            actions: VecDeque::new(),
+        }
+    }
+
+    /// Refuse instances that serve another model (name and KV bytes per token).
+    pub fn expect_model(mut self, model: impl Into<String>, kv_bytes_per_token: u64) -> Controller {
+        self.model = Some((model.into(), kv_bytes_per_token));
+        self
+    }
+
+    /// Keep finished requests' records (a coordinator answers a resubmitted id as a duplicate).
+    pub fn retain_finished(mut self) -> Controller {
+        self.retain_finished = true;
+        self
+    }
+
+    /// The instance-level policy's name.
+    pub fn policy_name(&self) -> &str {
+        self.policy.name()
+    }
+
+    /// Published loads of the live instances, in id order.
+    pub fn loads(&self) -> &[LoadReport] {
+        &self.live
+    }
+
+    /// Every instance ever joined: its address label, published load and whether it is live.
+    pub fn members(&self) -> impl Iterator<Item = (InstanceId, &str, LoadReport, bool)> + '_ {
+        self.instances.iter().map(|(&id, i)| (id, i.address.as_str(), i.published(), i.alive))
+    }
+
+    /// Whether `instance` is live.
+    pub fn is_live(&self, instance: InstanceId) -> bool {
+        self.instances.get(&instance).is_some_and(|i| i.alive)
+    }
+
+    /// Every known request.
+    pub fn requests(&self) -> &BTreeMap<RequestId, Ownership> {
+        &self.requests
+    }
+
+    /// One request's ownership.
+    pub fn ownership(&self, id: RequestId) -> Option<&Ownership> {
+        self.requests.get(&id)
+    }
+
+    /// Requests not finished.
+    pub fn in_flight(&self) -> usize {
+        self.requests.values().filter(|o| o.unfinished()).count()
+    }
+
+    /// Restore ownership records read from a store (a new leader resuming).
+    pub fn restore(&mut self, records: impl IntoIterator<Item = Ownership>) {
+        for o in records {
+            self.requests.insert(o.spec.id, o);
+        }
+    }
+
+    /// The next action to execute, in the order decided.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// Apply `event` at `now`; its decisions queue up for [`Controller::poll_action`]. An error
+    /// names an event that could not be applied (nothing changed).
+    pub fn handle(&mut self, now: SimTime, event: Event) -> Result<(), ControlError> {
+        self.now = self.now.max(now);
+        match event {
+            Event::Joined { instance, address, model, kv_bytes_per_token } => {
+                self.join(instance, address, &model, kv_bytes_per_token)
+            }
+            Event::Left { instance } => {
+                self.leave(instance);
+                Ok(())
+            }
+            Event::Load(load) => {
+                self.on_load(load);
+                Ok(())
+            }
+            Event::Arrival(spec) => self.on_arrival(spec),
+            Event::Boundary { request, instance, kv_blocks } => {
+                self.on_boundary(request, instance, kv_blocks);
+                Ok(())
+            }
+            Event::MigrationEnded { request, outcome } => self.on_migration_ended(request, outcome),
+            Event::Lost { request } => self.on_lost(request),
+            Event::Finished { request } => self.on_finished(request),
+            Event::Tick => {
+                let ids: Vec<InstanceId> = self.instances.keys().copied().collect();
+                for id in ids {
+                    self.expire_charges(id);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// [`Controller::handle`], then every action it queued.
+    pub fn decide(&mut self, now: SimTime, event: Event) -> Result<Vec<Action>, ControlError> {
+        self.handle(now, event)?;
+        Ok(self.actions.drain(..).collect())
+    }
+
+    fn join(&mut self, instance: InstanceId, address: String, model: &str, kv_bytes: u64) -> Result<(), ControlError> {
+        if let Some((want, want_bytes)) = &self.model {
+            if model != want || kv_bytes != *want_bytes {
+                return Err(ControlError::ModelMismatch {
+                    instance: instance.0,
+                    got: model.into(),
+                    got_bytes: kv_bytes,
+                    want: want.clone(),
+                    want_bytes: *want_bytes,
+                });
+            }
+        }
+        let inst = self.instances.entry(instance).or_insert_with(|| Instance {
+            address: String::new(),
+            base: LoadReport { instance, answering_slo_ok: true, ..LoadReport::default() },
+            charges: Vec::new(),
+            alive: false,
+            live_slot: None,
+        });
+        inst.address = address;
+        if !inst.alive {
+            inst.alive = true;
+            self.rebuild_live();
+        }
+        Ok(())
+    }
+
+    fn leave(&mut self, instance: InstanceId) {
+        let Some(inst) = self.instances.get_mut(&instance) else {
+            tracing::debug!(instance = instance.0, "an unknown instance left; ignored");
+            return;
+        };
+        inst.charges.clear();
+        if inst.alive {
+            inst.alive = false;
+            self.rebuild_live();
+        }
+        let orphans: Vec<RequestId> =
+            self.requests.iter().filter(|(_, o)| o.instance == instance && o.unfinished()).map(|(id, _)| *id).collect();
+        for id in orphans {
+            self.replace(id);
+        }
+    }
+
+    fn rebuild_live(&mut self) {
+        self.live.clear();
+        for inst in self.instances.values_mut() {
+            inst.live_slot = None;
+            if inst.alive {
+                inst.live_slot = Some(self.live.len());
+                self.live.push(inst.published());
+            }
+        }
+    }
+
+    /// Re-publish one instance's load after its base or charges changed.
+    fn republish(&mut self, instance: InstanceId) {
+        if let Some(inst) = self.instances.get(&instance) {
+            if let Some(slot) = inst.live_slot {
+                self.live[slot] = inst.published();
+            }
+        }
+    }
+
+    fn on_load(&mut self, load: LoadReport) {
+        let id = load.instance;
+        let now = self.now;
+        let Some(inst) = self.instances.get_mut(&id) else {
+            tracing::debug!(instance = id.0, "load report from an instance that never joined; ignored");
+            return;
+        };
+        let admitted = load.admitted;
+        inst.base = load;
+        inst.charges.retain(|c| c.covered_at > admitted && now.saturating_since(c.at) < CHARGE_TTL);
+        self.republish(id);
+    }
+
+    fn expire_charges(&mut self, id: InstanceId) {
+        let now = self.now;
+        if let Some(inst) = self.instances.get_mut(&id) {
+            let before = inst.charges.len();
+            inst.charges.retain(|c| now.saturating_since(c.at) < CHARGE_TTL);
+            if inst.charges.len() != before {
+                self.republish(id);
+            }
+        }
+    }
+
+    /// Count a decision in `on`'s published load until a report shows it.
+    fn charge(&mut self, on: InstanceId, request: RequestId, kind: ChargeKind, tokens: u32) {
+        let now = self.now;
+        let Some(inst) = self.instances.get_mut(&on) else { return };
+        let blocks = inst.base.blocks_for(tokens);
+        let covered_at = inst.charges.last().map_or(inst.base.admitted, |c| c.covered_at.max(inst.base.admitted)) + 1;
+        inst.charges.push(Charge { request, kind, blocks, at: now, covered_at });
+        self.republish(on);
+    }
+
+    fn uncharge(&mut self, on: InstanceId, request: RequestId) {
+        if let Some(inst) = self.instances.get_mut(&on) {
+            let before = inst.charges.len();
+            inst.charges.retain(|c| c.request != request);
+            if inst.charges.len() != before {
+                self.republish(on);
+            }
+        }
+    }
+
+    /// The policy's placement, or the least-loaded live instance when it names one that is not
+    /// live. `None` only when no instance is live.
+    fn choose(&mut self, spec: &RequestSpec) -> Option<InstanceId> {
+        if self.live.is_empty() {
+            return None;
+        }
+        let to = self.policy.place(spec, &self.live, &mut self.rng);
+        if self.is_live(to) {
+            return Some(to);
+        }
+        let fallback = self.live.iter().min_by_key(|l| (l.kv_footprint_bytes(), l.instance)).map(|l| l.instance);
+        tracing::warn!(
+            request = spec.id.0,
+            picked = to.0,
+            fallback = fallback.map_or(0, |i| i.0),
+            policy = self.policy.name(),
+            "the policy picked an instance that is not live; placing on the least loaded instead"
+        );
+        fallback
+    }
+
+    fn on_arrival(&mut self, spec: RequestSpec) -> Result<(), ControlError> {
+        if self.requests.contains_key(&spec.id) {
+            return Err(ControlError::Duplicate(spec.id));
+        }
+        let Some(to) = self.choose(&spec) else {
+            self.actions.push_back(Action::Reject { request: spec.id, reason: RejectReason::NoInstance });
+            return Ok(());
+        };
+        let id = spec.id;
+        self.charge(to, id, charge_kind(&spec), spec.prompt_tokens);
+        self.requests.insert(id, Ownership::placed(spec, to));
+        self.actions.push_back(Action::Place { request: id, on: to, replaced: 0 });
+        Ok(())
+    }
+
+    /// Start a request over on a live instance.
+    fn replace(&mut self, id: RequestId) {
+        let Some(spec) = self.requests.get(&id).map(|o| o.spec.clone()) else { return };
+        let Some(to) = self.choose(&spec) else {
+            tracing::warn!(request = id.0, "no live instance to re-place the request on");
+            self.actions.push_back(Action::Reject { request: id, reason: RejectReason::NoInstance });
+            return;
+        };
+        self.moves.remove(&id);
+        let o = self.requests.get_mut(&id).expect("present: read above");
+        o.instance = to;
+        o.replaced += 1;
+        o.phase = initial_phase(&spec);
+        o.migrating_to = None;
+        let replaced = o.replaced;
+        self.charge(to, id, charge_kind(&spec), spec.prompt_tokens);
+        self.actions.push_back(Action::Place { request: id, on: to, replaced });
+    }
+
+    fn on_lost(&mut self, id: RequestId) -> Result<(), ControlError> {
+        match self.requests.get(&id) {
+            Some(o) if o.unfinished() => {
+                self.replace(id);
+                Ok(())
+            }
+            _ => Err(ControlError::NotInFlight(id)),
+        }
+    }
+
+    fn on_boundary(&mut self, id: RequestId, instance: InstanceId, kv_blocks: u32) {
+        let Some(o) = self.requests.get_mut(&id) else {
+            tracing::debug!(request = id.0, "phase boundary of an unknown request; ignored");
+            return;
+        };
+        // A late event from an instance the request left (re-placed, or an old incarnation), or
+        // for a finished request, must not move it back.
+        if o.instance != instance || o.phase != OwnedPhase::Reasoning {
+            tracing::debug!(request = id.0, instance = instance.0, owner = o.instance.0, phase = ?o.phase, "stale phase boundary; ignored");
+            return;
+        }
+        o.phase = OwnedPhase::Answering;
+        if self.policy.migrates_at_phase_boundary() {
+            self.moves.insert(id, Move { from: instance, kv_blocks, declined: Vec::new() });
+            self.decide_move(id);
+        }
+    }
+
+    /// Ask the policy where `id` should answer, among the live instances not declined yet.
+    fn decide_move(&mut self, id: RequestId) {
+        let Some(m) = self.moves.get(&id).cloned() else { return };
+        let change = PhaseChange { request: id, current: m.from, kv_blocks: m.kv_blocks };
+        let decision = if m.declined.is_empty() {
+            self.policy.on_phase_change(&change, &self.live, &mut self.rng)
+        } else {
+            let loads: Vec<LoadReport> =
+                self.live.iter().filter(|l| !m.declined.contains(&l.instance)).cloned().collect();
+            self.policy.on_phase_change(&change, &loads, &mut self.rng)
+        };
+        let PhaseDecision::Migrate { to } = decision else {
+            self.moves.remove(&id);
+            return;
+        };
+        if to == m.from {
+            self.moves.remove(&id);
+            return;
+        }
+        if !self.is_live(to) || m.declined.contains(&to) {
+            tracing::warn!(request = id.0, picked = to.0, "the policy picked a move target that is not live; the request stays");
+            self.moves.remove(&id);
+            return;
+        }
+        let o = self.requests.get_mut(&id).expect("a move exists only for a known request");
+        o.phase = OwnedPhase::Migrating;
+        o.migrating_to = Some(to);
+        let tokens = m.kv_blocks.saturating_mul(self.instances.get(&to).map_or(0, |i| i.base.block_tokens));
+        self.charge(to, id, ChargeKind::MoveIn, tokens);
+        if let Some(mv) = self.moves.get_mut(&id) {
+            mv.declined.push(to);
+        }
+        self.actions.push_back(Action::Migrate { request: id, from: m.from, to, kv_blocks: m.kv_blocks });
+    }
+
+    fn on_migration_ended(&mut self, id: RequestId, outcome: MoveOutcome) -> Result<(), ControlError> {
+        let Some(o) = self.requests.get_mut(&id) else { return Err(ControlError::NotInFlight(id)) };
+        let to = o.migrating_to.take();
+        // A request can finish on its source while its move is still being settled: it stays
+        // finished (else it would count as in flight and be re-placed if its instance died).
+        if o.unfinished() {
+            o.phase = OwnedPhase::Answering;
+            if let (MoveOutcome::Committed, Some(to)) = (outcome, to) {
+                o.instance = to;
+                o.migrations += 1;
+            }
+        }
+        let unfinished = o.unfinished();
+        if let Some(to) = to {
+            if outcome != MoveOutcome::Committed {
+                self.uncharge(to, id);
+            }
+        }
+        let retry = outcome == MoveOutcome::Refused
+            && unfinished
+            && self.moves.get(&id).is_some_and(|m| m.declined.len() <= MAX_RETARGETS);
+        if retry {
+            self.decide_move(id);
+        } else {
+            self.moves.remove(&id);
+            if !unfinished && !self.retain_finished {
+                self.requests.remove(&id);
+            }
+        }
+        Ok(())
+    }
+
+    fn on_finished(&mut self, id: RequestId) -> Result<(), ControlError> {
+        let Some(o) = self.requests.get_mut(&id).filter(|o| o.unfinished()) else {
+            return Err(ControlError::NotInFlight(id));
+        };
+        o.phase = OwnedPhase::Finished;
+        let (on, moving_to) = (o.instance, o.migrating_to);
+        self.uncharge(on, id);
+        if let Some(to) = moving_to {
+            self.uncharge(to, id);
+        }
+        if !self.retain_finished && moving_to.is_none() {
+            self.requests.remove(&id);
+            self.moves.remove(&id);
+        }
+        Ok(())
+    }
+}
+
+fn charge_kind(spec: &RequestSpec) -> ChargeKind {
+    if spec.reasoning_tokens > 0 {
+        ChargeKind::Reasoning
+    } else {
+        ChargeKind::Answering
+    }
+}
+
+#[cfg(test)]
+mod tests;

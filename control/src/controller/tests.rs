@@ -1,0 +1,250 @@
+//! The controller's decisions as tables of events → expected actions.
+
+use super::*;
+use kvfleet_core::policy::registry::{build_policy, PolicyParams};
+use kvfleet_core::policy::InstancePolicy;
+
+const MODEL: &str = "r1-distill-qwen-32b";
+const KV: u64 = 262_144;
+
+fn ctl(policy: &str, instances: u32) -> Controller {
+    let mut c = Controller::new(build_policy(policy, &PolicyParams::default()).unwrap(), SimRng::seed_from_u64(1))
+        .expect_model(MODEL, KV)
+        .retain_finished();
+    for i in 0..instances {
+        c.handle(SimTime::ZERO, joined(i)).unwrap();
+        c.handle(SimTime::ZERO, Event::Load(load(i, 0, 0))).unwrap();
+    }
+    c
+}
+
+fn joined(i: u32) -> Event {
+    Event::Joined { instance: InstanceId(i), address: format!("w{i}"), model: MODEL.into(), kv_bytes_per_token: KV }
+}
+
+fn spec(id: u64, prompt: u32) -> RequestSpec {
+    RequestSpec { id: RequestId(id), arrival: SimTime(0), prompt_tokens: prompt, reasoning_tokens: 5, answer_tokens: 5 }
+}
+
+fn load(i: u32, used: u32, reasoning: u32) -> LoadReport {
+    LoadReport {
+        instance: InstanceId(i),
+        gpu_used_blocks: used,
+        gpu_total_blocks: 100,
+        block_bytes: 1,
+        block_tokens: 16,
+        reasoning_requests: reasoning,
+        answering_slo_ok: true,
+        ..LoadReport::default()
+    }
+}
+
+fn place(c: &mut Controller, s: RequestSpec) -> InstanceId {
+    match c.decide(SimTime::ZERO, Event::Arrival(s)).unwrap().as_slice() {
+        [Action::Place { on, replaced: 0, .. }] => *on,
+        other => panic!("expected one placement, got {other:?}"),
+    }
+}
+
+fn published(c: &Controller, i: u32) -> LoadReport {
+    c.loads().iter().find(|l| l.instance == InstanceId(i)).cloned().unwrap()
+}
+
+#[test]
+fn simultaneous_arrivals_spread_over_idle_instances() {
+    for policy in ["pascal", "least-kv", "pascal-nomigration"] {
+        let mut c = ctl(policy, 8);
+        let mut on: Vec<u32> = (0..8).map(|id| place(&mut c, spec(id, 4000)).0).collect();
+        on.sort_unstable();
+        assert_eq!(on, (0..8).collect::<Vec<_>>(), "{policy}: each arrival charged at once");
+    }
+}
+
+#[test]
+fn a_charge_lasts_until_a_report_shows_it_or_it_expires() {
+    let mut c = ctl("least-kv", 2);
+    assert_eq!(place(&mut c, spec(1, 160)), InstanceId(0));
+    let charged = published(&c, 0);
+    assert_eq!((charged.waiting_blocks, charged.waiting_requests, charged.reasoning_requests), (10, 1, 1));
+    // A report from before the submit arrived (admitted still 0) does not erase it.
+    c.handle(SimTime::ZERO, Event::Load(load(0, 0, 0))).unwrap();
+    assert_eq!(published(&c, 0).waiting_blocks, 10, "a stale report keeps the charge");
+    // The instance took it in: its own report now carries the load.
+    c.handle(SimTime::ZERO, Event::Load(LoadReport { admitted: 1, waiting_blocks: 10, ..load(0, 0, 1) })).unwrap();
+    assert_eq!(published(&c, 0).waiting_blocks, 10, "counted once, by the report");
+    assert_eq!(published(&c, 0).reasoning_requests, 1);
+    // A decision no report ever shows stops counting after the TTL.
+    assert_eq!(place(&mut c, spec(2, 160)), InstanceId(1));
+    assert_eq!(published(&c, 1).waiting_blocks, 10);
+    c.handle(SimTime::ZERO + CHARGE_TTL, Event::Tick).unwrap();
+    assert_eq!(published(&c, 1).waiting_blocks, 0, "expired");
+}
+
+#[test]
+fn model_mismatch_is_refused_with_both_names() {
+    let mut c = ctl("pascal", 0);
+    let e = c
+        .handle(
+            SimTime::ZERO,
+            Event::Joined { instance: InstanceId(0), address: "a".into(), model: "llama-3-8b".into(), kv_bytes_per_token: 131_072 },
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("llama-3-8b") && e.contains(MODEL), "{e}");
+    assert!(c.loads().is_empty());
+}
+
+#[test]
+fn placement_follows_the_policy_and_skips_dead_instances() {
+    let mut c = ctl("pascal", 3);
+    for (i, used, r) in [(0, 50, 3), (1, 10, 1), (2, 5, 0)] {
+        c.handle(SimTime::ZERO, Event::Load(load(i, used, r))).unwrap();
+    }
+    assert_eq!(place(&mut c, spec(1, 10)), InstanceId(2), "Alg. 1: least KV footprint");
+    assert_eq!(c.handle(SimTime::ZERO, Event::Arrival(spec(1, 10))), Err(ControlError::Duplicate(RequestId(1))));
+    let actions = c.decide(SimTime::ZERO, Event::Left { instance: InstanceId(2) }).unwrap();
+    assert_eq!(actions, vec![Action::Place { request: RequestId(1), on: InstanceId(1), replaced: 1 }]);
+    assert_eq!(c.ownership(RequestId(1)).unwrap().instance, InstanceId(1));
+    assert!(c.loads().iter().all(|l| l.instance != InstanceId(2)), "a dead instance is not offered to policies");
+}
+
+#[test]
+fn no_instances_rejects_and_records_nothing() {
+    let mut c = ctl("least-kv", 0);
+    let actions = c.decide(SimTime::ZERO, Event::Arrival(spec(1, 10))).unwrap();
+    assert_eq!(actions, vec![Action::Reject { request: RequestId(1), reason: RejectReason::NoInstance }]);
+    assert!(c.ownership(RequestId(1)).is_none());
+}
+
+/// A policy that names instances that do not exist.
+#[derive(Debug)]
+struct Rogue;
+impl InstancePolicy for Rogue {
+    fn name(&self) -> &str {
+        "rogue"
+    }
+    fn place(&mut self, _: &RequestSpec, _: &[LoadReport], _: &mut SimRng) -> InstanceId {
+        InstanceId(99)
+    }
+    fn on_phase_change(&mut self, _: &PhaseChange, _: &[LoadReport], _: &mut SimRng) -> PhaseDecision {
+        PhaseDecision::Migrate { to: InstanceId(77) }
+    }
+    fn migrates_at_phase_boundary(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn a_policy_naming_a_dead_instance_gets_the_fallback() {
+    let mut c = Controller::new(Box::new(Rogue), SimRng::seed_from_u64(0));
+    for i in 0..3 {
+        c.handle(SimTime::ZERO, joined(i)).unwrap();
+        c.handle(SimTime::ZERO, Event::Load(load(i, 30 - i * 10, 0))).unwrap();
+    }
+    assert_eq!(place(&mut c, spec(1, 10)), InstanceId(2), "least loaded live instance");
+    let actions =
+        c.decide(SimTime::ZERO, Event::Boundary { request: RequestId(1), instance: InstanceId(2), kv_blocks: 1 }).unwrap();
+    assert!(actions.is_empty(), "a move to a dead instance: the request stays");
+    assert_eq!(c.ownership(RequestId(1)).unwrap().phase, OwnedPhase::Answering);
+}
+
+#[test]
+fn boundary_migrates_to_fewest_reasoning_and_charges_the_target() {
+    let mut c = ctl("pascal", 2);
+    c.handle(SimTime::ZERO, Event::Load(load(0, 10, 4))).unwrap();
+    c.handle(SimTime::ZERO, Event::Load(load(1, 10, 0))).unwrap();
+    let at = place(&mut c, spec(7, 10));
+    assert_eq!(at, InstanceId(0), "equal footprints: lowest id");
+    let actions = c.decide(SimTime::ZERO, Event::Boundary { request: RequestId(7), instance: at, kv_blocks: 1 }).unwrap();
+    assert_eq!(actions, vec![Action::Migrate { request: RequestId(7), from: at, to: InstanceId(1), kv_blocks: 1 }]);
+    let o = c.ownership(RequestId(7)).unwrap();
+    assert_eq!((o.phase, o.migrating_to), (OwnedPhase::Migrating, Some(InstanceId(1))), "where to, for a successor");
+    assert_eq!(published(&c, 1).gpu_used_blocks, 11, "the move is charged to its target at once");
+    c.handle(SimTime::ZERO, Event::MigrationEnded { request: RequestId(7), outcome: MoveOutcome::Committed }).unwrap();
+    assert_eq!(c.ownership(RequestId(7)).unwrap().instance, InstanceId(1));
+    assert_eq!(c.ownership(RequestId(7)).unwrap().migrations, 1);
+    c.handle(SimTime::ZERO, Event::Finished { request: RequestId(7) }).unwrap();
+    assert_eq!(
+        c.handle(SimTime::ZERO, Event::Finished { request: RequestId(7) }),
+        Err(ControlError::NotInFlight(RequestId(7))),
+        "a duplicate finish report is refused"
+    );
+    assert_eq!(c.in_flight(), 0);
+}
+
+#[test]
+fn stale_boundaries_never_move_a_request() {
+    let mut c = ctl("pascal", 2);
+    c.handle(SimTime::ZERO, Event::Load(load(0, 10, 4))).unwrap();
+    c.handle(SimTime::ZERO, Event::Load(load(1, 10, 0))).unwrap();
+    let at = place(&mut c, spec(7, 10));
+    let wrong = InstanceId(1 - at.0);
+    let boundary = |instance| Event::Boundary { request: RequestId(7), instance, kv_blocks: 1 };
+    assert!(c.decide(SimTime::ZERO, boundary(wrong)).unwrap().is_empty(), "from an instance that does not own it");
+    c.handle(SimTime::ZERO, Event::Finished { request: RequestId(7) }).unwrap();
+    assert!(c.decide(SimTime::ZERO, boundary(at)).unwrap().is_empty(), "for a finished request");
+    assert_eq!(c.ownership(RequestId(7)).unwrap().phase, OwnedPhase::Finished, "stays finished");
+    assert!(c.decide(SimTime::ZERO, boundary(at)).is_ok(), "unknown requests are ignored, not errors");
+}
+
+#[test]
+fn a_request_that_finishes_during_its_move_stays_finished() {
+    let mut c = ctl("pascal", 2);
+    c.handle(SimTime::ZERO, Event::Load(load(0, 10, 4))).unwrap();
+    c.handle(SimTime::ZERO, Event::Load(load(1, 10, 0))).unwrap();
+    let at = place(&mut c, spec(8, 10));
+    c.handle(SimTime::ZERO, Event::Boundary { request: RequestId(8), instance: at, kv_blocks: 1 }).unwrap();
+    assert!(matches!(c.poll_action(), Some(Action::Migrate { .. })));
+    c.handle(SimTime::ZERO, Event::Finished { request: RequestId(8) }).unwrap();
+    c.handle(SimTime::ZERO, Event::MigrationEnded { request: RequestId(8), outcome: MoveOutcome::Aborted }).unwrap();
+    assert_eq!(c.ownership(RequestId(8)).unwrap().phase, OwnedPhase::Finished);
+    assert_eq!(c.in_flight(), 0);
+    assert!(c.decide(SimTime::ZERO, Event::Left { instance: at }).unwrap().is_empty(), "not re-placed");
+}
+
+#[test]
+fn a_declined_move_goes_to_the_next_choice_then_stays() {
+    let mut c = ctl("pascal", 4);
+    for (i, r) in [(0, 4), (1, 0), (2, 1), (3, 2)] {
+        c.handle(SimTime::ZERO, Event::Load(load(i, 10, r))).unwrap();
+    }
+    let at = place(&mut c, spec(7, 10));
+    assert_eq!(at, InstanceId(0));
+    let mut targets = Vec::new();
+    let mut actions =
+        c.decide(SimTime::ZERO, Event::Boundary { request: RequestId(7), instance: at, kv_blocks: 1 }).unwrap();
+    while let [Action::Migrate { to, .. }] = actions.as_slice() {
+        targets.push(to.0);
+        assert_eq!(c.ownership(RequestId(7)).unwrap().migrating_to, Some(*to));
+        actions = c
+            .decide(SimTime::ZERO, Event::MigrationEnded { request: RequestId(7), outcome: MoveOutcome::Refused })
+            .unwrap();
+    }
+    assert_eq!(targets, vec![1, 2, 3], "fewest reasoning first, then the next, at most 1 + MAX_RETARGETS tries");
+    let o = c.ownership(RequestId(7)).unwrap();
+    assert_eq!((o.instance, o.phase, o.migrating_to), (at, OwnedPhase::Answering, None), "stays on its source");
+    assert_eq!(published(&c, 1).gpu_used_blocks, 10, "a refused move's charge is dropped");
+}
+
+#[test]
+fn events_for_unknown_requests_are_errors_that_change_nothing() {
+    let mut c = ctl("pascal", 1);
+    for ev in [
+        Event::MigrationEnded { request: RequestId(5), outcome: MoveOutcome::Committed },
+        Event::Lost { request: RequestId(5) },
+        Event::Finished { request: RequestId(5) },
+    ] {
+        assert_eq!(c.handle(SimTime::ZERO, ev), Err(ControlError::NotInFlight(RequestId(5))));
+    }
+    assert!(c.poll_action().is_none());
+    assert!(c.requests().is_empty());
+}
+
+#[test]
+fn forgetting_finished_requests_keeps_only_those_in_flight() {
+    let mut c = Controller::new(build_policy("least-kv", &PolicyParams::default()).unwrap(), SimRng::seed_from_u64(0));
+    c.handle(SimTime::ZERO, joined(0)).unwrap();
+    place(&mut c, spec(1, 10));
+    c.handle(SimTime::ZERO, Event::Finished { request: RequestId(1) }).unwrap();
+    assert!(c.requests().is_empty());
+}

@@ -1,0 +1,180 @@
+//! [`v1`] messages ↔ `kvfleet-core` types: request specs (validated on the way in), load reports
+//! and per-request records.
+
+use kvfleet_core::metrics::RequestRecord;
+use kvfleet_core::policy::LoadReport;
+use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimTime};
+
+use crate::{v1, InvalidField};
+
+/// Largest request the control plane accepts (a typo guard; no model has this context).
+pub const MAX_TOKENS_PER_REQUEST: u32 = 1 << 24;
+
+impl From<&RequestSpec> for v1::RequestSpec {
+    fn from(s: &RequestSpec) -> Self {
+        v1::RequestSpec {
+            id: s.id.0,
+            arrival_ns: s.arrival.0,
+            prompt_tokens: s.prompt_tokens,
+            reasoning_tokens: s.reasoning_tokens,
+            answer_tokens: s.answer_tokens,
+        }
+    }
+}
+
+impl TryFrom<&v1::RequestSpec> for RequestSpec {
+    type Error = InvalidField;
+    fn try_from(s: &v1::RequestSpec) -> Result<Self, InvalidField> {
+        if s.answer_tokens == 0 {
+            return Err(InvalidField { field: "spec.answer_tokens", message: "must be at least 1".into() });
+        }
+        let total = s.prompt_tokens as u64 + s.reasoning_tokens as u64 + s.answer_tokens as u64;
+        if total > MAX_TOKENS_PER_REQUEST as u64 {
+            return Err(InvalidField {
+                field: "spec",
+                message: format!("prompt + reasoning + answer = {total} tokens exceeds {MAX_TOKENS_PER_REQUEST}"),
+            });
+        }
+        Ok(RequestSpec {
+            id: RequestId(s.id),
+            arrival: SimTime(s.arrival_ns),
+            prompt_tokens: s.prompt_tokens,
+            reasoning_tokens: s.reasoning_tokens,
+            answer_tokens: s.answer_tokens,
+        })
+    }
+}
+
+/// The `spec` field of a message that must carry one.
+pub fn require_spec(spec: Option<&v1::RequestSpec>) -> Result<RequestSpec, InvalidField> {
+    RequestSpec::try_from(spec.ok_or_else(|| InvalidField::missing("spec"))?)
+}
+
+impl From<&LoadReport> for v1::LoadReport {
+    fn from(l: &LoadReport) -> Self {
+        v1::LoadReport {
+            instance: l.instance.0,
+            gpu_used_blocks: l.gpu_used_blocks,
+            cpu_used_blocks: l.cpu_used_blocks,
+            gpu_total_blocks: l.gpu_total_blocks,
+            block_bytes: l.block_bytes,
+            reasoning_requests: l.reasoning_requests,
+            fresh_answering_requests: l.fresh_answering_requests,
+            answering_requests: l.answering_requests,
+            waiting_requests: l.waiting_requests,
+            answering_slo_ok: l.answering_slo_ok,
+            block_tokens: l.block_tokens,
+            waiting_blocks: l.waiting_blocks,
+            admitted: l.admitted,
+        }
+    }
+}
+
+impl From<&v1::LoadReport> for LoadReport {
+    fn from(l: &v1::LoadReport) -> Self {
+        LoadReport {
+            instance: InstanceId(l.instance),
+            gpu_used_blocks: l.gpu_used_blocks,
+            cpu_used_blocks: l.cpu_used_blocks,
+            gpu_total_blocks: l.gpu_total_blocks,
+            block_bytes: l.block_bytes,
+            reasoning_requests: l.reasoning_requests,
+            fresh_answering_requests: l.fresh_answering_requests,
+            answering_requests: l.answering_requests,
+            waiting_requests: l.waiting_requests,
+            answering_slo_ok: l.answering_slo_ok,
+            block_tokens: l.block_tokens,
+            waiting_blocks: l.waiting_blocks,
+            admitted: l.admitted,
+        }
+    }
+}
+
+fn ns(t: Option<SimTime>) -> Option<u64> {
+    t.map(|t| t.0)
+}
+fn time(ns: Option<u64>) -> Option<SimTime> {
+    ns.map(SimTime)
+}
+
+impl From<&RequestRecord> for v1::RequestRecord {
+    fn from(r: &RequestRecord) -> Self {
+        v1::RequestRecord {
+            id: r.id.0,
+            arrival_ns: r.arrival.0,
+            prompt_tokens: r.prompt_tokens,
+            reasoning_tokens: r.reasoning_tokens,
+            answer_tokens: r.answer_tokens,
+            placed_on: r.placed_on.0,
+            finished_on: r.finished_on.map(|i| i.0),
+            first_scheduled_ns: ns(r.first_scheduled),
+            first_token_ns: ns(r.first_token),
+            reasoning_end_ns: ns(r.reasoning_end),
+            first_scheduled_after_reasoning_ns: ns(r.first_scheduled_after_reasoning),
+            first_answer_token_ns: ns(r.first_answer_token),
+            finish_ns: ns(r.finish),
+            qoe: r.qoe,
+            preemptions: r.preemptions,
+            migrations: r.migrations,
+            rejected: r.rejected,
+            kv_rematerialized: false,
+        }
+    }
+}
+
+impl From<&v1::RequestRecord> for RequestRecord {
+    fn from(r: &v1::RequestRecord) -> Self {
+        RequestRecord {
+            id: RequestId(r.id),
+            arrival: SimTime(r.arrival_ns),
+            prompt_tokens: r.prompt_tokens,
+            reasoning_tokens: r.reasoning_tokens,
+            answer_tokens: r.answer_tokens,
+            placed_on: InstanceId(r.placed_on),
+            finished_on: r.finished_on.map(InstanceId),
+            first_scheduled: time(r.first_scheduled_ns),
+            first_token: time(r.first_token_ns),
+            reasoning_end: time(r.reasoning_end_ns),
+            first_scheduled_after_reasoning: time(r.first_scheduled_after_reasoning_ns),
+            first_answer_token: time(r.first_answer_token_ns),
+            finish: time(r.finish_ns),
+            qoe: r.qoe,
+            preemptions: r.preemptions,
+            migrations: r.migrations,
+            rejected: r.rejected,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_round_trips() {
+        let r = RequestRecord {
+            id: RequestId(9),
+            arrival: SimTime(5),
+            prompt_tokens: 1,
+            reasoning_tokens: 2,
+            answer_tokens: 3,
+            placed_on: InstanceId(1),
+            finished_on: Some(InstanceId(2)),
+            first_token: Some(SimTime(7)),
+            finish: Some(SimTime(11)),
+            qoe: Some(0.5),
+            migrations: 1,
+            ..RequestRecord::default()
+        };
+        assert_eq!(RequestRecord::from(&v1::RequestRecord::from(&r)), r);
+    }
+
+    #[test]
+    fn invalid_specs_name_the_field() {
+        let bad = v1::RequestSpec { id: 1, answer_tokens: 0, ..Default::default() };
+        assert_eq!(RequestSpec::try_from(&bad).unwrap_err().field, "spec.answer_tokens");
+        assert_eq!(require_spec(None).unwrap_err().field, "spec");
+        let huge = v1::RequestSpec { id: 1, prompt_tokens: u32::MAX, answer_tokens: 1, ..Default::default() };
+        assert!(RequestSpec::try_from(&huge).is_err());
+    }
+}
