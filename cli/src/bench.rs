@@ -28,6 +28,10 @@ pub enum BenchCommand {
     /// 256…16k-token requests between two worker processes (total time, downtime; pipelined vs
     /// blocking stop-and-copy).
     Migration(crate::bench_migration::MigrationBench),
+    /// Simulator ↔ emulator parity: each workload (default: the quickstart, a Mooncake-trace
+    /// workload, a migration-heavy PASCAL run) through `kvfleet sim` and `kvfleet up`; per-request
+    /// TTFT/E2E error, placement agreement, migrations and downtime, side by side.
+    Parity(crate::bench_parity::ParityBench),
     /// (internal) the receiving process of `bench migration`'s goodput runs.
     #[command(hide = true)]
     Sink(crate::bench_migration::SinkArgs),
@@ -79,6 +83,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Sim(b) => bench_sim(b),
         BenchCommand::Migration(b) => crate::bench_migration::run(b),
+        BenchCommand::Parity(b) => crate::bench_parity::run(b),
         BenchCommand::Sink(a) => crate::bench_migration::run_sink(a),
         BenchCommand::Workers(b) => bench_workers(b),
         BenchCommand::Timing(b) => bench_timing::run(b),

@@ -12,10 +12,12 @@
 
 mod bench;
 mod bench_migration;
+mod bench_parity;
 mod certs;
 mod plots;
 mod replay_cmd;
 mod report;
+mod sim_live;
 mod status;
 mod traces;
 mod up;
@@ -194,6 +196,10 @@ fn cmd_sim(args: SimArgs) -> anyhow::Result<()> {
     let wall = started.elapsed().as_secs_f64();
 
     say!("{}", report::summary_table(&results));
+    let live = sim_live::table(&results);
+    if !live.is_empty() {
+        say!("{live}");
+    }
     let events: u64 = results.iter().map(|r| r.events).sum();
     say!(
         "{} run(s), {} simulated events in {:.2} s wall ({:.2} M events/s); timing model: {}",
@@ -204,6 +210,7 @@ fn cmd_sim(args: SimArgs) -> anyhow::Result<()> {
         results.first().map_or("-", |r| r.timing.as_str())
     );
     let mut written = report::write_outputs(&args.out, &results)?;
+    written.extend(sim_live::write_csvs(&args.out, &results)?);
     if !args.no_plots {
         written.extend(plots::write_plots(&args.out, &results)?);
     }

@@ -258,6 +258,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         tail_ttft: tail_ttft_by_reasoning_bin(&ok, 256),
         records: ok.clone(),
         migrations,
+        live_migrations: Default::default(),
         instances: Vec::new(),
         events: 0,
         sim_end_s: wall,

@@ -371,6 +371,7 @@ pub(crate) mod fixtures {
             tail_ttft,
             records,
             migrations,
+            live_migrations: Default::default(),
             instances: Vec::new(),
             events: 1234,
             sim_end_s: 42.0,

@@ -62,7 +62,7 @@ pub fn render(s: &v1::ClusterStatus) -> String {
     );
     for i in &s.instances {
         let (id, addr) = i.info.as_ref().map_or((0, ""), |w| (w.instance, w.advertise.as_str()));
-        let l = i.load.clone().unwrap_or_default();
+        let l = i.load.unwrap_or_default();
         let _ = writeln!(
             out,
             "{:>8} {:<22} {:>5} {:>14} {:>6} {:>9} {:>9} {:>7} {:>6}",

@@ -572,7 +572,11 @@ impl Controller {
             return;
         }
         if !self.is_live(to) || m.declined.contains(&to) {
-            tracing::warn!(request = id.0, picked = to.0, "the policy picked a move target that is not live; the request stays");
+            tracing::warn!(
+                request = id.0,
+                picked = to.0,
+                "the policy picked a move target that is not live; the request stays"
+            );
             self.moves.remove(&id);
             return;
         }

@@ -59,7 +59,7 @@ pub struct Leader {
     pub stats: LeaderStats,
     deposed_tx: watch::Sender<bool>,
     pub deposed: watch::Receiver<bool>,
-    connector: Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync>,
+    connector: Connector,
     /// Settled live migrations, as the sources measured them.
     migration_log: Mutex<Vec<v1::MigrationStats>>,
     /// Open `request` spans; their contexts travel with `Submit` and `MigrateOut`.
@@ -90,10 +90,11 @@ impl From<LeaderError> for Status {
     }
 }
 
+/// Opens a (lazy) channel to a worker's address.
+pub type Connector = Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync>;
+
 /// The channel factory for workers: mutual TLS with the cluster identity, or plain text.
-pub fn worker_connector(
-    tls: Option<kvfleet_pki::NodeIdentity>,
-) -> Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync> {
+pub fn worker_connector(tls: Option<kvfleet_pki::NodeIdentity>) -> Connector {
     Arc::new(move |addr: &str| {
         kvfleet_pki::endpoint(addr, tls.as_ref())
             .map_err(|e| format!("worker {addr}: {e}"))
@@ -110,7 +111,7 @@ impl Leader {
         store: Arc<dyn MetaStore>,
         fence: LeaderKey,
         control: Controller,
-        connector: Arc<dyn Fn(&str) -> Result<Channel, String> + Send + Sync>,
+        connector: Connector,
         epoch_unix_ns: u64,
     ) -> Arc<Leader> {
         let (deposed_tx, deposed) = watch::channel(false);
@@ -345,7 +346,7 @@ impl Leader {
         let msg = v1::SubmitRequest { spec: Some(spec.into()) };
         for attempt in 0..3u32 {
             let Some(mut client) = self.client(to) else { break };
-            match client.submit(kvfleet_telemetry::request_with(&self.traces.context(spec.id), msg.clone())).await {
+            match client.submit(kvfleet_telemetry::request_with(&self.traces.context(spec.id), msg)).await {
                 Ok(reply) => {
                     let reply = reply.into_inner();
                     if !reply.accepted {
@@ -465,7 +466,11 @@ impl Leader {
     }
 
     fn on_boundary(self: &Arc<Self>, b: v1::PhaseBoundary) {
-        let event = Event::Boundary { request: RequestId(b.request_id), instance: InstanceId(b.instance), kv_blocks: b.kv_blocks };
+        let event = Event::Boundary {
+            request: RequestId(b.request_id),
+            instance: InstanceId(b.instance),
+            kv_blocks: b.kv_blocks,
+        };
         if let Ok(actions) = self.decide(event) {
             let moves = actions
                 .into_iter()
@@ -516,7 +521,13 @@ impl Leader {
             for action in actions {
                 match action {
                     Action::Migrate { request, from, to: next_to, .. } if request == id => {
-                        tracing::info!(request = id.0, from = from.0, declined = to.0, to = next_to.0, "target full; trying another");
+                        tracing::info!(
+                            request = id.0,
+                            from = from.0,
+                            declined = to.0,
+                            to = next_to.0,
+                            "target full; trying another"
+                        );
                         next = Some((from, next_to));
                     }
                     other => tracing::error!(?other, "unexpected action after a move; ignored"),
@@ -540,7 +551,7 @@ impl Leader {
                 return Moved::No;
             }
         }
-        let req = v1::MigrateOutRequest { request_id: id.0, target: to.0, target_kv_address, ..Default::default() };
+        let req = v1::MigrateOutRequest { request_id: id.0, target: to.0, target_kv_address };
         let out = match src.migrate_out(kvfleet_telemetry::request_with(&self.traces.context(id), req)).await {
             Ok(r) => r.into_inner(),
             Err(e) => {
@@ -791,9 +802,10 @@ mod tests {
         let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
         let lease = store.grant_lease(Duration::from_secs(60)).await.unwrap();
         let fence = store.campaign(keys::ELECTION, b"here", lease).await.unwrap();
-        let control = Controller::new(build_policy(policy, &PolicyParams::default()).unwrap(), SimRng::seed_from_u64(1))
-            .expect_model(MODEL, KV_BYTES)
-            .retain_finished();
+        let control =
+            Controller::new(build_policy(policy, &PolicyParams::default()).unwrap(), SimRng::seed_from_u64(1))
+                .expect_model(MODEL, KV_BYTES)
+                .retain_finished();
         let leader = Leader::new(store, fence, control, worker_connector(None), 0);
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
         for instance in 0..workers {

@@ -3,8 +3,8 @@
 
 use anyhow::Context;
 use clap::Parser;
-use kvfleet_coordinator::node::{serve, Node, NodeOptions};
 use kvfleet_coordinator::node::ClusterModel;
+use kvfleet_coordinator::node::{serve, Node, NodeOptions};
 use kvfleet_core::policy::registry::PolicyParams;
 use kvfleet_core::spec::ModelSpec;
 use kvfleet_meta::{MemStore, MetaStore};

@@ -3,10 +3,10 @@
 
 use crate::leader::{worker_connector, ClientTx, Leader};
 use kvfleet_control::Controller;
-use kvfleet_core::SimRng;
-pub use kvfleet_meta::layout::ClusterModel;
 use kvfleet_core::policy::registry::{build_policy, PolicyParams};
+use kvfleet_core::SimRng;
 use kvfleet_core::{InstanceId, RequestId};
+pub use kvfleet_meta::layout::ClusterModel;
 use kvfleet_meta::layout::{self as keys, ClusterRecord, WorkerRecord};
 use kvfleet_meta::{spawn_keep_alive, EventKind, LeaseId, MetaStore};
 use kvfleet_proto::v1;

@@ -4,22 +4,31 @@
 //! object the coordinator's leader drives: this loop only turns engine events into controller
 //! events and executes the controller's actions on the engines and the fabric.
 //!
+//! A move is a live migration ([`crate::migration`]): the protocol's source and target machines
+//! run against the two engines over the fabric, driven by three events — a fabric transfer
+//! completed, the source's iteration ended (its KV grew, or the pause can happen), a deadline
+//! passed. Its end goes back to the controller as `Committed`, `Refused` (the target had no
+//! room at `Prepare`: the controller may pick another target, whose move starts at once) or
+//! `Aborted` (the request carries on at its source).
+//!
 //! Events are processed in time slices: every event at time `t` is handled (iteration ends,
 //! arrivals, finished transfers), then every instance touched at `t` that has work and no
 //! iteration in flight plans its next iteration. This lets a request that arrives exactly when
 //! an iteration ends join the next one (PASCAL Fig. 2's timelines assume so). Ties within a
 //! slice are broken by insertion order, so a seed gives byte-identical results.
 
+use crate::migration::{Engines, LiveMigration, LiveMigrationRecord, LiveMigrationSpec};
+use kvfleet_control::{Action, Controller, Event as Control, MoveOutcome};
 use kvfleet_core::engine::sched::build_scheduler;
 use kvfleet_core::engine::{Engine, EngineConfig, EngineEvent, EngineStats};
 use kvfleet_core::metrics::{MigrationRecord, RequestRecord};
-use kvfleet_control::{Action, Controller, Event as Control, MoveOutcome};
 use kvfleet_core::policy::InstancePolicy;
 use kvfleet_core::timing::TimingModel;
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimRng, SimTime};
+use kvfleet_netmodel::migration::{MigrationId, MigrationParams};
 use kvfleet_netmodel::{Fabric, LinkParams, TransferId};
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -30,6 +39,8 @@ enum Event {
     Arrival(u32),
     /// The fabric's earliest transfer may have finished (stale if the generation moved on).
     FabricWake(u64),
+    /// A deadline of this live migration (stale if it ended or its deadline changed).
+    MigrationTimeout(u64),
 }
 
 /// Progress callback payload, every few thousand events.
@@ -46,18 +57,20 @@ pub struct Progress {
 pub struct ClusterOutcome {
     /// One per workload request, sorted by id (rejected ones flagged).
     pub records: Vec<RequestRecord>,
+    /// Every live migration as the metrics summary counts it (refused ones as aborted), in the
+    /// order they ended.
     pub migrations: Vec<MigrationRecord>,
+    /// The same migrations in full (outcome, stages, downtime).
+    pub live_migrations: Vec<LiveMigrationRecord>,
     pub instances: Vec<EngineStats>,
     pub events: u64,
     pub end: SimTime,
 }
 
-struct PendingMigration {
-    request: RequestId,
-    from: InstanceId,
-    to: InstanceId,
-    bytes: u64,
-    start: SimTime,
+/// A live migration in progress, and the deadline an event is queued for.
+struct InFlight {
+    m: LiveMigration,
+    armed: Option<SimTime>,
 }
 
 /// A simulated cluster. Build it, then [`Cluster::run`] a workload.
@@ -68,11 +81,25 @@ pub struct Cluster {
     queue: BinaryHeap<Reverse<(SimTime, u64, Event)>>,
     seq: u64,
     fabric_gen: u64,
-    transfers: HashMap<TransferId, PendingMigration>,
+    /// A transfer started since the fabric's wake-up was last scheduled.
+    fabric_dirty: bool,
+    migration: MigrationParams,
+    /// Live migrations in progress, by key (the migration id), so iteration order is fixed.
+    migrations: BTreeMap<u64, InFlight>,
+    next_migration: u64,
+    /// Which migration each transfer on the fabric belongs to (a finished one's stay until they
+    /// complete, then mean nothing).
+    transfer_owner: HashMap<TransferId, u64>,
+    /// Migrations in progress out of each instance (most iteration ends then skip the scan).
+    migrating_out_of: Vec<u32>,
+    /// Migrations that ended and that the controller has not heard of yet.
+    ended: Vec<LiveMigrationRecord>,
+    live_migrations: Vec<LiveMigrationRecord>,
     touched: Vec<u32>,
 }
 
 impl Cluster {
+    #[allow(clippy::too_many_arguments)] // one run's setup, each piece from its own config section
     pub fn new(
         instances: u32,
         engine: &EngineConfig,
@@ -81,6 +108,7 @@ impl Cluster {
         intra_params: &kvfleet_core::engine::sched::SchedulerParams,
         policy: Box<dyn InstancePolicy>,
         link: LinkParams,
+        migration: MigrationParams,
         seed: u64,
     ) -> Result<Cluster, String> {
         let mut engines = Vec::with_capacity(instances as usize);
@@ -89,6 +117,7 @@ impl Cluster {
             engines.push(Engine::new(InstanceId(i), engine.clone(), timing.clone(), sched));
         }
         let fabric = Fabric::new(instances, link).map_err(|e| e.to_string())?;
+        migration.validate().map_err(|e| e.to_string())?;
         let mut control = Controller::new(policy, SimRng::seed_from_u64(seed).fork(0x5C4E_D01E));
         for e in &engines {
             let instance = e.instance();
@@ -108,7 +137,14 @@ impl Cluster {
             queue: BinaryHeap::new(),
             seq: 0,
             fabric_gen: 0,
-            transfers: HashMap::new(),
+            fabric_dirty: false,
+            migration,
+            migrations: BTreeMap::new(),
+            next_migration: 0,
+            transfer_owner: HashMap::new(),
+            migrating_out_of: vec![0; instances as usize],
+            ended: Vec::new(),
+            live_migrations: Vec::new(),
             touched: Vec::new(),
         })
     }
@@ -148,23 +184,28 @@ impl Cluster {
     pub fn run(mut self, requests: &[RequestSpec], mut progress: impl FnMut(Progress)) -> ClusterOutcome {
         let total = requests.len();
         let mut records: Vec<RequestRecord> = Vec::with_capacity(total);
-        let mut migrations = Vec::new();
         let mut events_buf = Vec::new();
         let mut arrived = 0usize;
         let mut events: u64 = 0;
-        let mut now = SimTime::ZERO;
+        // The last instant something happened (a deadline of a migration long over is nothing).
+        let mut last_event = SimTime::ZERO;
         // Arrivals are fed lazily: only the next one is in the queue.
         if let Some(first) = requests.first() {
             self.push(first.arrival, Event::Arrival(0));
         }
-        while let Some(Reverse((t, _, _))) = self.queue.peek().copied() {
-            now = t;
+        while let Some(Reverse((now, _, _))) = self.queue.peek().copied() {
             while let Some(&Reverse((t2, _, ev))) = self.queue.peek() {
                 if t2 != now {
                     break;
                 }
                 self.queue.pop();
+                if let Event::MigrationTimeout(key) = ev {
+                    if self.migrations.get(&key).is_none_or(|f| f.armed != Some(now)) {
+                        continue;
+                    }
+                }
                 events += 1;
+                last_event = now;
                 // The engine of the next event is cache-cold: start fetching its data now.
                 if let Some(&Reverse((_, _, Event::IterationEnd(j)))) = self.queue.peek() {
                     self.engines[j as usize].prefetch();
@@ -199,6 +240,9 @@ impl Cluster {
                                 }
                             }
                         }
+                        if self.migrating_out_of[i as usize] > 0 {
+                            self.on_source_iteration_end(now, i);
+                        }
                         // Its load is refreshed when it is planned below, or before any policy
                         // decision in this slice (refresh_touched_loads).
                         self.touch(i);
@@ -208,30 +252,31 @@ impl Cluster {
                             continue;
                         }
                         for (id, _started) in self.fabric.complete_due(now) {
-                            let Some(m) = self.transfers.remove(&id) else { continue };
-                            let moved = self.engines[m.from.0 as usize]
-                                .finish_migration_out(m.request)
-                                .expect("a request in transit is migrating out of its source");
-                            self.engines[m.to.0 as usize].attach(now, moved).expect("target admits a migrated request");
-                            migrations.push(MigrationRecord {
-                                request: m.request,
-                                from: m.from,
-                                to: m.to,
-                                bytes: m.bytes,
-                                start: m.start,
-                                end: now,
-                                aborted: false,
-                            });
-                            let ended = Control::MigrationEnded { request: m.request, outcome: MoveOutcome::Committed };
-                            let _ = self.control.handle(now, ended);
-                            self.refresh_load(now, m.from.0);
-                            self.refresh_load(now, m.to.0);
-                            self.touch(m.from.0);
-                            self.touch(m.to.0);
+                            let Some(key) = self.transfer_owner.remove(&id) else { continue };
+                            let Some(f) = self.migrations.get_mut(&key) else { continue };
+                            let engines =
+                                Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
+                            f.m.on_transfer_complete(now, id, engines, &mut self.fabric);
+                            self.after_migration_call(key);
                         }
-                        self.schedule_fabric_wake();
+                        self.fabric_dirty = true;
+                    }
+                    Event::MigrationTimeout(key) => {
+                        if let Some(f) = self.migrations.get_mut(&key) {
+                            f.armed = None;
+                            let engines =
+                                Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
+                            f.m.on_timeout(now, engines, &mut self.fabric);
+                            self.after_migration_call(key);
+                        }
                     }
                 }
+                if !self.ended.is_empty() {
+                    self.report_ended_migrations(now);
+                }
+            }
+            if std::mem::take(&mut self.fabric_dirty) {
+                self.schedule_fabric_wake();
             }
             // Plan every instance touched in this slice, in a deterministic order.
             let mut touched = std::mem::take(&mut self.touched);
@@ -251,14 +296,16 @@ impl Cluster {
                 progress(Progress { now, arrived, finished: records.len(), total });
             }
         }
-        progress(Progress { now, arrived, finished: records.len(), total });
+        progress(Progress { now: last_event, arrived, finished: records.len(), total });
+        debug_assert!(self.migrations.is_empty(), "every migration ends");
         records.sort_by_key(|r| r.id);
         ClusterOutcome {
             records,
-            migrations,
+            migrations: self.live_migrations.iter().map(LiveMigrationRecord::to_metrics).collect(),
+            live_migrations: self.live_migrations,
             instances: self.engines.iter().map(|e| e.stats().clone()).collect(),
             events,
-            end: now,
+            end: last_event,
         }
     }
 
@@ -312,14 +359,94 @@ impl Cluster {
         }
     }
 
+    /// Start the live migration the controller decided; one that cannot start (the request left
+    /// its source, or holds no KV) is an abort.
     fn start_migration(&mut self, now: SimTime, request: RequestId, from: InstanceId, to: InstanceId) {
-        let Ok(out) = self.engines[from.0 as usize].begin_migration_out(request) else {
-            let _ = self.control.handle(now, Control::MigrationEnded { request, outcome: MoveOutcome::Aborted });
-            return;
+        let key = self.next_migration;
+        self.next_migration += 1;
+        let spec = LiveMigrationSpec::new(MigrationId(key), request, from, to, self.migration.clone());
+        let started = match Engines::pick(&mut self.engines, from, to) {
+            Some(engines) => LiveMigration::start(now, spec, engines, &mut self.fabric).map_err(|e| e.to_string()),
+            None => Err(format!("no instance pair {from} → {to}")),
         };
-        let id = self.fabric.start(now, from, to, out.kv_bytes);
-        self.transfers.insert(id, PendingMigration { request, from, to, bytes: out.kv_bytes, start: now });
-        self.schedule_fabric_wake();
+        match started {
+            Ok(m) => {
+                self.migrating_out_of[from.0 as usize] += 1;
+                self.migrations.insert(key, InFlight { m, armed: None });
+                self.after_migration_call(key);
+            }
+            Err(_) => {
+                let _ = self.control.handle(now, Control::MigrationEnded { request, outcome: MoveOutcome::Aborted });
+            }
+        }
+    }
+
+    /// Instance `i` completed an iteration: every migration out of it sees the request's KV grow,
+    /// and may pause it now.
+    fn on_source_iteration_end(&mut self, now: SimTime, i: u32) {
+        let keys: Vec<u64> = self.migrations.iter().filter(|(_, f)| f.m.from().0 == i).map(|(&k, _)| k).collect();
+        for key in keys {
+            let f = self.migrations.get_mut(&key).expect("listed above");
+            let engines = Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
+            f.m.on_source_iteration_end(now, engines, &mut self.fabric);
+            self.after_migration_call(key);
+        }
+    }
+
+    /// After any call into migration `key`: route its new transfers, re-arm its deadline, let
+    /// both instances plan again if it changed them (a reservation, pause, attach or abort), and
+    /// once it is over, queue its record for the controller.
+    fn after_migration_call(&mut self, key: u64) {
+        let Some(f) = self.migrations.get_mut(&key) else { return };
+        let new = f.m.take_new_transfers();
+        self.fabric_dirty |= !new.is_empty();
+        for id in new {
+            self.transfer_owner.insert(id, key);
+        }
+        let (from, to) = (f.m.from().0, f.m.to().0);
+        let changed = f.m.take_engines_changed();
+        let record = f.m.take_record();
+        let deadline = f.m.next_timeout().filter(|_| record.is_none());
+        let rearm = deadline.filter(|&t| f.armed != Some(t));
+        f.armed = deadline;
+        if let Some(t) = rearm {
+            self.push(t, Event::MigrationTimeout(key));
+        }
+        if changed {
+            self.touch(from);
+            self.touch(to);
+        }
+        if let Some(record) = record {
+            self.migrations.remove(&key);
+            self.migrating_out_of[from as usize] -= 1;
+            self.ended.push(record);
+        }
+    }
+
+    /// Tell the controller how the migrations that ended went, and start the moves it decides
+    /// next (a refused move goes to the policy's next choice).
+    fn report_ended_migrations(&mut self, now: SimTime) {
+        while !self.ended.is_empty() {
+            for record in std::mem::take(&mut self.ended) {
+                let outcome = if record.committed() {
+                    MoveOutcome::Committed
+                } else if record.refused() {
+                    MoveOutcome::Refused
+                } else {
+                    MoveOutcome::Aborted
+                };
+                // The policy may pick the next target: it must see every load as of now.
+                self.refresh_touched_loads(now);
+                let _ = self.control.handle(now, Control::MigrationEnded { request: record.request, outcome });
+                self.live_migrations.push(record);
+                while let Some(action) = self.control.poll_action() {
+                    match action {
+                        Action::Migrate { request, from, to, .. } => self.start_migration(now, request, from, to),
+                        other => debug_assert!(false, "unexpected decision after a move: {other:?}"),
+                    }
+                }
+            }
+        }
     }
 
     fn schedule_fabric_wake(&mut self) {

@@ -10,6 +10,7 @@ use kvfleet_core::policy::registry::{policy_names, PolicyParams};
 use kvfleet_core::spec::{GpuSpec, ModelSpec};
 use kvfleet_core::time::SimDuration;
 use kvfleet_core::workload::WorkloadConfig;
+use kvfleet_netmodel::migration::MigrationParams;
 use kvfleet_netmodel::LinkParams;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -32,6 +33,8 @@ pub struct SimConfig {
     pub scheduler: SchedulerConfig,
     pub slo: SloTargets,
     pub link: LinkParams,
+    /// Live migration tuning (the pipelined stop-and-copy protocol's knobs).
+    pub migration: MigrationConfig,
     pub workload: WorkloadConfig,
     /// Optional sweep: policies × arrival rates. Without it, one run of `scheduler.policy`.
     pub sweep: Option<SweepConfig>,
@@ -106,6 +109,61 @@ impl Default for SchedulerConfig {
             intra: SchedulerParams::default(),
             instance: PolicyParams::default(),
         }
+    }
+}
+
+/// The live-migration protocol's knobs (`[migration]`), named as the workers' flags name them;
+/// the defaults are `MigrationParams::default()`'s, the emulator's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MigrationConfig {
+    /// Pipelined stop-and-copy: pause for the final copy once fewer than this many new full
+    /// blocks remain.
+    pub stop_copy_blocks: u32,
+    /// Time-based stop-and-copy (0: off, the block count decides): once a live stage measured the
+    /// link, pause when the new blocks would copy within this many milliseconds at its goodput.
+    pub stop_copy_ms: f64,
+    /// Most live copy stages before the final one (0: plain, blocking stop-and-copy).
+    pub max_stages: u32,
+    /// Deadline of one migration, ms (then it aborts and the request carries on at its source).
+    pub timeout_ms: f64,
+}
+
+impl Default for MigrationConfig {
+    fn default() -> Self {
+        let p = MigrationParams::default();
+        MigrationConfig {
+            stop_copy_blocks: p.stop_copy_blocks,
+            stop_copy_ms: p.stop_copy_after.map_or(0.0, |d| d.as_millis_f64()),
+            max_stages: p.max_stages,
+            timeout_ms: p.timeout.as_millis_f64(),
+        }
+    }
+}
+
+impl MigrationConfig {
+    /// The protocol parameters (the engines' geometry fills in `block_size` / `block_bytes`).
+    pub fn params(&self) -> MigrationParams {
+        MigrationParams {
+            stop_copy_blocks: self.stop_copy_blocks,
+            max_stages: self.max_stages,
+            timeout: SimDuration::from_millis_f64(self.timeout_ms),
+            stop_copy_after: (self.stop_copy_ms > 0.0).then(|| SimDuration::from_millis_f64(self.stop_copy_ms)),
+            ..MigrationParams::default()
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(self.stop_copy_ms.is_finite() && self.stop_copy_ms >= 0.0) {
+            return Err(ConfigError::Invalid(format!(
+                "`migration.stop_copy_ms` must be ≥ 0 (0: off), got {}",
+                self.stop_copy_ms
+            )));
+        }
+        if !self.timeout_ms.is_finite() || SimDuration::from_millis_f64(self.timeout_ms) == SimDuration::ZERO {
+            return Err(ConfigError::Invalid(format!("`migration.timeout_ms` must be > 0, got {}", self.timeout_ms)));
+        }
+        Ok(())
     }
 }
 
@@ -229,6 +287,7 @@ impl SimConfig {
             }
         }
         self.link.validate().map_err(|e| ConfigError::Invalid(format!("link: {e}")))?;
+        self.migration.validate()?;
         self.workload.validate().map_err(|e| ConfigError::Invalid(format!("workload: {e}")))?;
         let (model, gpu) = self.specs()?;
         self.engine_config(&model, &gpu)?;
@@ -315,11 +374,28 @@ mod tests {
             ("[cluster]\nbogus = 1", "unknown field `bogus`"),
             ("[sweep]\npolicies = [\"pascal\"]\nrates = [-1.0]", "sweep.rates"),
             ("[cluster]\nmodel = \"r1-distill-qwen-32b\"\ngpu = \"v100-32gb\"", "leaves no KV memory"),
+            ("[migration]\ntimeout_ms = 0", "migration.timeout_ms"),
+            ("[migration]\ntimeout_ms = 1e-9", "migration.timeout_ms"),
+            ("[migration]\nstop_copy_ms = -1", "migration.stop_copy_ms"),
+            ("[migration]\nstop_copy_ms = nan", "migration.stop_copy_ms"),
+            ("[migration]\nmax_stages = -1", "max_stages = -1 | ^^ invalid value"),
+            ("[migration]\nstop_copy_bytes = 1", "unknown field `stop_copy_bytes`"),
         ];
         for (text, want) in cases {
             let e = SimConfig::parse(text, "x.toml").unwrap_err().to_string();
             assert!(e.contains(want), "{text:?} → {e}");
         }
+    }
+
+    #[test]
+    fn migration_knobs_default_to_the_protocols_and_override_it() {
+        let cfg = SimConfig::parse("", "<empty>").unwrap();
+        assert_eq!(cfg.migration.params(), MigrationParams::default());
+        let text = "[migration]\nstop_copy_blocks = 4\nstop_copy_ms = 10\nmax_stages = 0\ntimeout_ms = 250.5";
+        let p = SimConfig::parse(text, "x.toml").unwrap().migration.params();
+        assert_eq!((p.stop_copy_blocks, p.max_stages), (4, 0));
+        assert_eq!(p.stop_copy_after, Some(SimDuration::from_millis_f64(10.0)));
+        assert_eq!(p.timeout, SimDuration::from_nanos(250_500_000));
     }
 
     #[test]

@@ -6,10 +6,14 @@
 //!
 //! - [`config`]: the experiment TOML (`SimConfig`), presets, instance sizing, validation;
 //! - [`cluster`]: the event loop;
-//! - [`run_one`] / [`run_all`]: one run or the whole sweep a config asks for.
+//! - [`migration`]: one live KV migration (the netmodel protocol machines) over the fabric, and a
+//!   run's [`LiveMigrations`];
+//! - [`run_one`]: one (policy, rate) point of a config (`kvfleet sim` runs a sweep's points in
+//!   parallel).
 
 pub mod cluster;
 pub mod config;
+pub mod migration;
 
 use cluster::{Cluster, ClusterOutcome, Progress};
 use config::{resolve_policy, ConfigError, SimConfig};
@@ -20,6 +24,7 @@ use kvfleet_core::metrics::{
 use kvfleet_core::policy::registry::build_policy;
 use kvfleet_core::timing::TimingModel;
 use kvfleet_core::workload::{generate, ArrivalConfig};
+pub use migration::LiveMigrations;
 use serde::Serialize;
 use std::path::Path;
 use std::sync::Arc;
@@ -39,6 +44,9 @@ pub struct RunResult {
     pub records: Vec<RequestRecord>,
     #[serde(skip)]
     pub migrations: Vec<MigrationRecord>,
+    /// The same migrations as the live-migration protocol ran them (empty where the caller has
+    /// no such records).
+    pub live_migrations: LiveMigrations,
     #[serde(skip)]
     pub instances: Vec<EngineStats>,
     /// Simulated events processed (for the events/s benchmark).
@@ -116,10 +124,12 @@ pub fn run_one(
         &cfg.scheduler.intra,
         policy_impl,
         cfg.link.clone(),
+        cfg.migration.params(),
         cfg.workload.seed,
     )
     .map_err(SimError::Setup)?;
-    let ClusterOutcome { records, migrations, instances, events, end } = cluster.run(&requests, progress);
+    let ClusterOutcome { records, migrations, live_migrations, instances, events, end } =
+        cluster.run(&requests, progress);
     let summary = summarize(&records, &migrations, &cfg.slo);
     let tail_ttft = tail_ttft_by_reasoning_bin(&records, 256);
     Ok(RunResult {
@@ -132,6 +142,7 @@ pub fn run_one(
         tail_ttft,
         records,
         migrations,
+        live_migrations: LiveMigrations::new(live_migrations),
         instances,
         events,
         sim_end_s: end.as_secs_f64(),

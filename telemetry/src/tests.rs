@@ -79,7 +79,7 @@ fn nothing_is_injected_without_a_span_and_garbage_extracts_to_nothing() {
 async fn a_bad_endpoint_is_named() {
     let args = TelemetryArgs { otlp_endpoint: Some("127.0.0.1:4317".into()) };
     let svc = Service { name: "kvfleet-test", instance_id: "t".into(), attributes: vec![] };
-    let err = provider(svc.clone(), args.otlp_endpoint.as_deref().unwrap()).err().expect("refused");
+    let err = provider(svc.clone(), args.otlp_endpoint.as_deref().unwrap()).expect_err("refused");
     let msg = err.to_string();
     assert!(msg.contains("--otlp-endpoint") && msg.contains("127.0.0.1:4317") && msg.contains("http://"), "{msg}");
     assert!(provider(svc, "http://127.0.0.1:4317").is_ok());

@@ -178,6 +178,16 @@ impl Drop for TempDir {
     }
 }
 
+/// The `requests-*.csv` a `kvfleet sim`/`kvfleet up` run wrote into `dir` (panics if absent).
+pub fn requests_csv(dir: &Path) -> PathBuf {
+    std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.file_name().and_then(|f| f.to_str()).is_some_and(|f| f.starts_with("requests-")))
+        .unwrap_or_else(|| panic!("no requests-*.csv in {}", dir.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,14 +216,4 @@ mod tests {
         assert!(fixture("small-sweep.toml").is_file());
         assert!(fixture("azure-code-trace.toml").is_file());
     }
-}
-
-/// The `requests-*.csv` a `kvfleet sim`/`kvfleet up` run wrote into `dir` (panics if absent).
-pub fn requests_csv(dir: &Path) -> PathBuf {
-    std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .find(|p| p.file_name().and_then(|f| f.to_str()).is_some_and(|f| f.starts_with("requests-")))
-        .unwrap_or_else(|| panic!("no requests-*.csv in {}", dir.display()))
 }

@@ -40,7 +40,8 @@ mod tests {
 
     #[test]
     fn outcomes_are_named() {
-        let stats = |bytes, reason: &str| v1::MigrationStats { bytes, abort_reason: reason.into(), ..Default::default() };
+        let stats =
+            |bytes, reason: &str| v1::MigrationStats { bytes, abort_reason: reason.into(), ..Default::default() };
         assert_eq!(stats(10, "").outcome_name(), "committed");
         assert_eq!(stats(0, &format!("{REFUSED_PREFIX}: no room")).outcome_name(), "refused");
         // A refusal after bytes moved is not a clean decline.

@@ -1,6 +1,6 @@
 //! The real-time engine loop: the `core` [`Engine`] driven by this host's clock.
 //!
-//! A thin shell in the quinn / quinn-proto sense (STYLE "Thin drivers"): every scheduling decision
+//! A thin shell in the quinn / quinn-proto sense: every scheduling decision
 //! is the engine's; this loop only turns time and commands into engine calls and engine output into
 //! arena writes and log events. Per iteration:
 //!
@@ -23,6 +23,7 @@ use crate::arena::{ArenaError, KvArena};
 use crate::clock::ClusterClock;
 use crate::events::{EventLog, LogEvent, LogStats};
 use crate::lateness::{LatenessHistogram, LatenessSummary};
+use crate::ledger::{Admission, Arrival, Ledger, LedgerError, Refusal, Resume};
 use kvfleet_core::engine::sched::Phase;
 use kvfleet_core::engine::{Engine, EngineError, EngineEvent, EngineStats, MigratedRequest, TokenEmitted};
 use kvfleet_core::idmap::IdMap;
@@ -30,8 +31,8 @@ use kvfleet_core::kv::Tier;
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::LoadReport;
 use kvfleet_core::{RequestId, RequestSpec, SimTime};
+use kvfleet_netmodel::migration::MigrationId;
 use kvfleet_proto::v1;
-use std::collections::HashSet;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,8 +60,12 @@ pub(crate) enum Command {
     Drain {
         reply: oneshot::Sender<u32>,
     },
-    /// Live migration (see `driver_migrate.rs`).
+    /// Live migration (see [`live`]).
     Live(LiveCommand),
+    /// The registration was lost (`false`) or is held again: see [`Ledger::set_registered`].
+    Registration {
+        registered: bool,
+    },
     Load {
         reply: oneshot::Sender<LoadReport>,
     },
@@ -102,6 +107,10 @@ pub enum DriverError {
     Serialize { request: RequestId, message: String },
     #[error("KV of {request}: {message}")]
     Kv { request: RequestId, message: String },
+    #[error("{request}: {refusal}")]
+    Refused { request: RequestId, refusal: Refusal },
+    #[error("request ledger: {0}")]
+    Ledger(#[from] LedgerError),
     #[error("arena: {0}")]
     Arena(#[from] ArenaError),
 }
@@ -148,6 +157,21 @@ pub struct DriverReport {
     pub unfinished: Vec<RequestId>,
 }
 
+/// The migration id of a request moved whole by `MigrateOut` (KV re-materialised on the target):
+/// live migrations number theirs from 1.
+const WHOLE_MOVE: MigrationId = MigrationId(0);
+
+/// A ledger's "no" as the driver's error, with the texts peers already know.
+pub(crate) fn refused(request: RequestId, refusal: Refusal) -> DriverError {
+    match refusal {
+        Refusal::NotHere => DriverError::Unknown(request),
+        Refusal::Draining => DriverError::Draining,
+        Refusal::AlreadyHere => DriverError::Engine(EngineError::Duplicate(request)),
+        Refusal::AlreadyComingIn | Refusal::AlreadyRun => DriverError::Kv { request, message: refusal.to_string() },
+        refusal => DriverError::Refused { request, refusal },
+    }
+}
+
 /// How far a request's KV is written in the arena, and where.
 #[derive(Debug, Default)]
 struct Written {
@@ -177,20 +201,16 @@ pub(crate) struct Driver {
     instance: u32,
     block_size: u32,
     written: IdMap<RequestId, Written>,
-    /// Requests on this instance (the engine has no iterator over them).
-    live: HashSet<RequestId>,
-    /// Every id ever accepted here (idempotent submits); rejections with their reason.
-    accepted: HashSet<RequestId>,
-    /// Accepted here once, then moved away by a committed migration: it may come back the same way.
-    migrated_away: HashSet<RequestId>,
-    rejected: IdMap<RequestId, String>,
-    rematerialized: HashSet<RequestId>,
+    /// Where every request stands on this instance (the engine has no iterator over them).
+    ledger: Ledger,
     /// Migrations-out waiting for the iteration in flight to end.
     pending: Vec<Command>,
-    draining: bool,
     stop_at: Option<Instant>,
     commands_closed: bool,
     next_load: Instant,
+    /// The load last published: a changed one is published at once (the simulator's controller
+    /// sees every change at once), an unchanged one every `load_interval` as a heartbeat.
+    last_load: Option<LoadReport>,
     last_preemptions: u64,
     lateness: LatenessHistogram,
     kv_stats: KvStats,
@@ -214,16 +234,12 @@ impl Driver {
             load_interval: cfg.load_interval.max(Duration::from_millis(1)),
             verify_kv: cfg.verify_kv,
             written: IdMap::default(),
-            live: HashSet::new(),
-            accepted: HashSet::new(),
-            migrated_away: HashSet::new(),
-            rejected: IdMap::default(),
-            rematerialized: HashSet::new(),
+            ledger: Ledger::new(),
             pending: Vec::new(),
-            draining: false,
             stop_at: None,
             commands_closed: false,
             next_load: Instant::now(),
+            last_load: None,
             last_preemptions: 0,
             lateness: LatenessHistogram::new(),
             kv_stats: KvStats::default(),
@@ -238,7 +254,7 @@ impl Driver {
     pub(crate) fn run(mut self, rx: Receiver<Command>) -> DriverReport {
         loop {
             if let Some(stop) = self.stop_at {
-                if self.live.is_empty() || Instant::now() >= stop {
+                if self.ledger.held() == 0 || Instant::now() >= stop {
                     break;
                 }
             }
@@ -279,22 +295,28 @@ impl Driver {
                     self.complete(end);
                 }
             }
-            let now = Instant::now();
-            if now >= self.next_load {
-                self.log.push(LogEvent::Load(Box::new(v1::LoadReport::from(&self.engine.load_report()))));
-                self.next_load += self.load_interval;
-                if self.next_load <= now {
-                    self.next_load = now + self.load_interval;
-                }
-            }
+            self.publish_load();
         }
-        let mut unfinished: Vec<RequestId> = self.live.iter().copied().collect();
-        unfinished.sort_unstable();
+        let unfinished = self.ledger.unfinished();
         if !unfinished.is_empty() {
             tracing::warn!(count = unfinished.len(), requests = ?unfinished, "stopping with requests unfinished; the coordinator re-places them");
         }
         self.log.close();
         DriverReport { stats: self.stats(), unfinished }
+    }
+
+    /// Publish the load if it changed (an iteration ended, a request arrived, blocks were
+    /// reserved) or the heartbeat is due.
+    fn publish_load(&mut self) {
+        let now = Instant::now();
+        let load = self.engine.load_report();
+        let due = now >= self.next_load;
+        if !due && self.last_load.as_ref() == Some(&load) {
+            return;
+        }
+        self.log.push(LogEvent::Load(Box::new(v1::LoadReport::from(&load))));
+        self.last_load = Some(load);
+        self.next_load = now + self.load_interval;
     }
 
     fn stats(&self) -> DriverStats {
@@ -304,13 +326,13 @@ impl Driver {
             requests: self.engine.len(),
             kv: self.kv_stats,
             log: self.log.stats(),
-            draining: self.draining,
+            draining: self.ledger.is_draining(),
             requests_metrics: self.request_metrics.clone(),
         }
     }
 
     fn begin_stop(&mut self, grace: Duration) {
-        self.draining = true;
+        self.ledger.drain();
         let at = Instant::now() + grace;
         self.stop_at = Some(self.stop_at.map_or(at, |s| s.min(at)));
     }
@@ -324,8 +346,18 @@ impl Driver {
                 let _ = reply.send(self.stats());
             }
             Command::Drain { reply } => {
-                self.draining = true;
-                let _ = reply.send(self.live.len() as u32);
+                self.ledger.drain();
+                let _ = reply.send(self.ledger.held() as u32);
+            }
+            Command::Registration { registered } => {
+                if registered != self.ledger.is_registered() {
+                    if registered {
+                        tracing::info!("registered again: accepting requests by migration");
+                    } else {
+                        tracing::warn!("registration lapsed: refusing requests by migration until registered again");
+                    }
+                }
+                self.ledger.set_registered(registered);
             }
             Command::Shutdown { grace } => self.begin_stop(grace),
             #[cfg(test)]
@@ -348,8 +380,8 @@ impl Driver {
                     self.plan_if_idle();
                 }
             }
-            Command::Live(LiveCommand::PauseOut { request, reply }) if self.engine.next_wake().is_some() => {
-                self.pending.push(Command::Live(LiveCommand::PauseOut { request, reply }));
+            Command::Live(cmd @ LiveCommand::PauseOut { .. }) if self.engine.next_wake().is_some() => {
+                self.pending.push(Command::Live(cmd));
             }
             Command::Live(cmd) => {
                 self.on_live(cmd);
@@ -406,6 +438,13 @@ impl Driver {
     /// Every request's written tokens sit where the engine's block table says, with the right bytes.
     #[cfg(test)]
     fn verify_all(&self) -> Result<u64, String> {
+        // The ledger holds exactly what the engine holds.
+        if self.ledger.held() != self.engine.len() {
+            return Err(format!("the ledger holds {} requests, the engine {}", self.ledger.held(), self.engine.len()));
+        }
+        if let Some(id) = self.ledger.unfinished().into_iter().find(|&id| !self.engine.contains(id)) {
+            return Err(format!("{id}: held by the ledger, unknown to the engine"));
+        }
         let mut verified = 0;
         for (&id, w) in &self.written {
             let table = self.engine.kv().table(id).ok_or(format!("{id}: written but holds no KV"))?;
@@ -486,9 +525,11 @@ impl Driver {
                 EngineEvent::Finished(record) => {
                     self.request_metrics.observe(&record);
                     let id = record.id;
-                    self.live.remove(&id);
                     self.written.remove(&id);
-                    let remat = self.rematerialized.remove(&id);
+                    let remat = self.ledger.finished(id).unwrap_or_else(|e| {
+                        tracing::error!("{e}");
+                        false
+                    });
                     out.push(LogEvent::Finished(Box::new(proto_record(&record, remat))));
                 }
             }
@@ -513,24 +554,18 @@ impl Driver {
 
     fn submit(&mut self, spec: RequestSpec) -> SubmitOutcome {
         let id = spec.id;
-        // A repeated submit is a duplicate while the request is here; one that left by a
-        // committed migration comes back by a submit when the leader re-placed it from the start
-        // (the instance it moved to died): it runs here afresh, not "already accepted" and never.
-        if self.accepted.contains(&id) && !self.migrated_away.contains(&id) {
-            return SubmitOutcome::Duplicate;
-        }
-        if let Some(reason) = self.rejected.get(&id) {
-            return SubmitOutcome::Rejected(reason.clone());
-        }
-        if self.draining {
-            return SubmitOutcome::Rejected(DriverError::Draining.to_string());
-        }
-        // A live migration of this request was coming in when its source died, and the leader
-        // re-placed it here from the start: the stale reservation goes (the migration, whose
-        // source is gone, aborts on its next frame or its deadline) before the fresh copy runs.
-        if self.engine.reserved_requests().contains(&id) {
-            let freed = self.engine.release_reservation(id);
-            tracing::warn!(request = %id, freed, "re-placed here while a migration of it was coming in; reservation released");
+        match self.ledger.submit(id) {
+            Admission::AlreadyAccepted => return SubmitOutcome::Duplicate,
+            Admission::Refuse(refusal) => return SubmitOutcome::Rejected(refusal.to_string()),
+            Admission::Run { release: None } => {}
+            Admission::Run { release: Some(migration) } => {
+                // A live migration of this request was coming in when its source died, and the
+                // leader re-placed it here from the start: the stale reservation goes (the
+                // migration, whose source is gone, aborts on its next frame or its deadline)
+                // before the fresh copy runs.
+                let freed = self.engine.release_reservation(id);
+                tracing::warn!(request = %id, %migration, freed, "re-placed here while a migration of it was coming in; reservation released");
+            }
         }
         let record = RequestRecord {
             id,
@@ -544,14 +579,14 @@ impl Driver {
         };
         match self.engine.submit(self.clock.now(), spec) {
             Ok(()) => {
-                self.arrived(id);
+                ledger_step(self.ledger.started(id));
                 SubmitOutcome::Accepted
             }
             Err(e @ EngineError::TooLarge { .. }) => {
                 // Final: it can never run here. The leader learns it from the log like a finish.
                 let reason = e.to_string();
                 self.request_metrics.observe(&record);
-                self.rejected.insert(id, reason.clone());
+                ledger_step(self.ledger.rejected(id, reason.clone()));
                 self.log.push(LogEvent::Finished(Box::new(proto_record(&record, false))));
                 SubmitOutcome::Rejected(reason)
             }
@@ -561,44 +596,31 @@ impl Driver {
 
     fn attach(&mut self, m: MigratedRequest, rematerialized: bool) -> Result<(), DriverError> {
         let id = m.spec.id;
-        if self.engine.contains(id) {
-            return Ok(()); // a retried attach: it is already here
-        }
-        if self.draining {
-            return Err(DriverError::Draining);
+        match self.ledger.attach(id) {
+            Ok(Arrival::AlreadyHere) => return Ok(()), // a retried attach
+            Ok(Arrival::Attach) => {}
+            Err(refusal) => return Err(refused(id, refusal)),
         }
         let kv_tokens = m.kv_tokens();
         self.engine.attach(self.clock.now(), m)?;
-        self.arrived(id);
-        if rematerialized {
-            self.rematerialized.insert(id);
-        }
+        ledger_step(self.ledger.attached(id, rematerialized));
         // Re-materialise: the KV is (re)generated here, not copied (the QUIC transfer replaces this).
         self.written.remove(&id);
         self.write_kv(id, kv_tokens);
         Ok(())
     }
 
-    /// Bookkeeping of a request that now runs here (submitted, or attached by a migration).
-    pub(super) fn arrived(&mut self, id: RequestId) {
-        self.accepted.insert(id);
-        self.migrated_away.remove(&id);
-        self.live.insert(id);
-    }
-
-    /// Bookkeeping of a request that left by a committed migration (it may come back by another).
-    pub(super) fn left(&mut self, request: RequestId) {
-        self.migrated_away.insert(request);
-        self.written.remove(&request);
-        self.live.remove(&request);
-        self.rematerialized.remove(&request);
-    }
-
+    /// Move a request out whole (`MigrateOut`: the target re-materialises its KV).
     fn migrate_out(&mut self, request: RequestId) -> Result<MigratedOut, DriverError> {
-        if !self.engine.contains(request) {
-            return Err(DriverError::Unknown(request));
-        }
-        let out = self.engine.begin_migration_out(request)?;
+        self.ledger.begin_out(request, WHOLE_MOVE).map_err(|r| refused(request, r))?;
+        let out = match self.engine.begin_migration_out(request) {
+            Ok(out) => out,
+            Err(e) => {
+                self.resume_out(request, WHOLE_MOVE)?;
+                return Err(e.into());
+            }
+        };
+        self.ledger.pause(request, WHOLE_MOVE).map_err(|r| refused(request, r))?;
         // The arena must hold exactly what the engine says it holds (cheap stamp check).
         if let Some(w) = self.written.get(&request) {
             if let Some(tier) = w.tier {
@@ -606,17 +628,34 @@ impl Driver {
                     Ok(n) => self.kv_stats.tokens_verified += n,
                     Err(cause) => {
                         self.kv_error(request, &cause);
-                        self.engine.abort_migration_out(request)?;
+                        self.resume_out(request, WHOLE_MOVE)?;
                         return Err(DriverError::KvCorrupt { request, cause });
                     }
                 }
             }
         }
+        self.ledger.commit_out(request, WHOLE_MOVE)?;
         let migrated = self.engine.finish_migration_out(request)?;
-        self.left(request);
+        self.written.remove(&request);
         let state =
             serde_json::to_vec(&migrated).map_err(|e| DriverError::Serialize { request, message: e.to_string() })?;
         Ok(MigratedOut { state, kv_tokens: out.kv_tokens, kv_bytes: out.kv_bytes })
+    }
+
+    /// A move out of `request` by `migration` ended before COMMIT: it carries on here.
+    pub(super) fn resume_out(&mut self, request: RequestId, migration: MigrationId) -> Result<(), DriverError> {
+        if self.ledger.abort_out(request, migration)? == Resume::Engine {
+            self.engine.abort_migration_out(request)?;
+        }
+        Ok(())
+    }
+}
+
+/// A ledger transition that follows an engine step that succeeded: it cannot fail unless the two
+/// disagree, which is logged (the engine's word stands).
+fn ledger_step(step: Result<(), LedgerError>) {
+    if let Err(e) = step {
+        tracing::error!("{e}");
     }
 }
 
@@ -653,10 +692,8 @@ fn proto_record(r: &RequestRecord, rematerialized: bool) -> v1::RequestRecord {
     v1::RequestRecord { kv_rematerialized: rematerialized, ..v1::RequestRecord::from(r) }
 }
 
-#[path = "driver_migrate.rs"]
-mod migrate;
-pub(crate) use migrate::{BlockRead, LiveCommand, PausedOut};
+mod live;
+pub(crate) use live::{BlockRead, LiveCommand, PausedOut};
 
 #[cfg(test)]
-#[path = "driver_tests.rs"]
 mod tests;

@@ -2,12 +2,14 @@
 //!
 //! The `core` [`Engine`] runs in real time on this host's clock, with a real KV arena in host
 //! memory, behind the `kvfleet.v1.Worker` gRPC service. No scheduling logic lives here: the engine
-//! decides, the worker keeps time, moves bytes and talks to the network (STYLE "Thin drivers").
+//! decides, the worker keeps time, moves bytes and talks to the network.
 //!
 //! | module | what lives there |
 //! |---|---|
 //! | [`arena`] | the real KV arena: GPU + CPU pools (mmap), deterministic token content, checksums, verification, tier copies |
-//! | [`driver`] | the real-time engine loop on its own thread: deadline-based iterations, KV writes, events, commands |
+//! | [`driver`] | the real-time engine loop on its own thread: deadline-based iterations, KV writes, events, commands; `driver/live.rs`: its half of a live migration |
+//! | [`ledger`] | where every request stands on this instance (submitted, moving out, in doubt, left, reserved for an inbound migration, ...): one pure state machine the driver consults |
+//! | [`migrate`] | live migration over QUIC, both roles (the async shell of the netmodel machines); `migrate/trace.rs`: its spans |
 //! | [`events`] | the event log: dense sequence numbers, kept until acknowledged, replayable, bounded |
 //! | [`service`] | the tonic `Worker` service: validation, commands to the driver, event streams |
 //! | [`timing_select`] | `--timing`: the core's models, and `cuda` (live GPU kernels) with the `cuda` feature |
@@ -25,9 +27,9 @@ pub mod clock;
 pub mod driver;
 pub mod events;
 pub mod lateness;
+pub mod ledger;
 pub mod metrics;
 pub mod migrate;
-pub mod migrate_trace;
 pub mod options;
 pub mod register;
 pub mod service;
@@ -128,6 +130,22 @@ impl WorkerHandle {
     /// A clonable trigger for the same stop (for signal handlers, registration watchdogs).
     pub fn shutdown_trigger(&self) -> ShutdownTrigger {
         self.shutdown.clone()
+    }
+    /// Follow the registration's state as [`register::registration_loop`] publishes it: while it
+    /// has lapsed, the worker refuses requests arriving by migration (see [`ledger`]). A worker
+    /// that follows nothing counts as registered.
+    pub fn follow_registration(&self, mut registered: tokio::sync::watch::Receiver<bool>) {
+        let commands = self.commands.clone();
+        let now = *registered.borrow_and_update();
+        let _ = commands.send(Command::Registration { registered: now });
+        tokio::spawn(async move {
+            while registered.changed().await.is_ok() {
+                let now = *registered.borrow_and_update();
+                if commands.send(Command::Registration { registered: now }).is_err() {
+                    return; // the engine stopped
+                }
+            }
+        });
     }
     /// Timer lateness, engine, arena and log counters (None once the engine has stopped).
     pub async fn stats(&self) -> Option<DriverStats> {
@@ -339,17 +357,8 @@ fn start_migrator(
     } else {
         Arc::new(quic)
     };
-    let mut params = kvfleet_netmodel::migration::MigrationParams::new(block_size, block_bytes);
-    params.stop_copy_blocks = opts.stop_copy_blocks;
-    params.max_stages = opts.max_stages;
-    if opts.stop_copy_ms < 0.0 || !opts.stop_copy_ms.is_finite() {
-        return Err(WorkerError::Migration(format!("--stop-copy-ms must be ≥ 0, got {}", opts.stop_copy_ms)));
-    }
-    params.stop_copy_after =
-        (opts.stop_copy_ms > 0.0).then(|| kvfleet_core::SimDuration::from_millis_f64(opts.stop_copy_ms));
-    params.timeout = kvfleet_core::SimDuration::from_secs_f64(opts.migration_timeout_ms as f64 / 1e3);
-    params.validate().map_err(|e| WorkerError::Migration(e.to_string()))?;
-    let link = migrate_trace::LinkShape { gbps: opts.link_gbps.unwrap_or(0.0), latency_us: opts.link_latency_us };
+    let params = opts.migration_params(block_size, block_bytes).map_err(|e| WorkerError::Migration(e.to_string()))?;
+    let link = migrate::trace::LinkShape { gbps: opts.link_gbps.unwrap_or(0.0), latency_us: opts.link_latency_us };
     let cfg = migrate::MigrateConfig { params, streams: opts.migration_streams.max(1), link };
     Ok(migrate::Migrator::new(transport, commands, clock, cfg, opts.instance))
 }

@@ -5,7 +5,7 @@
 //! One migration uses one pooled connection to the target: a control stream (Prepare, StageEnd,
 //! Commit one way; PrepareReply, StageAck, CommitReply the other) and `streams` data streams that
 //! carry `BlockData` frames in parallel. The engine thread does the arena work one block at a time
-//! ([`LiveCommand`]), so its deadlines hold while gigabytes stream past; tokens decoded during the
+//! (`LiveCommand`), so its deadlines hold while gigabytes stream past; tokens decoded during the
 //! live copy stages stream from the source as usual, and the request is paused only for the final
 //! stop-and-copy.
 //!
@@ -17,10 +17,15 @@
 //! source; the coordinator settles it with `ResolveMigration`: the target answers whether it
 //! holds the request and, if not, refuses any late COMMIT from then on ([`Migrator::resolve_target`]);
 //! the source then frees or resumes its copy ([`Migrator::resolve_source`]).
+//!
+//! Which request is where (moving out, paused, in doubt, reserved for an inbound migration,
+//! fenced) is the engine thread's [`Ledger`](crate::ledger::Ledger), asked through
+//! `LiveCommand`s that carry the migration's id; this task keeps only the connections and the
+//! routes of data streams to their migrations. Spans are built in [`trace`].
 
 use crate::clock::ClusterClock;
 use crate::driver::{BlockRead, Command, DriverError, LiveCommand, PausedOut};
-use crate::migrate_trace::{SourceTrace, TargetTrace};
+use crate::ledger::Refusal;
 use bytes::Bytes;
 use kvfleet_core::{RequestId, SimTime};
 use kvfleet_netmodel::migration::wire::{frame::Body, Frame};
@@ -30,15 +35,20 @@ use kvfleet_netmodel::migration::{
 };
 use kvfleet_proto::v1;
 use kvfleet_transport::{FrameReader, FrameWriter, KvConnection, KvTransport, Payload, StreamReader, StreamWriter};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use tokio::sync::{mpsc, oneshot};
+use trace::{SourceTrace, TargetTrace};
+
+pub mod trace;
 
 type Writer = FrameWriter<StreamWriter>;
 type Reader = FrameReader<StreamReader>;
+/// One stage's copy in flight: its writers back, and the stage or why it failed.
+type CopyTask = tokio::task::JoinHandle<(Vec<Writer>, Result<u32, String>)>;
 /// A target's inbound data-stream frames, each with its block's data if it arrived apart.
 type DataRoute = mpsc::UnboundedSender<(Frame, Option<Payload>)>;
 
@@ -49,7 +59,7 @@ pub struct MigrateConfig {
     /// Parallel data streams per migration.
     pub streams: usize,
     /// The shaping of this worker's outbound link (span attributes).
-    pub link: crate::migrate_trace::LinkShape,
+    pub link: trace::LinkShape,
 }
 
 /// The worker's live-migration endpoint (both roles).
@@ -62,11 +72,6 @@ pub struct Migrator {
     next_id: AtomicU64,
     /// Target: data-stream frames by migration.
     routes: Mutex<HashMap<u64, DataRoute>>,
-    /// Target: requests settled as "not here" by the coordinator; a late COMMIT is refused. Held
-    /// across the check-and-attach so a resolve cannot slip in between.
-    fenced: tokio::sync::Mutex<HashSet<RequestId>>,
-    /// Source: requests paused in doubt (outcome unknown), awaiting the coordinator.
-    in_doubt: Mutex<HashSet<RequestId>>,
     metrics: Mutex<crate::metrics::MigrationMetrics>,
 }
 
@@ -97,8 +102,6 @@ impl Migrator {
             instance,
             next_id: AtomicU64::new(1),
             routes: Mutex::new(HashMap::new()),
-            fenced: tokio::sync::Mutex::new(HashSet::new()),
-            in_doubt: Mutex::new(HashSet::new()),
             metrics: Mutex::new(crate::metrics::MigrationMetrics::default()),
         })
     }
@@ -157,36 +160,10 @@ impl Migrator {
         parent: &kvfleet_telemetry::Context,
     ) -> Result<MigrationReport, DriverError> {
         let id = MigrationId(((self.instance as u64) << 40) | self.next_id.fetch_add(1, Ordering::Relaxed));
-        let kv_tokens =
-            self.ask_raw(|reply| LiveCommand::ReadBlocks { request, first: 0, count: 0, reply }).await?.kv_tokens;
+        let kv_tokens = self.ask_raw(|reply| LiveCommand::BeginOut { request, migration: id, reply }).await?;
         let trace =
             SourceTrace::start(parent, &self.clock, self.now(), id, request, (self.instance, to), self.cfg.link);
-        let mut m = match SourceMachine::new(id, request, self.cfg.params.clone(), self.now(), kv_tokens) {
-            Ok(m) => m.with_source_instance(self.instance).with_trace_context(trace.carrier()),
-            Err(e) => {
-                let report = self.failed_before_start(id, request, e.to_string());
-                trace.finish(&report, self.now());
-                return Ok(report);
-            }
-        };
-        let connect_timeout = std::time::Duration::from_nanos(self.cfg.params.timeout.0);
-        let conn = match tokio::time::timeout(connect_timeout, self.transport.connect(target)).await {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => {
-                m.cancel(self.now(), format!("cannot reach the target: {e}"));
-                trace.finish(m.report(), self.now());
-                return Ok(m.report().clone());
-            }
-            Err(_) => {
-                m.cancel(self.now(), format!("cannot reach the target {target} within {connect_timeout:?}"));
-                trace.finish(m.report(), self.now());
-                return Ok(m.report().clone());
-            }
-        };
-        m.start(self.now());
-        let span = tracing::info_span!("live_migration", %request, migration = %id, %target, role = "source");
-        let outcome = tracing::Instrument::instrument(self.drive_source(&mut m, conn), span).await;
-        let report = m.report().clone();
+        let (outcome, report, connected) = self.run_source(id, request, kv_tokens, target, trace.carrier()).await;
         if matches!(outcome, Outcome::Aborted(AbortReason::SourceKvUnavailable(_)))
             && !self.ask(|reply| LiveCommand::Holds { request, reply }).await.unwrap_or(true)
         {
@@ -195,19 +172,18 @@ impl Migrator {
             return Err(DriverError::Unknown(request));
         }
         trace.finish(&report, self.now());
-        match &outcome {
-            Outcome::Committed => {
-                if let Err(e) = self.ask(|reply| LiveCommand::FinishOut { request, reply }).await {
-                    tracing::error!(%request, "freeing the migrated request failed: {e}");
-                }
-            }
-            Outcome::Aborted(_) => {
-                // Resume it here if it was paused (a "not migrating" answer means it never was).
-                let _ = self.ask(|reply| LiveCommand::ResumeOut { request, reply }).await;
-            }
-            Outcome::Unknown(_) => {
-                self.in_doubt.lock().expect("in-doubt lock").insert(request);
-            }
+        // Whatever happened, the move ends here in the ledger (only this migration's move).
+        let settled = match &outcome {
+            Outcome::Committed => self.ask(|reply| LiveCommand::FinishOut { request, migration: id, reply }).await,
+            // It carries on here (resumed if it was paused).
+            Outcome::Aborted(_) => self.ask(|reply| LiveCommand::ResumeOut { request, migration: id, reply }).await,
+            Outcome::Unknown(_) => self.ask(|reply| LiveCommand::InDoubt { request, migration: id, reply }).await,
+        };
+        if let Err(e) = settled {
+            tracing::error!(%request, migration = %id, outcome = %outcome, "settling the move on the engine failed: {e}");
+        }
+        if !connected {
+            return Ok(report); // never started: not counted as a migration
         }
         {
             let mut mm = self.metrics.lock().expect("metrics lock");
@@ -232,6 +208,45 @@ impl Migrator {
         Ok(report)
     }
 
+    /// Run the source's machine to its outcome (a failure to start or to connect is an abort);
+    /// and whether it connected to the target.
+    async fn run_source(
+        self: &Arc<Self>,
+        id: MigrationId,
+        request: RequestId,
+        kv_tokens: u32,
+        target: SocketAddr,
+        trace_context: kvfleet_telemetry::Carrier,
+    ) -> (Outcome, MigrationReport, bool) {
+        let mut m = match SourceMachine::new(id, request, self.cfg.params.clone(), self.now(), kv_tokens) {
+            Ok(m) => m.with_source_instance(self.instance).with_trace_context(trace_context),
+            Err(e) => {
+                let report = self.failed_before_start(id, request, e.to_string());
+                let outcome = report.outcome.clone().unwrap_or(Outcome::Aborted(AbortReason::Disconnected));
+                return (outcome, report, false);
+            }
+        };
+        let connect_timeout = std::time::Duration::from_nanos(self.cfg.params.timeout.0);
+        let conn = tokio::time::timeout(connect_timeout, self.transport.connect(target)).await;
+        let connected = matches!(conn, Ok(Ok(_)));
+        let outcome = match conn {
+            Ok(Ok(conn)) => {
+                m.start(self.now());
+                let span = tracing::info_span!("live_migration", %request, migration = %id, %target, role = "source");
+                tracing::Instrument::instrument(self.drive_source(&mut m, conn), span).await
+            }
+            Ok(Err(e)) => {
+                m.cancel(self.now(), format!("cannot reach the target: {e}"));
+                m.outcome().cloned().unwrap_or(Outcome::Aborted(AbortReason::Disconnected))
+            }
+            Err(_) => {
+                m.cancel(self.now(), format!("cannot reach the target {target} within {connect_timeout:?}"));
+                m.outcome().cloned().unwrap_or(Outcome::Aborted(AbortReason::Disconnected))
+            }
+        };
+        (outcome, m.report().clone(), connected)
+    }
+
     fn failed_before_start(&self, id: MigrationId, request: RequestId, reason: String) -> MigrationReport {
         let mut m = SourceMachine::new(id, request, self.cfg.params.clone(), self.now(), 0)
             .expect("migration parameters are validated at start-up");
@@ -240,7 +255,7 @@ impl Migrator {
     }
 
     async fn drive_source(self: &Arc<Self>, m: &mut SourceMachine, conn: Arc<dyn KvConnection>) -> Outcome {
-        let request = m.request();
+        let (request, migration) = (m.request(), m.id());
         let (ctl_w, ctl_r) = match conn.open_stream().await {
             Ok(s) => s,
             Err(e) => {
@@ -252,7 +267,7 @@ impl Migrator {
         // Control frames from the target, read by their own task so a slow copy never stalls them.
         let (reader, mut frames) = spawn_control_reader(FrameReader::new(ctl_r));
         let mut data: Vec<Writer> = Vec::new();
-        let mut copy: Option<tokio::task::JoinHandle<(Vec<Writer>, Result<u32, String>)>> = None;
+        let mut copy: Option<CopyTask> = None;
         let outcome = loop {
             // Act on everything the machine wants.
             while let Some(action) = m.poll_action() {
@@ -283,10 +298,12 @@ impl Migrator {
                             writers,
                         )));
                     }
-                    SourceAction::Pause => match self.ask(|reply| LiveCommand::PauseOut { request, reply }).await {
-                        Ok(PausedOut { kv_tokens, state }) => m.on_paused(self.now(), kv_tokens, state),
-                        Err(e) => m.on_read_failed(self.now(), e),
-                    },
+                    SourceAction::Pause => {
+                        match self.ask(|reply| LiveCommand::PauseOut { request, migration, reply }).await {
+                            Ok(PausedOut { kv_tokens, state }) => m.on_paused(self.now(), kv_tokens, state),
+                            Err(e) => m.on_read_failed(self.now(), e),
+                        }
+                    }
                     SourceAction::Done(_) => {}
                 }
             }
@@ -416,27 +433,15 @@ impl Migrator {
     /// on undisturbed (its target, fenced by that leader, refuses the COMMIT if it comes).
     /// Returns whether the request was in doubt here.
     pub async fn resolve_source(&self, request: RequestId, committed: bool) -> Result<bool, String> {
-        if !self.in_doubt.lock().expect("in-doubt lock").remove(&request) {
-            return Ok(false);
-        }
-        if committed {
-            self.ask(|reply| LiveCommand::FinishOut { request, reply }).await?;
-        } else {
-            self.ask(|reply| LiveCommand::ResumeOut { request, reply }).await?;
-        }
-        Ok(true)
+        self.ask(|reply| LiveCommand::ResolveSource { request, committed, reply }).await
     }
 
     // ---------------------------------------------------------------- target
 
-    /// Does this worker hold `request`? If not, it never will through a migration in flight.
+    /// Did a move of `request` land here (it is here, or finished here)? If not, it never will
+    /// through a migration in flight: a late COMMIT is refused from now on.
     pub async fn resolve_target(&self, request: RequestId) -> Result<bool, String> {
-        let mut fenced = self.fenced.lock().await;
-        let held = self.ask(|reply| LiveCommand::Holds { request, reply }).await?;
-        if !held {
-            fenced.insert(request);
-        }
-        Ok(held)
+        self.ask(|reply| LiveCommand::ResolveTarget { request, reply }).await
     }
 
     /// Accept inbound migrations until the transport closes.
@@ -525,8 +530,6 @@ impl Migrator {
         let (data_tx, mut data) = mpsc::unbounded_channel();
         self.routes.lock().expect("routes lock").insert(id.0, data_tx);
         let (reader, mut frames) = spawn_control_reader(ctl_r);
-        let mut reserved = false;
-        let mut attached = false;
         loop {
             while let Some(action) = m.poll_action() {
                 match action {
@@ -535,21 +538,30 @@ impl Migrator {
                     }
                     TargetAction::Reserve { request, kv_tokens, .. } => {
                         let asked = self.now();
-                        let r = if self.fenced.lock().await.contains(&request) {
-                            Err(AbortReason::Refused(format!("{request} was settled elsewhere")))
-                        } else {
-                            self.ask(|reply| LiveCommand::Reserve { request, kv_tokens, reply })
-                                .await
-                                .map_err(AbortReason::TargetOutOfMemory)
+                        let r = match self
+                            .ask_raw(|reply| LiveCommand::Reserve { request, migration: id, kv_tokens, reply })
+                            .await
+                        {
+                            Ok(()) => Ok(()),
+                            Err(DriverError::Refused { refusal: Refusal::Fenced, .. }) => {
+                                Err(AbortReason::Refused(format!("{request} was settled elsewhere")))
+                            }
+                            // Try another target: this one's number may be another worker's now.
+                            Err(e @ DriverError::Refused { refusal: Refusal::Unregistered, .. }) => {
+                                Err(AbortReason::Refused(e.to_string()))
+                            }
+                            Err(e) => Err(AbortReason::TargetOutOfMemory(driver_reason(e))),
                         };
-                        reserved = r.is_ok();
                         let blocks = u64::from(kv_tokens.div_ceil(self.cfg.params.block_size));
                         trace.phase("migration.reserve", asked, self.now(), Some(blocks));
                         m.on_reserved(self.now(), r);
                     }
                     TargetAction::WriteBlock { index, data, .. } => {
                         use kvfleet_core::engine::EngineError as E;
-                        match self.ask_raw(|reply| LiveCommand::WriteBlock { request, index, data, reply }).await {
+                        match self
+                            .ask_raw(|reply| LiveCommand::WriteBlock { request, migration: id, index, data, reply })
+                            .await
+                        {
                             Ok(()) => m.on_written(self.now(), index),
                             Err(e @ DriverError::Engine(E::NoRoom { .. } | E::TooLarge { .. })) => {
                                 m.on_write_failed(self.now(), AbortReason::TargetOutOfMemory(e.to_string()))
@@ -559,20 +571,26 @@ impl Migrator {
                     }
                     TargetAction::Attach { state, .. } => {
                         let commit_at = self.now();
-                        let fenced = self.fenced.lock().await;
-                        let r = if fenced.contains(&request) {
-                            Err(AbortReason::AttachFailed("settled as not migrated by the coordinator".into()))
-                        } else {
-                            match serde_json::from_slice(&state) {
-                                Ok(st) => self
-                                    .ask(|reply| LiveCommand::AttachReserved { state: Box::new(st), reply })
-                                    .await
-                                    .map_err(AbortReason::AttachFailed),
-                                Err(e) => Err(AbortReason::AttachFailed(format!("state: {e}"))),
-                            }
+                        // The ledger refuses it if the coordinator settled the request as "not
+                        // here" (checked on the engine thread with the attach: no resolve can
+                        // slip in between), or if this worker's registration lapsed.
+                        let r = match serde_json::from_slice(&state) {
+                            Ok(st) => match self
+                                .ask_raw(|reply| LiveCommand::AttachReserved {
+                                    migration: id,
+                                    state: Box::new(st),
+                                    reply,
+                                })
+                                .await
+                            {
+                                Ok(verified) => Ok(verified),
+                                Err(DriverError::Refused { refusal: refusal @ Refusal::Fenced, .. }) => {
+                                    Err(AbortReason::AttachFailed(refusal.to_string()))
+                                }
+                                Err(e) => Err(AbortReason::AttachFailed(driver_reason(e))),
+                            },
+                            Err(e) => Err(AbortReason::AttachFailed(format!("state: {e}"))),
                         };
-                        attached = r.is_ok();
-                        drop(fenced);
                         let now = self.now();
                         // Verification (every token's stamp) happens in the engine thread just
                         // before the attach: it reports where one ended and the other began.
@@ -585,9 +603,8 @@ impl Migrator {
                         m.on_attached(now, r.map(|_| ()));
                     }
                     TargetAction::Release => {
-                        if reserved && !attached {
-                            let _ = self.commands.send(Command::Live(LiveCommand::Release { request }));
-                        }
+                        // The ledger frees the reservation only if it is still this migration's.
+                        let _ = self.commands.send(Command::Live(LiveCommand::Release { request, migration: id }));
                     }
                     TargetAction::Done(_) => {}
                 }

@@ -6,6 +6,7 @@ use kvfleet_core::engine::sched::{DemotionBasis, SchedulerParams};
 use kvfleet_core::engine::EngineConfig;
 use kvfleet_core::spec::{GpuSpec, ModelSpec};
 use kvfleet_core::SimDuration;
+use kvfleet_netmodel::migration::MigrationParams;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -111,19 +112,19 @@ pub struct WorkerOptions {
     #[arg(long, default_value_t = 4)]
     pub migration_streams: usize,
     /// Pipelined stop-and-copy: pause for the final copy once fewer than this many new full
-    /// blocks remain.
-    #[arg(long, default_value_t = 16)]
+    /// blocks remain. (The migration defaults are `MigrationParams::default()`'s, the simulator's.)
+    #[arg(long, default_value_t = MigrationParams::default().stop_copy_blocks)]
     pub stop_copy_blocks: u32,
     /// Time-based stop-and-copy (0: off, the block count decides): once a live stage measured
     /// the link, pause when the new blocks would copy within this many milliseconds at its
     /// goodput — a downtime budget that is right on any link, unlike a block count.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = MigrationParams::default().stop_copy_after.map_or(0.0, |d| d.as_millis_f64()))]
     pub stop_copy_ms: f64,
     /// Pipelined stop-and-copy: most live copy stages before the final one (0: plain stop-and-copy).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = MigrationParams::default().max_stages)]
     pub max_stages: u32,
     /// Deadline of one migration, ms (then it aborts and the request carries on here).
-    #[arg(long, default_value_t = 30_000)]
+    #[arg(long, default_value_t = MigrationParams::default().timeout.0 / 1_000_000)]
     pub migration_timeout_ms: u64,
     /// Shape outgoing migration links to this rate (Gbit/s), to emulate a fabric slower than
     /// this host's loopback (e.g. 100 for 100 GbE). Default: unshaped.
@@ -159,6 +160,8 @@ pub enum OptionsError {
     Scheduler(kvfleet_core::engine::sched::SchedulerError),
     #[error("`--{flag}`: {message}")]
     Invalid { flag: &'static str, message: String },
+    #[error("{0}")]
+    Migration(String),
 }
 
 /// Everything the options decide about the instance.
@@ -232,6 +235,21 @@ impl WorkerOptions {
         };
         let layout = ArenaLayout { block_size: self.block_size, kv_bytes_per_token, gpu_blocks, cpu_blocks };
         Ok(InstanceShape { model, gpu, engine, layout, scheduler })
+    }
+
+    /// The live-migration tuning for blocks of `block_size` tokens and `block_bytes` bytes:
+    /// `MigrationParams::new`'s defaults, overridden by the migration flags.
+    pub fn migration_params(&self, block_size: u32, block_bytes: u64) -> Result<MigrationParams, OptionsError> {
+        let mut params = MigrationParams::new(block_size, block_bytes);
+        params.stop_copy_blocks = self.stop_copy_blocks;
+        params.max_stages = self.max_stages;
+        if self.stop_copy_ms < 0.0 || !self.stop_copy_ms.is_finite() {
+            return Err(OptionsError::Migration(format!("--stop-copy-ms must be ≥ 0, got {}", self.stop_copy_ms)));
+        }
+        params.stop_copy_after = (self.stop_copy_ms > 0.0).then(|| SimDuration::from_millis_f64(self.stop_copy_ms));
+        params.timeout = SimDuration(self.migration_timeout_ms.saturating_mul(1_000_000));
+        params.validate().map_err(|e| OptionsError::Migration(e.to_string()))?;
+        Ok(params)
     }
 }
 
@@ -331,6 +349,29 @@ mod tests {
         assert_eq!((s.engine.gpu_blocks, s.engine.cpu_blocks), (64, 0));
         let d = WorkerOptions::default();
         assert_eq!((d.scheduler.as_str(), d.kv_memory_bytes, d.load_interval_ms), ("pascal", 2 << 30, 100));
+    }
+
+    #[test]
+    fn migration_defaults_are_the_simulators() {
+        let d = WorkerOptions::default();
+        let (bs, bb) = (16, 16 * 256 * 1024);
+        assert_eq!(d.migration_params(bs, bb).unwrap(), MigrationParams::new(bs, bb));
+        let o = WorkerOptions::parse_from([
+            "w",
+            "--migration-timeout-ms",
+            "2500",
+            "--stop-copy-ms",
+            "5",
+            "--max-stages",
+            "0",
+        ]);
+        let p = o.migration_params(bs, bb).unwrap();
+        assert_eq!(
+            (p.timeout, p.stop_copy_after, p.max_stages),
+            (SimDuration(2_500_000_000), Some(SimDuration(5_000_000)), 0)
+        );
+        let e = WorkerOptions::parse_from(["w", "--stop-copy-ms=-1"]).migration_params(bs, bb).unwrap_err();
+        assert!(e.to_string().contains("--stop-copy-ms"), "{e}");
     }
 
     #[test]

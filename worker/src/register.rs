@@ -15,6 +15,12 @@
 //!   orchestrator restarts it and it claims a free number).
 //! - [`route_ip`] works out `--advertise auto`: the local IP on the route to etcd or a coordinator.
 //!
+//! [`registration_loop`] publishes whether the registration is in force ([`Registered`]): from
+//! the moment its lease is lost (the keep-alive reports it no later than etcd can expire it) the
+//! coordinator may evict this worker, re-place its requests and give its number to a newcomer,
+//! so the worker refuses requests arriving by migration until it is registered again (the
+//! [`ledger`](crate::ledger)); a COMMIT accepted then would leave the request where nobody looks.
+//!
 //! A model mismatch is final: the worker exits with the message naming both models.
 
 use kvfleet_meta::layout::{self, ClusterRecord, WorkerRecord};
@@ -31,6 +37,10 @@ pub enum RegisterError {
     #[error("metadata store: {0}")]
     Store(#[from] kvfleet_meta::MetaError),
 }
+
+/// Whether this worker's registration is in force, as [`registration_loop`] sees it (see the
+/// module docs; [`crate::WorkerHandle::follow_registration`] hands it to the engine).
+pub type Registered = tokio::sync::watch::Sender<bool>;
 
 /// Read the cluster record (model check, epoch) from etcd before the engine starts.
 pub async fn cluster_record(
@@ -131,12 +141,29 @@ async fn reclaim(
 /// With a `claim` (`--instance auto`) the registration shares the claim's lease, and a lost lease
 /// is followed by re-claiming the same number; the loop ends with an error if another worker has
 /// claimed it meanwhile. Without one (a fixed `--instance`) it registers under its own lease.
+///
+/// `registered` turns true once the registration is written and false as soon as its lease is
+/// lost, when it is given up (`stop`), and when the loop ends.
 pub async fn registration_loop(
     store: Arc<dyn MetaStore>,
     rec: WorkerRecord,
     ttl: Duration,
     claim: Option<InstanceClaim>,
+    stop: tokio::sync::watch::Receiver<bool>,
+    registered: Registered,
+) -> Result<(), RegisterError> {
+    let ended = keep_registered(store, rec, ttl, claim, stop, &registered).await;
+    registered.send_replace(false);
+    ended
+}
+
+async fn keep_registered(
+    store: Arc<dyn MetaStore>,
+    rec: WorkerRecord,
+    ttl: Duration,
+    claim: Option<InstanceClaim>,
     mut stop: tokio::sync::watch::Receiver<bool>,
+    registered: &Registered,
 ) -> Result<(), RegisterError> {
     let key = layout::worker(rec.instance);
     let value = serde_json::to_vec(&rec).expect("plain data");
@@ -171,10 +198,15 @@ pub async fn registration_loop(
         match outcome {
             Ok(keeper) => {
                 tracing::info!(key = %key, "registered in etcd");
+                registered.send_replace(true);
                 backoff = Duration::from_millis(100);
                 tokio::select! {
-                    reason = keeper.lost() => tracing::warn!("registration lease lost ({reason}); registering again"),
+                    reason = keeper.lost() => {
+                        registered.send_replace(false);
+                        tracing::warn!("registration lease lost ({reason}); registering again");
+                    }
                     _ = stop_requested(&mut stop) => {
+                        registered.send_replace(false);
                         let lease = keeper.lease();
                         drop(keeper);
                         match tokio::time::timeout(Duration::from_secs(2), store.revoke(lease)).await {
@@ -238,7 +270,7 @@ pub async fn route_ip(targets: &[String]) -> Result<std::net::IpAddr, String> {
 /// Keep `rec` registered in etcd (under its own lease) for as long as the future runs.
 pub async fn etcd_loop(store: Arc<dyn MetaStore>, rec: WorkerRecord, ttl: Duration) {
     let (_never, stop) = tokio::sync::watch::channel(false);
-    if let Err(e) = registration_loop(store, rec, ttl, None, stop).await {
+    if let Err(e) = registration_loop(store, rec, ttl, None, stop, Registered::new(false)).await {
         tracing::error!("registration ended: {e}");
     }
 }
@@ -338,7 +370,8 @@ mod tests {
         let first = claim_instance(store.clone(), "first", ttl).await.unwrap();
         assert_eq!(first.instance, 0);
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
-        let reg = tokio::spawn(registration_loop(store.clone(), record(0), ttl, Some(first), stop));
+        let (registered, status) = tokio::sync::watch::channel(false);
+        let reg = tokio::spawn(registration_loop(store.clone(), record(0), ttl, Some(first), stop, registered));
         // Registered under the claim's lease.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while store.get(&layout::worker(0)).await.unwrap().is_none() {
@@ -350,10 +383,12 @@ mod tests {
             store.get(&layout::instance_claim(0)).await.unwrap().unwrap(),
         );
         assert_eq!(w.lease, c.lease, "registration and claim share one lease");
+        assert!(*status.borrow(), "registered");
         assert_eq!(claim_instance(store.clone(), "second", ttl).await.unwrap().instance, 1, "0 is held");
         // SIGTERM: deregister. Both keys go at once, and 0 is free for the next replica.
         stop_tx.send(true).unwrap();
         reg.await.unwrap().unwrap();
+        assert!(!*status.borrow(), "deregistered: no longer counted as registered");
         assert!(store.get(&layout::worker(0)).await.unwrap().is_none());
         assert!(store.get(&layout::instance_claim(0)).await.unwrap().is_none());
         assert_eq!(claim_instance(store.clone(), "third", ttl).await.unwrap().instance, 0);
@@ -367,7 +402,8 @@ mod tests {
         let claim = claim_instance(store.clone(), "me", ttl).await.unwrap();
         let lease = claim.keeper.lease();
         let (_keep, stop) = tokio::sync::watch::channel(false);
-        let reg = tokio::spawn(registration_loop(store.clone(), record(0), ttl, Some(claim), stop));
+        let (registered, status) = tokio::sync::watch::channel(false);
+        let reg = tokio::spawn(registration_loop(store.clone(), record(0), ttl, Some(claim), stop, registered));
         tokio::time::sleep(Duration::from_millis(100)).await;
         store.revoke(lease).await.unwrap();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -380,6 +416,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert_eq!(store.get(&layout::instance_claim(0)).await.unwrap().unwrap().value, b"me");
+        tokio::time::timeout(Duration::from_secs(5), status.clone().wait_for(|r| *r)).await.unwrap().unwrap();
         reg.abort();
 
         // Lease lost and the number claimed by a newcomer meanwhile: the loop stops with an error.
@@ -390,16 +427,135 @@ mod tests {
         let newcomer = claim_instance(store.clone(), "newcomer", Duration::from_secs(5)).await.unwrap();
         assert_eq!(newcomer.instance, 0);
         let (_keep, stop) = tokio::sync::watch::channel(false);
+        let (registered, status) = tokio::sync::watch::channel(true);
         let e = tokio::time::timeout(
             Duration::from_secs(5),
-            registration_loop(store.clone(), record(0), ttl, Some(claim), stop),
+            registration_loop(store.clone(), record(0), ttl, Some(claim), stop, registered),
         )
         .await
         .expect("the loop gives up")
         .unwrap_err()
         .to_string();
         assert!(e.contains("instance 0 was claimed by another worker"), "{e}");
+        assert!(!*status.borrow(), "refused for a reclaimed number: not registered");
         assert_eq!(store.get(&layout::instance_claim(0)).await.unwrap().unwrap().value, b"newcomer");
+    }
+
+    /// A store that can be cut off from this worker (a partition from etcd): its lease calls fail.
+    struct CutOff {
+        inner: MemStore,
+        cut: std::sync::atomic::AtomicBool,
+    }
+
+    impl CutOff {
+        fn fail<'a, T: Send + 'a>(&self, op: &'static str) -> Option<kvfleet_meta::MetaFuture<'a, T>> {
+            let cut = self.cut.load(std::sync::atomic::Ordering::SeqCst);
+            cut.then(|| -> kvfleet_meta::MetaFuture<'a, T> {
+                Box::pin(async move { Err(kvfleet_meta::MetaError::Timeout { op, timeout_ms: 0 }) })
+            })
+        }
+    }
+
+    impl MetaStore for CutOff {
+        fn store_kind(&self) -> &'static str {
+            "embedded, cut off"
+        }
+        fn put<'a>(&'a self, key: &'a str, value: &'a [u8]) -> kvfleet_meta::MetaFuture<'a, kvfleet_meta::Revision> {
+            self.fail("put").unwrap_or_else(|| self.inner.put(key, value))
+        }
+        fn put_with_lease<'a>(
+            &'a self,
+            key: &'a str,
+            value: &'a [u8],
+            lease: kvfleet_meta::LeaseId,
+        ) -> kvfleet_meta::MetaFuture<'a, kvfleet_meta::Revision> {
+            self.fail("put").unwrap_or_else(|| self.inner.put_with_lease(key, value, lease))
+        }
+        fn get<'a>(&'a self, key: &'a str) -> kvfleet_meta::MetaFuture<'a, Option<kvfleet_meta::KeyValue>> {
+            self.inner.get(key)
+        }
+        fn get_prefix<'a>(&'a self, prefix: &'a str) -> kvfleet_meta::MetaFuture<'a, kvfleet_meta::Listing> {
+            self.inner.get_prefix(prefix)
+        }
+        fn delete<'a>(&'a self, key: &'a str) -> kvfleet_meta::MetaFuture<'a, bool> {
+            self.inner.delete(key)
+        }
+        fn put_if<'a>(
+            &'a self,
+            key: &'a str,
+            value: &'a [u8],
+            lease: Option<kvfleet_meta::LeaseId>,
+            conditions: &'a [Condition],
+        ) -> kvfleet_meta::MetaFuture<'a, Option<kvfleet_meta::Revision>> {
+            self.inner.put_if(key, value, lease, conditions)
+        }
+        fn delete_if<'a>(
+            &'a self,
+            key: &'a str,
+            conditions: &'a [Condition],
+        ) -> kvfleet_meta::MetaFuture<'a, Option<kvfleet_meta::Revision>> {
+            self.inner.delete_if(key, conditions)
+        }
+        fn grant_lease(&self, ttl: Duration) -> kvfleet_meta::MetaFuture<'_, kvfleet_meta::LeaseId> {
+            self.fail("grant").unwrap_or_else(|| self.inner.grant_lease(ttl))
+        }
+        fn keep_alive(&self, lease: kvfleet_meta::LeaseId) -> kvfleet_meta::MetaFuture<'_, Duration> {
+            self.fail("keep_alive").unwrap_or_else(|| self.inner.keep_alive(lease))
+        }
+        fn revoke(&self, lease: kvfleet_meta::LeaseId) -> kvfleet_meta::MetaFuture<'_, ()> {
+            self.inner.revoke(lease)
+        }
+        fn watch_prefix<'a>(
+            &'a self,
+            prefix: &'a str,
+            from_revision: Option<kvfleet_meta::Revision>,
+        ) -> kvfleet_meta::MetaFuture<'a, kvfleet_meta::MetaStream<kvfleet_meta::WatchEvent>> {
+            self.inner.watch_prefix(prefix, from_revision)
+        }
+        fn campaign<'a>(
+            &'a self,
+            name: &'a str,
+            value: &'a [u8],
+            lease: kvfleet_meta::LeaseId,
+        ) -> kvfleet_meta::MetaFuture<'a, kvfleet_meta::LeaderKey> {
+            self.inner.campaign(name, value, lease)
+        }
+        fn observe<'a>(&'a self, name: &'a str) -> kvfleet_meta::MetaFuture<'a, kvfleet_meta::MetaStream<Vec<u8>>> {
+            self.inner.observe(name)
+        }
+        fn resign<'a>(&'a self, leader: &'a kvfleet_meta::LeaderKey) -> kvfleet_meta::MetaFuture<'a, ()> {
+            self.inner.resign(leader)
+        }
+        fn leader<'a>(&'a self, name: &'a str) -> kvfleet_meta::MetaFuture<'a, Option<Vec<u8>>> {
+            self.inner.leader(name)
+        }
+    }
+
+    /// Cut off from etcd, the worker counts itself unregistered within one TTL of its last
+    /// refresh (the keep-alive's promise: no later than etcd can expire the lease, so before a
+    /// coordinator can evict it and give its number away), and registered again once it is back.
+    #[tokio::test]
+    async fn a_worker_cut_off_from_etcd_counts_itself_unregistered_before_its_lease_can_expire() {
+        let cut = Arc::new(CutOff { inner: MemStore::new(), cut: false.into() });
+        let store: Arc<dyn MetaStore> = cut.clone();
+        let ttl = Duration::from_millis(600);
+        let (_keep, stop) = tokio::sync::watch::channel(false);
+        let (registered, mut status) = tokio::sync::watch::channel(false);
+        let reg = tokio::spawn(registration_loop(store.clone(), record(3), ttl, None, stop, registered));
+        tokio::time::timeout(Duration::from_secs(5), status.wait_for(|r| *r)).await.unwrap().unwrap();
+        cut.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        let cut_at = tokio::time::Instant::now();
+        tokio::time::timeout(Duration::from_secs(5), status.wait_for(|r| !*r)).await.unwrap().unwrap();
+        // One TTL from the last refresh at most (which was before the cut), give or take a timer's wake-up.
+        let slack = Duration::from_millis(100);
+        assert!(
+            cut_at.elapsed() <= ttl + slack,
+            "reported unregistered {:?} after the cut (TTL {ttl:?})",
+            cut_at.elapsed()
+        );
+        cut.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::timeout(Duration::from_secs(5), status.wait_for(|r| *r)).await.unwrap().unwrap();
+        reg.abort();
     }
 
     #[tokio::test]

@@ -142,7 +142,8 @@ fn driver_status(e: DriverError) -> Status {
         DriverError::KvCorrupt { .. } | DriverError::Serialize { .. } | DriverError::Arena(_) => {
             Status::internal(e.to_string())
         }
-        DriverError::Kv { .. } => Status::failed_precondition(e.to_string()),
+        DriverError::Kv { .. } | DriverError::Refused { .. } => Status::failed_precondition(e.to_string()),
+        DriverError::Ledger(_) => Status::internal(e.to_string()),
     }
 }
 

@@ -500,6 +500,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             tail_ttft,
             records: ok.clone(),
             migrations,
+            live_migrations: Default::default(),
             instances: Vec::new(),
             events: 0,
             sim_end_s: wall,

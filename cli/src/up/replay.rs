@@ -10,7 +10,7 @@ use kvfleet_proto::v1::coordinator_client::CoordinatorClient;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tonic::transport::Channel;
 use tonic::Code;
 
@@ -142,14 +142,17 @@ pub fn unix_now_ns() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
-/// Run one request to its final record. `spec.arrival` is on the cluster clock.
+/// Run one request to its final record. `spec.arrival` is on the cluster clock. `placed` fires
+/// once the leader has placed it (or the first attempt failed).
 async fn run_request(
     finder: LeaderFinder,
     spec: RequestSpec,
     stats: Arc<ReplayStats>,
     failover_wait: Duration,
     progress: &Mutex<Progress>,
+    placed: oneshot::Sender<()>,
 ) -> Result<RequestRecord, String> {
+    let mut placed = Some(placed);
     let mut submitted = false;
     let mut attempts = 0u32;
     // Waits between attempts while no leader serves (an election, an etcd outage): doubling, capped.
@@ -171,6 +174,9 @@ async fn run_request(
         } else {
             client.submit(v1::ClientSubmit { spec: Some((&spec).into()) }).await
         };
+        if stream.is_err() {
+            tell(&mut placed);
+        }
         let mut stream = match stream {
             Ok(s) => s.into_inner(),
             Err(e) if e.code() == Code::AlreadyExists => {
@@ -201,10 +207,13 @@ async fn run_request(
         loop {
             match stream.message().await {
                 Ok(Some(ev)) => match ev.event {
-                    Some(v1::client_event::Event::AcceptedOn(i)) => Progress::set(progress, |p| {
-                        p.phase = "placed, waiting for tokens";
-                        p.instance = Some(i);
-                    }),
+                    Some(v1::client_event::Event::AcceptedOn(i)) => {
+                        tell(&mut placed);
+                        Progress::set(progress, |p| {
+                            p.phase = "placed, waiting for tokens";
+                            p.instance = Some(i);
+                        })
+                    }
                     Some(v1::client_event::Event::Tokens(t)) => {
                         stats.tokens.fetch_add(t.count as u64, Ordering::Relaxed);
                         Progress::set(progress, |p| {
@@ -229,6 +238,13 @@ async fn run_request(
     }
 }
 
+/// Fire a once-only signal (if not fired yet; nobody listening is fine).
+fn tell(signal: &mut Option<oneshot::Sender<()>>) {
+    if let Some(s) = signal.take() {
+        let _ = s.send(());
+    }
+}
+
 /// A replay's outcomes split into the finished records (by request id) and the failures.
 pub fn partition(results: Vec<Result<RequestRecord, String>>) -> (Vec<RequestRecord>, Vec<String>) {
     let (mut ok, mut failed) = (Vec::new(), Vec::new());
@@ -244,6 +260,11 @@ pub fn partition(results: Vec<Result<RequestRecord, String>>) -> (Vec<RequestRec
 
 /// Submit every request at `epoch + arrival` (cluster clock) and wait for all records, or until
 /// `give_up` fires: every request still running then ends with an error naming where it was.
+///
+/// Requests reach the leader in arrival order: each is submitted once the one before it was
+/// placed (or [`ORDER_WAIT`] passed). Timers are millisecond-grained, so without this two
+/// arrivals a fraction of a millisecond apart race, and the leader may place them in the other
+/// order than the simulator does.
 pub async fn replay(
     finder: LeaderFinder,
     requests: Vec<RequestSpec>,
@@ -253,10 +274,21 @@ pub async fn replay(
     give_up: GiveUp,
 ) -> Vec<Result<RequestRecord, String>> {
     let mut tasks = Vec::with_capacity(requests.len());
-    for spec in requests {
+    // Each request's signal to the next one in arrival order.
+    let (mut placed, mut next): (Vec<_>, Vec<_>) =
+        requests.iter().map(|_| oneshot::channel()).map(|(t, r)| (Some(t), Some(r))).unzip();
+    let mut order: Vec<usize> = (0..requests.len()).collect();
+    order.sort_by_key(|&i| (requests[i].arrival, requests[i].id));
+    let mut before: Vec<Option<oneshot::Receiver<()>>> = requests.iter().map(|_| None).collect();
+    for pair in order.windows(2) {
+        before[pair[1]] = next[pair[0]].take();
+    }
+    for (i, spec) in requests.into_iter().enumerate() {
         let finder = finder.clone();
         let stats = stats.clone();
         let give_up = give_up.clone();
+        let placed = placed[i].take().expect("one per request");
+        let before = before[i].take();
         tasks.push(tokio::spawn(async move {
             let id = spec.id.0;
             let progress = Mutex::new(Progress { phase: "not yet due", ..Progress::default() });
@@ -266,7 +298,12 @@ pub async fn replay(
                 if due_unix > now {
                     tokio::time::sleep(Duration::from_nanos(due_unix - now)).await;
                 }
-                run_request(finder, spec, stats, failover_wait, &progress).await
+                if let Some(before) = before {
+                    Progress::set(&progress, |p| p.phase = "waiting for the request before it to be placed");
+                    // Dropped (that request gave up) or fired: either way, go.
+                    let _ = tokio::time::timeout(ORDER_WAIT, before).await;
+                }
+                run_request(finder, spec, stats, failover_wait, &progress, placed).await
             };
             tokio::select! {
                 r = run => r,
@@ -283,6 +320,10 @@ pub async fn replay(
     }
     out
 }
+
+/// The longest a request waits for the one before it to be placed (a leader election, an etcd
+/// outage: then order gives way to arrival time).
+pub const ORDER_WAIT: Duration = Duration::from_millis(50);
 
 /// Shift a workload (arrivals from 0) to start `lead` after now, on the cluster clock.
 pub fn schedule(requests: &mut [RequestSpec], epoch_unix_ns: u64, lead: Duration) {

@@ -20,7 +20,7 @@ pub fn scrape(addr: &str) -> anyhow::Result<String> {
     let text = String::from_utf8(raw).context("the metrics page is not UTF-8")?;
     let (head, body) = text.split_once("\r\n\r\n").context("no HTTP header end in the answer")?;
     let status = head.lines().next().unwrap_or_default();
-    if !status.split_whitespace().nth(1).is_some_and(|c| c == "200") {
+    if status.split_whitespace().nth(1).is_none_or(|c| c != "200") {
         bail!("{addr}/metrics answered {status:?}");
     }
     Ok(body.to_string())

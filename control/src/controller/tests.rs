@@ -86,7 +86,12 @@ fn model_mismatch_is_refused_with_both_names() {
     let e = c
         .handle(
             SimTime::ZERO,
-            Event::Joined { instance: InstanceId(0), address: "a".into(), model: "llama-3-8b".into(), kv_bytes_per_token: 131_072 },
+            Event::Joined {
+                instance: InstanceId(0),
+                address: "a".into(),
+                model: "llama-3-8b".into(),
+                kv_bytes_per_token: 131_072,
+            },
         )
         .unwrap_err()
         .to_string();
@@ -142,8 +147,9 @@ fn a_policy_naming_a_dead_instance_gets_the_fallback() {
         c.handle(SimTime::ZERO, Event::Load(load(i, 30 - i * 10, 0))).unwrap();
     }
     assert_eq!(place(&mut c, spec(1, 10)), InstanceId(2), "least loaded live instance");
-    let actions =
-        c.decide(SimTime::ZERO, Event::Boundary { request: RequestId(1), instance: InstanceId(2), kv_blocks: 1 }).unwrap();
+    let actions = c
+        .decide(SimTime::ZERO, Event::Boundary { request: RequestId(1), instance: InstanceId(2), kv_blocks: 1 })
+        .unwrap();
     assert!(actions.is_empty(), "a move to a dead instance: the request stays");
     assert_eq!(c.ownership(RequestId(1)).unwrap().phase, OwnedPhase::Answering);
 }
@@ -155,7 +161,8 @@ fn boundary_migrates_to_fewest_reasoning_and_charges_the_target() {
     c.handle(SimTime::ZERO, Event::Load(load(1, 10, 0))).unwrap();
     let at = place(&mut c, spec(7, 10));
     assert_eq!(at, InstanceId(0), "equal footprints: lowest id");
-    let actions = c.decide(SimTime::ZERO, Event::Boundary { request: RequestId(7), instance: at, kv_blocks: 1 }).unwrap();
+    let actions =
+        c.decide(SimTime::ZERO, Event::Boundary { request: RequestId(7), instance: at, kv_blocks: 1 }).unwrap();
     assert_eq!(actions, vec![Action::Migrate { request: RequestId(7), from: at, to: InstanceId(1), kv_blocks: 1 }]);
     let o = c.ownership(RequestId(7)).unwrap();
     assert_eq!((o.phase, o.migrating_to), (OwnedPhase::Migrating, Some(InstanceId(1))), "where to, for a successor");

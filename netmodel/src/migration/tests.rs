@@ -128,7 +128,8 @@ fn happy_path_frames_report_and_bytes() {
 #[test]
 fn time_based_stop_copy_pauses_when_the_rest_fits_the_budget() {
     #[rustfmt::skip]
-    let table: &[(Option<f64>, u32, u32, Option<f64>, bool)] = &[
+    type Row = (Option<f64>, u32, u32, Option<f64>, bool);
+    let table: &[Row] = &[
         // off: the SPEC's block threshold (16)
         (None, 1, 15, Some(400.0), true),
         (None, 1, 16, Some(400.0), false),
@@ -145,8 +146,8 @@ fn time_based_stop_copy_pauses_when_the_rest_fits_the_budget() {
         (Some(10.0), 1, 0, Some(1.0), true),
     ];
     for &(budget, done, remaining, mb_per_s, pause) in table {
-        let mut p = MigrationParams::default();
-        p.stop_copy_after = budget.map(SimDuration::from_millis_f64);
+        let p =
+            MigrationParams { stop_copy_after: budget.map(SimDuration::from_millis_f64), ..MigrationParams::default() };
         let rate = mb_per_s.map(|m| m * 1e6);
         assert_eq!(p.stop_copy_now(done, remaining, rate), pause, "{budget:?} {done} {remaining} {mb_per_s:?}");
     }

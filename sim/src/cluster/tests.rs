@@ -1,22 +1,45 @@
 //! The event loop with the cluster controller: decisions the simulator must make like the
-//! coordinator does.
+//! coordinator does, and moves run as live migrations.
 
 use super::*;
 use crate::config::{resolve_policy, SimConfig};
+use crate::migration::LiveMigrations;
 use kvfleet_core::policy::registry::build_policy;
+use kvfleet_core::policy::{LoadReport, PhaseChange, PhaseDecision};
+use kvfleet_core::SimDuration;
+use kvfleet_netmodel::migration::AbortReason;
 use std::path::Path;
+
+/// `cfg`'s cluster (its intra-instance scheduler: that of `scheduler.policy`) under `policy`.
+fn run_with(cfg: &SimConfig, policy: Box<dyn InstancePolicy>, requests: &[RequestSpec]) -> ClusterOutcome {
+    let (intra, _) = resolve_policy(&cfg.scheduler.policy).unwrap();
+    let (model, gpu) = cfg.specs().unwrap();
+    let engine = cfg.engine_config(&model, &gpu).unwrap();
+    let timing = crate::timing_model(cfg, Path::new(".")).unwrap();
+    let link = cfg.link.clone();
+    let intra_params = &cfg.scheduler.intra;
+    let cluster = Cluster::new(
+        cfg.cluster.instances,
+        &engine,
+        timing,
+        &intra,
+        intra_params,
+        policy,
+        link,
+        cfg.migration.params(),
+        0,
+    )
+    .unwrap();
+    cluster.run(requests, |_| {})
+}
 
 fn run(policy: &str, instances: u32, requests: &[RequestSpec]) -> ClusterOutcome {
     let mut cfg = SimConfig::default();
     cfg.cluster.instances = instances;
-    let (intra, inst) = resolve_policy(policy).unwrap();
-    let (model, gpu) = cfg.specs().unwrap();
-    let engine = cfg.engine_config(&model, &gpu).unwrap();
-    let timing = crate::timing_model(&cfg, Path::new(".")).unwrap();
+    cfg.scheduler.policy = policy.to_string();
+    let (_, inst) = resolve_policy(policy).unwrap();
     let policy = build_policy(&inst, &cfg.scheduler.instance).unwrap();
-    let cluster =
-        Cluster::new(instances, &engine, timing, &intra, &cfg.scheduler.intra, policy, cfg.link.clone(), 0).unwrap();
-    cluster.run(requests, |_| {})
+    run_with(&cfg, policy, requests)
 }
 
 fn burst(n: u64, prompt: u32) -> Vec<RequestSpec> {
@@ -33,11 +56,140 @@ fn burst(n: u64, prompt: u32) -> Vec<RequestSpec> {
 
 #[test]
 fn simultaneous_arrivals_land_on_distinct_idle_instances() {
-    for policy in ["pascal", "pascal+least-kv", "fcfs"] {
+    for policy in ["pascal", "rr+least-kv", "fcfs"] {
         let out = run(policy, 8, &burst(8, 4000));
         let mut on: Vec<u32> = out.records.iter().map(|r| r.placed_on.0).collect();
         on.sort_unstable();
         assert_eq!(on, (0..8).collect::<Vec<_>>(), "{policy}");
-        assert!(out.records.iter().all(|r| !r.rejected && r.finish.is_some()), "{policy}: all finished");
+        assert!(out.records.iter().all(|r| !r.rejected && r.finished_on.is_some()), "{policy}: all finished");
     }
+}
+
+/// Places request `id` on `place[id]` and moves every request at `</think>` to the first instance
+/// of `prefer` that the controller still offers (it withholds targets that refused).
+#[derive(Debug)]
+struct Scripted {
+    place: Vec<u32>,
+    prefer: Vec<u32>,
+}
+
+impl InstancePolicy for Scripted {
+    fn name(&self) -> &str {
+        "scripted"
+    }
+    fn place(&mut self, request: &RequestSpec, _loads: &[LoadReport], _rng: &mut SimRng) -> InstanceId {
+        InstanceId(self.place[request.id.0 as usize])
+    }
+    fn on_phase_change(&mut self, change: &PhaseChange, loads: &[LoadReport], _rng: &mut SimRng) -> PhaseDecision {
+        let offered = |i: u32| i != change.current.0 && loads.iter().any(|l| l.instance.0 == i);
+        match self.prefer.iter().find(|&&i| offered(i)) {
+            Some(&i) => PhaseDecision::Migrate { to: InstanceId(i) },
+            None => PhaseDecision::Stay,
+        }
+    }
+    fn migrates_at_phase_boundary(&self) -> bool {
+        true
+    }
+}
+
+fn request(id: u64, arrival_s: f64, prompt: u32, reasoning: u32, answer: u32) -> RequestSpec {
+    RequestSpec {
+        id: RequestId(id),
+        arrival: SimTime::from_secs_f64(arrival_s),
+        prompt_tokens: prompt,
+        reasoning_tokens: reasoning,
+        answer_tokens: answer,
+    }
+}
+
+fn last_finish(out: &ClusterOutcome) -> SimTime {
+    out.records.iter().filter_map(|r| r.finish).max().unwrap()
+}
+
+#[test]
+fn boundary_moves_are_live_migrations_that_commit() {
+    let mut cfg = SimConfig::default();
+    cfg.cluster.instances = 2;
+    let requests: Vec<RequestSpec> = (0..4).map(|i| request(i, 0.5 * i as f64, 1000, 40, 30)).collect();
+    let out = run_with(&cfg, Box::new(Scripted { place: vec![0; 4], prefer: vec![1] }), &requests);
+
+    assert_eq!(out.live_migrations.len(), 4);
+    for m in &out.live_migrations {
+        assert_eq!((m.outcome_name(), m.from, m.to), ("committed", InstanceId(0), InstanceId(1)), "{m:?}");
+        assert!(m.live_stages >= 1, "1000 tokens are 62 full blocks: they go live first");
+        let downtime = m.downtime.expect("paused");
+        assert!(downtime < SimDuration::from_millis_f64(2.0), "{}: downtime {downtime}", m.request);
+    }
+    for r in &out.records {
+        assert_eq!((r.placed_on, r.finished_on, r.migrations), (InstanceId(0), Some(InstanceId(1)), 1), "{}", r.id);
+    }
+    assert_eq!(out.migrations, out.live_migrations.iter().map(LiveMigrationRecord::to_metrics).collect::<Vec<_>>());
+    // A migration's 10 s deadline, long gone by then, does not stretch the run.
+    assert_eq!(out.end, last_finish(&out));
+    let s = LiveMigrations::new(out.live_migrations);
+    assert_eq!((s.committed, s.aborted, s.refused, s.stages_avg), (4, 0, 0, Some(2.0)));
+}
+
+#[test]
+fn a_refused_move_goes_to_the_next_target_and_commits_there() {
+    // ~100 blocks of 4 MiB per instance and no CPU pool: a target that is full must refuse.
+    let mut cfg = SimConfig::default();
+    cfg.cluster.instances = 3;
+    cfg.cluster.kv_cache_gb = Some(100.5 * 16.0 * 262_144.0 / 1e9);
+    cfg.cluster.cpu_swap_gb = 0.0;
+    let requests = [
+        // Instance 1 is full of request 0 (94 of 100 blocks, answering for a while).
+        request(0, 0.0, 1500, 0, 100),
+        // Request 1 reaches `</think>` on instance 0 with ~33 blocks; the policy prefers 1, then 2.
+        request(1, 0.0, 500, 20, 50),
+    ];
+    let policy = Scripted { place: vec![1, 0], prefer: vec![1, 2] };
+    let out = run_with(&cfg, Box::new(policy), &requests);
+
+    let moves: Vec<(&str, u32)> = out.live_migrations.iter().map(|m| (m.outcome_name(), m.to.0)).collect();
+    assert_eq!(moves, [("refused", 1), ("committed", 2)]);
+    let refused = &out.live_migrations[0];
+    assert_eq!((refused.bytes, refused.paused_at), (0, None), "a refusal copies nothing and never pauses");
+    assert!(out.live_migrations[1].start >= refused.end, "the next target is tried once the refusal is in");
+    let moved = &out.records[1];
+    assert_eq!((moved.finished_on, moved.migrations), (Some(InstanceId(2)), 1));
+    assert_eq!(out.records[0].finished_on, Some(InstanceId(1)));
+    assert_eq!(out.migrations.iter().map(|m| m.aborted).collect::<Vec<_>>(), [true, false]);
+    let s = LiveMigrations::new(out.live_migrations);
+    assert_eq!((s.committed, s.aborted, s.refused), (1, 0, 1));
+}
+
+#[test]
+fn an_aborted_move_leaves_the_request_running_at_its_source() {
+    let mut cfg = SimConfig::default();
+    cfg.cluster.instances = 2;
+    // Shorter than the `Prepare`'s round trip (2 × 10 µs): every move times out preparing.
+    cfg.migration.timeout_ms = 0.015;
+    let requests: Vec<RequestSpec> = (0..3).map(|i| request(i, 0.3 * i as f64, 800, 30, 20)).collect();
+    let out = run_with(&cfg, Box::new(Scripted { place: vec![0; 3], prefer: vec![1] }), &requests);
+
+    assert_eq!(out.live_migrations.len(), 3);
+    for m in &out.live_migrations {
+        assert_eq!(m.outcome_name(), "aborted", "{m:?}");
+        assert!(matches!(m.abort_reason(), Some(AbortReason::Timeout { .. })), "{:?}", m.outcome);
+    }
+    for r in &out.records {
+        assert_eq!((r.finished_on, r.migrations), (Some(InstanceId(0)), 0), "{}", r.id);
+    }
+    assert_eq!(out.end, last_finish(&out));
+}
+
+#[test]
+fn the_same_input_gives_the_same_migrations() {
+    let mut cfg = SimConfig::default();
+    cfg.cluster.instances = 4;
+    let requests: Vec<RequestSpec> =
+        (0..40).map(|i| request(i, 0.05 * i as f64, 200 + 37 * i as u32, 50 + 13 * i as u32, 40)).collect();
+    let go = || {
+        let policy = build_policy("pascal-nonadaptive", &cfg.scheduler.instance).unwrap();
+        run_with(&cfg, policy, &requests)
+    };
+    let (a, b) = (go(), go());
+    assert!(!a.live_migrations.is_empty());
+    assert_eq!((a.records, a.live_migrations, a.events, a.end), (b.records, b.live_migrations, b.events, b.end));
 }

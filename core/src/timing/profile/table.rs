@@ -1,7 +1,7 @@
 //! Parsing of the profile CSV tables (`decode.csv`, `prefill.csv`, `copy.csv`).
 //!
 //! Hand-written rather than a CSV crate: the files are three numeric columns, and every error
-//! must name the file, the 1-based line and the field (STYLE: no `unwrap()` on file input).
+//! must name the file, the 1-based line and the field.
 //! The first non-blank, non-`#` line is the header; columns are found by name (any order, extra
 //! columns ignored), so a profiler may add columns such as a p90 without breaking readers.
 

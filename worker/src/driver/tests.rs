@@ -4,10 +4,12 @@
 
 use super::*;
 use crate::arena::{ArenaLayout, KvFill};
+use crate::ledger::Refusal;
 use kvfleet_core::engine::sched::{build_scheduler, SchedulerParams};
 use kvfleet_core::engine::EngineConfig;
 use kvfleet_core::timing::FixedTiming;
 use kvfleet_core::{InstanceId, SimDuration};
+use kvfleet_netmodel::migration::MigrationId;
 use std::collections::BTreeMap;
 use std::sync::mpsc::{channel, Sender};
 
@@ -232,15 +234,23 @@ fn shutdown_reports_unfinished_requests_and_closes_the_log() {
     assert_eq!(r.log.read_after(last, 10, &mut out), crate::events::Read::Closed);
 }
 
-/// Write `blocks` of `id` into `to`'s reservation as logical blocks `first`, `first + 1`, …,
-/// each in the pieces a receiver may hold it in (cut at a different point per block).
-fn write_blocks(to: &Running, id: RequestId, first: u32, blocks: &[bytes::Bytes]) {
+/// Write `blocks` of `id` into `to`'s reservation (`migration`'s) as logical blocks `first`,
+/// `first + 1`, …, each in the pieces a receiver may hold it in (cut at a different point per block).
+fn write_blocks(to: &Running, id: RequestId, migration: MigrationId, first: u32, blocks: &[bytes::Bytes]) {
     for (i, data) in blocks.iter().enumerate() {
         let index = first + i as u32;
         let cut = (i * 997) % (data.len() + 1);
         let data: kvfleet_netmodel::Payload = [data.slice(..cut), data.slice(cut..)].into_iter().collect();
-        ask(to, |reply| Command::Live(LiveCommand::WriteBlock { request: id, index, data, reply })).unwrap();
+        let write = |reply| Command::Live(LiveCommand::WriteBlock { request: id, migration, index, data, reply });
+        ask(to, write).unwrap();
     }
+}
+
+/// Begin moving `id` out of `from` by `migration`, then pause it for the final copy.
+fn begin_and_pause(from: &Running, id: RequestId, migration: MigrationId) -> PausedOut {
+    let live = |cmd| Command::Live(cmd);
+    ask(from, |reply| live(LiveCommand::BeginOut { request: id, migration, reply })).unwrap();
+    ask(from, |reply| live(LiveCommand::PauseOut { request: id, migration, reply })).unwrap()
 }
 
 /// The engine-thread half of a live migration, driven by hand: copy full blocks while the request
@@ -254,25 +264,28 @@ fn live_commands_copy_a_running_request_block_by_block() {
     ask(&a, |reply| Command::Submit { spec: spec(9, 9, 60, 10), reply });
     wait_for(&a.log, "a few tokens on A", |s| s.tokens.get(&9).is_some_and(|t| t.len() >= 6));
     let live = |cmd| Command::Live(cmd);
+    let mig = MigrationId(1);
+    ask(&a, |reply| live(LiveCommand::BeginOut { request: id, migration: mig, reply })).unwrap();
     // Stage 0 while it runs: only full blocks are handed out.
     let first = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
     assert_eq!(first.kv_tokens % 4, 0, "only whole blocks while running");
     assert_eq!(first.blocks.len() as u32, first.kv_tokens / 4);
-    ask(&b, |reply| live(LiveCommand::Reserve { request: id, kv_tokens: first.kv_tokens, reply })).unwrap();
-    write_blocks(&b, id, 0, &first.blocks);
+    ask(&b, |reply| live(LiveCommand::Reserve { request: id, migration: mig, kv_tokens: first.kv_tokens, reply }))
+        .unwrap();
+    write_blocks(&b, id, mig, 0, &first.blocks);
     wait_for(&a.log, "more tokens on A during the copy", |s| s.tokens[&9].len() >= 14);
     // Stop-and-copy: pause, then everything from where stage 0 ended (incl. the partial block).
-    let paused = ask(&a, |reply| live(LiveCommand::PauseOut { request: id, reply })).unwrap();
+    let paused = ask(&a, |reply| live(LiveCommand::PauseOut { request: id, migration: mig, reply })).unwrap();
     let sent = first.blocks.len() as u32;
     let rest = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: sent, count: 100, reply })).unwrap();
     assert_eq!(rest.kv_tokens, paused.kv_tokens, "everything is final once paused");
     assert_eq!(sent + rest.blocks.len() as u32, paused.kv_tokens.div_ceil(4));
-    write_blocks(&b, id, sent, &rest.blocks);
+    write_blocks(&b, id, mig, sent, &rest.blocks);
     let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
     assert_eq!(m.kv_tokens(), paused.kv_tokens);
     let generated = m.generated;
-    ask(&b, |reply| live(LiveCommand::AttachReserved { state: Box::new(m), reply })).unwrap();
-    ask(&a, |reply| live(LiveCommand::FinishOut { request: id, reply })).unwrap();
+    ask(&b, |reply| live(LiveCommand::AttachReserved { migration: mig, state: Box::new(m), reply })).unwrap();
+    ask(&a, |reply| live(LiveCommand::FinishOut { request: id, migration: mig, reply })).unwrap();
     let s = wait_for(&b.log, "the record on B", |s| s.finished.contains_key(&9));
     let r = &s.finished[&9];
     assert_eq!((r.migrations, r.kv_rematerialized, r.finished_on), (1, false, Some(1)));
@@ -294,23 +307,27 @@ fn live_commit_with_a_corrupt_block_is_refused_and_the_source_resumes() {
     let live = |cmd| Command::Live(cmd);
     ask(&a, |reply| Command::Submit { spec: spec(5, 9, 30, 5), reply });
     wait_for(&a.log, "tokens on A", |s| s.tokens.get(&5).is_some_and(|t| t.len() >= 3));
-    let paused = ask(&a, |reply| live(LiveCommand::PauseOut { request: id, reply })).unwrap();
+    let mig = MigrationId(1);
+    let paused = begin_and_pause(&a, id, mig);
     let all = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
-    ask(&b, |reply| live(LiveCommand::Reserve { request: id, kv_tokens: paused.kv_tokens, reply })).unwrap();
+    ask(&b, |reply| live(LiveCommand::Reserve { request: id, migration: mig, kv_tokens: paused.kv_tokens, reply }))
+        .unwrap();
     for (i, data) in all.blocks.iter().enumerate() {
         let mut bytes = data.to_vec();
         if i == 1 {
             bytes[100] ^= 0x40;
         }
         let data = bytes::Bytes::from(bytes).into();
-        ask(&b, |reply| live(LiveCommand::WriteBlock { request: id, index: i as u32, data, reply })).unwrap();
+        let write = |reply| live(LiveCommand::WriteBlock { request: id, migration: mig, index: i as u32, data, reply });
+        ask(&b, write).unwrap();
     }
     let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
-    let e = ask(&b, |reply| live(LiveCommand::AttachReserved { state: Box::new(m), reply })).unwrap_err();
+    let e =
+        ask(&b, |reply| live(LiveCommand::AttachReserved { migration: mig, state: Box::new(m), reply })).unwrap_err();
     assert!(matches!(e, DriverError::KvCorrupt { .. }), "{e}");
-    b.tx.send(live(LiveCommand::Release { request: id })).unwrap();
+    b.tx.send(live(LiveCommand::Release { request: id, migration: mig })).unwrap();
     assert_eq!(ask(&b, |reply| Command::Load { reply }).gpu_used_blocks, 0, "the reservation is released");
-    ask(&a, |reply| live(LiveCommand::ResumeOut { request: id, reply })).unwrap();
+    ask(&a, |reply| live(LiveCommand::ResumeOut { request: id, migration: mig, reply })).unwrap();
     let s = wait_for(&a.log, "the record on A", |s| s.finished.contains_key(&5));
     assert_eq!(s.finished[&5].finished_on, Some(0));
     assert_eq!(s.tokens[&5].len(), 35, "every token exactly once, all on A");
@@ -328,10 +345,12 @@ fn a_request_re_placed_while_its_migration_was_incoming_runs_fresh() {
     let live = |cmd| Command::Live(cmd);
     ask(&a, |reply| Command::Submit { spec: spec(5, 9, 40, 10), reply });
     wait_for(&a.log, "a few tokens on A", |s| s.tokens.get(&5).is_some_and(|t| t.len() >= 6));
-    let paused = ask(&a, |reply| live(LiveCommand::PauseOut { request: id, reply })).unwrap();
+    let mig = MigrationId(1);
+    let paused = begin_and_pause(&a, id, mig);
     let blocks = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
-    ask(&b, |reply| live(LiveCommand::Reserve { request: id, kv_tokens: paused.kv_tokens, reply })).unwrap();
-    write_blocks(&b, id, 0, &blocks.blocks);
+    ask(&b, |reply| live(LiveCommand::Reserve { request: id, migration: mig, kv_tokens: paused.kv_tokens, reply }))
+        .unwrap();
+    write_blocks(&b, id, mig, 0, &blocks.blocks);
     // (A is declared dead here; the leader re-places the request on B from the start)
     assert_eq!(ask(&b, |reply| Command::Submit { spec: spec(5, 9, 40, 10), reply }), SubmitOutcome::Accepted);
     let s = wait_for(&b.log, "the fresh copy's record", |s| s.finished.contains_key(&5));
@@ -339,24 +358,25 @@ fn a_request_re_placed_while_its_migration_was_incoming_runs_fresh() {
     assert_eq!(ask(&b, |reply| Command::Stats { reply }).kv.errors, 0);
     // A was only cut off and commits its migration late: refused, no second copy.
     let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
-    let late = ask(&b, |reply| live(LiveCommand::AttachReserved { state: Box::new(m), reply }));
+    let late = ask(&b, |reply| live(LiveCommand::AttachReserved { migration: mig, state: Box::new(m), reply }));
     assert!(late.is_err(), "a late commit of a request already run here is refused: {late:?}");
     assert_eq!(collect(&b.log).finished.len(), 1);
 }
 
-/// A whole live move of `id` from `from` to `to` through the engine threads' live commands:
-/// pause, copy every block, attach on the reservation, release the source. The tokens generated
-/// before the move.
-fn live_move(from: &Running, to: &Running, id: RequestId) -> u32 {
+/// A whole live move of `id` from `from` to `to` by `migration` through the engine threads' live
+/// commands: pause, copy every block, attach on the reservation, release the source. The tokens
+/// generated before the move.
+fn live_move(from: &Running, to: &Running, id: RequestId, migration: MigrationId) -> u32 {
     let live = |cmd| Command::Live(cmd);
-    let paused = ask(from, |reply| live(LiveCommand::PauseOut { request: id, reply })).unwrap();
+    let paused = begin_and_pause(from, id, migration);
     let all = ask(from, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 1000, reply })).unwrap();
-    ask(to, |reply| live(LiveCommand::Reserve { request: id, kv_tokens: paused.kv_tokens, reply })).unwrap();
-    write_blocks(to, id, 0, &all.blocks);
+    let kv_tokens = paused.kv_tokens;
+    ask(to, |reply| live(LiveCommand::Reserve { request: id, migration, kv_tokens, reply })).unwrap();
+    write_blocks(to, id, migration, 0, &all.blocks);
     let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
     let generated = m.generated;
-    ask(to, |reply| live(LiveCommand::AttachReserved { state: Box::new(m), reply })).unwrap();
-    ask(from, |reply| live(LiveCommand::FinishOut { request: id, reply })).unwrap();
+    ask(to, |reply| live(LiveCommand::AttachReserved { migration, state: Box::new(m), reply })).unwrap();
+    ask(from, |reply| live(LiveCommand::FinishOut { request: id, migration, reply })).unwrap();
     generated
 }
 
@@ -371,7 +391,7 @@ fn a_request_that_left_runs_again_when_re_placed_and_reservations_are_not_shared
     let id = RequestId(4);
     assert_eq!(ask(&a, |reply| Command::Submit { spec: spec(4, 9, 80, 10), reply }), SubmitOutcome::Accepted);
     wait_for(&a.log, "tokens on A", |s| s.tokens.get(&4).is_some_and(|t| t.len() >= 5));
-    live_move(&a, &b, id);
+    live_move(&a, &b, id, MigrationId(1));
     // B is gone: re-placed on A from the start.
     assert_eq!(ask(&a, |reply| Command::Submit { spec: spec(4, 9, 80, 10), reply }), SubmitOutcome::Accepted);
     assert_eq!(ask(&a, |reply| Command::Submit { spec: spec(4, 9, 80, 10), reply }), SubmitOutcome::Duplicate);
@@ -380,9 +400,11 @@ fn a_request_that_left_runs_again_when_re_placed_and_reservations_are_not_shared
     // Reservations: the first holds, a second for the same request is refused and changes nothing.
     let live = |cmd| Command::Live(cmd);
     let other = RequestId(5);
-    ask(&b, |reply| live(LiveCommand::Reserve { request: other, kv_tokens: 40, reply })).unwrap();
+    let reserve =
+        |migration| move |reply| live(LiveCommand::Reserve { request: other, migration, kv_tokens: 40, reply });
+    ask(&b, reserve(MigrationId(2))).unwrap();
     let used = ask(&b, |reply| Command::Load { reply }).gpu_used_blocks;
-    let e = ask(&b, |reply| live(LiveCommand::Reserve { request: other, kv_tokens: 40, reply })).unwrap_err();
+    let e = ask(&b, reserve(MigrationId(3))).unwrap_err();
     assert!(e.to_string().contains("already coming in"), "{e}");
     assert_eq!(ask(&b, |reply| Command::Load { reply }).gpu_used_blocks, used);
 }
@@ -397,9 +419,9 @@ fn a_request_migrated_away_can_migrate_back() {
     let id = RequestId(3);
     ask(&a, |reply| Command::Submit { spec: spec(3, 9, 80, 10), reply });
     wait_for(&a.log, "tokens on A", |s| s.tokens.get(&3).is_some_and(|t| t.len() >= 5));
-    let before_b = live_move(&a, &b, id);
+    let before_b = live_move(&a, &b, id, MigrationId(1));
     wait_for(&b.log, "tokens on B", |s| s.tokens.get(&3).is_some_and(|t| t.len() >= 5));
-    let before_back = live_move(&b, &a, id);
+    let before_back = live_move(&b, &a, id, MigrationId(2));
     let s = wait_for(&a.log, "the record, back on A", |s| s.finished.contains_key(&3));
     assert_eq!(s.finished[&3].finished_on, Some(0));
     assert_eq!(s.finished[&3].migrations, 2);
@@ -413,4 +435,88 @@ fn a_request_migrated_away_can_migrate_back() {
         ask(&a, |reply| Command::Stats { reply }).kv.errors + ask(&b, |reply| Command::Stats { reply }).kv.errors,
         0
     );
+    consistent(&a);
+    consistent(&b);
+}
+
+/// The ledger and the engine agree on which requests are here, and the arena on their KV.
+fn consistent(r: &Running) {
+    ask(r, |reply| Command::VerifyAll { reply }).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A worker whose registration lapsed (its number may be a newcomer's, its requests re-placed)
+/// refuses requests arriving by migration: a COMMIT prepared before the lapse is refused, the
+/// reservation freed, the source resumes; new PREPAREs and attaches are refused until it is
+/// registered again. Submits are still answered.
+#[test]
+fn a_worker_whose_registration_lapsed_refuses_migrations_in() {
+    let a = start(0, "fcfs", 32, 8);
+    let b = start(1, "fcfs", 32, 8);
+    let live = |cmd| Command::Live(cmd);
+    let (id, mig) = (RequestId(6), MigrationId(1));
+    ask(&a, |reply| Command::Submit { spec: spec(6, 9, 40, 10), reply });
+    wait_for(&a.log, "tokens on A", |s| s.tokens.get(&6).is_some_and(|t| t.len() >= 5));
+    let paused = begin_and_pause(&a, id, mig);
+    let all = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
+    let kv_tokens = paused.kv_tokens;
+    ask(&b, |reply| live(LiveCommand::Reserve { request: id, migration: mig, kv_tokens, reply })).unwrap();
+    write_blocks(&b, id, mig, 0, &all.blocks);
+    // B's lease is lost before the COMMIT arrives.
+    b.tx.send(Command::Registration { registered: false }).unwrap();
+    let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
+    let e = ask(&b, |reply| live(LiveCommand::AttachReserved { migration: mig, state: Box::new(m.clone()), reply }))
+        .unwrap_err();
+    assert!(matches!(e, DriverError::Refused { refusal: Refusal::Unregistered, .. }), "{e}");
+    b.tx.send(live(LiveCommand::Release { request: id, migration: mig })).unwrap();
+    assert_eq!(ask(&b, |reply| Command::Load { reply }).gpu_used_blocks, 0, "the reservation is released");
+    ask(&a, |reply| live(LiveCommand::ResumeOut { request: id, migration: mig, reply })).unwrap();
+    let s = wait_for(&a.log, "the record on A", |s| s.finished.contains_key(&6));
+    check_request(&s, 6, 40, 10);
+    // Nothing arrives by migration while lapsed; submits still run.
+    let reserve =
+        |reply| live(LiveCommand::Reserve { request: RequestId(8), migration: MigrationId(2), kv_tokens: 8, reply });
+    assert!(matches!(ask(&b, reserve), Err(DriverError::Refused { refusal: Refusal::Unregistered, .. })));
+    let attach = |reply| Command::Attach { state: Box::new(m.clone()), rematerialized: true, reply };
+    assert!(matches!(ask(&b, attach), Err(DriverError::Refused { refusal: Refusal::Unregistered, .. })));
+    assert_eq!(ask(&b, |reply| Command::Submit { spec: spec(9, 4, 2, 2), reply }), SubmitOutcome::Accepted);
+    // Registered again: accepted.
+    b.tx.send(Command::Registration { registered: true }).unwrap();
+    let reserve =
+        |reply| live(LiveCommand::Reserve { request: RequestId(8), migration: MigrationId(2), kv_tokens: 8, reply });
+    ask(&b, reserve).unwrap();
+    b.tx.send(live(LiveCommand::Release { request: RequestId(8), migration: MigrationId(2) })).unwrap();
+    assert!(!collect(&b.log).finished.contains_key(&6), "B never ran it");
+    consistent(&a);
+    consistent(&b);
+}
+
+/// One move out at a time: a second migration of a request being moved is refused, and cannot
+/// resume, pause or free the first one's request (a new leader re-deciding a move while the first,
+/// which outlives its coordinator, is still copying).
+#[test]
+fn a_second_move_out_of_a_request_under_way_is_refused_and_cannot_touch_the_first() {
+    let a = start(0, "fcfs", 32, 8);
+    let live = |cmd| Command::Live(cmd);
+    let id = RequestId(2);
+    ask(&a, |reply| Command::Submit { spec: spec(2, 9, 60, 10), reply });
+    wait_for(&a.log, "tokens on A", |s| s.tokens.get(&2).is_some_and(|t| t.len() >= 5));
+    let (first, second) = (MigrationId(1), MigrationId(2));
+    begin_and_pause(&a, id, first);
+    let e = ask(&a, |reply| live(LiveCommand::BeginOut { request: id, migration: second, reply })).unwrap_err();
+    assert!(matches!(e, DriverError::Refused { refusal: Refusal::MoveUnderWay, .. }), "{e}");
+    assert!(ask(&a, |reply| live(LiveCommand::ResumeOut { request: id, migration: second, reply })).is_err());
+    assert!(ask(&a, |reply| live(LiveCommand::FinishOut { request: id, migration: second, reply })).is_err());
+    assert!(matches!(
+        ask(&a, |reply| Command::MigrateOut { request: id, reply }),
+        Err(DriverError::Refused { refusal: Refusal::MoveUnderWay, .. })
+    ));
+    consistent(&a);
+    let tokens = collect(&a.log).tokens[&2].len();
+    std::thread::sleep(Duration::from_millis(30));
+    assert_eq!(collect(&a.log).tokens[&2].len(), tokens, "still paused: the second move resumed nothing");
+    // The first one's abort resumes it; it finishes here with every token once.
+    ask(&a, |reply| live(LiveCommand::ResumeOut { request: id, migration: first, reply })).unwrap();
+    let s = wait_for(&a.log, "the record on A", |s| s.finished.contains_key(&2));
+    check_request(&s, 2, 60, 10);
+    consistent(&a);
 }

@@ -1,0 +1,348 @@
+//! `kvfleet bench parity`: does a result of `kvfleet sim` hold in `kvfleet up`? Each workload runs
+//! through both (same config, same seed; the emulator's arenas sized as the config's
+//! `kv_cache_gb` / `cpu_swap_gb`), and the per-request records are compared: TTFT and E2E error,
+//! where each request was placed first, how many migrations committed, migration downtime.
+
+use crate::up::DEFAULT_CONFIG;
+use crate::{say, InputError};
+use anyhow::Context as _;
+use clap::Args;
+use kvfleet_core::metrics::percentile::Distribution;
+use kvfleet_sim::config::SimConfig;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The embedded default of `kvfleet up`, by name.
+const QUICKSTART: &str = "quickstart";
+
+#[derive(Args)]
+pub struct ParityBench {
+    /// Workloads: `quickstart` (the embedded `kvfleet up` default) or config files.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "quickstart,examples/parity-trace.toml,examples/parity-migration.toml"
+    )]
+    workloads: Vec<String>,
+    /// Output directory: per workload the simulator's and the emulator's outputs; `parity.json`
+    /// and `parity.csv` with the figures.
+    #[arg(short, long, default_value = "results/bench-parity")]
+    out: PathBuf,
+}
+
+/// One request as a `requests-*.csv` row has it.
+#[derive(Clone, Debug, PartialEq)]
+struct Req {
+    placed_on: u32,
+    ttft_s: Option<f64>,
+    e2e_s: Option<f64>,
+    migrations: u32,
+}
+
+/// The figures of one workload.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Parity {
+    pub workload: String,
+    /// Requests finished in both.
+    pub compared: usize,
+    pub sim_finished: usize,
+    pub emu_finished: usize,
+    pub ttft_mape_pct: f64,
+    pub e2e_mape_pct: f64,
+    pub e2e_median_abs_err_pct: f64,
+    /// Share of the compared requests placed first on the same instance.
+    pub placement_agreement_pct: f64,
+    pub sim_migrations: u32,
+    pub emu_migrations: u32,
+    pub sim_downtime_p50_ms: Option<f64>,
+    pub emu_downtime_p50_ms: Option<f64>,
+}
+
+pub fn run(b: ParityBench) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("locating the kvfleet binary")?;
+    std::fs::create_dir_all(&b.out).with_context(|| format!("creating {}", b.out.display()))?;
+    let mut results = Vec::new();
+    for w in &b.workloads {
+        let (name, config) = workload_config(w, &b.out)?;
+        let cfg = SimConfig::load(&config).map_err(|e| InputError(e.to_string()))?;
+        let dir = b.out.join(&name);
+        let _ = std::fs::remove_dir_all(&dir);
+        let (sim_dir, emu_dir) = (dir.join("sim"), dir.join("emu"));
+        let config_arg = config.to_string_lossy().into_owned();
+        say!("parity {name}: kvfleet sim …");
+        run_step(&exe, &["sim", "--config", &config_arg, "--no-plots", "-q", "--out", &path_arg(&sim_dir)])?;
+        say!("parity {name}: kvfleet up (real processes; about as long as the simulated run) …");
+        let Some(kv) = cfg.cluster.kv_cache_gb else {
+            let why = "needs `cluster.kv_cache_gb`: the emulator's arenas are sized from it";
+            return Err(InputError(format!("workload `{name}` ({}) {why}", config.display())).into());
+        };
+        let (kv, cpu) = (arena_bytes(kv), arena_bytes(cfg.cluster.cpu_swap_gb));
+        run_step(
+            &exe,
+            &[
+                "up",
+                "--config",
+                &config_arg,
+                "--no-etcd",
+                "--no-traces",
+                "--kv-memory",
+                &kv,
+                "--cpu-memory",
+                &cpu,
+                "--kv-fill",
+                "stamp",
+                "-q",
+                "--out",
+                &path_arg(&emu_dir),
+            ],
+        )?;
+        let p = compare(&name, &sim_dir, &emu_dir)?;
+        say!("{}", table(std::slice::from_ref(&p)));
+        results.push(p);
+    }
+    say!("\n{}", table(&results));
+    std::fs::write(b.out.join("parity.json"), serde_json::to_string_pretty(&results)? + "\n")?;
+    std::fs::write(b.out.join("parity.csv"), csv(&results))?;
+    say!("wrote parity.json and parity.csv to {}", b.out.display());
+    Ok(())
+}
+
+/// `quickstart` (written out to `out/quickstart.toml`) or a config file; its name.
+fn workload_config(w: &str, out: &Path) -> anyhow::Result<(String, PathBuf)> {
+    if w == QUICKSTART {
+        let path = out.join("quickstart.toml");
+        std::fs::write(&path, DEFAULT_CONFIG).with_context(|| format!("writing {}", path.display()))?;
+        return Ok((QUICKSTART.into(), path));
+    }
+    let path = PathBuf::from(w);
+    if !path.is_file() {
+        return Err(InputError(format!("workload `{w}`: not `{QUICKSTART}` and no such config file")).into());
+    }
+    let name = path.file_stem().map_or_else(|| w.to_string(), |s| s.to_string_lossy().into_owned());
+    Ok((name, path))
+}
+
+/// `kvfleet up --kv-memory` for a config's size in GB (10⁹ bytes).
+fn arena_bytes(gb: f64) -> String {
+    format!("{}", (gb * 1e9).round() as u64)
+}
+
+fn path_arg(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+/// Run `kvfleet args…`; a failure names the step and ends with its output's last lines.
+fn run_step(exe: &Path, args: &[&str]) -> anyhow::Result<()> {
+    let o = Command::new(exe).args(args).output().with_context(|| format!("starting {}", exe.display()))?;
+    if o.status.success() {
+        return Ok(());
+    }
+    let text = String::from_utf8_lossy(&o.stderr).into_owned() + &String::from_utf8_lossy(&o.stdout);
+    let tail: Vec<&str> = text.lines().rev().take(12).collect::<Vec<_>>().into_iter().rev().collect();
+    anyhow::bail!("kvfleet {} failed ({}):\n{}", args.join(" "), o.status, tail.join("\n"))
+}
+
+/// The one file in `dir` whose name starts with `prefix` and ends in `.csv`.
+fn find_csv(dir: &Path, prefix: &str) -> anyhow::Result<Option<PathBuf>> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let p = e?.path();
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if name.starts_with(prefix) && name.ends_with(".csv") {
+            found.push(p);
+        }
+    }
+    anyhow::ensure!(found.len() <= 1, "{}: several {prefix}*.csv files", dir.display());
+    Ok(found.pop())
+}
+
+/// Rows of a CSV whose fields hold no commas before the last column we read, by header name.
+fn rows(path: &Path) -> anyhow::Result<Vec<BTreeMap<String, String>>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap_or_default().split(',').collect();
+    Ok(lines
+        .filter(|l| !l.is_empty())
+        .map(|l| header.iter().map(|h| h.to_string()).zip(l.split(',').map(str::to_string)).collect())
+        .collect())
+}
+
+fn field<T: std::str::FromStr>(row: &BTreeMap<String, String>, name: &str, path: &Path) -> anyhow::Result<Option<T>> {
+    match row.get(name).map(String::as_str) {
+        None => anyhow::bail!("{}: no column `{name}`", path.display()),
+        Some("") => Ok(None),
+        Some(v) => {
+            v.parse().map(Some).map_err(|_| anyhow::anyhow!("{}: `{name}` = {v:?} is not a number", path.display()))
+        }
+    }
+}
+
+fn requests(dir: &Path) -> anyhow::Result<BTreeMap<u64, Req>> {
+    let path = find_csv(dir, "requests-")?.ok_or_else(|| anyhow::anyhow!("no requests-*.csv in {}", dir.display()))?;
+    let mut out = BTreeMap::new();
+    for row in rows(&path)? {
+        let id = field(&row, "id", &path)?.unwrap_or_default();
+        let req = Req {
+            placed_on: field(&row, "placed_on", &path)?.unwrap_or_default(),
+            ttft_s: field(&row, "ttft_s", &path)?,
+            e2e_s: field(&row, "e2e_s", &path)?,
+            migrations: field(&row, "migrations", &path)?.unwrap_or_default(),
+        };
+        out.insert(id, req);
+    }
+    Ok(out)
+}
+
+/// Downtime (ms) of every committed live migration in `dir`'s `live-migrations*.csv`.
+fn downtimes_ms(dir: &Path) -> anyhow::Result<Vec<f64>> {
+    let Some(path) = find_csv(dir, "live-migrations")? else { return Ok(Vec::new()) };
+    let mut out = Vec::new();
+    for row in rows(&path)? {
+        if row.get("outcome").is_some_and(|o| o == "committed") {
+            out.extend(field::<f64>(&row, "downtime_ms", &path)?);
+        }
+    }
+    Ok(out)
+}
+
+fn compare(name: &str, sim_dir: &Path, emu_dir: &Path) -> anyhow::Result<Parity> {
+    let (sim, emu) = (requests(sim_dir)?, requests(emu_dir)?);
+    let mut p = figures(name, &sim, &emu);
+    p.sim_downtime_p50_ms = Distribution::new(downtimes_ms(sim_dir)?).percentile(0.5);
+    p.emu_downtime_p50_ms = Distribution::new(downtimes_ms(emu_dir)?).percentile(0.5);
+    Ok(p)
+}
+
+/// Relative error of `emu` against `sim`, in %; `None` unless both are known and `sim` > 0.
+fn ape(sim: Option<f64>, emu: Option<f64>) -> Option<f64> {
+    match (sim, emu) {
+        (Some(s), Some(e)) if s > 0.0 => Some(100.0 * (e - s).abs() / s),
+        _ => None,
+    }
+}
+
+fn figures(name: &str, sim: &BTreeMap<u64, Req>, emu: &BTreeMap<u64, Req>) -> Parity {
+    let finished = |m: &BTreeMap<u64, Req>| m.values().filter(|r| r.e2e_s.is_some()).count();
+    let both: Vec<(&Req, &Req)> = sim
+        .iter()
+        .filter_map(|(id, s)| emu.get(id).map(|e| (s, e)))
+        .filter(|(s, e)| s.e2e_s.is_some() && e.e2e_s.is_some())
+        .collect();
+    let mean = |v: Vec<f64>| Distribution::new(v).mean().unwrap_or(f64::NAN);
+    let e2e: Vec<f64> = both.iter().filter_map(|(s, e)| ape(s.e2e_s, e.e2e_s)).collect();
+    Parity {
+        workload: name.to_string(),
+        compared: both.len(),
+        sim_finished: finished(sim),
+        emu_finished: finished(emu),
+        ttft_mape_pct: mean(both.iter().filter_map(|(s, e)| ape(s.ttft_s, e.ttft_s)).collect()),
+        e2e_mape_pct: mean(e2e.clone()),
+        e2e_median_abs_err_pct: Distribution::new(e2e).percentile(0.5).unwrap_or(f64::NAN),
+        placement_agreement_pct: if both.is_empty() {
+            f64::NAN
+        } else {
+            100.0 * both.iter().filter(|(s, e)| s.placed_on == e.placed_on).count() as f64 / both.len() as f64
+        },
+        sim_migrations: sim.values().map(|r| r.migrations).sum(),
+        emu_migrations: emu.values().map(|r| r.migrations).sum(),
+        sim_downtime_p50_ms: None,
+        emu_downtime_p50_ms: None,
+    }
+}
+
+fn opt_ms(v: Option<f64>) -> String {
+    v.map_or("-".into(), |v| format!("{v:.1}"))
+}
+
+/// The summary table: one row per workload.
+pub fn table(rows: &[Parity]) -> String {
+    let mut s = String::from(
+        "workload            compared  TTFT MAPE %  E2E MAPE %  E2E median err %  same placement %  migrations sim/emu  downtime p50 ms sim/emu\n",
+    );
+    for p in rows {
+        let _ = writeln!(
+            s,
+            "{:<18} {:>4}/{:<4} {:>11.2} {:>11.2} {:>17.2} {:>17.1} {:>10}/{:<9} {:>12}/{}",
+            p.workload,
+            p.compared,
+            p.sim_finished.max(p.emu_finished),
+            p.ttft_mape_pct,
+            p.e2e_mape_pct,
+            p.e2e_median_abs_err_pct,
+            p.placement_agreement_pct,
+            p.sim_migrations,
+            p.emu_migrations,
+            opt_ms(p.sim_downtime_p50_ms),
+            opt_ms(p.emu_downtime_p50_ms),
+        );
+    }
+    s
+}
+
+fn csv(rows: &[Parity]) -> String {
+    let mut s = String::from(
+        "workload,compared,sim_finished,emu_finished,ttft_mape_pct,e2e_mape_pct,e2e_median_abs_err_pct,placement_agreement_pct,sim_migrations,emu_migrations,sim_downtime_p50_ms,emu_downtime_p50_ms\n",
+    );
+    for p in rows {
+        let o = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.3}"));
+        let _ = writeln!(
+            s,
+            "{},{},{},{},{:.3},{:.3},{:.3},{:.2},{},{},{},{}",
+            p.workload,
+            p.compared,
+            p.sim_finished,
+            p.emu_finished,
+            p.ttft_mape_pct,
+            p.e2e_mape_pct,
+            p.e2e_median_abs_err_pct,
+            p.placement_agreement_pct,
+            p.sim_migrations,
+            p.emu_migrations,
+            o(p.sim_downtime_p50_ms),
+            o(p.emu_downtime_p50_ms),
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(placed_on: u32, ttft: f64, e2e: f64, migrations: u32) -> Req {
+        Req { placed_on, ttft_s: Some(ttft), e2e_s: Some(e2e), migrations }
+    }
+
+    #[test]
+    fn figures_compare_request_by_request() {
+        let sim: BTreeMap<u64, Req> =
+            [(1, req(0, 1.0, 10.0, 1)), (2, req(1, 2.0, 20.0, 0)), (3, req(2, 1.0, 5.0, 0))].into();
+        let mut emu = sim.clone();
+        emu.insert(1, req(0, 1.1, 11.0, 1)); // +10 %
+        emu.insert(2, req(3, 2.0, 19.0, 1)); // -5 %, elsewhere, moved
+        emu.insert(3, Req { e2e_s: None, ..req(2, 1.0, 5.0, 0) }); // unfinished: not compared
+        let p = figures("w", &sim, &emu);
+        assert_eq!((p.compared, p.sim_finished, p.emu_finished), (2, 3, 2));
+        assert!((p.e2e_mape_pct - 7.5).abs() < 1e-9, "{}", p.e2e_mape_pct);
+        assert!((p.ttft_mape_pct - 5.0).abs() < 1e-9, "{}", p.ttft_mape_pct);
+        assert!((p.placement_agreement_pct - 50.0).abs() < 1e-9);
+        assert_eq!((p.sim_migrations, p.emu_migrations), (1, 2));
+        assert!(table(&[p]).lines().nth(1).unwrap().starts_with("w "));
+    }
+
+    #[test]
+    fn csv_rows_are_read_by_header_and_bad_numbers_named() {
+        let dir = std::env::temp_dir().join(format!("kvfleet-parity-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("requests-x.csv"), "id,placed_on,ttft_s,e2e_s,migrations\n4,2,0.5,,0\n").unwrap();
+        let r = requests(&dir).unwrap();
+        assert_eq!(r[&4], Req { placed_on: 2, ttft_s: Some(0.5), e2e_s: None, migrations: 0 });
+        std::fs::write(dir.join("requests-x.csv"), "id,placed_on,ttft_s,e2e_s,migrations\n4,two,0.5,1,0\n").unwrap();
+        let e = requests(&dir).unwrap_err().to_string();
+        assert!(e.contains("`placed_on`") && e.contains("two"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,134 @@
+//! The live migrations of `kvfleet sim` runs, reported as `kvfleet up` reports the emulator's
+//! (`up/live.rs`): one line per run (committed / aborted / refused, stages, downtime and transfer
+//! time P50/P99) and `live-migrations-<stem>.csv` with the emulator's columns.
+
+use crate::report::{rate_label, run_stems};
+use anyhow::Context as _;
+use kvfleet_sim::migration::LiveMigrationRecord;
+use kvfleet_sim::RunResult;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or("-".into(), |s| format!("{:.1}", s * 1e3))
+}
+
+/// One line per run that migrated anything (empty when none did).
+pub fn table(runs: &[RunResult]) -> String {
+    let mut out = String::new();
+    for run in runs.iter().filter(|r| !r.live_migrations.records.is_empty()) {
+        if out.is_empty() {
+            out.push_str("live migrations (virtual time, pipelined stop-and-copy over the [link] fabric):\n");
+        }
+        let l = &run.live_migrations;
+        let rate = run.rate.map_or_else(|| rate_label(None), |r| format!("{} req/s", rate_label(Some(r))));
+        let _ = write!(
+            out,
+            "  {} @ {rate}: {} committed, {} aborted, {} refused",
+            run.policy, l.committed, l.aborted, l.refused
+        );
+        if l.committed > 0 {
+            let _ = write!(
+                out,
+                " | stages {:.1} avg | downtime ms p50 {} p99 {} | transfer ms p50 {} p99 {}",
+                l.stages_avg.unwrap_or(0.0),
+                ms(l.downtime_p50_s),
+                ms(l.downtime_p99_s),
+                ms(l.transfer_p50_s),
+                ms(l.transfer_p99_s),
+            );
+        }
+        out.push('\n');
+    }
+    out
+}
+
+const HEADER: &str =
+    "request,source,target,outcome,kv_tokens,stages,blocks,bytes,total_ms,downtime_ms,goodput_gbps,stage_bytes,abort_reason";
+
+fn row(m: &LiveMigrationRecord) -> String {
+    let total_s = m.total_time.as_secs_f64();
+    // Stages whose blocks went on the wire (one can be begun, then fail reading its blocks).
+    let sent: Vec<_> = m.report.stages.iter().filter(|s| s.sent.is_some()).collect();
+    let stage_bytes: Vec<String> = sent.iter().map(|s| s.bytes.to_string()).collect();
+    let goodput = if m.committed() && total_s > 0.0 { m.bytes as f64 * 8.0 / total_s / 1e9 } else { 0.0 };
+    format!(
+        "{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},\"{}\"",
+        m.request.0,
+        m.from.0,
+        m.to.0,
+        m.outcome_name(),
+        m.kv_tokens_final.unwrap_or(m.kv_tokens_start),
+        sent.len(),
+        sent.iter().map(|s| s.blocks).sum::<u32>(),
+        m.bytes,
+        total_s * 1e3,
+        m.downtime.map_or(0.0, |d| d.as_secs_f64() * 1e3),
+        goodput,
+        stage_bytes.join(";"),
+        m.abort_reason().map(|r| r.to_string().replace('"', "'")).unwrap_or_default(),
+    )
+}
+
+/// `live-migrations-<stem>.csv` per run that migrated anything; returns the paths written.
+pub fn write_csvs(out_dir: &Path, runs: &[RunResult]) -> anyhow::Result<Vec<PathBuf>> {
+    let mut written = Vec::new();
+    for (run, stem) in runs.iter().zip(run_stems(runs)) {
+        if run.live_migrations.records.is_empty() {
+            continue;
+        }
+        let path = out_dir.join(format!("live-migrations-{stem}.csv"));
+        let mut text = format!("{HEADER}\n");
+        for m in &run.live_migrations.records {
+            text.push_str(&row(m));
+            text.push('\n');
+        }
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::fixtures::TempDir;
+    use kvfleet_sim::config::SimConfig;
+
+    /// PASCAL on two instances with capped KV: requests migrate at `</think>`.
+    fn run(policy: &str) -> RunResult {
+        let text = "[cluster]\ninstances = 2\nkv_cache_gb = 3.0\ncpu_swap_gb = 8.0\n\
+                    [workload]\nseed = 11\nnum_requests = 60\nmax_prompt_tokens = 2048\nmax_output_tokens = 2048\n\
+                    [workload.arrivals]\nkind = \"poisson\"\nrate = 2.0\n\
+                    [workload.lengths]\nkind = \"lognormal\"\nprompt_median = 200.0\nreasoning_median = 300.0\nanswer_median = 100.0\n";
+        let cfg = SimConfig::parse(text, "test.toml").unwrap();
+        kvfleet_sim::run_one(&cfg, policy, None, Path::new("."), |_| {}).unwrap()
+    }
+
+    #[test]
+    fn runs_that_migrated_get_a_line_and_a_csv_row_per_migration() {
+        let runs = vec![run("pascal"), run("fcfs")];
+        let live = &runs[0].live_migrations;
+        assert!(live.committed > 0, "{live:?}");
+        let table = table(&runs);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 2, "a title and one line for pascal (fcfs never migrates):\n{table}");
+        let want = format!(
+            "pascal @ 2 req/s: {} committed, {} aborted, {} refused |",
+            live.committed, live.aborted, live.refused
+        );
+        assert!(lines[1].contains(&want) && lines[1].contains("downtime ms p50"), "{table}");
+
+        let tmp = TempDir::new("sim-live");
+        std::fs::create_dir_all(&tmp.0).unwrap();
+        let written = write_csvs(&tmp.0, &runs).unwrap();
+        assert_eq!(written, [tmp.0.join("live-migrations-pascal-2.csv")]);
+        let csv = std::fs::read_to_string(&written[0]).unwrap();
+        let rows: Vec<&str> = csv.lines().collect();
+        assert_eq!(rows[0], HEADER);
+        assert_eq!(rows.len() - 1, live.records.len());
+        let committed = rows[1..].iter().filter(|r| r.split(',').nth(3) == Some("committed")).count();
+        assert_eq!(committed as u64, live.committed);
+        assert_eq!(table, super::table(&[run("pascal"), run("fcfs")]), "the same run prints the same");
+    }
+}

@@ -1,0 +1,337 @@
+//! The engine thread's side of a live migration: the few arena and engine operations the
+//! migration task (`crate::migrate`) asks for, each short (one block's memcpy at most), so the
+//! engine loop keeps its deadlines while megabytes stream past. Every command that moves a
+//! request's lifecycle asks the [`Ledger`](crate::ledger::Ledger) first and carries its
+//! migration's id: only the migration that began a move (or reserved blocks) can finish it.
+//!
+//! Source: [`LiveCommand::BeginOut`] marks the request as moving out, [`LiveCommand::ReadBlocks`]
+//! copies logical blocks of a running request whose content is final (full blocks; every block
+//! once paused), [`LiveCommand::PauseOut`] freezes it for the stop-and-copy and snapshots its
+//! state, then [`LiveCommand::FinishOut`] (the target runs it), [`LiveCommand::ResumeOut`]
+//! (aborted: it carries on here) or [`LiveCommand::InDoubt`] (COMMIT reply lost: paused until
+//! [`LiveCommand::ResolveSource`]).
+//!
+//! Target: [`LiveCommand::Reserve`] reserves GPU blocks, [`LiveCommand::WriteBlock`] lands a
+//! received block in them (growing the reservation as the request grew on the source),
+//! [`LiveCommand::AttachReserved`] checks every token's content against its deterministic stamp
+//! and makes the request runnable on exactly those blocks; [`LiveCommand::Release`] undoes it.
+//! [`LiveCommand::ResolveTarget`] answers the coordinator after a lost COMMIT reply (and fences).
+
+use super::{ledger_step, refused, verify_written, Driver, DriverError, Written};
+use crate::ledger::{Arrival, Settle};
+use bytes::Bytes;
+use kvfleet_core::engine::MigratedRequest;
+use kvfleet_core::RequestId;
+use kvfleet_netmodel::migration::MigrationId;
+use kvfleet_netmodel::Payload;
+use tokio::sync::oneshot;
+
+/// Blocks an incoming migration's reservation takes beyond its KV at PREPARE, where the target has
+/// room: 4 blocks of 16 tokens cover a request decoding one token per 25 ms for a 1.6 s copy.
+const RESERVE_HEADROOM_BLOCKS: u32 = 4;
+
+type Reply<T> = oneshot::Sender<Result<T, DriverError>>;
+
+#[derive(Debug)]
+pub(crate) enum LiveCommand {
+    /// Start moving a running request out; replies with its final KV tokens so far.
+    BeginOut {
+        request: RequestId,
+        migration: MigrationId,
+        reply: Reply<u32>,
+    },
+    ReadBlocks {
+        request: RequestId,
+        first: u32,
+        count: u32,
+        reply: Reply<BlockRead>,
+    },
+    PauseOut {
+        request: RequestId,
+        migration: MigrationId,
+        reply: Reply<PausedOut>,
+    },
+    FinishOut {
+        request: RequestId,
+        migration: MigrationId,
+        reply: Reply<()>,
+    },
+    ResumeOut {
+        request: RequestId,
+        migration: MigrationId,
+        reply: Reply<()>,
+    },
+    /// The COMMIT's reply was lost: keep it paused until the coordinator settles it.
+    InDoubt {
+        request: RequestId,
+        migration: MigrationId,
+        reply: Reply<()>,
+    },
+    /// The coordinator settled a move in doubt; replies whether it was in doubt here.
+    ResolveSource {
+        request: RequestId,
+        committed: bool,
+        reply: Reply<bool>,
+    },
+    Reserve {
+        request: RequestId,
+        migration: MigrationId,
+        kv_tokens: u32,
+        reply: Reply<()>,
+    },
+    WriteBlock {
+        request: RequestId,
+        migration: MigrationId,
+        index: u32,
+        data: Payload,
+        reply: Reply<()>,
+    },
+    /// Replies with when the verification ended (the attach follows at once).
+    AttachReserved {
+        migration: MigrationId,
+        state: Box<MigratedRequest>,
+        reply: Reply<kvfleet_core::SimTime>,
+    },
+    Release {
+        request: RequestId,
+        migration: MigrationId,
+    },
+    /// Whether the request is on this instance (running, waiting or paused).
+    Holds {
+        request: RequestId,
+        reply: Reply<bool>,
+    },
+    /// Whether a move of the request whose outcome was lost landed here; fenced if not.
+    ResolveTarget {
+        request: RequestId,
+        reply: Reply<bool>,
+    },
+}
+
+/// Blocks read for sending.
+#[derive(Debug)]
+pub(crate) struct BlockRead {
+    /// Tokens whose content is final now (the machine's view of the request's progress).
+    pub kv_tokens: u32,
+    /// The blocks asked for (fewer when not all are final yet), in order from `first`.
+    pub blocks: Vec<Bytes>,
+}
+
+/// A request frozen for the stop-and-copy.
+#[derive(Debug)]
+pub(crate) struct PausedOut {
+    pub kv_tokens: u32,
+    /// serde JSON of [`MigratedRequest`].
+    pub state: Vec<u8>,
+}
+
+impl Driver {
+    pub(super) fn on_live(&mut self, cmd: LiveCommand) {
+        match cmd {
+            LiveCommand::BeginOut { request, migration, reply } => {
+                let _ = reply.send(self.begin_out(request, migration));
+            }
+            LiveCommand::ReadBlocks { request, first, count, reply } => {
+                let _ = reply.send(self.read_blocks(request, first, count));
+            }
+            LiveCommand::PauseOut { request, migration, reply } => {
+                let _ = reply.send(self.pause_out(request, migration));
+            }
+            LiveCommand::FinishOut { request, migration, reply } => {
+                let _ = reply.send(self.finish_out(request, migration));
+            }
+            LiveCommand::ResumeOut { request, migration, reply } => {
+                let _ = reply.send(self.resume_out(request, migration));
+            }
+            LiveCommand::InDoubt { request, migration, reply } => {
+                let _ = reply.send(self.ledger.unknown_out(request, migration).map_err(DriverError::from));
+            }
+            LiveCommand::ResolveSource { request, committed, reply } => {
+                let _ = reply.send(self.resolve_source(request, committed));
+            }
+            LiveCommand::Reserve { request, migration, kv_tokens, reply } => {
+                let _ = reply.send(self.reserve(request, migration, kv_tokens));
+            }
+            LiveCommand::WriteBlock { request, migration, index, data, reply } => {
+                let r = self.ledger.may_write(request, migration).map_err(|r| refused(request, r));
+                let _ = reply.send(r.and_then(|()| self.write_block(request, index, &data)));
+            }
+            LiveCommand::AttachReserved { migration, state, reply } => {
+                let _ = reply.send(self.attach_reserved(migration, *state));
+            }
+            LiveCommand::Release { request, migration } => {
+                if self.ledger.release(request, migration) {
+                    self.engine.release_reservation(request);
+                }
+            }
+            LiveCommand::Holds { request, reply } => {
+                let _ = reply.send(Ok(self.ledger.holds(request)));
+            }
+            LiveCommand::ResolveTarget { request, reply } => {
+                let _ = reply.send(Ok(self.ledger.resolve_target(request)));
+            }
+        }
+    }
+
+    fn begin_out(&mut self, request: RequestId, migration: MigrationId) -> Result<u32, DriverError> {
+        self.ledger.begin_out(request, migration).map_err(|r| refused(request, r))?;
+        match self.read_blocks(request, 0, 0) {
+            Ok(read) => Ok(read.kv_tokens),
+            Err(e) => {
+                // Nothing to move yet (no KV): it carries on here.
+                self.resume_out(request, migration)?;
+                Err(e)
+            }
+        }
+    }
+
+    fn reserve(&mut self, request: RequestId, migration: MigrationId, kv_tokens: u32) -> Result<(), DriverError> {
+        self.ledger.prepare(request, migration).map_err(|r| refused(request, r))?;
+        // Room for the tokens the request decodes on the source during the copy, where there is
+        // some (a target filled meanwhile by its own requests would refuse the growth and abort
+        // the migration); the attach gives back what is unused.
+        let headroom = RESERVE_HEADROOM_BLOCKS * self.block_size;
+        match self.engine.reserve_incoming_with_headroom(request, kv_tokens, headroom) {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                self.ledger.reserve_failed(request, migration);
+                Err(e.into())
+            }
+        }
+    }
+
+    fn resolve_source(&mut self, request: RequestId, committed: bool) -> Result<bool, DriverError> {
+        match self.ledger.resolve_source(request, committed) {
+            Settle::FreeSource => {
+                self.engine.finish_migration_out(request)?;
+                self.written.remove(&request);
+                Ok(true)
+            }
+            Settle::Resume => {
+                self.engine.abort_migration_out(request)?;
+                Ok(true)
+            }
+            Settle::NotInDoubt => Ok(false),
+        }
+    }
+
+    /// Tokens of `request` whose content is written and final: whole blocks while it runs
+    /// (the last, partial block still changes), everything once it is paused.
+    fn final_tokens(&self, request: RequestId, paused: bool) -> Option<(&Written, u32)> {
+        let w = self.written.get(&request)?;
+        let bs = self.block_size;
+        Some((w, if paused { w.tokens } else { w.tokens / bs * bs }))
+    }
+
+    fn read_blocks(&mut self, request: RequestId, first: u32, count: u32) -> Result<BlockRead, DriverError> {
+        if !self.ledger.holds(request) {
+            return Err(DriverError::Unknown(request));
+        }
+        let paused = self.engine.is_migrating_out(request);
+        let table = self.engine.kv().table(request).ok_or_else(|| DriverError::Kv {
+            request,
+            message: "holds no KV (preempted and dropped; it recomputes later)".into(),
+        })?;
+        let (w, final_tokens) = self
+            .final_tokens(request, paused)
+            .ok_or_else(|| DriverError::Kv { request, message: "no KV written yet".into() })?;
+        if w.tier != Some(table.tier) || !table.blocks.starts_with(&w.blocks) {
+            return Err(DriverError::Kv { request, message: "KV is being rewritten after a move".into() });
+        }
+        let bs = self.block_size;
+        let available = final_tokens.div_ceil(bs);
+        let mut blocks = Vec::new();
+        for i in first..first.saturating_add(count).min(available) {
+            let b = *w
+                .blocks
+                .get(i as usize)
+                .ok_or_else(|| DriverError::Kv { request, message: format!("logical block {i} is not written") })?;
+            blocks.push(Bytes::copy_from_slice(self.arena.block(table.tier, b)?));
+        }
+        Ok(BlockRead { kv_tokens: final_tokens, blocks })
+    }
+
+    fn pause_out(&mut self, request: RequestId, migration: MigrationId) -> Result<PausedOut, DriverError> {
+        self.ledger.pause(request, migration).map_err(|r| refused(request, r))?;
+        let paused = self.snapshot_paused(request);
+        if paused.is_err() {
+            self.ledger.pause_failed(request, migration)?;
+        }
+        paused
+    }
+
+    /// Freeze `request` on the engine and snapshot it; on failure it is left running.
+    fn snapshot_paused(&mut self, request: RequestId) -> Result<PausedOut, DriverError> {
+        let out = self.engine.begin_migration_out(request)?;
+        // Everything it holds must be in the arena before the last copy (a request whose KV was
+        // moved unexpectedly is rewritten lazily; finish that now).
+        self.write_kv(request, out.kv_tokens);
+        let have = self.written.get(&request).map_or(0, |w| w.tokens);
+        if have != out.kv_tokens {
+            self.engine.abort_migration_out(request)?;
+            return Err(DriverError::Kv {
+                request,
+                message: format!("{have} of {} KV tokens are resident", out.kv_tokens),
+            });
+        }
+        let state = self.engine.migration_state(request).map_err(DriverError::from).and_then(|s| {
+            serde_json::to_vec(&s).map_err(|e| DriverError::Serialize { request, message: e.to_string() })
+        });
+        if state.is_err() {
+            self.engine.abort_migration_out(request)?;
+        }
+        Ok(PausedOut { kv_tokens: out.kv_tokens, state: state? })
+    }
+
+    fn finish_out(&mut self, request: RequestId, migration: MigrationId) -> Result<(), DriverError> {
+        self.ledger.commit_out(request, migration)?;
+        self.engine.finish_migration_out(request)?;
+        self.written.remove(&request);
+        Ok(())
+    }
+
+    fn write_block(&mut self, request: RequestId, index: u32, data: &Payload) -> Result<(), DriverError> {
+        let bs = self.block_size;
+        let blocks = self.engine.kv().table(request).map_or(0, |t| t.blocks.len() as u32);
+        if index >= blocks {
+            // The request grew on the source since PREPARE: grow the reservation.
+            self.engine.reserve_incoming(request, (index + 1) * bs)?;
+        }
+        let table = self.engine.kv().table(request).ok_or(DriverError::Unknown(request))?;
+        let block = table.blocks[index as usize];
+        self.arena.write_block(table.tier, block, data)?;
+        self.kv_stats.blocks_copied += 1;
+        Ok(())
+    }
+
+    fn attach_reserved(
+        &mut self,
+        migration: MigrationId,
+        m: MigratedRequest,
+    ) -> Result<kvfleet_core::SimTime, DriverError> {
+        let id = m.spec.id;
+        match self.ledger.commit(id, migration) {
+            Ok(Arrival::AlreadyHere) => return Ok(self.clock.now()), // a retried commit
+            Ok(Arrival::Attach) => {}
+            Err(refusal) => return Err(refused(id, refusal)),
+        }
+        let kv_tokens = m.kv_tokens();
+        let table = self.engine.kv().table(id).ok_or(DriverError::Unknown(id))?.clone();
+        if table.blocks.len() < kv_tokens.div_ceil(self.block_size) as usize {
+            return Err(DriverError::Kv {
+                request: id,
+                message: format!("{} blocks received for {kv_tokens} tokens", table.blocks.len()),
+            });
+        }
+        // End to end: every token's content is the one (request, token) determines.
+        let n = verify_written(&self.arena, self.block_size, table.tier, &table.blocks, id, kv_tokens)
+            .map_err(|cause| DriverError::KvCorrupt { request: id, cause })?;
+        self.kv_stats.tokens_verified += n;
+        let verified = self.clock.now();
+        self.engine.attach(verified, m)?;
+        let blocks = self.engine.kv().table(id).map(|t| t.blocks.clone()).unwrap_or_default();
+        self.written.insert(id, Written { tier: Some(table.tier), blocks, tokens: kv_tokens });
+        ledger_step(self.ledger.committed_in(id, migration));
+        Ok(verified)
+    }
+}

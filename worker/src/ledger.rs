@@ -1,0 +1,591 @@
+//! The request ledger: where every request stands on this instance, as one pure state machine.
+//!
+//! The lifecycle of a request on a worker spans the engine thread (submits, attaches, finishes),
+//! both halves of a live migration (source: copy, pause, commit; target: reserve, write, attach)
+//! and the coordinator's settlement of a move whose COMMIT reply was lost. Each of those used to
+//! keep its own set ("accepted", "migrated away", "fenced", "in doubt", ...) and each decision
+//! read a different combination of them; the bugs were in the combinations (a re-placed request
+//! answered "duplicate" and never ran; two inbound migrations shared a reservation). Here one
+//! entry per request holds all of it, and every event is a method that checks the state,
+//! moves it, and answers what to do (sans-IO: no clock, no lock, no I/O;
+//! the driver executes the answers on the engine and the arena).
+//!
+//! A request's [`State`] on this instance, and the events that move it:
+//!
+//! | from | event | to | the driver then |
+//! |---|---|---|---|
+//! | `Unseen`, `Left` | submit (first placement, or re-placed after leaving) | `Running` | runs it (freeing a stale reservation) |
+//! | `Running`, ..., `Finished` | submit again | unchanged | answers "already accepted" |
+//! | not held, not fenced | PREPARE in | + reservation (that migration's) | reserves blocks |
+//! | reserved by the migration | COMMIT in | `Running` | verifies and attaches on the reservation |
+//! | reserved by the migration | its abort | reservation gone | frees the blocks |
+//! | not held | coordinator asks "held?" | + fenced (unless `Finished`) | answers no (yes if finished) |
+//! | not held | attach (re-materialised) | `Running` | attaches it |
+//! | `Running` | move out begins | `MovingOut` | copies KV while it decodes |
+//! | `MovingOut` | pause | `Paused` | freezes it for the final copy |
+//! | `MovingOut`, `Paused` | abort | `Running` | resumes it |
+//! | `Paused` | COMMIT confirmed | `Left` | frees the source copy |
+//! | `Paused` | COMMIT reply lost | `InDoubt` | waits for the coordinator |
+//! | `InDoubt` | resolved held / not held | `Left` / `Running` | frees / resumes |
+//! | `Running`, `MovingOut` | finished | `Finished` | logs the record |
+//!
+//! Beside the state, each entry records an inbound reservation (which migration's PREPARE was
+//! accepted: the blocks are that migration's alone), whether the coordinator settled the request
+//! as "not here" (a fence: a late COMMIT of an old migration is refused), and whether its KV was
+//! re-materialised. Two instance-wide conditions refuse arrivals by migration: draining, and a
+//! lapsed registration (the coordinator has evicted this worker and re-placed its requests, and
+//! a newcomer may already hold its instance number: a request committed here now would run where
+//! nobody looks for it, and the source would have freed its copy).
+//!
+//! Invariants (checked by the cluster property test in `ledger/tests.rs`): a request is held
+//! (`Running`, `MovingOut`, `Paused`, `InDoubt`) exactly when the engine holds it; a reservation
+//! belongs to one migration and is freed once (by that migration's release, by its commit, or by a
+//! fresh submit of the request); only the migration that began a move out can pause, commit or
+//! resume it.
+
+use kvfleet_core::idmap::IdMap;
+use kvfleet_core::RequestId;
+use kvfleet_netmodel::migration::MigrationId;
+use std::fmt;
+
+/// Where a request stands on this instance.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum State {
+    /// Never accepted here: known only by an inbound reservation or a fence.
+    #[default]
+    Unseen,
+    /// Accepted (submitted, re-placed, or attached by a migration); waiting, decoding or preempted.
+    Running,
+    /// Source of a live migration: still decoding while its KV is copied.
+    MovingOut(MigrationId),
+    /// Source: frozen for the final copy.
+    Paused(MigrationId),
+    /// Source: COMMIT sent and its reply lost; paused until the coordinator says which copy lives.
+    InDoubt(MigrationId),
+    /// Left by a committed migration. It may come back: migrated back, or re-placed from the start
+    /// when the instance it moved to died.
+    Left,
+    Finished,
+    /// Can never run here (too large); every later submit gets this reason.
+    Rejected(String),
+}
+
+impl State {
+    /// Whether the engine holds the request (it runs here or is paused here).
+    pub fn is_held(&self) -> bool {
+        matches!(self, State::Running | State::MovingOut(_) | State::Paused(_) | State::InDoubt(_))
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            State::Unseen => "unseen",
+            State::Running => "running",
+            State::MovingOut(_) => "moving out",
+            State::Paused(_) => "paused for the final copy",
+            State::InDoubt(_) => "in doubt",
+            State::Left => "left by a committed migration",
+            State::Finished => "finished",
+            State::Rejected(_) => "rejected",
+        }
+    }
+}
+
+impl fmt::Display for State {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            State::MovingOut(m) | State::Paused(m) | State::InDoubt(m) => write!(f, "{} ({m})", self.name()),
+            _ => f.write_str(self.name()),
+        }
+    }
+}
+
+/// Why an arrival or a move is answered "no". The driver turns these into its errors, keeping the
+/// texts peers and tests already know.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("the instance is draining and accepts no requests")]
+    Draining,
+    /// A final rejection given earlier (too large for this instance).
+    #[error("{0}")]
+    Rejected(String),
+    #[error("not on this instance")]
+    NotHere,
+    #[error("already on this instance")]
+    AlreadyHere,
+    #[error("already run on this instance")]
+    AlreadyRun,
+    #[error("another migration of it is already coming in")]
+    AlreadyComingIn,
+    #[error("holds no reservation for this migration")]
+    NotReserved,
+    #[error("a migration of it is already under way")]
+    MoveUnderWay,
+    /// The coordinator settled it as "not migrated here" (after a lost COMMIT reply).
+    #[error("settled as not migrated by the coordinator")]
+    Fenced,
+    #[error("this worker's registration lapsed: its instance number may be another worker's now")]
+    Unregistered,
+}
+
+/// An event that makes no sense in the request's state: a bug in the caller, named precisely.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{request}: cannot {event} while it is {state}")]
+pub struct LedgerError {
+    pub request: RequestId,
+    pub event: &'static str,
+    pub state: State,
+}
+
+/// The answer to a submit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Hand it to the engine; first free the reservation of a stale inbound migration, if any
+    /// (the migration, whose source was declared dead, aborts on its next frame or deadline).
+    Run {
+        release: Option<MigrationId>,
+    },
+    /// Submits are idempotent by id: it is here, or finished here.
+    AlreadyAccepted,
+    Refuse(Refusal),
+}
+
+/// The answer to an attach (re-materialised) or a live COMMIT.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arrival {
+    /// Hand it to the engine.
+    Attach,
+    /// A retried attach or commit: it is already here.
+    AlreadyHere,
+}
+
+/// What an aborted move out leaves to undo on the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resume {
+    /// It was paused: resume it on the engine.
+    Engine,
+    /// It was still decoding (or had finished meanwhile): nothing to undo.
+    Nothing,
+}
+
+/// The coordinator's word on a move whose outcome was unknown, as the source acts on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settle {
+    /// The target holds it: free the paused copy here.
+    FreeSource,
+    /// The target does not (and is fenced): resume it here.
+    Resume,
+    /// Not in doubt here (never was, or settled already): nothing to do.
+    NotInDoubt,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Entry {
+    state: State,
+    /// The inbound migration whose PREPARE reserved blocks for it (not attached nor released yet).
+    reserved_for: Option<MigrationId>,
+    /// Settled by the coordinator as "not here": a late PREPARE or COMMIT of an old move is refused.
+    fenced: bool,
+    /// Attached with re-generated KV (reported in its finished record).
+    rematerialized: bool,
+}
+
+impl Entry {
+    /// Nothing worth remembering (an unseen request whose reservation was freed).
+    fn is_blank(&self) -> bool {
+        self.state == State::Unseen && self.reserved_for.is_none() && !self.fenced
+    }
+}
+
+/// Every request this instance knows, and whether it accepts arrivals.
+#[derive(Debug)]
+pub struct Ledger {
+    entries: IdMap<RequestId, Entry>,
+    /// Requests held (the engine's count, without iterating the entries).
+    held: usize,
+    draining: bool,
+    registered: bool,
+}
+
+impl Default for Ledger {
+    fn default() -> Self {
+        Ledger::new()
+    }
+}
+
+impl Ledger {
+    /// An empty ledger, accepting work, counted as registered (a worker outside any cluster, or
+    /// one whose registration has not been reported lost).
+    pub fn new() -> Self {
+        Ledger { entries: IdMap::default(), held: 0, draining: false, registered: true }
+    }
+
+    // ------------------------------------------------------------------------- queries
+
+    pub fn state(&self, request: RequestId) -> State {
+        self.entries.get(&request).map_or(State::Unseen, |e| e.state.clone())
+    }
+
+    /// Whether the engine holds `request` (running, waiting, preempted, or paused here).
+    pub fn holds(&self, request: RequestId) -> bool {
+        self.entries.get(&request).is_some_and(|e| e.state.is_held())
+    }
+
+    /// How many requests are held.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+
+    /// The requests held, in id order (what a stopping worker leaves unfinished).
+    pub fn unfinished(&self) -> Vec<RequestId> {
+        let mut ids: Vec<RequestId> =
+            self.entries.iter().filter(|(_, e)| e.state.is_held()).map(|(&id, _)| id).collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// The inbound migration holding a reservation for `request`, if any.
+    pub fn reserved_for(&self, request: RequestId) -> Option<MigrationId> {
+        self.entries.get(&request).and_then(|e| e.reserved_for)
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining
+    }
+
+    pub fn is_registered(&self) -> bool {
+        self.registered
+    }
+
+    // ------------------------------------------------------------------------- the instance
+
+    /// Accept no more requests (submits, attaches, inbound migrations).
+    pub fn drain(&mut self) {
+        self.draining = true;
+    }
+
+    /// The registration lease was lost (`false`) or is held again (`true`). While it is lost the
+    /// coordinator may have evicted this worker, re-placed its requests and given its number to
+    /// a newcomer: no request may arrive here by a migration. Submits are still answered (the
+    /// coordinator only submits to registered workers, and a refusal would end the request as
+    /// rejected).
+    pub fn set_registered(&mut self, registered: bool) {
+        self.registered = registered;
+    }
+
+    // ------------------------------------------------------------------------- arrivals
+
+    /// A submit arrived (first placement, a new leader's re-submit, or a re-placement).
+    pub fn submit(&mut self, request: RequestId) -> Admission {
+        let draining = self.draining;
+        let e = self.entries.entry(request).or_default();
+        match &e.state {
+            // Idempotent while it is here or once it finished here.
+            State::Running | State::MovingOut(_) | State::Paused(_) | State::InDoubt(_) | State::Finished => {
+                Admission::AlreadyAccepted
+            }
+            State::Rejected(reason) => Admission::Refuse(Refusal::Rejected(reason.clone())),
+            // Never here, or left by a committed migration: the leader re-placed it from the
+            // start (the instance it moved to died), so it runs here afresh.
+            State::Unseen | State::Left => {
+                if draining {
+                    return Admission::Refuse(Refusal::Draining);
+                }
+                let release = e.reserved_for.take();
+                self.forget_if_blank(request);
+                Admission::Run { release }
+            }
+        }
+    }
+
+    /// The engine took a submitted request.
+    pub fn started(&mut self, request: RequestId) -> Result<(), LedgerError> {
+        self.arrive(request, "start", false)
+    }
+
+    /// The engine can never run it (final): later submits get `reason`.
+    pub fn rejected(&mut self, request: RequestId, reason: String) -> Result<(), LedgerError> {
+        let e = self.entries.entry(request).or_default();
+        match e.state {
+            State::Unseen | State::Left => {
+                e.state = State::Rejected(reason);
+                Ok(())
+            }
+            _ => Err(LedgerError { request, event: "reject", state: e.state.clone() }),
+        }
+    }
+
+    /// A request handed over whole with its state (the re-materialising path, no reservation).
+    pub fn attach(&self, request: RequestId) -> Result<Arrival, Refusal> {
+        if self.holds(request) {
+            return Ok(Arrival::AlreadyHere);
+        }
+        self.accepts_migrations()?;
+        Ok(Arrival::Attach)
+    }
+
+    /// The engine took an attached request.
+    pub fn attached(&mut self, request: RequestId, rematerialized: bool) -> Result<(), LedgerError> {
+        self.arrive(request, "attach", rematerialized)
+    }
+
+    // ------------------------------------------------------------------------- inbound live
+
+    /// An inbound migration's PREPARE: reserve blocks for it, or say why not.
+    pub fn prepare(&mut self, request: RequestId, migration: MigrationId) -> Result<(), Refusal> {
+        let e = self.entries.get(&request);
+        if e.is_some_and(|e| e.fenced) {
+            return Err(Refusal::Fenced);
+        }
+        self.accepts_migrations()?;
+        if let Some(e) = e {
+            // Two migrations must not share one reservation: the first's abort would free the
+            // blocks the second writes (a stale one whose source was declared dead, say).
+            if e.reserved_for.is_some() {
+                return Err(Refusal::AlreadyComingIn);
+            }
+            if e.state.is_held() {
+                return Err(Refusal::AlreadyHere);
+            }
+        }
+        self.entries.entry(request).or_default().reserved_for = Some(migration);
+        Ok(())
+    }
+
+    /// The engine could not reserve what a PREPARE asked for: nothing is reserved.
+    pub fn reserve_failed(&mut self, request: RequestId, migration: MigrationId) {
+        if let Some(e) = self.entries.get_mut(&request) {
+            if e.reserved_for == Some(migration) {
+                e.reserved_for = None;
+            }
+        }
+        self.forget_if_blank(request);
+    }
+
+    /// May `migration` write a block of `request` (into its own reservation)?
+    pub fn may_write(&self, request: RequestId, migration: MigrationId) -> Result<(), Refusal> {
+        match self.reserved_for(request) {
+            Some(m) if m == migration => Ok(()),
+            _ => Err(Refusal::NotReserved),
+        }
+    }
+
+    /// An inbound migration's COMMIT: attach the request on its reservation, or say why not.
+    pub fn commit(&self, request: RequestId, migration: MigrationId) -> Result<Arrival, Refusal> {
+        let unseen = Entry::default();
+        let e = self.entries.get(&request).unwrap_or(&unseen);
+        if e.fenced {
+            return Err(Refusal::Fenced);
+        }
+        if e.state.is_held() {
+            return Ok(Arrival::AlreadyHere);
+        }
+        if e.state == State::Finished {
+            // It ran here already (re-placed from the start when its source was declared dead):
+            // the old migration must not bring a second copy. One that left by a committed
+            // migration may come back by another.
+            return Err(Refusal::AlreadyRun);
+        }
+        self.accepts_migrations()?;
+        if e.reserved_for != Some(migration) {
+            return Err(Refusal::NotHere);
+        }
+        Ok(Arrival::Attach)
+    }
+
+    /// The engine attached a committed request on its reservation.
+    pub fn committed_in(&mut self, request: RequestId, migration: MigrationId) -> Result<(), LedgerError> {
+        match self.entries.get(&request) {
+            Some(e) if e.reserved_for == Some(migration) => self.arrive(request, "attach on a reservation", false),
+            _ => Err(LedgerError { request, event: "attach on a reservation", state: self.state(request) }),
+        }
+    }
+
+    /// An inbound migration ended without attaching (aborted, refused, timed out). Returns whether
+    /// its reservation is to be freed: only the migration's own, and only once.
+    pub fn release(&mut self, request: RequestId, migration: MigrationId) -> bool {
+        let Some(e) = self.entries.get_mut(&request) else { return false };
+        if e.reserved_for != Some(migration) {
+            return false;
+        }
+        e.reserved_for = None;
+        self.forget_if_blank(request);
+        true
+    }
+
+    /// The coordinator asks whether the move of `request` whose outcome was lost landed here.
+    /// It did if the request is here, or finished here (it may finish before the coordinator
+    /// asks: then the source must free its paused copy, not resume a request that is done). If
+    /// not, it never will through a migration in flight: fenced from now on.
+    pub fn resolve_target(&mut self, request: RequestId) -> bool {
+        let e = self.entries.entry(request).or_default();
+        if e.state.is_held() || e.state == State::Finished {
+            return true;
+        }
+        e.fenced = true;
+        false
+    }
+
+    // ------------------------------------------------------------------------- outbound
+
+    /// `migration` starts moving `request` out (live copy stages while it keeps decoding; the
+    /// re-materialising path goes straight on to [`Ledger::pause`]).
+    pub fn begin_out(&mut self, request: RequestId, migration: MigrationId) -> Result<(), Refusal> {
+        let e = self.entries.get_mut(&request).ok_or(Refusal::NotHere)?;
+        match e.state {
+            State::Running => {
+                e.state = State::MovingOut(migration);
+                Ok(())
+            }
+            State::MovingOut(_) | State::Paused(_) | State::InDoubt(_) => Err(Refusal::MoveUnderWay),
+            _ => Err(Refusal::NotHere),
+        }
+    }
+
+    /// Freeze it for the final copy (the engine then stops scheduling it).
+    pub fn pause(&mut self, request: RequestId, migration: MigrationId) -> Result<(), Refusal> {
+        let e = self.entries.get_mut(&request).ok_or(Refusal::NotHere)?;
+        match e.state {
+            State::MovingOut(m) if m == migration => {
+                e.state = State::Paused(migration);
+                Ok(())
+            }
+            State::MovingOut(_) | State::Paused(_) | State::InDoubt(_) => Err(Refusal::MoveUnderWay),
+            // Finished meanwhile (or never began): nothing to pause.
+            _ => Err(Refusal::NotHere),
+        }
+    }
+
+    /// The engine could not pause it after all: it keeps decoding, the move still open.
+    pub fn pause_failed(&mut self, request: RequestId, migration: MigrationId) -> Result<(), LedgerError> {
+        let e = self.entry_mut(request, "undo a pause")?;
+        match e.state {
+            State::Paused(m) if m == migration => {
+                e.state = State::MovingOut(migration);
+                Ok(())
+            }
+            _ => Err(LedgerError { request, event: "undo a pause", state: e.state.clone() }),
+        }
+    }
+
+    /// The target confirmed `migration`'s COMMIT: free the copy here.
+    pub fn commit_out(&mut self, request: RequestId, migration: MigrationId) -> Result<(), LedgerError> {
+        let e = self.entry_mut(request, "free a committed move")?;
+        match e.state {
+            State::Paused(m) | State::InDoubt(m) if m == migration => {
+                self.leave(request);
+                Ok(())
+            }
+            _ => Err(LedgerError { request, event: "free a committed move", state: e.state.clone() }),
+        }
+    }
+
+    /// `migration` aborted before COMMIT (or was refused): it carries on here.
+    pub fn abort_out(&mut self, request: RequestId, migration: MigrationId) -> Result<Resume, LedgerError> {
+        let Some(e) = self.entries.get_mut(&request) else { return Ok(Resume::Nothing) };
+        match e.state {
+            State::MovingOut(m) if m == migration => {
+                e.state = State::Running;
+                Ok(Resume::Nothing)
+            }
+            State::Paused(m) if m == migration => {
+                e.state = State::Running;
+                Ok(Resume::Engine)
+            }
+            // It finished while its KV was being copied: nothing left to undo.
+            State::Finished => Ok(Resume::Nothing),
+            _ => Err(LedgerError { request, event: "abort a move out", state: e.state.clone() }),
+        }
+    }
+
+    /// `migration`'s COMMIT was sent and its reply lost: paused until the coordinator settles it.
+    pub fn unknown_out(&mut self, request: RequestId, migration: MigrationId) -> Result<(), LedgerError> {
+        let e = self.entry_mut(request, "wait in doubt")?;
+        match e.state {
+            State::Paused(m) if m == migration => {
+                e.state = State::InDoubt(migration);
+                Ok(())
+            }
+            _ => Err(LedgerError { request, event: "wait in doubt", state: e.state.clone() }),
+        }
+    }
+
+    /// The coordinator settled a move whose outcome was unknown (`committed`: the target holds
+    /// it). Only a request in doubt is touched: a leader that took over settles every move its
+    /// predecessor left open, and a move still copying (or long settled) must go on undisturbed.
+    pub fn resolve_source(&mut self, request: RequestId, committed: bool) -> Settle {
+        let Some(e) = self.entries.get_mut(&request) else { return Settle::NotInDoubt };
+        if !matches!(e.state, State::InDoubt(_)) {
+            return Settle::NotInDoubt;
+        }
+        if committed {
+            self.leave(request);
+            Settle::FreeSource
+        } else {
+            e.state = State::Running;
+            Settle::Resume
+        }
+    }
+
+    /// The engine finished it. Returns whether its KV had been re-materialised.
+    pub fn finished(&mut self, request: RequestId) -> Result<bool, LedgerError> {
+        let e = self.entry_mut(request, "finish")?;
+        match e.state {
+            State::Running | State::MovingOut(_) => {
+                e.state = State::Finished;
+                let rematerialized = std::mem::take(&mut e.rematerialized);
+                self.held -= 1;
+                Ok(rematerialized)
+            }
+            _ => Err(LedgerError { request, event: "finish", state: e.state.clone() }),
+        }
+    }
+
+    // ------------------------------------------------------------------------- helpers
+
+    /// Whether requests may arrive by a migration now.
+    fn accepts_migrations(&self) -> Result<(), Refusal> {
+        if self.draining {
+            Err(Refusal::Draining)
+        } else if !self.registered {
+            Err(Refusal::Unregistered)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// It runs here now (submitted, attached, or committed in).
+    fn arrive(&mut self, request: RequestId, event: &'static str, rematerialized: bool) -> Result<(), LedgerError> {
+        let e = self.entries.entry(request).or_default();
+        if e.state.is_held() {
+            return Err(LedgerError { request, event, state: e.state.clone() });
+        }
+        e.state = State::Running;
+        // An attach lands on the request's reservation, if it had one; a submit freed it first.
+        e.reserved_for = None;
+        e.rematerialized = rematerialized;
+        self.held += 1;
+        Ok(())
+    }
+
+    /// It left by a committed migration.
+    fn leave(&mut self, request: RequestId) {
+        if let Some(e) = self.entries.get_mut(&request) {
+            e.state = State::Left;
+            e.rematerialized = false;
+            self.held -= 1;
+        }
+    }
+
+    fn entry_mut(&mut self, request: RequestId, event: &'static str) -> Result<&mut Entry, LedgerError> {
+        self.entries.get_mut(&request).ok_or(LedgerError { request, event, state: State::Unseen })
+    }
+
+    fn forget_if_blank(&mut self, request: RequestId) {
+        if self.entries.get(&request).is_some_and(Entry::is_blank) {
+            self.entries.remove(&request);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
