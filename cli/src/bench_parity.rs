@@ -1,7 +1,12 @@
 //! `kvfleet bench parity`: does a result of `kvfleet sim` hold in `kvfleet up`? Each workload runs
 //! through both (same config, same seed; the emulator's arenas sized as the config's
-//! `kv_cache_gb` / `cpu_swap_gb`), and the per-request records are compared: TTFT and E2E error,
-//! where each request was placed first, how many migrations committed, migration downtime.
+//! `kv_cache_gb` / `cpu_swap_gb`, its migration links shaped to the config's `[link]`), and the
+//! per-request records are compared: TTFT and E2E error, where each request was placed first, how
+//! many migrations committed, migration downtime.
+//!
+//! The link must be one this host's loopback QUIC can carry (a few Gbit/s here): the embedded
+//! quickstart config models a 100 Gbit/s fabric, so the bench runs it with `[link]` set to
+//! [`QUICKSTART_LINK_GBPS`] in both.
 
 use crate::up::DEFAULT_CONFIG;
 use crate::{say, InputError};
@@ -17,6 +22,10 @@ use std::process::Command;
 
 /// The embedded default of `kvfleet up`, by name.
 const QUICKSTART: &str = "quickstart";
+
+/// The migration link of the quickstart workload here, Gbit/s (in the simulator's fabric model
+/// and as the emulator's shaping): below what loopback QUIC carries on this host.
+pub const QUICKSTART_LINK_GBPS: f64 = 2.0;
 
 #[derive(Args)]
 pub struct ParityBench {
@@ -80,6 +89,7 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
             return Err(InputError(format!("workload `{name}` ({}) {why}", config.display())).into());
         };
         let (kv, cpu) = (arena_bytes(kv), arena_bytes(cfg.cluster.cpu_swap_gb));
+        let (gbps, latency_us) = (cfg.link.bandwidth_gbps.to_string(), cfg.link.latency_us.to_string());
         run_step(
             &exe,
             &[
@@ -94,6 +104,10 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
                 &cpu,
                 "--kv-fill",
                 "stamp",
+                "--link-gbps",
+                &gbps,
+                "--link-latency-us",
+                &latency_us,
                 "-q",
                 "--out",
                 &path_arg(&emu_dir),
@@ -114,7 +128,8 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
 fn workload_config(w: &str, out: &Path) -> anyhow::Result<(String, PathBuf)> {
     if w == QUICKSTART {
         let path = out.join("quickstart.toml");
-        std::fs::write(&path, DEFAULT_CONFIG).with_context(|| format!("writing {}", path.display()))?;
+        let text = format!("{DEFAULT_CONFIG}\n[link]\nbandwidth_gbps = {QUICKSTART_LINK_GBPS:?}\n");
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
         return Ok((QUICKSTART.into(), path));
     }
     let path = PathBuf::from(w);

@@ -61,6 +61,14 @@ pub struct UpArgs {
     /// KV content written per token: `full` (every byte) or `stamp` (first 64 bytes).
     #[arg(long, default_value = "full")]
     kv_fill: String,
+    /// Shape every worker's outgoing migration links to this rate (Gbit/s), to emulate a fabric
+    /// slower than this host's loopback (e.g. the config's `[link] bandwidth_gbps`, as
+    /// `kvfleet bench parity` does). Default: unshaped.
+    #[arg(long)]
+    link_gbps: Option<f64>,
+    /// Added one-way latency on every worker's outgoing migration links, µs.
+    #[arg(long, default_value_t = 0.0)]
+    link_latency_us: f64,
     /// Do not pre-fault the workers' KV arenas (faster start-up; the first touch of each page then
     /// lands inside the engine loop and shows up as timer lateness of up to hundreds of ms).
     #[arg(long)]
@@ -188,6 +196,12 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     }
     cfg.sweep = None;
     cfg.validate().map_err(|e| InputError(e.to_string()))?;
+    if let Some(g) = args.link_gbps.filter(|g| !(g.is_finite() && *g > 0.0)) {
+        return Err(InputError(format!("--link-gbps must be a positive number, got {g}")).into());
+    }
+    if !(args.link_latency_us.is_finite() && args.link_latency_us >= 0.0) {
+        return Err(InputError(format!("--link-latency-us must be ≥ 0, got {}", args.link_latency_us)).into());
+    }
     let rate = match args.rate {
         Some(r) if !(r.is_finite() && r > 0.0) => {
             return Err(InputError(format!("--rate must be a positive number, got {r}")).into())
@@ -333,12 +347,22 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 epoch_unix_ns.to_string(),
                 "--load-interval-ms".into(),
                 "20".into(),
-                // SPEC's 16 blocks decide before the first live stage; after it, pause once the
-                // rest copies within 10 ms at the measured rate (16 blocks are ~200 ms over
-                // loopback QUIC here, ~5 ms on a 100 Gbit/s fabric).
+                // The live-migration knobs of the config's `[migration]`, as the simulator uses them.
+                "--stop-copy-blocks".into(),
+                cfg.migration.stop_copy_blocks.to_string(),
                 "--stop-copy-ms".into(),
-                "10".into(),
+                cfg.migration.stop_copy_ms.to_string(),
+                "--max-stages".into(),
+                cfg.migration.max_stages.to_string(),
+                "--migration-timeout-ms".into(),
+                (cfg.migration.timeout_ms.round() as u64).to_string(),
             ];
+            if let Some(gbps) = args.link_gbps {
+                a.extend(["--link-gbps".into(), gbps.to_string()]);
+            }
+            if args.link_latency_us > 0.0 {
+                a.extend(["--link-latency-us".into(), args.link_latency_us.to_string()]);
+            }
             if !args.no_prefault {
                 a.push("--prefault".into());
             }
