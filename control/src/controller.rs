@@ -7,7 +7,9 @@
 //!   client request ──────────── Event::Arrival ────────▶ policy.place ─▶ Action::Place | Reject
 //!   `</think>` ─────────────── Event::Boundary ───────▶ policy.on_phase_change ─▶ Action::Migrate
 //!   move settled ────────────── Event::MigrationEnded ─▶ ownership; a refused move: next target
-//!   instance gone ───────────── Event::Left ───────────▶ Action::Place (re-placed) for its requests
+//!   instance gone ───────────── Event::Left ───────────▶ Action::Place (re-placed) for its requests,
+//!                                                         Action::Settle for those it was moving out
+//!   target answered ─────────── Event::Settled ────────▶ ownership, or Action::Place (re-placed)
 //!   final record ────────────── Event::Finished ───────▶ ownership
 //! ```
 //!
@@ -20,12 +22,16 @@
 //! - **Fallback.** A policy that names an instance that is not live gets the least-loaded live
 //!   instance for a placement, and "stay" for a move, with a log line; never a panic.
 //! - **Ownership.** One record per request says where it runs; a phase event from an instance
-//!   that does not own the request, or for a finished request, never moves it.
+//!   that does not own the request, or for a finished request, never moves it. A request whose
+//!   instance left is re-placed, unless it was being moved out to a live target: that move may have
+//!   committed (a lost COMMIT reply), so its target is asked first ([`Action::Settle`]); re-placing
+//!   it at once could run it twice. A re-placement that found no live instance is retried when an
+//!   instance joins.
 
 use crate::ownership::{initial_phase, OwnedPhase, Ownership};
 use kvfleet_core::policy::{InstancePolicy, LoadReport, PhaseChange, PhaseDecision};
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimDuration, SimRng, SimTime};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 /// Other targets tried after a target declined a move for lack of room.
 pub const MAX_RETARGETS: usize = 2;
@@ -80,6 +86,15 @@ pub enum Event {
         /// The request.
         request: RequestId,
     },
+    /// The target of a move whose source left ([`Action::Settle`]) answered whether it holds the
+    /// request (from then on it refuses a late COMMIT). An answer for a move settled otherwise
+    /// meanwhile is ignored.
+    Settled {
+        /// The request.
+        request: RequestId,
+        /// Whether the target holds it (the move committed).
+        held: bool,
+    },
     /// The request's final record was stored (finished or rejected by its instance).
     Finished {
         /// The request.
@@ -131,6 +146,17 @@ pub enum Action {
         to: InstanceId,
         /// KV it holds, in blocks.
         kv_blocks: u32,
+    },
+    /// `from` left while moving `request` out to `to`, which is live: the move may have committed.
+    /// Ask `to` whether it holds the request (it refuses a late COMMIT from then on) and answer
+    /// with [`Event::Settled`]: held, it runs there; not held, it is re-placed.
+    Settle {
+        /// The request.
+        request: RequestId,
+        /// The move's source, gone.
+        from: InstanceId,
+        /// The move's target, live.
+        to: InstanceId,
     },
 }
 
@@ -228,6 +254,16 @@ struct Move {
     declined: Vec<InstanceId>,
 }
 
+/// Which end of a request's open move left the cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Departed {
+    /// Only its target knows whether the move committed: an abort reported from the source's
+    /// side proves nothing, the target's answer ([`Event::Settled`]) decides.
+    Source,
+    /// The request stays on its source; had the move committed, the copy left with the target.
+    Target,
+}
+
 /// The cluster controller. See the module documentation.
 #[derive(Debug)]
 pub struct Controller {
@@ -239,6 +275,10 @@ pub struct Controller {
     live: Vec<LoadReport>,
     requests: BTreeMap<RequestId, Ownership>,
     moves: HashMap<RequestId, Move>,
+    /// Open moves one of whose ends left.
+    departed: BTreeMap<RequestId, Departed>,
+    /// Requests whose re-placement found no live instance: retried when one joins.
+    stranded: BTreeSet<RequestId>,
     retain_finished: bool,
     now: SimTime,
     actions: VecDeque<Action>,
@@ -256,6 +296,8 @@ impl Controller {
             live: Vec::new(),
             requests: BTreeMap::new(),
             moves: HashMap::new(),
+            departed: BTreeMap::new(),
+            stranded: BTreeSet::new(),
             retain_finished: false,
             now: SimTime::ZERO,
             actions: VecDeque::new(),
@@ -344,6 +386,7 @@ impl Controller {
             }
             Event::MigrationEnded { request, outcome } => self.on_migration_ended(request, outcome),
             Event::Lost { request } => self.on_lost(request),
+            Event::Settled { request, held } => self.on_settled(request, held),
             Event::Finished { request } => self.on_finished(request),
             Event::Tick => {
                 let ids: Vec<InstanceId> = self.instances.keys().copied().collect();
@@ -384,6 +427,11 @@ impl Controller {
         if !inst.alive {
             inst.alive = true;
             self.rebuild_live();
+            for id in std::mem::take(&mut self.stranded) {
+                if self.requests.get(&id).is_some_and(Ownership::unfinished) {
+                    self.replace(id);
+                }
+            }
         }
         Ok(())
     }
@@ -398,10 +446,36 @@ impl Controller {
             inst.alive = false;
             self.rebuild_live();
         }
-        let orphans: Vec<RequestId> =
-            self.requests.iter().filter(|(_, o)| o.instance == instance && o.unfinished()).map(|(id, _)| *id).collect();
-        for id in orphans {
-            self.replace(id);
+        let touched: Vec<(RequestId, InstanceId, Option<InstanceId>)> = self
+            .requests
+            .values()
+            .filter(|o| o.unfinished() && (o.instance == instance || o.migrating_to == Some(instance)))
+            .map(|o| (o.spec.id, o.instance, o.migrating_to.filter(|_| o.phase == OwnedPhase::Migrating)))
+            .collect();
+        for (id, owner, moving_to) in touched {
+            let departed = self.departed.get(&id).copied();
+            if owner != instance {
+                // The target of its move left: the request stays on its source and the move's end
+                // (from the source's side) says whether it committed, with the target. If its
+                // source left before, no copy is left to ask about.
+                if departed == Some(Departed::Source) {
+                    self.replace(id);
+                } else {
+                    self.departed.insert(id, Departed::Target);
+                }
+                continue;
+            }
+            match moving_to {
+                Some(to) if to != instance && self.is_live(to) && departed != Some(Departed::Target) => {
+                    // The move may have committed (a lost or late COMMIT reply): re-placed now, it
+                    // could run twice. Its target's answer decides.
+                    if departed != Some(Departed::Source) {
+                        self.departed.insert(id, Departed::Source);
+                        self.actions.push_back(Action::Settle { request: id, from: instance, to });
+                    }
+                }
+                _ => self.replace(id),
+            }
         }
     }
 
@@ -508,11 +582,14 @@ impl Controller {
     /// Start a request over on a live instance.
     fn replace(&mut self, id: RequestId) {
         let Some(spec) = self.requests.get(&id).map(|o| o.spec.clone()) else { return };
+        self.departed.remove(&id);
         let Some(to) = self.choose(&spec) else {
-            tracing::warn!(request = id.0, "no live instance to re-place the request on");
+            tracing::warn!(request = id.0, "no live instance to re-place the request on; retried when one joins");
+            self.stranded.insert(id);
             self.actions.push_back(Action::Reject { request: id, reason: RejectReason::NoInstance });
             return;
         };
+        self.stranded.remove(&id);
         self.moves.remove(&id);
         let o = self.requests.get_mut(&id).expect("present: read above");
         o.instance = to;
@@ -531,6 +608,27 @@ impl Controller {
                 Ok(())
             }
             _ => Err(ControlError::NotInFlight(id)),
+        }
+    }
+
+    fn on_settled(&mut self, id: RequestId, held: bool) -> Result<(), ControlError> {
+        if self.departed.get(&id) != Some(&Departed::Source) {
+            tracing::debug!(request = id.0, held, "answer for a move settled meanwhile; ignored");
+            return Ok(());
+        }
+        if held {
+            // Its target is live: had it left, the request would have been re-placed already.
+            return self.on_migration_ended(id, MoveOutcome::Committed);
+        }
+        self.departed.remove(&id);
+        match self.requests.get(&id) {
+            Some(o) if o.unfinished() => {
+                self.replace(id);
+                Ok(())
+            }
+            // Finished on its source before it left: only the move's bookkeeping is left to end.
+            Some(_) => self.on_migration_ended(id, MoveOutcome::Aborted),
+            None => Err(ControlError::NotInFlight(id)),
         }
     }
 
@@ -593,6 +691,14 @@ impl Controller {
 
     fn on_migration_ended(&mut self, id: RequestId, outcome: MoveOutcome) -> Result<(), ControlError> {
         let Some(o) = self.requests.get_mut(&id) else { return Err(ControlError::NotInFlight(id)) };
+        let departed = self.departed.get(&id).copied();
+        if departed == Some(Departed::Source) && outcome != MoveOutcome::Committed {
+            // Reported from the side of a source that is gone (its MigrateOut failed): the COMMIT
+            // may still have reached the target. Only the target's answer settles it.
+            tracing::debug!(request = id.0, ?outcome, "the move's source left; waiting for its target's answer");
+            return Ok(());
+        }
+        self.departed.remove(&id);
         let to = o.migrating_to.take();
         // A request can finish on its source while its move is still being settled: it stays
         // finished (else it would count as in flight and be re-placed if its instance died).
@@ -609,6 +715,8 @@ impl Controller {
                 self.uncharge(to, id);
             }
         }
+        // It committed to a target that has left since: the only copy left with it.
+        let lost_with_target = departed == Some(Departed::Target) && outcome == MoveOutcome::Committed && unfinished;
         let retry = outcome == MoveOutcome::Refused
             && unfinished
             && self.moves.get(&id).is_some_and(|m| m.declined.len() <= MAX_RETARGETS);
@@ -620,6 +728,9 @@ impl Controller {
                 self.requests.remove(&id);
             }
         }
+        if lost_with_target {
+            self.replace(id);
+        }
         Ok(())
     }
 
@@ -628,6 +739,7 @@ impl Controller {
             return Err(ControlError::NotInFlight(id));
         };
         o.phase = OwnedPhase::Finished;
+        self.stranded.remove(&id);
         let (on, moving_to) = (o.instance, o.migrating_to);
         self.uncharge(on, id);
         if let Some(to) = moving_to {

@@ -48,6 +48,9 @@ struct WorkerLink {
     pump: JoinHandle<()>,
     /// Where it receives live KV migrations (empty: it cannot; re-materialise instead).
     kv_address: String,
+    /// The process this link follows: another under the same number means this one is gone.
+    incarnation: u64,
+    address: String,
 }
 
 pub struct Leader {
@@ -200,15 +203,49 @@ impl Leader {
     }
 
     /// A worker registered (or re-registered). Refuses a model mismatch.
-    pub fn admit(self: &Arc<Self>, rec: &WorkerRecord) -> Result<(), String> {
+    ///
+    /// A registration of a known instance by another process (another incarnation, or another
+    /// address) means the process that held its requests is gone even though its registration
+    /// never lapsed (a worker restarted at once with the same `--instance` overwrites it): the
+    /// old one is evicted first, as if its registration had lapsed, then the new one joins with
+    /// a fresh link. A refreshed registration of the same process changes nothing.
+    pub async fn admit(self: &Arc<Self>, rec: &WorkerRecord) -> Result<(), String> {
         let id = InstanceId(rec.instance);
+        let replaced = self
+            .links
+            .lock()
+            .expect("links lock")
+            .get(&id)
+            .filter(|l| l.incarnation != rec.incarnation || l.address != rec.address)
+            .map(|l| (l.incarnation, l.address.clone()));
+        if let Some((incarnation, address)) = replaced {
+            tracing::warn!(
+                instance = id.0,
+                old_incarnation = incarnation,
+                old_address = %address,
+                incarnation = rec.incarnation,
+                address = %rec.address,
+                "another process registered as this instance; the old one is gone"
+            );
+            self.evict(id).await;
+        }
         let joined = Event::Joined {
             instance: id,
             address: rec.address.clone(),
             model: rec.model.clone(),
             kv_bytes_per_token: rec.kv_bytes_per_token,
         };
-        self.decide(joined).map_err(|e| e.to_string())?;
+        // Re-placements that found no live worker before may start over on this one.
+        let actions = self.decide(joined).map_err(|e| e.to_string())?;
+        self.link(rec)?;
+        let moves = self.execute(actions).await;
+        self.spawn_moves(moves);
+        Ok(())
+    }
+
+    /// A link to a registered worker, and the pump following its event log (kept if it runs).
+    fn link(self: &Arc<Self>, rec: &WorkerRecord) -> Result<(), String> {
+        let id = InstanceId(rec.instance);
         let mut links = self.links.lock().expect("links lock");
         if let Some(l) = links.get_mut(&id).filter(|l| !l.pump.is_finished()) {
             l.kv_address.clone_from(&rec.kv_address);
@@ -227,12 +264,21 @@ impl Leader {
         let channel = (self.connector)(&rec.address)?;
         let client = WorkerClient::new(channel).max_decoding_message_size(64 << 20);
         let pump = tokio::spawn(self.clone().pump(id, client.clone()));
-        links.insert(id, WorkerLink { client, pump, kv_address: rec.kv_address.clone() });
-        tracing::info!(instance = id.0, address = %rec.address, "worker joined");
+        let link = WorkerLink {
+            client,
+            pump,
+            kv_address: rec.kv_address.clone(),
+            incarnation: rec.incarnation,
+            address: rec.address.clone(),
+        };
+        links.insert(id, link);
+        tracing::info!(instance = id.0, address = %rec.address, incarnation = rec.incarnation, "worker joined");
         Ok(())
     }
 
-    /// A worker's registration lapsed: it is dead. Its unfinished requests start over elsewhere.
+    /// A worker's registration lapsed (or another process took its number): it is dead. Its
+    /// unfinished requests start over elsewhere; those it was moving out are first settled with
+    /// their targets.
     pub async fn evict(self: &Arc<Self>, instance: InstanceId) {
         if let Some(l) = self.links.lock().expect("links lock").remove(&instance) {
             l.pump.abort();
@@ -260,33 +306,70 @@ impl Leader {
         let mut moves = Vec::new();
         for action in actions {
             match action {
-                Action::Place { request, on, replaced } => {
-                    debug_assert!(replaced > 0, "new requests are placed by `submit`");
-                    self.stats.replaced.fetch_add(1, Ordering::Relaxed);
-                    if let Err(e) = self.persist_ownership(request).await {
-                        tracing::error!(request = request.0, "re-placing failed: {e}");
-                        continue;
-                    }
-                    let spec = self.control().ownership(request).map(|o| o.spec.clone());
-                    if let Some(spec) = spec {
-                        self.submit_to_worker(on, &spec).await;
-                    }
-                }
-                Action::Reject { request, reason } => {
-                    // It stays owned by its dead worker; a worker that joins and a new leader's
-                    // `resubmit_unfinished` retry it.
-                    tracing::error!(request = request.0, ?reason, "no live worker to re-place the request on");
-                }
                 Action::Migrate { request, from, to, .. } => moves.push((request, from, to)),
-                other => tracing::error!(?other, "an action this coordinator does not execute; ignored"),
+                Action::Settle { request, from, to } => {
+                    // Asking may wait on a hung target: not in the caller's way (the registry watch).
+                    tokio::spawn(self.clone().settle_departed_source(request, from, to));
+                }
+                other => self.place_again(other).await,
             }
         }
         moves
     }
 
+    /// Carry out a re-placement (or its failure for want of a live worker).
+    async fn place_again(self: &Arc<Self>, action: Action) {
+        match action {
+            Action::Place { request, on, replaced } => {
+                debug_assert!(replaced > 0, "new requests are placed by `submit`");
+                self.stats.replaced.fetch_add(1, Ordering::Relaxed);
+                if let Err(e) = self.persist_ownership(request).await {
+                    tracing::error!(request = request.0, "re-placing failed: {e}");
+                    return;
+                }
+                let spec = self.control().ownership(request).map(|o| o.spec.clone());
+                if let Some(spec) = spec {
+                    self.submit_to_worker(on, &spec).await;
+                }
+            }
+            Action::Reject { request, reason } => {
+                // It stays owned by its dead worker; the controller re-places it when a worker
+                // joins, and a new leader's `resubmit_unfinished` retries it.
+                tracing::error!(request = request.0, ?reason, "no live worker to re-place the request on");
+            }
+            other => tracing::error!(?other, "an action this coordinator does not execute here; ignored"),
+        }
+    }
+
     fn spawn_moves(self: &Arc<Self>, moves: Vec<(RequestId, InstanceId, InstanceId)>) {
         for (request, from, to) in moves {
             tokio::spawn(self.clone().run_move(request, from, to));
+        }
+    }
+
+    /// `from` left while moving `id` out to `to` ([`Action::Settle`]): ask the target, as
+    /// [`Leader::settle_inherited_moves`] does, whether the move committed (it refuses a late
+    /// COMMIT from then on); there is no source left to tell. The controller then keeps the
+    /// request there or re-places it.
+    async fn settle_departed_source(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId) {
+        let held = settle_by_asking(id, self.client(to), None).await;
+        tracing::warn!(request = id.0, from = from.0, to = to.0, held, "settled the move of a worker that left");
+        let actions = match self.decide(Event::Settled { request: id, held }) {
+            Ok(actions) => actions,
+            Err(e) => {
+                tracing::debug!(request = id.0, "settled a move for a request no longer in flight: {e}");
+                return;
+            }
+        };
+        if actions.is_empty() {
+            if held {
+                self.stats.migrations.fetch_add(1, Ordering::Relaxed);
+            }
+            let _ = self.persist_ownership(id).await;
+        }
+        // Only re-placements follow (calling `execute` would make this future recursive).
+        for action in actions {
+            self.place_again(action).await;
         }
     }
 
@@ -518,6 +601,7 @@ impl Leader {
                 // Source and target both gone: start it over elsewhere rather than lose it.
                 self.replace(id).await;
             }
+            let mut others = Vec::new();
             for action in actions {
                 match action {
                     Action::Migrate { request, from, to: next_to, .. } if request == id => {
@@ -530,9 +614,12 @@ impl Leader {
                         );
                         next = Some((from, next_to));
                     }
-                    other => tracing::error!(?other, "unexpected action after a move; ignored"),
+                    // It committed to a target that left meanwhile: re-placed.
+                    other => others.push(other),
                 }
             }
+            let moves = self.execute(others).await;
+            debug_assert!(moves.is_empty(), "a move ends in at most one next move");
         }
     }
 
@@ -675,11 +762,13 @@ impl Leader {
                         "settled a move the previous leader left open"
                     );
                     let outcome = if held { MoveOutcome::Committed } else { MoveOutcome::Aborted };
-                    let _ = leader.decide(Event::MigrationEnded { request: id, outcome });
+                    let actions = leader.decide(Event::MigrationEnded { request: id, outcome }).unwrap_or_default();
                     if held {
                         leader.stats.migrations.fetch_add(1, Ordering::Relaxed);
                     }
                     let _ = leader.persist_ownership(id).await;
+                    let moves = leader.execute(actions).await;
+                    debug_assert!(moves.is_empty(), "settling a move starts none");
                 })
             })
             .collect();
@@ -807,21 +896,30 @@ mod tests {
                 .expect_model(MODEL, KV_BYTES)
                 .retain_finished();
         let leader = Leader::new(store, fence, control, worker_connector(None), 0);
-        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let closed = closed_address();
         for instance in 0..workers {
-            let rec = WorkerRecord {
-                instance,
-                address: format!("http://{closed}"),
-                model: MODEL.into(),
-                kv_bytes_per_token: KV_BYTES,
-                gpu_blocks: 1000,
-                block_size: 16,
-                scheduler: "pascal".into(),
-                kv_address: String::new(),
-            };
-            leader.admit(&rec).unwrap();
+            leader.admit(&registration(instance, &closed, 1)).await.unwrap();
         }
         leader
+    }
+
+    /// An address nobody serves (the port was bound and released).
+    fn closed_address() -> String {
+        format!("http://{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap())
+    }
+
+    fn registration(instance: u32, address: &str, incarnation: u64) -> WorkerRecord {
+        WorkerRecord {
+            instance,
+            address: address.into(),
+            model: MODEL.into(),
+            kv_bytes_per_token: KV_BYTES,
+            gpu_blocks: 1000,
+            block_size: 16,
+            scheduler: "pascal".into(),
+            kv_address: String::new(),
+            incarnation,
+        }
     }
 
     fn spec(id: u64, prompt_tokens: u32) -> RequestSpec {
@@ -868,5 +966,66 @@ mod tests {
         assert_eq!(status.code(), tonic::Code::Unavailable, "{status}");
         assert!(rx.recv().await.is_none(), "then the stream is closed");
         drop(held);
+    }
+
+    /// Requests owned by `instance`, with their re-placement counts, as the leader recorded them
+    /// in the store.
+    async fn stored_on(leader: &Leader, instance: u32) -> BTreeMap<RequestId, u32> {
+        let mut on = BTreeMap::new();
+        for kv in leader.store.get_prefix(keys::REQUESTS).await.unwrap().kvs {
+            let o: Ownership = serde_json::from_slice(&kv.value).unwrap();
+            if o.instance == InstanceId(instance) {
+                on.insert(o.spec.id, o.replaced);
+            }
+        }
+        on
+    }
+
+    #[tokio::test]
+    async fn a_worker_restarted_under_its_number_gives_up_what_the_old_process_held() {
+        let leader = leader_with_unserved_workers("least-kv", 2).await;
+        let mut streams = Vec::new();
+        for id in 0..4 {
+            let (tx, rx) = mpsc::channel(64);
+            let leader = leader.clone();
+            tokio::spawn(async move { leader.submit(spec(id, 4000), tx).await });
+            streams.push(rx);
+        }
+        for rx in &mut streams {
+            rx.recv().await.expect("accepted").unwrap();
+        }
+        let address = leader.links.lock().unwrap()[&InstanceId(1)].address.clone();
+        let before = stored_on(&leader, 1).await;
+        assert!(!before.is_empty() && before.values().all(|&r| r == 0), "{before:?}");
+
+        // Its registration re-put (a refreshed lease, a re-registration after a lapse): nothing moves.
+        leader.admit(&registration(1, &address, 1)).await.unwrap();
+        assert_eq!(stored_on(&leader, 1).await, before, "the same process keeps its requests");
+        assert_eq!(leader.stats.replaced.load(Ordering::Relaxed), 0);
+
+        // A new process under the same number and address, before the old registration lapsed.
+        leader.admit(&registration(1, &address, 2)).await.unwrap();
+        let mut replaced = 0;
+        for &id in before.keys() {
+            let o = leader.control().ownership(id).cloned().unwrap();
+            assert_eq!(o.replaced, 1, "request {id} re-placed once");
+            assert!(leader.control().is_live(o.instance), "request {id} owned by a live instance");
+            assert_eq!(o.phase, OwnedPhase::Reasoning);
+            replaced += 1;
+        }
+        assert_eq!(leader.stats.replaced.load(Ordering::Relaxed), replaced);
+        let stored = [stored_on(&leader, 0).await, stored_on(&leader, 1).await];
+        for id in before.keys() {
+            assert!(stored.iter().any(|on| on.get(id) == Some(&1)), "request {id}: the re-placement is recorded");
+        }
+        assert_eq!(leader.links.lock().unwrap()[&InstanceId(1)].incarnation, 2, "a fresh link");
+
+        // The same again at another address (a worker that moved without its registration lapsing).
+        let still = stored_on(&leader, 1).await;
+        leader.admit(&registration(1, &closed_address(), 2)).await.unwrap();
+        for (id, replaced) in still {
+            assert_eq!(leader.control().ownership(id).unwrap().replaced, replaced + 1, "request {id}");
+        }
+        leader.stop();
     }
 }

@@ -139,7 +139,7 @@ impl Node {
         // Workers already registered, then every change after that listing.
         let listing = self.store.get_prefix(keys::WORKERS).await?;
         for kv in &listing.kvs {
-            admit(&leader, &kv.value);
+            admit(&leader, &kv.value).await;
         }
         *self.leader.write().await = Some(leader.clone());
         // Where a move was left open, first learn which copy lives, then re-submit to the owner.
@@ -161,7 +161,7 @@ impl Node {
             tokio::select! {
                 ev = watch.next() => match ev {
                     Some(Ok(ev)) => match ev.kind {
-                        EventKind::Put => admit(&leader, &ev.value),
+                        EventKind::Put => admit(&leader, &ev.value).await,
                         EventKind::Delete => {
                             if let Some(i) = ev.key.strip_prefix(keys::WORKERS).and_then(|s| s.parse::<u32>().ok()) {
                                 leader.evict(InstanceId(i)).await;
@@ -234,10 +234,10 @@ impl Node {
     }
 }
 
-fn admit(leader: &Arc<Leader>, value: &[u8]) {
+async fn admit(leader: &Arc<Leader>, value: &[u8]) {
     match serde_json::from_slice::<WorkerRecord>(value) {
         Ok(rec) => {
-            if let Err(e) = leader.admit(&rec) {
+            if let Err(e) = leader.admit(&rec).await {
                 tracing::error!(instance = rec.instance, "worker refused: {e}");
             }
         }

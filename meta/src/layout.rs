@@ -65,6 +65,11 @@ pub struct WorkerRecord {
     /// Where it receives live KV migrations (QUIC); empty when it cannot.
     #[serde(default)]
     pub kv_address: String,
+    /// Which process of this instance number registered (its start time, Unix nanoseconds; 0 in
+    /// records of earlier versions). A new one under a known number means the old process, and
+    /// every request it held, is gone, whether or not its registration has lapsed yet.
+    #[serde(default)]
+    pub incarnation: u64,
 }
 
 impl From<&kvfleet_proto::v1::WorkerInfo> for WorkerRecord {
@@ -79,6 +84,19 @@ impl From<&kvfleet_proto::v1::WorkerInfo> for WorkerRecord {
             block_size: info.block_size,
             scheduler: info.scheduler.clone(),
             kv_address: info.kv_address.clone(),
+            incarnation: info.incarnation,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registrations_of_earlier_versions_still_load() {
+        let old = r#"{"instance":3,"address":"10.0.0.3:7100","model":"m","kv_bytes_per_token":2,"gpu_blocks":64,"scheduler":"pascal"}"#;
+        let rec: WorkerRecord = serde_json::from_str(old).unwrap();
+        assert_eq!((rec.instance, rec.block_size, rec.kv_address.as_str(), rec.incarnation), (3, 0, "", 0));
     }
 }

@@ -200,6 +200,12 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
         advertise: opts.advertise.clone().unwrap_or_else(|| local_addr.to_string()),
         kv_arena_bytes: arena.mapped_bytes(),
         kv_address: String::new(),
+        // Tells this process from an earlier one under the same `--instance` that re-registers
+        // before the old registration lapses (the coordinator then re-places what the old held).
+        incarnation: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+            .max(1),
     };
     tracing::info!(
         instance = info.instance,

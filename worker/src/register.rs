@@ -328,6 +328,7 @@ mod tests {
             block_size: 16,
             scheduler: "pascal".into(),
             kv_address: String::new(),
+            incarnation: 1,
         }
     }
 

@@ -255,3 +255,114 @@ fn forgetting_finished_requests_keeps_only_those_in_flight() {
     c.handle(SimTime::ZERO, Event::Finished { request: RequestId(1) }).unwrap();
     assert!(c.requests().is_empty());
 }
+
+/// `instances` live instances; request 7 placed on 0 and moving to 1 at its boundary.
+fn moving_from_0_to_1(instances: u32) -> Controller {
+    let mut c = ctl("pascal", instances);
+    for i in 0..instances {
+        c.handle(SimTime::ZERO, Event::Load(load(i, 10, if i == 1 { 0 } else { 4 }))).unwrap();
+    }
+    assert_eq!(place(&mut c, spec(7, 10)), InstanceId(0));
+    let actions = c
+        .decide(SimTime::ZERO, Event::Boundary { request: RequestId(7), instance: InstanceId(0), kv_blocks: 1 })
+        .unwrap();
+    assert_eq!(
+        actions,
+        vec![Action::Migrate { request: RequestId(7), from: InstanceId(0), to: InstanceId(1), kv_blocks: 1 }]
+    );
+    c
+}
+
+fn owner(c: &Controller, id: u64) -> (InstanceId, OwnedPhase, Option<InstanceId>) {
+    let o = c.ownership(RequestId(id)).unwrap();
+    (o.instance, o.phase, o.migrating_to)
+}
+
+#[test]
+fn a_source_leaving_mid_move_is_settled_by_its_target_not_re_placed() {
+    let id = RequestId(7);
+    // (target's answer, actions it leads to, where the request runs then, in which phase, re-placements)
+    let table = [
+        (true, vec![], InstanceId(1), OwnedPhase::Answering, 0),
+        (
+            false,
+            vec![Action::Place { request: id, on: InstanceId(1), replaced: 1 }],
+            InstanceId(1),
+            OwnedPhase::Reasoning,
+            1,
+        ),
+    ];
+    for (held, then, runs_on, phase, replaced) in table {
+        let mut c = moving_from_0_to_1(2);
+        let actions = c.decide(SimTime::ZERO, Event::Left { instance: InstanceId(0) }).unwrap();
+        assert_eq!(
+            actions,
+            vec![Action::Settle { request: id, from: InstanceId(0), to: InstanceId(1) }],
+            "held={held}"
+        );
+        assert_eq!(owner(&c, 7), (InstanceId(0), OwnedPhase::Migrating, Some(InstanceId(1))), "undecided until asked");
+        // The source's side of the move fails with it: that proves nothing about the COMMIT.
+        assert!(c
+            .decide(SimTime::ZERO, Event::MigrationEnded { request: id, outcome: MoveOutcome::Aborted })
+            .unwrap()
+            .is_empty());
+        assert_eq!(owner(&c, 7), (InstanceId(0), OwnedPhase::Migrating, Some(InstanceId(1))), "held={held}");
+        assert_eq!(c.decide(SimTime::ZERO, Event::Settled { request: id, held }).unwrap(), then, "held={held}");
+        let o = c.ownership(id).unwrap();
+        assert_eq!((o.instance, o.phase, o.migrating_to, o.replaced), (runs_on, phase, None, replaced));
+        assert!(
+            c.decide(SimTime::ZERO, Event::Settled { request: id, held: !held }).unwrap().is_empty(),
+            "a late answer"
+        );
+        assert_eq!(c.ownership(id).unwrap().instance, runs_on, "held={held}: changes nothing");
+    }
+}
+
+#[test]
+fn a_target_leaving_mid_move_leaves_the_request_on_its_source() {
+    let id = RequestId(7);
+    let mut c = moving_from_0_to_1(3);
+    assert!(c.decide(SimTime::ZERO, Event::Left { instance: InstanceId(1) }).unwrap().is_empty());
+    assert_eq!(owner(&c, 7), (InstanceId(0), OwnedPhase::Migrating, Some(InstanceId(1))), "still its source's");
+    c.handle(SimTime::ZERO, Event::MigrationEnded { request: id, outcome: MoveOutcome::Aborted }).unwrap();
+    assert_eq!(owner(&c, 7), (InstanceId(0), OwnedPhase::Answering, None), "the move aborted: runs on at its source");
+
+    // Had the COMMIT gone through before the target left, the only copy left with it.
+    let mut c = moving_from_0_to_1(3);
+    c.handle(SimTime::ZERO, Event::Left { instance: InstanceId(1) }).unwrap();
+    let actions =
+        c.decide(SimTime::ZERO, Event::MigrationEnded { request: id, outcome: MoveOutcome::Committed }).unwrap();
+    assert!(
+        matches!(actions.as_slice(), [Action::Place { on, replaced: 1, .. }] if *on != InstanceId(1)),
+        "{actions:?}"
+    );
+
+    // Both ends gone, in either order: nothing to ask, re-placed at once.
+    for order in [[1, 0], [0, 1]] {
+        let mut c = moving_from_0_to_1(3);
+        let mut actions = Vec::new();
+        for i in order {
+            actions.extend(c.decide(SimTime::ZERO, Event::Left { instance: InstanceId(i) }).unwrap());
+        }
+        let placed: Vec<_> = actions.iter().filter(|a| matches!(a, Action::Place { .. })).collect();
+        assert_eq!(
+            placed,
+            vec![&Action::Place { request: id, on: InstanceId(2), replaced: 1 }],
+            "{order:?}: {actions:?}"
+        );
+        assert!(c.decide(SimTime::ZERO, Event::Settled { request: id, held: true }).unwrap().is_empty());
+        assert_eq!(owner(&c, 7), (InstanceId(2), OwnedPhase::Reasoning, None), "{order:?}");
+    }
+}
+
+#[test]
+fn a_re_placement_without_a_live_instance_is_retried_when_one_joins() {
+    let mut c = ctl("least-kv", 1);
+    place(&mut c, spec(1, 10));
+    let actions = c.decide(SimTime::ZERO, Event::Left { instance: InstanceId(0) }).unwrap();
+    assert_eq!(actions, vec![Action::Reject { request: RequestId(1), reason: RejectReason::NoInstance }]);
+    // The same instance number back (a restarted process): it starts over there.
+    let actions = c.decide(SimTime::ZERO, joined(0)).unwrap();
+    assert_eq!(actions, vec![Action::Place { request: RequestId(1), on: InstanceId(0), replaced: 1 }]);
+    assert!(c.decide(SimTime::ZERO, joined(0)).unwrap().is_empty(), "a refreshed registration re-places nothing");
+}
