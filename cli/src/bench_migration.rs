@@ -5,6 +5,12 @@
 //! worker processes for sequences of 256 … 16k tokens of the 32B model (256 KiB of KV per token):
 //! total time and downtime of the pipelined stop-and-copy, beside a blocking stop-and-copy
 //! (`--max-stages 0`: pause, copy everything, resume) whose downtime is its whole copy.
+//!
+//! With `--link-gbps` the workers shape their migration links to that rate, and each migration is
+//! also run in the simulator (`kvfleet_sim::migration::simulate_one`: the same protocol machines,
+//! the same model's KV geometry and H100 timing, the same knobs, over a fabric link of that rate),
+//! with the ratio emulated / simulated total time: how far the simulator's link model is from a
+//! real transfer at the rate it models.
 
 use crate::up::procs::{sibling_binary, Proc};
 use crate::{say, InputError};
@@ -42,6 +48,20 @@ pub struct MigrationBench {
     /// QUIC; a time budget is right on both.
     #[arg(long, default_value_t = 10.0)]
     stop_copy_ms: f64,
+    /// Shape the workers' migration links to this rate (Gbit/s; their `--link-gbps`) and compare
+    /// each migration with the simulator's over a link of the same rate. Default: unshaped, and
+    /// no simulation (loopback QUIC has no fixed rate to model).
+    #[arg(long)]
+    link_gbps: Option<f64>,
+    /// Added one-way latency on the workers' migration links, µs (their `--link-latency-us`), and
+    /// the simulated link's latency (at least 1 µs there: the model needs a positive latency;
+    /// loopback's own is of that order).
+    #[arg(long, default_value_t = 0.0)]
+    link_latency_us: f64,
+    /// The workers' `--migration-timeout-ms` (and the simulation's): a 16k-token copy (4 GiB) takes
+    /// ~17 s at 2 Gbit/s, beyond the default 10 s.
+    #[arg(long, default_value_t = kvfleet_worker::options::WorkerOptions::default().migration_timeout_ms)]
+    migration_timeout_ms: u64,
     /// Skip the blocking stop-and-copy comparison.
     #[arg(long)]
     no_blocking: bool,
@@ -77,6 +97,74 @@ struct Row {
     tokens: u32,
     mode: &'static str,
     stats: v1::MigrationStats,
+    sim: Option<Simulated>,
+}
+
+/// The simulator's run of the same migration (`--link-gbps`).
+struct Simulated {
+    total_ms: f64,
+    /// Pause → `CommitReply` at the source, as the worker measures its downtime.
+    downtime_ms: f64,
+    stages: usize,
+    bytes: u64,
+    /// Why it did not commit (`None` if it did).
+    abort_reason: Option<String>,
+}
+
+impl Row {
+    /// Emulated ÷ simulated total time.
+    fn total_ratio(&self) -> Option<f64> {
+        self.sim.as_ref().map(|s| ms(self.stats.total_ns()) / s.total_ms.max(1e-9))
+    }
+}
+
+/// The simulator's side of the comparison: the bench workers' model, GPU, timing and KV geometry.
+struct SimSide {
+    cfg: kvfleet_sim::config::SimConfig,
+    engine: kvfleet_core::engine::EngineConfig,
+    timing: std::sync::Arc<dyn kvfleet_core::timing::TimingModel>,
+}
+
+impl SimSide {
+    fn new(link_gbps: f64, link_latency_us: f64, b: &MigrationBench) -> anyhow::Result<SimSide> {
+        let mut cfg = kvfleet_sim::config::SimConfig::default();
+        // The workers' defaults: R1-Distill-Qwen-32B on an H100, `auto` timing (its profile).
+        let worker = kvfleet_worker::options::WorkerOptions::default();
+        cfg.cluster.model = worker.model.clone();
+        cfg.cluster.gpu = worker.gpu.clone();
+        cfg.cluster.timing = worker.timing.clone();
+        cfg.cluster.block_size = worker.block_size;
+        cfg.link.bandwidth_gbps = link_gbps;
+        cfg.link.latency_us = link_latency_us.max(1.0);
+        cfg.migration.stop_copy_blocks = b.stop_copy_blocks;
+        cfg.migration.stop_copy_ms = b.stop_copy_ms;
+        cfg.migration.timeout_ms = b.migration_timeout_ms as f64;
+        cfg.link.validate().map_err(|e| InputError(format!("--link-gbps / --link-latency-us: {e}")))?;
+        let (model, gpu) = cfg.specs()?;
+        let engine = cfg.engine_config(&model, &gpu)?;
+        let timing = kvfleet_sim::timing_model(&cfg, Path::new("."))?;
+        Ok(SimSide { cfg, engine, timing })
+    }
+
+    /// The migration of a request of `prompt_tokens` with the workers' `--max-stages`.
+    fn simulate(&self, prompt_tokens: u32, max_stages: u32) -> anyhow::Result<Simulated> {
+        let migration = kvfleet_sim::config::MigrationConfig { max_stages, ..self.cfg.migration.clone() };
+        // The worker's source holds the prompt and its first token's KV when it migrates.
+        let r = kvfleet_sim::migration::simulate_one(
+            prompt_tokens + 1,
+            self.cfg.link.clone(),
+            migration.params(),
+            &self.engine,
+            self.timing.clone(),
+        )?;
+        Ok(Simulated {
+            total_ms: r.total_time.as_secs_f64() * 1e3,
+            downtime_ms: r.report.downtime.map_or(0.0, |d| d.as_secs_f64() * 1e3),
+            stages: r.report.stages.len(),
+            bytes: r.bytes,
+            abort_reason: r.abort_reason().map(ToString::to_string),
+        })
+    }
 }
 
 fn ms(ns: u64) -> f64 {
@@ -204,10 +292,23 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
         "  (c) live migration of one decoding request between two worker processes (32B model, 256 KiB/token, \
          {threshold}):"
     );
-    let mut stop_args = vec!["--stop-copy-blocks".to_string(), b.stop_copy_blocks.to_string()];
+    let mut stop_args = vec![
+        "--stop-copy-blocks".to_string(),
+        b.stop_copy_blocks.to_string(),
+        "--migration-timeout-ms".to_string(),
+        b.migration_timeout_ms.to_string(),
+    ];
     if b.stop_copy_ms > 0.0 {
         stop_args.extend(["--stop-copy-ms".to_string(), b.stop_copy_ms.to_string()]);
     }
+    if let Some(g) = b.link_gbps {
+        stop_args.extend(["--link-gbps".to_string(), g.to_string()]);
+        say!("      migration links shaped to {g} Gbit/s, +{} µs; beside each, the simulator's run", b.link_latency_us);
+    }
+    if b.link_latency_us > 0.0 {
+        stop_args.extend(["--link-latency-us".to_string(), b.link_latency_us.to_string()]);
+    }
+    let sim = b.link_gbps.map(|g| SimSide::new(g, b.link_latency_us, &b)).transpose()?;
     let mut rows = Vec::new();
     // On a terminal: which migration runs now and for how long (a 16k-token blocking copy takes
     // ten seconds or more here). Hidden when stderr is not a terminal.
@@ -221,10 +322,14 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
         for &(mode, stages) in modes {
             bar.set_message(format!("({tokens} tokens, {mode})"));
             let stats = rt.block_on(migrate_once(&worker, &logs, tokens, stages, &stop_args, &issue, &client))?;
+            let simulated = match &sim {
+                Some(s) => Some(s.simulate(tokens, stages.parse()?)?),
+                None => None,
+            };
             bar.inc(1);
             bar.suspend(|| {
                 say!(
-                    "      {:>6} tokens {:>9} {:>4}: total {:>8.1} ms  downtime {:>8.1} ms  stages {}  {:.2} Gbit/s{}",
+                    "      {:>6} tokens {:>9} {:>4}: total {:>8.1} ms  downtime {:>8.1} ms  stages {}  {:.2} Gbit/s{}{}",
                     tokens,
                     human(stats.bytes),
                     mode,
@@ -232,14 +337,24 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
                     ms(stats.downtime_ns),
                     stats.stages,
                     stats.bytes as f64 * 8.0 / (stats.total_ns().max(1) as f64),
+                    simulated.as_ref().map_or(String::new(), |s| format!(
+                        "  (simulated: total {:.1} ms, downtime {:.1} ms, stages {}{})",
+                        s.total_ms,
+                        s.downtime_ms,
+                        s.stages,
+                        s.abort_reason.as_ref().map_or(String::new(), |r| format!(", ABORTED: {r}"))
+                    )),
                     if stats.committed() { String::new() } else { format!("  ABORTED: {}", stats.abort_reason) }
                 )
             });
-            rows.push(Row { tokens, mode, stats });
+            rows.push(Row { tokens, mode, stats, sim: simulated });
         }
     }
     bar.finish_and_clear();
     say!("{}", table(&rows));
+    if let Some(g) = b.link_gbps {
+        say!("{}", sim_table(&rows, g));
+    }
     write_outputs(&b.out, &rows, [udp_g.gbit_per_s(), tcp_g.gbit_per_s(), quic_g.gbit_per_s()], datagram)?;
     say!("wrote {} (migrations.csv, goodput.json; logs in {})", b.out.display(), logs.display());
     Ok(())
@@ -350,17 +465,66 @@ fn table(rows: &[Row]) -> String {
     s
 }
 
+/// Emulated against simulated, per migration (rows with a simulation only).
+fn sim_table(rows: &[Row], link_gbps: f64) -> String {
+    let mut s = format!("\n  emulated (shaped to {link_gbps} Gbit/s) vs simulated\n");
+    let _ = writeln!(
+        s,
+        "  tokens      mode   emu total ms   sim total ms   emu/sim   emu downtime ms   sim downtime ms   stages emu/sim"
+    );
+    for r in rows {
+        let (Some(sim), Some(ratio)) = (&r.sim, r.total_ratio()) else { continue };
+        let _ = writeln!(
+            s,
+            "  {:>6} {:>9} {:>14.1} {:>14.1} {:>9.3} {:>17.1} {:>17.1} {:>10}/{}{}{}",
+            r.tokens,
+            r.mode,
+            ms(r.stats.total_ns()),
+            sim.total_ms,
+            ratio,
+            ms(r.stats.downtime_ns),
+            sim.downtime_ms,
+            r.stats.stages,
+            sim.stages,
+            if sim.bytes == r.stats.bytes {
+                String::new()
+            } else {
+                format!("   (bytes {} / {})", r.stats.bytes, sim.bytes)
+            },
+            match (r.stats.committed(), &sim.abort_reason) {
+                (true, None) => String::new(),
+                (_, sim_abort) => format!(
+                    "   ABORTED: emulated {}, simulated {}",
+                    if r.stats.committed() { "committed" } else { &r.stats.abort_reason },
+                    sim_abort.as_deref().unwrap_or("committed")
+                ),
+            }
+        );
+    }
+    s
+}
+
 /// `gbps`: UDP-GSO, TCP and QUIC goodput.
 fn write_outputs(out: &Path, rows: &[Row], gbps: [f64; 3], datagram_bytes: usize) -> anyhow::Result<()> {
     let [udp_gbps, tcp_gbps, quic_gbps] = gbps;
-    let mut csv = String::from("tokens,mode,bytes,stages,total_ms,downtime_ms,goodput_gbps,stage_bytes,abort_reason\n");
+    let mut csv = String::from(
+        "tokens,mode,bytes,stages,total_ms,downtime_ms,goodput_gbps,stage_bytes,abort_reason,\
+         sim_bytes,sim_stages,sim_total_ms,sim_downtime_ms,total_ratio,sim_abort_reason\n",
+    );
     for r in rows {
         let st = &r.stats;
         let total = st.total_ns();
         let stage_bytes: Vec<String> = st.stage_bytes.iter().map(u64::to_string).collect();
+        let sim = match (&r.sim, r.total_ratio()) {
+            (Some(s), Some(ratio)) => {
+                let abort = s.abort_reason.as_deref().unwrap_or("").replace('"', "'");
+                format!("{},{},{:.3},{:.3},{ratio:.4},\"{abort}\"", s.bytes, s.stages, s.total_ms, s.downtime_ms)
+            }
+            _ => ",,,,,".to_string(),
+        };
         let _ = writeln!(
             csv,
-            "{},{},{},{},{:.3},{:.3},{:.3},{},\"{}\"",
+            "{},{},{},{},{:.3},{:.3},{:.3},{},\"{}\",{sim}",
             r.tokens,
             r.mode,
             st.bytes,
@@ -405,6 +569,32 @@ fn parse_cpu_seconds(stat: &str) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_simulated_side_copies_the_workers_kv_at_the_link_rate() {
+        let b = MigrationBench {
+            bytes: 1 << 20,
+            streams: 1,
+            lengths: vec![1024],
+            stop_copy_blocks: 16,
+            stop_copy_ms: 10.0,
+            link_gbps: Some(2.0),
+            link_latency_us: 0.0,
+            migration_timeout_ms: 10_000,
+            no_blocking: false,
+            out: PathBuf::new(),
+        };
+        let side = SimSide::new(2.0, 0.0, &b).unwrap();
+        let blocking = side.simulate(1024, 0).unwrap();
+        assert_eq!(blocking.abort_reason, None);
+        // The 32B model's 4 MiB blocks: 1025 tokens and the one decoded before the pause.
+        assert_eq!((blocking.stages, blocking.bytes), (1, 65 * 16 * KV_BYTES_PER_TOKEN));
+        let wire_ms = blocking.bytes as f64 * 8.0 / 2e9 * 1e3;
+        assert!(blocking.total_ms > wire_ms && blocking.total_ms < wire_ms + 100.0, "{} ms", blocking.total_ms);
+        let pipelined = side.simulate(1024, 3).unwrap();
+        assert!(pipelined.stages >= 2 && pipelined.downtime_ms < blocking.downtime_ms / 4.0);
+        assert!(SimSide::new(0.0, 0.0, &b).is_err(), "a zero rate is refused");
+    }
 
     #[test]
     fn cpu_seconds_are_utime_plus_stime_after_a_name_with_spaces() {

@@ -49,6 +49,9 @@
 //!   again when [`LiveMigration::take_engines_changed`] says a reservation, freeze, attach or abort
 //!   changed them, and once [`LiveMigration::take_record`] returns the record, both sides are
 //!   done: drop the driver.
+//!
+//! [`pair`] is the smallest such loop: two engines and a fabric. Its [`simulate_one`] migrates one
+//! decoding request between two idle instances, what `kvfleet bench migration` measures for real.
 
 use kvfleet_core::engine::{Engine, EngineError, MigratedRequest};
 use kvfleet_core::metrics::{Distribution, MigrationRecord};
@@ -756,6 +759,9 @@ fn in_real_bytes(mut report: MigrationReport, block_bytes: u64) -> MigrationRepo
 pub fn frame_len(frame: &Frame) -> u64 {
     FRAME_HEADER_BYTES + frame.encoded_len() as u64
 }
+
+pub mod pair;
+pub use pair::simulate_one;
 
 #[cfg(test)]
 mod tests;

@@ -1,9 +1,9 @@
 //! One live migration between two engines over a fabric, driven as `crate::cluster` drives it:
 //! commit, refusal, timeouts, and the downtime and transfer times the protocol yields.
 
+use super::pair::{EnginePair, SOURCE, TARGET};
 use super::*;
-use kvfleet_core::engine::sched::{build_scheduler, SchedulerParams};
-use kvfleet_core::engine::{EngineConfig, EngineEvent};
+use kvfleet_core::engine::EngineConfig;
 use kvfleet_core::kv::Tier;
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::timing::FixedTiming;
@@ -15,20 +15,46 @@ use std::sync::Arc;
 const KV_BYTES_PER_TOKEN: u64 = 256 * 1024;
 const BLOCK_SIZE: u32 = 16;
 const BLOCK_BYTES: u64 = BLOCK_SIZE as u64 * KV_BYTES_PER_TOKEN;
-const SOURCE: InstanceId = InstanceId(0);
-const TARGET: InstanceId = InstanceId(1);
 const REQUEST: RequestId = RequestId(1);
 
 fn ms(d: SimDuration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// Two engines (0: source, 1: target) with fixed iteration times, and the fabric between them.
-struct Bench {
-    engines: Vec<Engine>,
-    fabric: Fabric,
-    now: SimTime,
-    finished: Vec<RequestRecord>,
+/// An [`EnginePair`] with fixed iteration times.
+struct Bench(EnginePair);
+
+impl std::ops::Deref for Bench {
+    type Target = EnginePair;
+    fn deref(&self) -> &EnginePair {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Bench {
+    fn deref_mut(&mut self) -> &mut EnginePair {
+        &mut self.0
+    }
+}
+
+fn engine_config(gpu_blocks: u32, cpu_blocks: u32) -> EngineConfig {
+    EngineConfig {
+        block_size: BLOCK_SIZE,
+        gpu_blocks,
+        cpu_blocks,
+        max_num_seqs: 256,
+        max_batched_tokens: 8192,
+        kv_bytes_per_token: KV_BYTES_PER_TOKEN,
+        tpot: SimDuration::from_millis_f64(100.0),
+    }
+}
+
+fn fixed_timing(iteration_ms: f64) -> Arc<FixedTiming> {
+    Arc::new(FixedTiming { iteration: SimDuration::from_millis_f64(iteration_ms), transfer: SimDuration::ZERO })
+}
+
+fn link(link_gbps: f64) -> LinkParams {
+    LinkParams { bandwidth_gbps: link_gbps, latency_us: 10.0 }
 }
 
 impl Bench {
@@ -38,107 +64,35 @@ impl Bench {
     }
 
     fn with_target(link_gbps: f64, iteration_ms: f64, target_gpu_blocks: u32, target_cpu_blocks: u32) -> Bench {
-        let timing = Arc::new(FixedTiming {
-            iteration: SimDuration::from_millis_f64(iteration_ms),
-            transfer: SimDuration::ZERO,
-        });
-        let engine = |i, gpu_blocks, cpu_blocks| {
-            let cfg = EngineConfig {
-                block_size: BLOCK_SIZE,
-                gpu_blocks,
-                cpu_blocks,
-                max_num_seqs: 256,
-                max_batched_tokens: 8192,
-                kv_bytes_per_token: KV_BYTES_PER_TOKEN,
-                tpot: SimDuration::from_millis_f64(100.0),
-            };
-            let sched = build_scheduler("fcfs", &SchedulerParams::default()).unwrap();
-            Engine::new(InstanceId(i), cfg, timing.clone(), sched)
-        };
-        let engines = vec![engine(0, 4096, 0), engine(1, target_gpu_blocks, target_cpu_blocks)];
-        let link = LinkParams { bandwidth_gbps: link_gbps, latency_us: 10.0 };
-        Bench { engines, fabric: Fabric::new(2, link).unwrap(), now: SimTime::ZERO, finished: Vec::new() }
+        let (source, target) = (engine_config(4096, 0), engine_config(target_gpu_blocks, target_cpu_blocks));
+        Bench(EnginePair::new(source, target, fixed_timing(iteration_ms), link(link_gbps)).unwrap())
     }
 
     /// Submit request `id` on instance `on` and run until it holds `kv_tokens` tokens of KV (its
     /// prefill produced the first token), stopping right after that iteration (not planned again).
     fn place(&mut self, on: InstanceId, id: RequestId, kv_tokens: u32, answer_tokens: u32) {
-        let spec =
-            RequestSpec { id, arrival: self.now, prompt_tokens: kv_tokens - 1, reasoning_tokens: 1, answer_tokens };
-        self.engines[on.0 as usize].submit(self.now, spec).unwrap();
-        let e = &mut self.engines[on.0 as usize];
-        self.now = e.plan_iteration(self.now).expect("the prefill is planned");
-        let mut events = Vec::new();
-        e.complete_iteration(self.now, &mut events);
-        assert_eq!(e.kv().table(id).map(|t| t.tokens), Some(kv_tokens));
+        let spec = RequestSpec {
+            id,
+            arrival: SimTime::ZERO,
+            prompt_tokens: kv_tokens - 1,
+            reasoning_tokens: 1,
+            answer_tokens,
+        };
+        assert_eq!(self.0.place(on, spec).unwrap(), kv_tokens);
     }
 
-    fn complete_due_iterations(&mut self, m: Option<&mut LiveMigration>) {
-        let mut events = Vec::new();
-        for e in &mut self.engines {
-            e.complete_iteration(self.now, &mut events);
-        }
-        if let Some(m) = m {
-            let engines = Engines::pick(&mut self.engines, SOURCE, TARGET).unwrap();
-            m.on_source_iteration_end(self.now, engines, &mut self.fabric);
-        }
-        for ev in events {
-            if let EngineEvent::Finished(r) = ev {
-                self.finished.push(*r);
-            }
-        }
-    }
-
-    fn plan_and_check(&mut self) {
-        for e in &mut self.engines {
-            if e.needs_step() {
-                e.plan_iteration(self.now);
-            }
-            e.check_invariants().unwrap();
-        }
-    }
-
-    /// Migrate `REQUEST` from the source to the target with `params`, started now (between two
-    /// iterations of the source), as the cluster's event loop does; returns its record.
     fn migrate(&mut self, params: MigrationParams) -> LiveMigrationRecord {
-        let spec = LiveMigrationSpec::new(MigrationId(1), REQUEST, SOURCE, TARGET, params);
-        let engines = Engines::pick(&mut self.engines, SOURCE, TARGET).unwrap();
-        let mut m = LiveMigration::start(self.now, spec, engines, &mut self.fabric).unwrap();
-        self.plan_and_check();
-        loop {
-            m.take_new_transfers();
-            if let Some(record) = m.take_record() {
-                return record;
-            }
-            let wakes = [self.engines[0].next_wake(), self.engines[1].next_wake()];
-            let next = wakes.into_iter().chain([self.fabric.next_completion(), m.next_timeout()]).flatten().min();
-            self.now = next.expect("a migration in progress waits for something");
-            self.complete_due_iterations(Some(&mut m));
-            for (id, _) in self.fabric.complete_due(self.now) {
-                let engines = Engines::pick(&mut self.engines, SOURCE, TARGET).unwrap();
-                m.on_transfer_complete(self.now, id, engines, &mut self.fabric);
-            }
-            if m.next_timeout().is_some_and(|t| t <= self.now) {
-                let engines = Engines::pick(&mut self.engines, SOURCE, TARGET).unwrap();
-                m.on_timeout(self.now, engines, &mut self.fabric);
-            }
-            self.plan_and_check();
-        }
+        self.0.migrate(REQUEST, params).unwrap()
     }
 
     /// Run both engines until every request finished (stale transfers are ignored).
     fn run_to_completion(&mut self) {
-        self.plan_and_check();
-        while let Some(t) = self.engines.iter().filter_map(Engine::next_wake).min() {
-            self.now = t;
-            self.complete_due_iterations(None);
-            self.plan_and_check();
-        }
+        self.0.run_to_completion().unwrap();
         assert!(self.engines.iter().all(Engine::is_empty), "every request finished");
     }
 
     fn finished(&self, id: RequestId) -> &RequestRecord {
-        self.finished.iter().find(|r| r.id == id).expect("finished")
+        self.0.finished.iter().find(|r| r.id == id).expect("finished")
     }
 }
 
@@ -286,4 +240,27 @@ fn frames_cost_their_encoded_length() {
     let abort = kvfleet_netmodel::migration::abort_frame(MigrationId(3), &AbortReason::Disconnected);
     assert_eq!(frame_len(&abort), FRAME_HEADER_BYTES + abort.encoded_len() as u64);
     assert!(frame_len(&abort) > FRAME_HEADER_BYTES + "connection to the peer lost".len() as u64);
+}
+
+#[test]
+fn simulate_one_takes_a_blocking_copy_at_the_link_rate_and_pipelining_hides_it() {
+    let (link_gbps, iteration_ms) = (2.0, 20.0);
+    let engine = engine_config(4096, 0);
+    let one = |params| simulate_one(4096, link(link_gbps), params, &engine, fixed_timing(iteration_ms)).unwrap();
+    let b = one(blocking());
+    let p = one(MigrationParams::default());
+    assert!(b.committed() && p.committed(), "{} / {}", b.outcome, p.outcome);
+    assert_eq!((b.kv_tokens_start, b.live_stages), (4096, 0));
+    // The pause waits for the iteration in flight at the start, which adds a token: 257 blocks.
+    assert_eq!((b.kv_tokens_final, b.bytes), (Some(4097), 257 * BLOCK_BYTES));
+    // Blocking: the bytes over the link rate, plus at most one iteration before the pause.
+    let wire_ms = b.bytes as f64 * 8.0 / (link_gbps * 1e9) * 1e3;
+    let total_ms = ms(b.total_time);
+    assert!(total_ms >= wire_ms && total_ms < wire_ms * 1.02 + iteration_ms, "total {total_ms} ms vs {wire_ms} ms");
+    assert!(ms(b.downtime.unwrap()) > 0.99 * wire_ms);
+    // Pipelined: the KV decoded during the live copy goes again; the request pauses only for
+    // the last few blocks.
+    assert!(p.live_stages >= 1 && p.bytes > b.bytes, "{} stages, {} bytes", p.live_stages, p.bytes);
+    assert!(ms(p.total_time) > wire_ms);
+    assert!(ms(p.downtime.unwrap()) < 0.1 * wire_ms, "downtime {}", p.downtime.unwrap());
 }
