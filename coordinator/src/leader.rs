@@ -377,7 +377,8 @@ impl Leader {
         self.links.lock().expect("links lock").get(&instance).map(|l| l.client.clone())
     }
 
-    /// Accept a client's request: place, persist, then hand it to the worker.
+    /// Accept a client's request: place, persist, tell the client, then hand it to the worker
+    /// (in a task of its own).
     pub async fn submit(self: &Arc<Self>, spec: RequestSpec, tx: ClientTx) -> Result<InstanceId, LeaderError> {
         let now = self.cluster_now();
         let (to, note) = {
@@ -399,7 +400,10 @@ impl Leader {
         self.stats.accepted.fetch_add(1, Ordering::Relaxed);
         self.subscribers.lock().expect("subscribers lock").insert(spec.id, tx.clone());
         let _ = tx.send(Ok(v1::ClientEvent { event: Some(v1::client_event::Event::AcceptedOn(to.0)) })).await;
-        self.submit_to_worker(to, &spec).await;
+        // The client learns of the placement now, not after the worker answered: a replay that
+        // submits in arrival order waits for this (the next arrival must see this decision).
+        let leader = self.clone();
+        tokio::spawn(async move { leader.submit_to_worker(to, &spec).await });
         Ok(to)
     }
 

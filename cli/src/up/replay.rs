@@ -261,8 +261,8 @@ pub fn partition(results: Vec<Result<RequestRecord, String>>) -> (Vec<RequestRec
 /// Submit every request at `epoch + arrival` (cluster clock) and wait for all records, or until
 /// `give_up` fires: every request still running then ends with an error naming where it was.
 ///
-/// Requests reach the leader in arrival order: each is submitted once the one before it was
-/// placed (or [`ORDER_WAIT`] passed). Timers are millisecond-grained, so without this two
+/// Requests reach the leader in arrival order: a dispatcher releases each at its arrival time,
+/// once the one before it was placed (or [`ORDER_WAIT`] passed). Timers are millisecond-grained, so without this two
 /// arrivals a fraction of a millisecond apart race, and the leader may place them in the other
 /// order than the simulator does.
 pub async fn replay(
@@ -273,36 +273,25 @@ pub async fn replay(
     failover_wait: Duration,
     give_up: GiveUp,
 ) -> Vec<Result<RequestRecord, String>> {
+    let mut order: Vec<(SimTime, u64, usize)> =
+        requests.iter().enumerate().map(|(i, r)| (r.arrival, r.id.0, i)).collect();
+    order.sort_unstable();
     let mut tasks = Vec::with_capacity(requests.len());
-    // Each request's signal to the next one in arrival order.
-    let (mut placed, mut next): (Vec<_>, Vec<_>) =
-        requests.iter().map(|_| oneshot::channel()).map(|(t, r)| (Some(t), Some(r))).unzip();
-    let mut order: Vec<usize> = (0..requests.len()).collect();
-    order.sort_by_key(|&i| (requests[i].arrival, requests[i].id));
-    let mut before: Vec<Option<oneshot::Receiver<()>>> = requests.iter().map(|_| None).collect();
-    for pair in order.windows(2) {
-        before[pair[1]] = next[pair[0]].take();
-    }
-    for (i, spec) in requests.into_iter().enumerate() {
+    // Per request: the dispatcher's go, and the request's "placed" back to the dispatcher.
+    let mut gates = Vec::with_capacity(requests.len());
+    for spec in requests {
         let finder = finder.clone();
         let stats = stats.clone();
         let give_up = give_up.clone();
-        let placed = placed[i].take().expect("one per request");
-        let before = before[i].take();
+        let (go_tx, go) = oneshot::channel::<()>();
+        let (placed, placed_rx) = oneshot::channel::<()>();
+        gates.push((Some(go_tx), Some(placed_rx)));
         tasks.push(tokio::spawn(async move {
             let id = spec.id.0;
             let progress = Mutex::new(Progress { phase: "not yet due", ..Progress::default() });
             let run = async {
-                let due_unix = epoch_unix_ns + spec.arrival.0;
-                let now = unix_now_ns();
-                if due_unix > now {
-                    tokio::time::sleep(Duration::from_nanos(due_unix - now)).await;
-                }
-                if let Some(before) = before {
-                    Progress::set(&progress, |p| p.phase = "waiting for the request before it to be placed");
-                    // Dropped (that request gave up) or fired: either way, go.
-                    let _ = tokio::time::timeout(ORDER_WAIT, before).await;
-                }
+                // Fired, or dropped (the dispatcher is gone): either way, go.
+                let _ = go.await;
                 run_request(finder, spec, stats, failover_wait, &progress, placed).await
             };
             tokio::select! {
@@ -314,16 +303,37 @@ pub async fn replay(
             }
         }));
     }
+    // The dispatcher: each request at its arrival time, once the one before it was placed.
+    let dispatcher = tokio::spawn(async move {
+        for (arrival, _, i) in order {
+            let due_unix = epoch_unix_ns + arrival.0;
+            let now = unix_now_ns();
+            if due_unix > now {
+                tokio::time::sleep(Duration::from_nanos(due_unix - now)).await;
+            }
+            let (go, placed) = &mut gates[i];
+            if let Some(go) = go.take() {
+                let _ = go.send(());
+            }
+            if let Some(placed) = placed.take() {
+                // Placed, failed or given up (dropped): next. A leader election: time runs on.
+                let _ = tokio::time::timeout(ORDER_WAIT, placed).await;
+            }
+        }
+    });
     let mut out = Vec::with_capacity(tasks.len());
     for t in tasks {
         out.push(t.await.unwrap_or_else(|e| Err(format!("client task failed: {e}"))));
     }
+    dispatcher.abort();
     out
 }
 
-/// The longest a request waits for the one before it to be placed (a leader election, an etcd
-/// outage: then order gives way to arrival time).
-pub const ORDER_WAIT: Duration = Duration::from_millis(50);
+/// The longest a request waits for the one before it to be placed: above a placement's usual
+/// latency here (each request finds the leader afresh: two `Status` calls and a `Submit`, each on a
+/// new mutual-TLS channel); during a leader election or an etcd outage requests then go out this
+/// far apart.
+pub const ORDER_WAIT: Duration = Duration::from_millis(250);
 
 /// Shift a workload (arrivals from 0) to start `lead` after now, on the cluster clock.
 pub fn schedule(requests: &mut [RequestSpec], epoch_unix_ns: u64, lead: Duration) {
