@@ -183,13 +183,7 @@ impl LiveMigrationRecord {
     }
     /// `committed`, `refused` or `aborted` (as the emulator names them).
     pub fn outcome_name(&self) -> &'static str {
-        if self.committed() {
-            "committed"
-        } else if self.refused() {
-            "refused"
-        } else {
-            "aborted"
-        }
+        kvfleet_wire::outcome_name(self.committed(), self.refused())
     }
     /// Why it did not commit (`None` if it did).
     pub fn abort_reason(&self) -> Option<&AbortReason> {

@@ -33,4 +33,4 @@ mod migration_stats;
 
 pub use convert::{require_spec, MAX_TOKENS_PER_REQUEST};
 pub use invalid::InvalidField;
-pub use migration_stats::REFUSED_PREFIX;
+pub use migration_stats::{outcome_name, REFUSED_PREFIX};

@@ -19,13 +19,7 @@ impl v1::MigrationStats {
 
     /// `committed`, `refused` or `aborted`.
     pub fn outcome_name(&self) -> &'static str {
-        if self.committed() {
-            "committed"
-        } else if self.refused() {
-            "refused"
-        } else {
-            "aborted"
-        }
+        outcome_name(self.committed(), self.refused())
     }
 
     /// Start to settle, in nanoseconds.
@@ -47,5 +41,17 @@ mod tests {
         // A refusal after bytes moved is not a clean decline.
         assert_eq!(stats(10, &format!("{REFUSED_PREFIX}: no room")).outcome_name(), "aborted");
         assert_eq!(stats(0, "timeout").outcome_name(), "aborted");
+    }
+}
+
+/// How a migration ended, as every report names it: `committed`, `refused` (the target declined
+/// before anything moved) or `aborted`.
+pub fn outcome_name(committed: bool, refused: bool) -> &'static str {
+    if committed {
+        "committed"
+    } else if refused {
+        "refused"
+    } else {
+        "aborted"
     }
 }
