@@ -28,6 +28,18 @@ impl v1::MigrationStats {
     }
 }
 
+/// How a migration ended, as every report names it: `committed`, `refused` (the target declined
+/// before anything moved) or `aborted`.
+pub fn outcome_name(committed: bool, refused: bool) -> &'static str {
+    if committed {
+        "committed"
+    } else if refused {
+        "refused"
+    } else {
+        "aborted"
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -41,17 +53,5 @@ mod tests {
         // A refusal after bytes moved is not a clean decline.
         assert_eq!(stats(10, &format!("{REFUSED_PREFIX}: no room")).outcome_name(), "aborted");
         assert_eq!(stats(0, "timeout").outcome_name(), "aborted");
-    }
-}
-
-/// How a migration ended, as every report names it: `committed`, `refused` (the target declined
-/// before anything moved) or `aborted`.
-pub fn outcome_name(committed: bool, refused: bool) -> &'static str {
-    if committed {
-        "committed"
-    } else if refused {
-        "refused"
-    } else {
-        "aborted"
     }
 }
