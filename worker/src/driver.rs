@@ -577,7 +577,12 @@ impl Driver {
             rejected: true,
             ..RequestRecord::default()
         };
-        match self.engine.submit(self.clock.now(), spec) {
+        let now = self.clock.now();
+        // Two processes' cluster clocks agree only to within their anchoring error: a request
+        // stamped in this worker's future arrived, for its engine, now (else its first token could
+        // precede its arrival and its TTFT read 0).
+        let spec = RequestSpec { arrival: spec.arrival.min(now), ..spec };
+        match self.engine.submit(now, spec) {
             Ok(()) => {
                 ledger_step(self.ledger.started(id));
                 SubmitOutcome::Accepted
