@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU fidelity run of issue 8, in one command on a GPU host:
+# The GPU fidelity run (timing model vs live CUDA kernels), in one command on a GPU host:
 #   1. profile     scripts/profile-gpu: the default model's tables + an off-grid held-out split
 #   2. reproduce   our tables vs the shipped H100 profile at the same grid points (32B model only)
 #   3. bench       kvfleet bench timing: profile / analytic / live-CUDA MAPE per regime on the

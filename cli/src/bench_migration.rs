@@ -39,7 +39,7 @@ pub struct MigrationBench {
     #[arg(long, value_delimiter = ',', default_value = "256,1024,4096,8192,16384")]
     lengths: Vec<u32>,
     /// The workers' `--stop-copy-blocks`: pause for the final copy once fewer new full blocks
-    /// remain (SPEC: 16). With `--stop-copy-ms` it only decides before the first live stage.
+    /// remain (default 16). With `--stop-copy-ms` it only decides before the first live stage.
     #[arg(long, default_value_t = 16)]
     stop_copy_blocks: u32,
     /// The workers' `--stop-copy-ms`: once a live stage has measured the link, pause when the new

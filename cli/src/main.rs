@@ -262,7 +262,10 @@ pub fn run_parallel(
     let mut out = Vec::with_capacity(runs.len());
     for (i, slot) in slots.into_inner().expect("threads joined").into_iter().enumerate() {
         let res = slot.with_context(|| format!("run {i} did not complete"))?;
-        out.push(res.with_context(|| format!("run {} @ {:?}", runs[i].0, runs[i].1))?);
+        // Every SimError comes from the config or the workload (a bug panics instead).
+        let (policy, rate) = &runs[i];
+        let at = rate.map_or("the workload's arrivals".into(), |r| format!("{r} req/s"));
+        out.push(res.map_err(|e| InputError(format!("run {policy} @ {at}: {e}")))?);
     }
     Ok(out)
 }

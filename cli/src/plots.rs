@@ -32,7 +32,7 @@ const MAX_CDF_POINTS: usize = 1000;
 /// An axis whose positive data spans more than this ratio (two decades) is drawn logarithmic.
 const LOG_AXIS_SPAN: f64 = 100.0;
 
-use kvfleet_traces::plots::PALETTE;
+use kvfleet_otel::plots::PALETTE;
 
 /// One line of a chart.
 struct Series {

@@ -14,7 +14,7 @@ use crate::{report, say, InputError};
 use anyhow::{bail, Context};
 use clap::Args;
 use kvfleet_core::metrics::{summarize, tail_ttft_by_reasoning_bin, RequestRecord};
-use kvfleet_core::{RequestId, RequestSpec, SimTime};
+use kvfleet_core::{RequestId, RequestSpec, Timestamp};
 use kvfleet_sim::config::{resolve_policy, SimConfig};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -97,7 +97,7 @@ pub fn account(submitted: &[RequestSpec], records: &[RequestRecord], failed: usi
     for r in records {
         *seen.entry(r.id.0).or_default() += 1;
     }
-    let wanted: std::collections::BTreeMap<u64, SimTime> = submitted.iter().map(|s| (s.id.0, s.arrival)).collect();
+    let wanted: std::collections::BTreeMap<u64, Timestamp> = submitted.iter().map(|s| (s.id.0, s.arrival)).collect();
     let rejected = records.iter().filter(|r| r.rejected).count();
     let duplicates = seen.values().filter(|&&n| n > 1).count();
     let unknown = seen.keys().filter(|id| !wanted.contains_key(id)).count();
@@ -333,7 +333,7 @@ mod tests {
     fn spec(id: u64) -> RequestSpec {
         RequestSpec {
             id: RequestId(id),
-            arrival: SimTime(id * 10),
+            arrival: Timestamp(id * 10),
             prompt_tokens: 1,
             reasoning_tokens: 1,
             answer_tokens: 1,
@@ -341,13 +341,13 @@ mod tests {
     }
 
     fn rec(id: u64, rejected: bool) -> RequestRecord {
-        RequestRecord { id: RequestId(id), arrival: SimTime(id * 10), rejected, ..RequestRecord::default() }
+        RequestRecord { id: RequestId(id), arrival: Timestamp(id * 10), rejected, ..RequestRecord::default() }
     }
 
     #[test]
     fn exactly_once_accounting_from_a_table() {
         let specs = [spec(1), spec(2), spec(3)];
-        let stale = RequestRecord { arrival: SimTime(7), ..rec(3, false) };
+        let stale = RequestRecord { arrival: Timestamp(7), ..rec(3, false) };
         // (records, failed, completed, rejected, duplicates, unknown, stale, exactly once)
         type Row = (Vec<RequestRecord>, usize, usize, usize, usize, usize, usize, bool);
         let table: Vec<Row> = vec![

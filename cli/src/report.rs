@@ -1,5 +1,5 @@
-//! Run results rendered for people and for other tools (SPEC "Metrics": "JSON + CSV per run, a
-//! human summary table"): the headline numbers PASCAL §V reports — TTFT to the first *answer*
+//! Run results rendered for people and for other tools (JSON and CSV per run, a human summary
+//! table): the headline numbers PASCAL §V reports — TTFT to the first *answer*
 //! token (Fig. 10, 15(a)), SLO violation (Fig. 11, 15(b)), TPOT/E2E (Fig. 15(c)), blocking
 //! latency (Fig. 13), KV transfer latency (§V-D) and throughput (§V-B).
 //!
@@ -16,7 +16,7 @@
 
 use anyhow::Context as _;
 use kvfleet_core::metrics::{ttft_s, MigrationRecord, RequestRecord, RunSummary};
-use kvfleet_core::time::SimTime;
+use kvfleet_core::time::Timestamp;
 use kvfleet_sim::RunResult;
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
@@ -165,7 +165,7 @@ fn csv_field(s: &str) -> String {
 }
 
 /// Seconds between two optional instants, `{:.6}`, or an empty cell.
-fn span_cell(from: Option<SimTime>, to: Option<SimTime>) -> String {
+fn span_cell(from: Option<Timestamp>, to: Option<Timestamp>) -> String {
     match (from, to) {
         (Some(a), Some(b)) => format!("{:.6}", b.saturating_since(a).as_secs_f64()),
         _ => String::new(),
@@ -311,13 +311,13 @@ pub fn write_outputs(out_dir: &Path, runs: &[RunResult]) -> anyhow::Result<Vec<P
 pub(crate) mod fixtures {
     use kvfleet_core::ids::{InstanceId, RequestId};
     use kvfleet_core::metrics::{summarize, tail_ttft_by_reasoning_bin, MigrationRecord, RequestRecord, SloTargets};
-    use kvfleet_core::time::SimTime;
+    use kvfleet_core::time::Timestamp;
     use kvfleet_sim::RunResult;
     use std::path::PathBuf;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    fn t(s: f64) -> SimTime {
-        SimTime::from_secs_f64(s)
+    fn t(s: f64) -> Timestamp {
+        Timestamp::from_secs_f64(s)
     }
 
     /// `n` finished requests with reasoning lengths spread over a few 256-token bins and TTFTs

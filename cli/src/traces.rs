@@ -1,5 +1,5 @@
 //! `kvfleet traces collect|analyze`: the trace sink and the trace analyser (docs/tracing.md),
-//! thin shells over the `kvfleet-traces` crate.
+//! thin shells over the `kvfleet-otel` crate.
 //!
 //! - `collect` serves OTLP/gRPC (`TraceService/Export`) and appends every Export request to a
 //!   file as one line of OTLP JSON. It prints `otlp on ADDR` once it accepts connections (other
@@ -10,7 +10,7 @@
 use crate::{say, InputError};
 use anyhow::Context as _;
 use clap::{Args, Subcommand};
-use kvfleet_traces::{analyze, parse_file, plots, report, Sink, TracesError};
+use kvfleet_otel::{analyze, parse_file, plots, report, Sink, TracesError};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 

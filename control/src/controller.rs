@@ -30,7 +30,7 @@
 
 use crate::ownership::{initial_phase, OwnedPhase, Ownership};
 use kvfleet_core::policy::{InstancePolicy, LoadReport, PhaseChange, PhaseDecision};
-use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimDuration, SimRng, SimTime};
+use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimRng, TimeSpan, Timestamp};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 /// Other targets tried after a target declined a move for lack of room.
@@ -38,7 +38,7 @@ pub const MAX_RETARGETS: usize = 2;
 
 /// How long a decision counts in its target's published load when no report shows it (a submit
 /// that never arrived, a worker that restarted and counts from zero again).
-pub const CHARGE_TTL: SimDuration = SimDuration(2_000_000_000);
+pub const CHARGE_TTL: TimeSpan = TimeSpan(2_000_000_000);
 
 /// What happened in the cluster.
 #[derive(Clone, Debug, PartialEq)]
@@ -207,7 +207,7 @@ struct Charge {
     request: RequestId,
     kind: ChargeKind,
     blocks: u32,
-    at: SimTime,
+    at: Timestamp,
     /// The instance's `admitted` counter once it has taken this one in.
     covered_at: u64,
 }
@@ -280,7 +280,7 @@ pub struct Controller {
     /// Requests whose re-placement found no live instance: retried when one joins.
     stranded: BTreeSet<RequestId>,
     retain_finished: bool,
-    now: SimTime,
+    now: Timestamp,
     actions: VecDeque<Action>,
 }
 
@@ -299,7 +299,7 @@ impl Controller {
             departed: BTreeMap::new(),
             stranded: BTreeSet::new(),
             retain_finished: false,
-            now: SimTime::ZERO,
+            now: Timestamp::ZERO,
             actions: VecDeque::new(),
         }
     }
@@ -365,7 +365,7 @@ impl Controller {
 
     /// Apply `event` at `now`; its decisions queue up for [`Controller::poll_action`]. An error
     /// names an event that could not be applied (nothing changed).
-    pub fn handle(&mut self, now: SimTime, event: Event) -> Result<(), ControlError> {
+    pub fn handle(&mut self, now: Timestamp, event: Event) -> Result<(), ControlError> {
         self.now = self.now.max(now);
         match event {
             Event::Joined { instance, address, model, kv_bytes_per_token } => {
@@ -399,7 +399,7 @@ impl Controller {
     }
 
     /// [`Controller::handle`], then every action it queued.
-    pub fn decide(&mut self, now: SimTime, event: Event) -> Result<Vec<Action>, ControlError> {
+    pub fn decide(&mut self, now: Timestamp, event: Event) -> Result<Vec<Action>, ControlError> {
         self.handle(now, event)?;
         Ok(self.actions.drain(..).collect())
     }

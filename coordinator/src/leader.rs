@@ -3,7 +3,8 @@
 //! is the controller's, shared with the simulator; this module holds only I/O: fenced writes to
 //! the metadata store, worker RPCs, client streams.
 //!
-//! Invariants it keeps (the emulator issue's "no request lost, none run twice"):
+//! Invariants it keeps, so that across worker deaths and leader failovers no accepted request is
+//! lost and none runs twice:
 //! - a request's ownership is written to the store, fenced on the leader key, *before* the
 //!   client is told it was accepted; a new leader reloads every unfinished one;
 //! - a worker forgets an event only after the leader acknowledged it, and the leader acknowledges
@@ -35,11 +36,17 @@ pub type ClientTx = mpsc::Sender<Result<v1::ClientEvent, Status>>;
 /// Counters shown by `Status` and `kvfleet up`.
 #[derive(Debug, Default)]
 pub struct LeaderStats {
+    /// Client requests accepted (placed and persisted).
     pub accepted: AtomicU64,
+    /// Finished records stored.
     pub finished: AtomicU64,
+    /// Migrations that committed (live or re-materialised).
     pub migrations: AtomicU64,
+    /// Migrations that did not commit (refused, aborted, or the attach failed).
     pub migration_failures: AtomicU64,
+    /// Re-placements: requests started over on another worker after theirs left.
     pub replaced: AtomicU64,
+    /// Token notifications a slow or gone client missed (its final record is never dropped).
     pub dropped_token_events: AtomicU64,
 }
 
@@ -53,14 +60,18 @@ struct WorkerLink {
     address: String,
 }
 
+/// The elected coordinator's side of the cluster: drives the [`Controller`], holds a link (RPC
+/// client and event pump) per registered worker, and persists ownership fenced on its leader key.
 pub struct Leader {
     store: Arc<dyn MetaStore>,
     fence: LeaderKey,
     control: Mutex<Controller>,
     links: Mutex<BTreeMap<InstanceId, WorkerLink>>,
     subscribers: Mutex<HashMap<RequestId, ClientTx>>,
+    /// Counters for `Status` and `kvfleet up`.
     pub stats: LeaderStats,
     deposed_tx: watch::Sender<bool>,
+    /// Turns `true` once a fenced write is refused (another coordinator leads); never back.
     pub deposed: watch::Receiver<bool>,
     connector: Connector,
     /// Settled live migrations, as the sources measured them.
@@ -70,14 +81,19 @@ pub struct Leader {
     epoch_unix_ns: u64,
 }
 
+/// Why the leader could not carry out a client's or a worker's request.
 #[derive(Debug, thiserror::Error)]
 pub enum LeaderError {
+    /// A fenced write was refused: another coordinator leads now.
     #[error("no longer the leader (a fenced write was refused)")]
     Deposed,
+    /// The metadata store (etcd or the embedded store) failed.
     #[error("metadata store: {0}")]
     Store(#[from] kvfleet_meta::MetaError),
+    /// The cluster controller refused the event (e.g. a duplicate request id).
     #[error("{0}")]
     Control(#[from] ControlError),
+    /// No live worker to place the request on.
     #[error("no live worker to place request {0} on")]
     NoWorkers(RequestId),
 }
@@ -110,6 +126,8 @@ fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
 }
 
 impl Leader {
+    /// A leader over `store`, fencing its writes on `fence`, driving `control`; `connector` opens
+    /// worker channels; `epoch_unix_ns` is the cluster epoch (span times).
     pub fn new(
         store: Arc<dyn MetaStore>,
         fence: LeaderKey,
@@ -136,9 +154,9 @@ impl Leader {
     }
 
     /// Now on the cluster clock (for span times of decisions made here).
-    fn cluster_now(&self) -> kvfleet_core::SimTime {
+    fn cluster_now(&self) -> kvfleet_core::Timestamp {
         let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-        kvfleet_core::SimTime((unix as u64).saturating_sub(self.epoch_unix_ns))
+        kvfleet_core::Timestamp((unix as u64).saturating_sub(self.epoch_unix_ns))
     }
 
     fn control(&self) -> std::sync::MutexGuard<'_, Controller> {
@@ -151,6 +169,7 @@ impl Leader {
         self.control().decide(now, event)
     }
 
+    /// Whether a refused fenced write has deposed this leader.
     pub fn is_deposed(&self) -> bool {
         *self.deposed.borrow()
     }
@@ -715,6 +734,7 @@ impl Leader {
         }
     }
 
+    /// The cluster as this leader sees it (members, loads, counters, migration log), for `Status`.
     pub fn status(&self, leader: &str, epoch_unix_ns: u64) -> v1::ClusterStatus {
         let control = self.control();
         let instances = control
@@ -883,7 +903,7 @@ fn finished_event(rec: &RequestRecord) -> v1::ClientEvent {
 mod tests {
     use super::*;
     use kvfleet_core::policy::registry::{build_policy, PolicyParams};
-    use kvfleet_core::{SimRng, SimTime};
+    use kvfleet_core::{SimRng, Timestamp};
     use kvfleet_meta::MemStore;
 
     const MODEL: &str = "r1-distill-qwen-32b";
@@ -927,7 +947,7 @@ mod tests {
     }
 
     fn spec(id: u64, prompt_tokens: u32) -> RequestSpec {
-        RequestSpec { id: RequestId(id), arrival: SimTime(0), prompt_tokens, reasoning_tokens: 4, answer_tokens: 4 }
+        RequestSpec { id: RequestId(id), arrival: Timestamp(0), prompt_tokens, reasoning_tokens: 4, answer_tokens: 4 }
     }
 
     #[tokio::test]

@@ -9,6 +9,8 @@
 //!
 //! The metadata-store layout is `kvfleet_meta::layout` (shared with workers).
 
+#![warn(missing_docs)]
+
 pub mod leader;
 pub mod metrics;
 pub mod node;

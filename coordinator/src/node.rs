@@ -26,13 +26,17 @@ use tonic::{Request, Response, Status};
 pub struct NodeOptions {
     /// Address clients and workers use to reach this coordinator.
     pub advertise: String,
+    /// Instance-level placement/migration policy by name (e.g. `pascal`, `least-kv`, `round-robin`).
     pub policy: String,
+    /// The policy's tuning (e.g. headroom blocks).
     pub policy_params: PolicyParams,
+    /// The model this coordinator serves; it must match the cluster record in the store.
     pub model: ClusterModel,
     /// Leadership lease: a dead leader is replaced within about this long.
     pub lease_ttl: Duration,
     /// Embedded mode: how long a worker registration lives without a refresh.
     pub worker_ttl: Duration,
+    /// Seed of the policy's random choices (each leader term starts from it).
     pub seed: u64,
     /// Clock origin to record if this coordinator founds the cluster (default: now).
     pub epoch_unix_ns: Option<u64>,
@@ -43,7 +47,9 @@ pub struct NodeOptions {
 
 /// Shared between the gRPC service and the campaign loop.
 pub struct Node {
+    /// How this coordinator runs.
     pub opts: NodeOptions,
+    /// The metadata store (etcd, or the embedded one): election, cluster record, registrations.
     pub store: Arc<dyn MetaStore>,
     leader: RwLock<Option<Arc<Leader>>>,
     cluster: ClusterRecord,
@@ -51,14 +57,29 @@ pub struct Node {
     worker_leases: Mutex<HashMap<u32, LeaseId>>,
 }
 
+/// Why a coordinator could not join the cluster or lead it.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
+    /// The metadata store failed.
     #[error("metadata store: {0}")]
     Store(#[from] kvfleet_meta::MetaError),
+    /// The cluster record is missing or not valid JSON, or a new leader could not restore the
+    /// stored requests.
     #[error("cluster record at {key} is unreadable: {0}", key = keys::CLUSTER)]
     BadCluster(String),
+    /// The cluster in the store serves another model (or KV size) than this coordinator.
     #[error("this coordinator runs model `{ours}` ({ours_bytes} B/token) but the cluster in the store runs `{theirs}` ({theirs_bytes} B/token)")]
-    ModelMismatch { ours: String, ours_bytes: u64, theirs: String, theirs_bytes: u64 },
+    ModelMismatch {
+        /// This coordinator's model.
+        ours: String,
+        /// Its KV bytes per token.
+        ours_bytes: u64,
+        /// The cluster record's model.
+        theirs: String,
+        /// Its KV bytes per token.
+        theirs_bytes: u64,
+    },
+    /// The policy name or its parameters are invalid.
     #[error("unknown policy: {0}")]
     Policy(String),
 }
@@ -95,10 +116,12 @@ impl Node {
         }))
     }
 
+    /// The cluster epoch (ns since the Unix epoch) from the cluster record.
     pub fn epoch_unix_ns(&self) -> u64 {
         self.cluster.epoch_unix_ns
     }
 
+    /// The [`Leader`] this process runs while it leads (`None` on a standby).
     pub async fn current_leader(&self) -> Option<Arc<Leader>> {
         self.leader.read().await.clone()
     }
@@ -229,6 +252,7 @@ impl Node {
         })
     }
 
+    /// The tonic server of the `kvfleet.v1.Coordinator` API over this node.
     pub fn service(self: &Arc<Self>) -> CoordinatorServer<CoordinatorService> {
         CoordinatorServer::new(CoordinatorService { node: self.clone() })
     }
@@ -245,6 +269,8 @@ async fn admit(leader: &Arc<Leader>, value: &[u8]) {
     }
 }
 
+/// The `Coordinator` gRPC service: the leader serves it; standbys answer `Status` and point
+/// clients at the leader.
 pub struct CoordinatorService {
     node: Arc<Node>,
 }

@@ -58,7 +58,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use kvfleet_core::{RequestId, RequestSpec, SimTime};
+use kvfleet_core::{RequestId, RequestSpec, Timestamp};
 use kvfleet_meta::layout as keys;
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::client_event::Event as ClientEvent;
@@ -250,7 +250,7 @@ async fn complete(
     let id = api.ids.next();
     let spec = RequestSpec {
         id: RequestId(id),
-        arrival: SimTime(unix_now_ns().saturating_sub(api.node.epoch_unix_ns())),
+        arrival: Timestamp(unix_now_ns().saturating_sub(api.node.epoch_unix_ns())),
         prompt_tokens: req.prompt_tokens,
         reasoning_tokens: req.reasoning_tokens,
         answer_tokens: req.answer_tokens,

@@ -6,7 +6,7 @@
 
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::LoadReport;
-use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimTime};
+use kvfleet_core::{InstanceId, RequestId, RequestSpec, Timestamp};
 use kvfleet_telemetry::{unix_time, Context, KeyValue, OpenSpan};
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -18,8 +18,11 @@ fn int(key: &'static str, v: impl Into<i64>) -> KeyValue {
 /// Why the policy chose what it chose, as span attributes.
 #[derive(Clone, Debug)]
 pub struct PlacementNote {
+    /// Live instances the policy chose among.
     pub candidates: usize,
+    /// The instance it placed the request on.
     pub chosen: InstanceId,
+    /// One line: the policy, and the chosen instance's load when it decided.
     pub reason: String,
 }
 
@@ -51,11 +54,12 @@ pub struct RequestTraces {
 }
 
 impl RequestTraces {
+    /// No open spans; cluster times are placed on the wall clock at `epoch_unix_ns`, spans name `policy`.
     pub fn new(epoch_unix_ns: u64, policy: &str) -> RequestTraces {
         RequestTraces { epoch_unix_ns, policy: policy.to_string(), open: Mutex::new(HashMap::new()) }
     }
 
-    fn at(&self, t: SimTime) -> std::time::SystemTime {
+    fn at(&self, t: Timestamp) -> std::time::SystemTime {
         unix_time(self.epoch_unix_ns + t.0)
     }
 
@@ -77,7 +81,7 @@ impl RequestTraces {
     }
 
     /// Record the placement decision, made at cluster time `now`.
-    pub fn placement(&self, id: RequestId, now: SimTime, note: &PlacementNote) {
+    pub fn placement(&self, id: RequestId, now: Timestamp, note: &PlacementNote) {
         let open = self.open.lock().expect("traces lock");
         if let Some(span) = open.get(&id) {
             let attrs = vec![
@@ -98,7 +102,7 @@ impl RequestTraces {
     /// The request finished: its phases as the worker measured them, then the end of its span.
     pub fn close(&self, rec: &RequestRecord) {
         let Some(mut span) = self.open.lock().expect("traces lock").remove(&rec.id) else { return };
-        let phase = |name: &'static str, from: Option<SimTime>, to: Option<SimTime>, on: InstanceId| {
+        let phase = |name: &'static str, from: Option<Timestamp>, to: Option<Timestamp>, on: InstanceId| {
             if let (Some(from), Some(to)) = (from, to) {
                 let attrs = vec![int("kvfleet.request.id", rec.id.0 as i64), int("kvfleet.instance", on.0)];
                 span.child(name, self.at(from), self.at(to), attrs);

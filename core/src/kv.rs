@@ -16,29 +16,61 @@ use serde::{Deserialize, Serialize};
 /// Where a request's KV lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Tier {
+    /// GPU memory: where a request's KV must be for it to run.
     Gpu,
+    /// The host-memory offload pool holding preempted requests' KV.
     Cpu,
 }
 
+/// Why a KV block operation was refused (nothing changed).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KvError {
+    /// The pool has too few free blocks.
     #[error("{tier:?} pool exhausted: need {needed} blocks, {free} free")]
-    OutOfBlocks { tier: Tier, needed: u32, free: u32 },
+    OutOfBlocks {
+        /// The pool asked.
+        tier: Tier,
+        /// Blocks the operation needed.
+        needed: u32,
+        /// Blocks free in that pool.
+        free: u32,
+    },
+    /// The request holds no blocks here.
     #[error("{0} has no KV blocks")]
     UnknownRequest(RequestId),
+    /// The request already has a block table; allocate once, then grow.
     #[error("{0} already holds KV blocks")]
     AlreadyAllocated(RequestId),
+    /// A tier move found the request on the tier it was to be moved to.
     #[error("{request} is on {actual:?}, expected {expected:?}")]
-    WrongTier { request: RequestId, expected: Tier, actual: Tier },
+    WrongTier {
+        /// The request.
+        request: RequestId,
+        /// Tier the move starts from.
+        expected: Tier,
+        /// Tier its blocks are on.
+        actual: Tier,
+    },
+    /// `grow` was asked for fewer tokens than the request holds.
     #[error("{request} cannot shrink from {have} to {want} tokens")]
-    Shrink { request: RequestId, have: u32, want: u32 },
+    Shrink {
+        /// The request.
+        request: RequestId,
+        /// Tokens it holds.
+        have: u32,
+        /// Tokens asked for.
+        want: u32,
+    },
 }
 
 /// One request's KV: its tier, its blocks in token order, and how many tokens they hold.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockTable {
+    /// The pool all its blocks are in.
     pub tier: Tier,
+    /// Block ids in that pool, in token order.
     pub blocks: Vec<u32>,
+    /// Tokens of KV held (the last block may be partly filled).
     pub tokens: u32,
 }
 
@@ -75,10 +107,15 @@ impl Pool {
 /// its real arenas (copy block `from[i]` of the `from_tier` arena to block `to[i]` of `to_tier`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvMove {
+    /// The request whose KV moved.
     pub request: RequestId,
+    /// Tier the blocks were copied from.
     pub from_tier: Tier,
+    /// Tier the blocks were copied to.
     pub to_tier: Tier,
+    /// Source block ids, in token order.
     pub from: Vec<u32>,
+    /// Destination block ids; `to[i]` receives `from[i]`.
     pub to: Vec<u32>,
 }
 
@@ -116,6 +153,7 @@ impl KvBlockManager {
         }
     }
 
+    /// Tokens per block.
     pub fn block_size(&self) -> u32 {
         self.block_size
     }
@@ -131,18 +169,23 @@ impl KvBlockManager {
     pub fn blocks_for(&self, tokens: u32) -> u32 {
         blocks_for_tokens(tokens, self.block_size)
     }
+    /// Blocks in the `tier` pool.
     pub fn capacity(&self, tier: Tier) -> u32 {
         self.pool(tier).capacity
     }
+    /// Blocks of the `tier` pool held by requests.
     pub fn used(&self, tier: Tier) -> u32 {
         self.pool(tier).used()
     }
+    /// Free blocks in the `tier` pool.
     pub fn free(&self, tier: Tier) -> u32 {
         self.pool(tier).free.len() as u32
     }
+    /// The request's block table; `None` when it holds no blocks.
     pub fn table(&self, request: RequestId) -> Option<&BlockTable> {
         self.tables.get(&request)
     }
+    /// The tier the request's KV is on; `None` when it holds no blocks.
     pub fn tier_of(&self, request: RequestId) -> Option<Tier> {
         self.tables.get(&request).map(|t| t.tier)
     }

@@ -1,7 +1,7 @@
 //! kvfleet-core: the pure, sans-IO heart of kvfleet.
 //!
 //! Nothing here reads a clock, sleeps, spawns or touches a socket: time comes in as
-//! [`time::SimTime`], randomness as a seeded [`rng::SimRng`]. The simulator (`kvfleet-sim`) and the
+//! [`time::Timestamp`], randomness as a seeded [`rng::SimRng`]. The simulator (`kvfleet-sim`) and the
 //! real worker/coordinator processes drive exactly this code.
 //!
 //! | module | what lives there |
@@ -15,6 +15,8 @@
 //! | [`policy`] | instance-level policies: PASCAL Alg. 1/2 + adaptive migration, baselines |
 //! | [`workload`] | arrivals (Poisson, gamma), length distributions, trace parsers |
 //! | [`metrics`] | per-request records → TTFT/TTFAT/TPOT/E2E/QoE/tail-bin summaries |
+
+#![warn(missing_docs)]
 
 pub mod engine;
 pub mod idmap;
@@ -33,4 +35,4 @@ pub mod workload;
 pub use ids::{InstanceId, RequestId};
 pub use request::RequestSpec;
 pub use rng::SimRng;
-pub use time::{SimDuration, SimTime};
+pub use time::{TimeSpan, Timestamp};

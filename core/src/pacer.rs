@@ -21,7 +21,7 @@
 //! areas. Internally time is measured in units of `tpot` (so the digest rate is 1 token per unit);
 //! QoE is a ratio of two areas and so does not depend on that unit.
 
-use crate::time::{SimDuration, SimTime};
+use crate::time::{TimeSpan, Timestamp};
 
 /// Andes' token pacer for one answering request: buffer level, digested curve, running QoE.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -29,9 +29,9 @@ pub struct TokenPacer {
     /// The target time per output token, in ns (at least 1).
     tpot_ns: u64,
     /// `t0`: when the first answer token arrived; `None` until then.
-    first_token: Option<SimTime>,
+    first_token: Option<Timestamp>,
     /// Time up to which `digested`, `lag` and `area_lag` are valid.
-    last_update: SimTime,
+    last_update: Timestamp,
     /// `G`: answer tokens generated so far.
     generated: u32,
     /// `D(last_update)`, in tokens.
@@ -44,11 +44,11 @@ pub struct TokenPacer {
 
 impl TokenPacer {
     /// A pacer for a user who reads one token every `tpot`. A zero `tpot` is treated as 1 ns.
-    pub fn new(tpot: SimDuration) -> Self {
+    pub fn new(tpot: TimeSpan) -> Self {
         TokenPacer {
             tpot_ns: tpot.as_nanos().max(1),
             first_token: None,
-            last_update: SimTime::ZERO,
+            last_update: Timestamp::ZERO,
             generated: 0,
             digested: 0.0,
             lag: 0.0,
@@ -57,12 +57,12 @@ impl TokenPacer {
     }
 
     /// The reading pace this pacer was built with.
-    pub fn tpot(&self) -> SimDuration {
-        SimDuration::from_nanos(self.tpot_ns)
+    pub fn tpot(&self) -> TimeSpan {
+        TimeSpan::from_nanos(self.tpot_ns)
     }
 
     /// `t0`, the arrival of the first answer token, once there has been one.
-    pub fn first_answer_token(&self) -> Option<SimTime> {
+    pub fn first_answer_token(&self) -> Option<Timestamp> {
         self.first_token
     }
 
@@ -74,7 +74,7 @@ impl TokenPacer {
     /// Records `n` answer tokens generated at `at`. The first call with `n > 0` sets `t0`; calls
     /// with `n == 0` before that are ignored. Times must not decrease; an earlier `at` is treated
     /// as the last update time.
-    pub fn on_answer_tokens(&mut self, at: SimTime, n: u32) {
+    pub fn on_answer_tokens(&mut self, at: Timestamp, n: u32) {
         if self.first_token.is_none() {
             if n == 0 {
                 return;
@@ -88,7 +88,7 @@ impl TokenPacer {
     }
 
     /// Tokens generated but not yet digested by the user at `now` (the pacer's buffer, `G − D`).
-    pub fn buffered(&self, now: SimTime) -> f64 {
+    pub fn buffered(&self, now: Timestamp) -> f64 {
         if self.first_token.is_none() {
             return 0.0;
         }
@@ -99,8 +99,8 @@ impl TokenPacer {
 
     /// How long the buffer at `now` lasts before the user starves if no token arrives
     /// (`buffered × tpot`): the slack a time-sharing scheduler has before preempting hurts QoE.
-    pub fn slack(&self, now: SimTime) -> SimDuration {
-        SimDuration::from_nanos((self.buffered(now) * self.tpot_ns as f64).round() as u64)
+    pub fn slack(&self, now: Timestamp) -> TimeSpan {
+        TimeSpan::from_nanos((self.buffered(now) * self.tpot_ns as f64).round() as u64)
     }
 
     /// QoE over `[t0, now]` while the request runs: 1.0 before or at `t0`.
@@ -108,7 +108,7 @@ impl TokenPacer {
     /// `N` is not known yet, so the expected curve is taken uncapped, `E(t) = (t − t0) / tpot`.
     /// That is never below the capped curve of [`Self::finish`], so the running ratio errs on the
     /// side of reporting a request as falling behind, which is what the scheduler's SLO check wants.
-    pub fn qoe_so_far(&self, now: SimTime) -> f64 {
+    pub fn qoe_so_far(&self, now: Timestamp) -> f64 {
         let Some(t0) = self.first_token else {
             return 1.0;
         };
@@ -123,7 +123,7 @@ impl TokenPacer {
     }
 
     /// PASCAL's per-request term of `t_i` (Alg. 2): the running QoE is at least `threshold`.
-    pub fn on_pace(&self, now: SimTime, threshold: f64) -> bool {
+    pub fn on_pace(&self, now: Timestamp, threshold: f64) -> bool {
         self.qoe_so_far(now) >= threshold
     }
 
@@ -156,13 +156,13 @@ impl TokenPacer {
     }
 
     /// `(to − from)` in units of tpot.
-    fn units_between(&self, from: SimTime, to: SimTime) -> f64 {
+    fn units_between(&self, from: Timestamp, to: Timestamp) -> f64 {
         to.saturating_since(from).as_nanos() as f64 / self.tpot_ns as f64
     }
 
     /// Moves `last_update` to `now`, integrating D: it rises at one token per unit until it meets
     /// `G`, then stays flat. Requires `first_token` to be set.
-    fn advance(&mut self, now: SimTime) {
+    fn advance(&mut self, now: Timestamp) {
         if now <= self.last_update {
             return;
         }
@@ -204,12 +204,12 @@ mod tests {
 
     const SEC: u64 = 1_000_000_000;
 
-    fn secs(s: f64) -> SimTime {
-        SimTime::from_secs_f64(s)
+    fn secs(s: f64) -> Timestamp {
+        Timestamp::from_secs_f64(s)
     }
 
     fn pacer_1s() -> TokenPacer {
-        TokenPacer::new(SimDuration::from_secs_f64(1.0))
+        TokenPacer::new(TimeSpan::from_secs_f64(1.0))
     }
 
     fn assert_close(got: f64, want: f64) {
@@ -228,10 +228,10 @@ mod tests {
 
     #[test]
     fn always_ahead_of_pace_is_one() {
-        let mut p = TokenPacer::new(SimDuration::from_millis_f64(100.0));
+        let mut p = TokenPacer::new(TimeSpan::from_millis_f64(100.0));
         // 50 tokens, one every 20 ms, five times faster than the 100 ms reading pace.
         for i in 0..50u64 {
-            p.on_answer_tokens(SimTime(5 * SEC + i * 20_000_000), 1);
+            p.on_answer_tokens(Timestamp(5 * SEC + i * 20_000_000), 1);
         }
         assert_eq!(p.finish(50), 1.0);
         for t in [5.0, 5.3, 6.0, 9.0] {
@@ -240,7 +240,7 @@ mod tests {
         // Exactly on pace is on pace too.
         let mut q = pacer_1s();
         for i in 0..10u64 {
-            q.on_answer_tokens(SimTime(i * SEC), 1);
+            q.on_answer_tokens(Timestamp(i * SEC), 1);
         }
         assert_eq!(q.finish(10), 1.0);
     }
@@ -258,7 +258,7 @@ mod tests {
         p.on_answer_tokens(secs(10.0), 2);
         assert_close(p.buffered(secs(10.0)), 2.0);
         assert_close(p.buffered(secs(11.5)), 0.5);
-        assert_eq!(p.slack(secs(11.5)), SimDuration::from_millis_f64(500.0));
+        assert_eq!(p.slack(secs(11.5)), TimeSpan::from_millis_f64(500.0));
         assert_close(p.finish(4), 0.6);
     }
 
@@ -267,8 +267,8 @@ mod tests {
         let mut last = f64::INFINITY;
         for delay_ms in [0u64, 500, 1000, 1500, 2000, 3000, 5000, 10_000, 60_000] {
             let mut p = pacer_1s();
-            p.on_answer_tokens(SimTime(0), 1);
-            p.on_answer_tokens(SimTime(delay_ms * 1_000_000), 1);
+            p.on_answer_tokens(Timestamp(0), 1);
+            p.on_answer_tokens(Timestamp(delay_ms * 1_000_000), 1);
             let q = p.finish(2);
             if delay_ms <= 1000 {
                 assert_eq!(q, 1.0, "second token at {delay_ms} ms is on time");
@@ -354,15 +354,15 @@ mod tests {
             start_ms in 0u64..100_000,
             batches in proptest::collection::vec((0u64..3_000, 1u32..4), 1..60),
         ) {
-            let mut p = TokenPacer::new(SimDuration::from_millis_f64(tpot_ms as f64));
+            let mut p = TokenPacer::new(TimeSpan::from_millis_f64(tpot_ms as f64));
             let mut t_ms = start_ms;
             let mut arrivals_s = Vec::new();
             for (i, &(gap_ms, n)) in batches.iter().enumerate() {
                 if i > 0 {
                     t_ms += gap_ms;
                 }
-                p.on_answer_tokens(SimTime(t_ms * 1_000_000), n);
-                let running = p.qoe_so_far(SimTime(t_ms * 1_000_000));
+                p.on_answer_tokens(Timestamp(t_ms * 1_000_000), n);
+                let running = p.qoe_so_far(Timestamp(t_ms * 1_000_000));
                 proptest::prop_assert!((0.0..=1.0).contains(&running));
                 arrivals_s.extend(std::iter::repeat_n(t_ms as f64 / 1e3, n as usize));
             }

@@ -19,6 +19,7 @@ fn splitmix64(state: &mut u64) -> u64 {
 }
 
 impl SimRng {
+    /// A generator whose whole stream is determined by `seed` (expanded through splitmix64).
     pub fn seed_from_u64(seed: u64) -> Self {
         let mut sm = seed;
         let s = [splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm)];
@@ -32,6 +33,7 @@ impl SimRng {
         SimRng { s: [splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm)] }
     }
 
+    /// The next 64 uniformly random bits.
     pub fn next_u64(&mut self) -> u64 {
         let result = self.s[0].wrapping_add(self.s[3]).rotate_left(23).wrapping_add(self.s[0]);
         let t = self.s[1] << 17;

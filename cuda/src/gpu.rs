@@ -87,11 +87,17 @@ struct Buffers {
 /// What was found on the device at construction.
 #[derive(Clone, Debug)]
 pub struct DeviceInfo {
+    /// The device's name (e.g. `NVIDIA H100 80GB HBM3`).
     pub name: String,
+    /// Compute capability (major, minor); 8.0 or newer is required.
     pub compute_capability: (i32, i32),
+    /// Streaming multiprocessors.
     pub sm_count: u32,
+    /// Device memory, bytes.
     pub total_bytes: u64,
+    /// Free device memory before this process allocated anything, bytes.
     pub free_bytes_at_start: u64,
+    /// Device memory allocated for the layer, head, activations and KV buffers, bytes.
     pub allocated_bytes: u64,
 }
 
@@ -112,7 +118,9 @@ pub(crate) struct Gpu {
 /// Per-layer and head medians of one timed shape.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Timed {
+    /// One decoder layer, median, milliseconds.
     pub layer_ms: f64,
+    /// Final norm + LM head + sampling, median, milliseconds.
     pub head_ms: f64,
 }
 

@@ -25,6 +25,8 @@
 //! capacity, or a failed measurement, falls back to the analytic roofline (logged once).
 //! Several workers may share one GPU; they then time each other's interference too.
 
+#![warn(missing_docs)]
+
 pub mod kernels;
 pub mod shapes;
 pub mod signature;
@@ -37,7 +39,7 @@ pub use signature::{quantize, BatchSignature};
 
 use kvfleet_core::spec::{GpuSpec, ModelSpec};
 use kvfleet_core::timing::{AnalyticTiming, BatchShape, TimingModel};
-use kvfleet_core::SimDuration;
+use kvfleet_core::TimeSpan;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -45,33 +47,72 @@ use std::time::Instant;
 /// Why live CUDA timing is unavailable or failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
+    /// The CUDA driver library is not installed on this host.
     #[error(
         "no CUDA driver (libcuda.so) found: live CUDA timing needs an NVIDIA GPU and its driver on this host \
          (looked for libcuda.so and libcuda.so.1 on the library path)"
     )]
     NoDriver,
+    /// The driver did not initialise, or the requested device does not exist.
     #[error("no CUDA device: {0}")]
     NoDevice(String),
+    /// cuBLAS or NVRTC cannot be loaded.
     #[error(
         "no {library} found (looked for {names}); put the folder holding it on LD_LIBRARY_PATH (a CUDA toolkit's \
          lib64, or a PyTorch install's site-packages/nvidia/*/lib)"
     )]
-    MissingLibrary { library: &'static str, names: &'static str },
+    MissingLibrary {
+        /// The library (`cuBLAS`, `NVRTC`).
+        library: &'static str,
+        /// The file names looked for.
+        names: &'static str,
+    },
+    /// The model's shape or the device's compute capability is outside what the kernels support.
     #[error("model shape not supported by the live CUDA kernels: {0}")]
     Unsupported(String),
+    /// NVRTC failed to compile `kernels.cu`.
     #[error("compiling the kernels with NVRTC failed: {0}")]
     Compile(String),
+    /// The device has too little free memory for the buffers (more than 95 % of it needed).
     #[error(
         "not enough GPU memory on `{name}`: one layer, the LM head, activations and KV buffers need {need} bytes, \
          {free} are free (lower KVFLEET_CUDA_MAX_TOKENS or KVFLEET_CUDA_KV_TOKENS)"
     )]
-    Memory { need: u64, free: u64, name: String },
+    Memory {
+        /// Bytes needed.
+        need: u64,
+        /// Bytes free on the device.
+        free: u64,
+        /// The device's name.
+        name: String,
+    },
+    /// A CUDA driver call failed.
     #[error("CUDA driver call failed {what}: {detail}")]
-    Driver { what: &'static str, detail: String },
+    Driver {
+        /// The step that failed.
+        what: &'static str,
+        /// The driver's error.
+        detail: String,
+    },
+    /// A cuBLAS call failed.
     #[error("cuBLAS call failed {what}: {detail}")]
-    Cublas { what: &'static str, detail: String },
+    Cublas {
+        /// The step that failed.
+        what: &'static str,
+        /// cuBLAS's error.
+        detail: String,
+    },
+    /// A `KVFLEET_CUDA_*` variable has a bad value.
     #[error("invalid {name} = `{value}`: {message}")]
-    Config { name: &'static str, value: String, message: String },
+    Config {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The analytic fallback model could not be built.
     #[error(transparent)]
     Timing(#[from] kvfleet_core::timing::TimingError),
 }
@@ -212,6 +253,7 @@ pub fn probe(ordinal: usize) -> Result<(), CudaError> {
 /// One measured (or fallen-back) iteration.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Measurement {
+    /// The signature that was timed.
     pub signature: BatchSignature,
     /// One decoder layer, median of the repetitions (0 when `fallback`).
     pub layer_ms: f64,
@@ -296,9 +338,11 @@ impl CudaTiming {
         })
     }
 
+    /// What was found on the device.
     pub fn device(&self) -> &DeviceInfo {
         &self.info
     }
+    /// The settings in use (after clamping).
     pub fn config(&self) -> &CudaTimingConfig {
         &self.cfg
     }
@@ -310,6 +354,7 @@ impl CudaTiming {
     pub fn d2h_gbytes_per_s(&self) -> f64 {
         self.d2h_bytes_per_s * 1e-9
     }
+    /// Counters so far.
     pub fn stats(&self) -> CudaStats {
         self.state.lock().map(|s| s.stats).unwrap_or_default()
     }
@@ -389,14 +434,14 @@ impl TimingModel for CudaTiming {
     fn name(&self) -> &str {
         "cuda"
     }
-    fn iteration(&self, batch: &BatchShape) -> SimDuration {
-        SimDuration::from_millis_f64(self.iteration_ms(batch))
+    fn iteration(&self, batch: &BatchShape) -> TimeSpan {
+        TimeSpan::from_millis_f64(self.iteration_ms(batch))
     }
-    fn offload(&self, bytes: u64) -> SimDuration {
-        SimDuration::from_secs_f64(bytes as f64 / self.d2h_bytes_per_s)
+    fn offload(&self, bytes: u64) -> TimeSpan {
+        TimeSpan::from_secs_f64(bytes as f64 / self.d2h_bytes_per_s)
     }
-    fn reload(&self, bytes: u64) -> SimDuration {
-        SimDuration::from_secs_f64(bytes as f64 / self.h2d_bytes_per_s)
+    fn reload(&self, bytes: u64) -> TimeSpan {
+        TimeSpan::from_secs_f64(bytes as f64 / self.h2d_bytes_per_s)
     }
 }
 

@@ -12,6 +12,7 @@ use kvfleet_core::spec::ModelSpec;
 /// One GEMM `[m × k] · [k × n]`: `m` tokens through a weight of `n` outputs × `k` inputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Gemm {
+    /// Which projection (`qkv`, `o`, `gate_up`, `down`, `lm_head`).
     pub name: &'static str,
     /// Rows: tokens (or sequences, for the LM head).
     pub m: u64,
@@ -26,6 +27,7 @@ impl Gemm {
     pub fn flops(&self) -> u64 {
         2 * self.m * self.n * self.k
     }
+    /// Weight elements, `n · k`.
     pub fn weight_params(&self) -> u64 {
         self.n * self.k
     }
@@ -38,21 +40,32 @@ impl Gemm {
 /// The per-layer widths of a model, in elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerShapes {
+    /// Decoder layers.
     pub layers: u64,
+    /// Hidden size.
     pub hidden: u64,
+    /// Query heads.
     pub q_heads: u64,
+    /// Key/value heads (grouped-query attention).
     pub kv_heads: u64,
+    /// Width of one head.
     pub head_dim: u64,
+    /// MLP intermediate size.
     pub intermediate: u64,
+    /// Vocabulary size (LM head outputs).
     pub vocab: u64,
+    /// Bytes per weight and activation element (2 for bf16).
     pub dtype_bytes: u64,
+    /// Whether the QKV projection has a bias.
     pub qkv_bias: bool,
 }
 
 /// FLOPs and bytes of one layer (or of the head) for one batch.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Work {
+    /// FLOPs of the GEMMs.
     pub gemm_flops: f64,
+    /// FLOPs of attention (scores and weighted sum).
     pub attention_flops: f64,
     /// Weights streamed by the GEMMs.
     pub weight_bytes: f64,
@@ -61,6 +74,7 @@ pub struct Work {
 }
 
 impl LayerShapes {
+    /// The widths of `m`.
     pub fn from_model(m: &ModelSpec) -> LayerShapes {
         LayerShapes {
             layers: m.layers as u64,

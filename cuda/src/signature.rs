@@ -31,15 +31,19 @@ pub fn quantize(x: u64, bits: u32) -> u64 {
 /// A cache key: the representative batch of every shape that rounds to it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BatchSignature {
+    /// Decoding sequences (one new token each).
     pub decode_seqs: u32,
     /// Mean context per decoding sequence (counting the new token).
     pub decode_context: u32,
     /// Prompts in the representative batch, each `prompt_len` tokens.
     pub prompts: u32,
+    /// Tokens per prompt.
     pub prompt_len: u32,
 }
 
 impl BatchSignature {
+    /// The signature of `shape`: decode count and mean context, prompt count and length, each
+    /// rounded with [`quantize`] at `bits`.
     pub fn of(shape: &BatchShape, bits: u32) -> BatchSignature {
         let q = |x: u64| quantize(x, bits).min(u32::MAX as u64) as u32;
         let (decode_seqs, decode_context) = if shape.decode_seqs == 0 {
@@ -61,6 +65,7 @@ impl BatchSignature {
         BatchSignature { decode_seqs, decode_context, prompts, prompt_len }
     }
 
+    /// Whether the batch does nothing (no decoding sequence, no prompt).
     pub fn is_empty(&self) -> bool {
         self.decode_seqs == 0 && self.prompts == 0
     }

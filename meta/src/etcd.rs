@@ -1,5 +1,5 @@
 //! [`EtcdStore`]: the [`MetaStore`] on a real etcd cluster (v3 API via `etcd-client`), used when
-//! a coordinator or worker is given `--etcd` endpoints (SPEC "Coordinator and etcd").
+//! a coordinator or worker is given `--etcd` endpoints (several coordinators sharing one store).
 //!
 //! - KV: puts, prefix reads and conditional writes are etcd transactions, so the fencing check
 //!   ([`Condition::leader`]) and the write it guards are atomic in etcd itself.
@@ -37,6 +37,7 @@ use crate::{
 
 /// First and largest pause of [`EtcdStore::connect_with_retry`].
 pub const RETRY_INITIAL: Duration = Duration::from_millis(100);
+/// Largest pause of [`EtcdStore::connect_with_retry`] (the backoff doubles up to it).
 pub const RETRY_MAX: Duration = Duration::from_secs(5);
 /// Buffered watch events / leader values per stream before etcd's flow control applies.
 const STREAM_BUFFER: usize = 1024;
@@ -44,18 +45,22 @@ const STREAM_BUFFER: usize = 1024;
 /// TLS towards etcd; paths to PEM files (the `--etcd-cacert`, `--etcd-cert`, `--etcd-key` flags).
 #[derive(Clone, Debug, Default)]
 pub struct EtcdTls {
+    /// CA certificate to verify the etcd servers with (`--etcd-cacert`).
     pub ca_cert_pem: Option<PathBuf>,
     /// Client certificate and key for mutual TLS: both or neither.
     pub client_cert_pem: Option<PathBuf>,
+    /// Client private key for mutual TLS (`--etcd-key`).
     pub client_key_pem: Option<PathBuf>,
     /// Server name to verify, when the endpoints are IP addresses the certificate does not name.
     pub domain_name: Option<String>,
 }
 
+/// How to connect to etcd: authentication, TLS and timeouts.
 #[derive(Clone, Debug)]
 pub struct EtcdOptions {
     /// etcd authentication: both or neither.
     pub username: Option<String>,
+    /// etcd password (with `username`).
     pub password: Option<String>,
     /// TLS; endpoints without a scheme then use `https://`.
     pub tls: Option<EtcdTls>,
@@ -79,6 +84,7 @@ impl Default for EtcdOptions {
 
 type Keeper = (etcd_client::LeaseKeeper, etcd_client::LeaseKeepAliveStream);
 
+/// A [`MetaStore`] backed by an etcd cluster (KV, Lease, Watch and Election services).
 pub struct EtcdStore {
     client: Client,
     endpoints: Vec<String>,
@@ -151,6 +157,7 @@ impl EtcdStore {
         }
     }
 
+    /// The endpoints it was connected with.
     pub fn endpoints(&self) -> &[String] {
         &self.endpoints
     }

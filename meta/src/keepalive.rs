@@ -1,11 +1,11 @@
 //! Keeping a lease alive in the background and noticing promptly when it is lost.
 //!
-//! Workers register under a lease and coordinators campaign under one (SPEC "Coordinator and
-//! etcd"). [`spawn_keep_alive`] refreshes the lease every ttl/3 and publishes
-//! [`LeaseStatus::Lost`] through a `watch` channel as soon as the lease is known gone
-//! (the store says so) or can no longer be assumed alive (no successful refresh sent within one
-//! TTL, e.g. etcd unreachable). A leader stops scheduling on that signal; fencing by revision
-//! (see the crate docs) covers the window before it sees it.
+//! Workers register under a lease (so a dead worker's registration disappears by itself) and
+//! coordinators campaign under one (so a dead leader's election key does). [`spawn_keep_alive`]
+//! refreshes the lease every ttl/3 and publishes [`LeaseStatus::Lost`] through a `watch` channel
+//! as soon as the lease is known gone (the store says so) or can no longer be assumed alive (no
+//! successful refresh sent within one TTL, e.g. etcd unreachable). A leader stops scheduling on
+//! that signal; fencing by revision (see the crate docs) covers the window before it sees it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,11 +21,14 @@ const MIN_REFRESH_INTERVAL: Duration = Duration::from_millis(10);
 /// Pause before retrying a refresh that failed for a transient reason.
 const RETRY_INTERVAL: Duration = Duration::from_millis(200);
 
+/// What a keep-alive task knows about its lease.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LeaseStatus {
+    /// Refreshed within its TTL.
     Alive,
     /// The lease expired, was revoked, or could not be refreshed within its TTL.
     Lost {
+        /// Why it is considered lost.
         reason: String,
     },
 }
@@ -38,6 +41,7 @@ pub struct LeaseKeeper {
 }
 
 impl LeaseKeeper {
+    /// The lease being refreshed.
     pub fn lease(&self) -> LeaseId {
         self.lease
     }
@@ -47,6 +51,7 @@ impl LeaseKeeper {
         self.status.clone()
     }
 
+    /// Whether the lease has been reported lost.
     pub fn is_lost(&self) -> bool {
         matches!(*self.status.borrow(), LeaseStatus::Lost { .. })
     }

@@ -14,18 +14,26 @@ use serde::{Deserialize, Serialize};
 /// What the cluster runs; a worker must match it to join.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClusterModel {
+    /// Model name.
     pub model: String,
+    /// KV-cache bytes per token (all layers), so migrated KV is sized alike everywhere.
     pub kv_bytes_per_token: u64,
 }
 
+/// Key of the [`ClusterRecord`].
 pub const CLUSTER: &str = "/kvfleet/cluster";
+/// Prefix of worker registrations ([`worker`]).
 pub const WORKERS: &str = "/kvfleet/workers/";
+/// Prefix of request ownership records ([`request`]).
 pub const REQUESTS: &str = "/kvfleet/requests/";
+/// Prefix of finished requests' records ([`result`]).
 pub const RESULTS: &str = "/kvfleet/results/";
+/// Name (key prefix) of the coordinator election.
 pub const ELECTION: &str = "/kvfleet/leader";
 /// Instance numbers claimed by `--instance auto` workers (see [`instance_claim`]).
 pub const INSTANCES: &str = "/kvfleet/instances/";
 
+/// The registration key of instance `instance`.
 pub fn worker(instance: u32) -> String {
     format!("{WORKERS}{instance}")
 }
@@ -35,9 +43,11 @@ pub fn worker(instance: u32) -> String {
 pub fn instance_claim(instance: u32) -> String {
     format!("{INSTANCES}{instance}")
 }
+/// The ownership key of request `id` (zero-padded to 20 digits so keys sort by id).
 pub fn request(id: u64) -> String {
     format!("{REQUESTS}{id:020}")
 }
+/// The result key of request `id` (zero-padded to 20 digits so keys sort by id).
 pub fn result(id: u64) -> String {
     format!("{RESULTS}{id:020}")
 }
@@ -45,22 +55,29 @@ pub fn result(id: u64) -> String {
 /// What every process of a cluster must agree on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClusterRecord {
+    /// The model every worker must serve.
     pub model: ClusterModel,
-    /// Cluster clock origin: `SimTime` 0 in every process, as Unix nanoseconds.
+    /// Cluster clock origin: `Timestamp` 0 in every process, as Unix nanoseconds.
     pub epoch_unix_ns: u64,
 }
 
 /// A worker's registration, as stored (the gRPC `WorkerInfo` in JSON-friendly form).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerRecord {
+    /// Instance number.
     pub instance: u32,
+    /// The gRPC address it advertises (`host:port`).
     pub address: String,
+    /// Model it serves.
     pub model: String,
+    /// KV-cache bytes per token.
     pub kv_bytes_per_token: u64,
+    /// KV blocks in GPU memory.
     pub gpu_blocks: u32,
     /// Tokens per KV block (0 in records of earlier versions: unknown until its first load report).
     #[serde(default)]
     pub block_size: u32,
+    /// Its intra-instance scheduler (`fcfs`, `rr` or `pascal`).
     pub scheduler: String,
     /// Where it receives live KV migrations (QUIC); empty when it cannot.
     #[serde(default)]

@@ -1,5 +1,6 @@
 //! kvfleet's metadata store: the one place where cluster state that must survive a coordinator
-//! lives (SPEC "Coordinator and etcd", issue 4).
+//! lives, so a newly elected leader can take over where the old one stopped (docs/architecture.md,
+//! "The emulator").
 //!
 //! What is stored here: the worker registry (each worker's key is attached to a lease it keeps
 //! alive, so a dead worker disappears by itself), published load, request ownership
@@ -20,7 +21,8 @@
 //!
 //! # Fencing by revision
 //!
-//! SPEC: "Lease loss → step down (fencing by revision)". Winning an election creates the leader's
+//! A leader that loses its lease must step down, and fencing by revision makes sure that an
+//! ex-leader which has not noticed yet cannot write. Winning an election creates the leader's
 //! election key under its lease; the key's *create revision* is unique for this term of office
 //! and is returned in [`LeaderKey::create_revision`]. Every write a leader makes that decides
 //! something (request ownership, placement) goes through [`MetaStore::put_if`] with
@@ -31,6 +33,8 @@
 //! and `put_if` returns `None`, which is the leader's signal to stop scheduling at once. A new
 //! leader's key has a larger create revision, so an old leader can never pass the check again.
 //! [`spawn_keep_alive`] gives the prompt signal; the revision check gives the guarantee.
+
+#![warn(missing_docs)]
 
 pub mod error;
 pub mod etcd;
@@ -69,7 +73,9 @@ impl std::fmt::Display for LeaseId {
 /// One stored key with its value and revisions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KeyValue {
+    /// The key.
     pub key: String,
+    /// The value (opaque bytes).
     pub value: Vec<u8>,
     /// Revision of the write that created the key (since it last did not exist).
     pub create_revision: Revision,
@@ -83,7 +89,9 @@ pub struct KeyValue {
 /// read at. Watching from `revision.0 + 1` afterwards misses no change ("list, then watch").
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Listing {
+    /// The keys under the prefix, sorted by key.
     pub kvs: Vec<KeyValue>,
+    /// The store revision they were read at.
     pub revision: Revision,
 }
 
@@ -92,19 +100,34 @@ pub struct Listing {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Condition {
     /// `key` does not exist.
-    Absent { key: String },
+    Absent {
+        /// The key.
+        key: String,
+    },
     /// `key` exists and was last modified at `revision` (compare-and-swap).
-    ModRevision { key: String, revision: Revision },
+    ModRevision {
+        /// The key.
+        key: String,
+        /// Its expected [`KeyValue::mod_revision`].
+        revision: Revision,
+    },
     /// `key` exists with this create revision. With a [`LeaderKey`] this is the fencing check:
     /// it fails as soon as the leader resigned or its lease lapsed.
-    CreateRevision { key: String, revision: Revision },
+    CreateRevision {
+        /// The key.
+        key: String,
+        /// Its expected [`KeyValue::create_revision`].
+        revision: Revision,
+    },
 }
 
 impl Condition {
+    /// [`Condition::Absent`]: create-if-absent.
     pub fn absent(key: impl Into<String>) -> Self {
         Condition::Absent { key: key.into() }
     }
 
+    /// [`Condition::ModRevision`]: compare-and-swap against the revision last read.
     pub fn mod_revision(key: impl Into<String>, revision: Revision) -> Self {
         Condition::ModRevision { key: key.into(), revision }
     }
@@ -124,6 +147,7 @@ impl Condition {
         }
     }
 
+    /// The key the condition is about.
     pub fn key(&self) -> &str {
         match self {
             Condition::Absent { key } | Condition::ModRevision { key, .. } | Condition::CreateRevision { key, .. } => {
@@ -133,9 +157,12 @@ impl Condition {
     }
 }
 
+/// What a [`WatchEvent`] did to its key.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum EventKind {
+    /// The key was created or overwritten.
     Put,
+    /// The key was deleted (explicitly or by its lease ending).
     Delete,
 }
 
@@ -143,9 +170,13 @@ pub enum EventKind {
 /// `revision` is the revision of the delete.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WatchEvent {
+    /// Put or delete.
     pub kind: EventKind,
+    /// The key changed.
     pub key: String,
+    /// The new value (empty for a delete).
     pub value: Vec<u8>,
+    /// The revision of the change.
     pub revision: Revision,
 }
 
@@ -154,9 +185,13 @@ pub struct WatchEvent {
 /// writes and to [`MetaStore::resign`] to step down.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeaderKey {
+    /// The election's name (key prefix).
     pub name: String,
+    /// This candidate's election key, `{name}/{lease:x}`.
     pub key: String,
+    /// The create revision of that key: lowest among candidates when elected.
     pub create_revision: Revision,
+    /// The lease the key is attached to; leadership ends with it.
     pub lease: LeaseId,
 }
 
@@ -183,6 +218,7 @@ pub trait MetaStore: Send + Sync + 'static {
     /// Fails with [`MetaError::LeaseNotFound`] if the lease has expired or was revoked.
     fn put_with_lease<'a>(&'a self, key: &'a str, value: &'a [u8], lease: LeaseId) -> MetaFuture<'a, Revision>;
 
+    /// Reads `key`; `None` if absent.
     fn get<'a>(&'a self, key: &'a str) -> MetaFuture<'a, Option<KeyValue>>;
 
     /// All keys starting with `prefix`, sorted by key, and the revision they were read at.

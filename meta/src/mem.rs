@@ -1,5 +1,5 @@
-//! [`MemStore`]: the in-process metadata store — the "embedded default" of SPEC "Coordinator and
-//! etcd" (one coordinator, no `--etcd`) and the test double of [`crate::EtcdStore`].
+//! [`MemStore`]: the in-process metadata store — the embedded default used when no `--etcd`
+//! endpoint is given (one coordinator) and the test double of [`crate::EtcdStore`].
 //!
 //! It copies etcd's semantics rather than approximating them, so code tested against it behaves
 //! the same on etcd: one revision counter bumped by every change (the keys of an expiring lease
@@ -75,6 +75,7 @@ impl Default for MemStore {
 }
 
 impl MemStore {
+    /// An empty store (revision 1) keeping up to [`DEFAULT_HISTORY_LIMIT`] watch events for replay.
     pub fn new() -> Self {
         Self::with_history_limit(DEFAULT_HISTORY_LIMIT)
     }

@@ -26,17 +26,26 @@
 //! 10⁻⁹ bit per rate change, always on the slow side, and a transfer drains exactly at its
 //! predicted nanosecond.
 
-use kvfleet_core::{InstanceId, SimDuration, SimTime};
+use kvfleet_core::{InstanceId, TimeSpan, Timestamp};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// Work units per byte: 8 bits × 10⁹ ns/s, so that `bits_per_s / share` units pass per nanosecond.
 const WORK_PER_BYTE: u128 = 8 * 1_000_000_000;
 
+/// Invalid [`LinkParams`], naming the field.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum LinkError {
+    /// A parameter is out of range.
     #[error("invalid link parameter `{field}` = {value}: {reason}")]
-    Invalid { field: &'static str, value: f64, reason: &'static str },
+    Invalid {
+        /// The parameter.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+        /// The accepted range.
+        reason: &'static str,
+    },
 }
 
 /// Per-NIC link parameters (TOML table `[link]`); defaults are PASCAL's testbed, 100 Gbps.
@@ -73,8 +82,8 @@ impl LinkParams {
     fn bits_per_s(&self) -> u64 {
         (self.bandwidth_gbps * 1e9).round() as u64
     }
-    fn latency(&self) -> SimDuration {
-        SimDuration::from_secs_f64(self.latency_us * 1e-6)
+    fn latency(&self) -> TimeSpan {
+        TimeSpan::from_secs_f64(self.latency_us * 1e-6)
     }
 }
 
@@ -94,7 +103,7 @@ enum Phase {
     /// Bytes still leaving src; `remaining_work` in bit·ns/s, `share` = the current rate divisor.
     Sending { remaining_work: u128, share: u32 },
     /// The last byte has left; the transfer completes at `arrives`.
-    Propagating { arrives: SimTime },
+    Propagating { arrives: Timestamp },
 }
 
 #[derive(Clone, Debug)]
@@ -102,7 +111,7 @@ struct Transfer {
     id: TransferId,
     src: usize,
     dst: usize,
-    started: SimTime,
+    started: Timestamp,
     phase: Phase,
 }
 
@@ -110,13 +119,13 @@ struct Transfer {
 #[derive(Clone, Debug)]
 pub struct Fabric {
     bits_per_s: u64,
-    latency: SimDuration,
+    latency: TimeSpan,
     /// Sending transfers leaving / entering each instance.
     egress: Vec<u32>,
     ingress: Vec<u32>,
     transfers: Vec<Transfer>,
     /// The time up to which every sending transfer's `remaining_work` is accounted.
-    progressed_to: SimTime,
+    progressed_to: Timestamp,
     next_id: u64,
 }
 
@@ -130,13 +139,13 @@ impl Fabric {
             egress: vec![0; instances as usize],
             ingress: vec![0; instances as usize],
             transfers: Vec::new(),
-            progressed_to: SimTime::ZERO,
+            progressed_to: Timestamp::ZERO,
             next_id: 0,
         })
     }
 
     /// Start sending `bytes` from `src` to `dst` at `now` (`now` must not precede earlier calls).
-    pub fn start(&mut self, now: SimTime, src: InstanceId, dst: InstanceId, bytes: u64) -> TransferId {
+    pub fn start(&mut self, now: Timestamp, src: InstanceId, dst: InstanceId, bytes: u64) -> TransferId {
         debug_assert!(now >= self.progressed_to, "Fabric::start at {now} after {}", self.progressed_to);
         let now = now.max(self.progressed_to);
         self.advance_to(now);
@@ -166,7 +175,7 @@ impl Fabric {
     /// at which a transfer's last byte leaves a shared port (the others then speed up, so their
     /// completions move earlier). In the second case `complete_due` returns nothing; always ask
     /// again after calling it. `None` when no transfer is active.
-    pub fn next_completion(&self) -> Option<SimTime> {
+    pub fn next_completion(&self) -> Option<Timestamp> {
         self.transfers
             .iter()
             .map(|t| match t.phase {
@@ -185,14 +194,14 @@ impl Fabric {
     }
 
     /// Every transfer finished by `now`, as (id, start time), ordered by completion time then id.
-    pub fn complete_due(&mut self, now: SimTime) -> Vec<(TransferId, SimTime)> {
+    pub fn complete_due(&mut self, now: Timestamp) -> Vec<(TransferId, Timestamp)> {
         let mut out = Vec::new();
         self.complete_due_into(now, &mut out);
         out
     }
 
     /// [`Fabric::complete_due`] appending to a caller-owned buffer (no allocation once it is warm).
-    pub fn complete_due_into(&mut self, now: SimTime, out: &mut Vec<(TransferId, SimTime)>) {
+    pub fn complete_due_into(&mut self, now: Timestamp, out: &mut Vec<(TransferId, Timestamp)>) {
         let now = now.max(self.progressed_to);
         self.advance_to(now);
         let is_due = |t: &Transfer| matches!(t.phase, Phase::Propagating { arrives } if arrives <= now);
@@ -209,7 +218,7 @@ impl Fabric {
         let due = &mut self.transfers[end..];
         due.sort_unstable_by_key(|t| match t.phase {
             Phase::Propagating { arrives } => (arrives, t.id),
-            Phase::Sending { .. } => (SimTime::MAX, t.id),
+            Phase::Sending { .. } => (Timestamp::MAX, t.id),
         });
         out.extend(due.iter().map(|t| (t.id, t.started)));
         self.transfers.truncate(end);
@@ -221,19 +230,19 @@ impl Fabric {
     }
 
     /// How long `bytes` take over an otherwise idle path: serialisation plus one-way latency.
-    pub fn estimate(&self, bytes: u64) -> SimDuration {
+    pub fn estimate(&self, bytes: u64) -> TimeSpan {
         self.drain_time(bytes as u128 * WORK_PER_BYTE, 1) + self.latency
     }
 
     /// Nanoseconds to send `remaining_work` at `bits_per_s / share`, rounded up.
-    fn drain_time(&self, remaining_work: u128, share: u32) -> SimDuration {
+    fn drain_time(&self, remaining_work: u128, share: u32) -> TimeSpan {
         let ns = remaining_work.saturating_mul(share as u128).div_ceil(self.bits_per_s as u128);
-        SimDuration(u64::try_from(ns).unwrap_or(u64::MAX))
+        TimeSpan(u64::try_from(ns).unwrap_or(u64::MAX))
     }
 
     /// Account progress up to `now`, handling every drain before it in time order (each one
     /// frees its ports and re-shares the bandwidth among the transfers still sending).
-    fn advance_to(&mut self, now: SimTime) {
+    fn advance_to(&mut self, now: Timestamp) {
         loop {
             let next_drain = self
                 .transfers
@@ -263,7 +272,7 @@ impl Fabric {
         self.progress(now);
     }
 
-    fn progress(&mut self, to: SimTime) {
+    fn progress(&mut self, to: Timestamp) {
         let dt_ns = to.saturating_since(self.progressed_to).as_nanos() as u128;
         if dt_ns == 0 {
             return;
@@ -278,7 +287,7 @@ impl Fabric {
     }
 
     /// Moves every sending transfer with no work left to propagating; returns how many.
-    fn finish_drained(&mut self, at: SimTime) -> usize {
+    fn finish_drained(&mut self, at: Timestamp) -> usize {
         let arrives = at + self.latency;
         let mut drained = 0;
         for t in &mut self.transfers {
@@ -316,14 +325,14 @@ mod tests {
     }
 
     /// Drive the fabric like the simulator does; returns (id, started, completed) in order.
-    fn drive(fabric: &mut Fabric, mut starts: Vec<(u64, u32, u32, u64)>) -> Vec<(TransferId, SimTime, SimTime)> {
+    fn drive(fabric: &mut Fabric, mut starts: Vec<(u64, u32, u32, u64)>) -> Vec<(TransferId, Timestamp, Timestamp)> {
         starts.sort_by_key(|s| s.0);
         let mut starts = starts.into_iter().peekable();
         let mut done = Vec::new();
-        let mut now = SimTime::ZERO;
+        let mut now = Timestamp::ZERO;
         let mut wakeups = 0;
         loop {
-            let next_start = starts.peek().map(|s| SimTime(s.0));
+            let next_start = starts.peek().map(|s| Timestamp(s.0));
             let next_done = fabric.next_completion();
             let Some(at) = next_start.into_iter().chain(next_done).min() else { break };
             assert!(at >= now, "fabric asked to go back in time: {at} < {now}");
@@ -332,7 +341,7 @@ mod tests {
                 wakeups += 1;
                 done.extend(fabric.complete_due(now).into_iter().map(|(id, started)| (id, started, now)));
             }
-            while starts.peek().is_some_and(|s| SimTime(s.0) == now) {
+            while starts.peek().is_some_and(|s| Timestamp(s.0) == now) {
                 let (_, src, dst, bytes) = starts.next().expect("peeked");
                 fabric.start(now, i(src), i(dst), bytes);
             }
@@ -379,11 +388,11 @@ mod tests {
     fn lone_transfer_is_serialisation_plus_latency() {
         let mut f = Fabric::new(2, LinkParams::default()).expect("defaults");
         // 1.25 MB at 100 Gbps = 100 us, + 10 us latency.
-        assert_eq!(f.estimate(1_250_000), SimDuration(110_000));
-        let id = f.start(SimTime(5), i(0), i(1), 1_250_000);
-        assert_eq!(f.next_completion(), Some(SimTime(110_005)), "no empty wake-up for an uncontended transfer");
-        assert!(f.complete_due(SimTime(110_004)).is_empty());
-        assert_eq!(f.complete_due(SimTime(110_005)), vec![(id, SimTime(5))]);
+        assert_eq!(f.estimate(1_250_000), TimeSpan(110_000));
+        let id = f.start(Timestamp(5), i(0), i(1), 1_250_000);
+        assert_eq!(f.next_completion(), Some(Timestamp(110_005)), "no empty wake-up for an uncontended transfer");
+        assert!(f.complete_due(Timestamp(110_004)).is_empty());
+        assert_eq!(f.complete_due(Timestamp(110_005)), vec![(id, Timestamp(5))]);
         assert_eq!((f.active(), f.next_completion()), (0, None));
     }
 
@@ -392,22 +401,25 @@ mod tests {
         // A: 1000 B at t=0; B: 1000 B from the same source at t=500. A has 500 B left at half rate
         // -> drains at 1500; B sent 500 B by then, the rest at full rate -> drains at 2000.
         let mut f = byte_per_ns(1000);
-        let a = f.start(SimTime(0), i(0), i(1), 1000);
-        let b = f.start(SimTime(500), i(0), i(2), 1000);
-        assert_eq!(f.next_completion(), Some(SimTime(1500)), "A's drain re-shares src 0");
-        assert!(f.complete_due(SimTime(1500)).is_empty());
-        assert_eq!(f.next_completion(), Some(SimTime(2500)), "A arrives; B is now alone");
-        assert_eq!(f.complete_due(SimTime(2500)), vec![(a, SimTime(0))]);
-        assert_eq!(f.complete_due(SimTime(3000)), vec![(b, SimTime(500))]);
+        let a = f.start(Timestamp(0), i(0), i(1), 1000);
+        let b = f.start(Timestamp(500), i(0), i(2), 1000);
+        assert_eq!(f.next_completion(), Some(Timestamp(1500)), "A's drain re-shares src 0");
+        assert!(f.complete_due(Timestamp(1500)).is_empty());
+        assert_eq!(f.next_completion(), Some(Timestamp(2500)), "A arrives; B is now alone");
+        assert_eq!(f.complete_due(Timestamp(2500)), vec![(a, Timestamp(0))]);
+        assert_eq!(f.complete_due(Timestamp(3000)), vec![(b, Timestamp(500))]);
     }
 
     #[test]
     fn propagating_transfers_hold_no_bandwidth_and_late_calls_are_ordered() {
         let mut f = byte_per_ns(1000);
-        let a = f.start(SimTime(0), i(0), i(1), 1000); // drains 1000, arrives 2000
-        let b = f.start(SimTime(1000), i(0), i(1), 1000); // full rate: drains 2000, arrives 3000
-        let c = f.start(SimTime(1000), i(2), i(3), 0); // empty: arrives 2000
-        assert_eq!(f.complete_due(SimTime(5000)), vec![(a, SimTime(0)), (c, SimTime(1000)), (b, SimTime(1000))]);
+        let a = f.start(Timestamp(0), i(0), i(1), 1000); // drains 1000, arrives 2000
+        let b = f.start(Timestamp(1000), i(0), i(1), 1000); // full rate: drains 2000, arrives 3000
+        let c = f.start(Timestamp(1000), i(2), i(3), 0); // empty: arrives 2000
+        assert_eq!(
+            f.complete_due(Timestamp(5000)),
+            vec![(a, Timestamp(0)), (c, Timestamp(1000)), (b, Timestamp(1000))]
+        );
     }
 
     #[test]
@@ -415,10 +427,10 @@ mod tests {
         // 1000 B and 2000 B from src 0 at t=0: both at half rate until the small one drains at
         // 2000; the big one then has 1000 B left at full rate -> drains 3000.
         let mut f = byte_per_ns(10);
-        let small = f.start(SimTime(0), i(0), i(1), 1000);
-        let big = f.start(SimTime(0), i(0), i(2), 2000);
+        let small = f.start(Timestamp(0), i(0), i(1), 1000);
+        let big = f.start(Timestamp(0), i(0), i(2), 2000);
         let done = drive(&mut f, vec![]);
-        assert_eq!(done, vec![(small, SimTime(0), SimTime(2010)), (big, SimTime(0), SimTime(3010))]);
+        assert_eq!(done, vec![(small, Timestamp(0), Timestamp(2010)), (big, Timestamp(0), Timestamp(3010))]);
     }
 
     #[test]
@@ -426,7 +438,7 @@ mod tests {
         // Three senders into one receiver: each at a third of the bandwidth.
         let mut f = byte_per_ns(10);
         let done = drive(&mut f, vec![(0, 0, 3, 900), (0, 1, 3, 900), (0, 2, 3, 900)]);
-        assert!(done.iter().all(|&(_, _, end)| end == SimTime(2710)), "{done:?}");
+        assert!(done.iter().all(|&(_, _, end)| end == Timestamp(2710)), "{done:?}");
     }
 
     proptest! {
@@ -434,12 +446,12 @@ mod tests {
         fn lone_transfer_matches_formula(bytes in 1u64..10_000_000_000, gbps in 0.5f64..800.0, latency_us in 0.1f64..100.0) {
             let params = LinkParams { bandwidth_gbps: gbps, latency_us };
             let mut f = Fabric::new(2, params.clone()).expect("valid");
-            f.start(SimTime(7), i(1), i(0), bytes);
+            f.start(Timestamp(7), i(1), i(0), bytes);
             let end = f.next_completion().expect("active");
             let want_s = bytes as f64 * 8.0 / (gbps * 1e9) + latency_us * 1e-6;
-            let got_s = (end - SimTime(7)).as_secs_f64();
+            let got_s = (end - Timestamp(7)).as_secs_f64();
             prop_assert!((got_s - want_s).abs() <= 2e-9 + want_s * 1e-9, "got {got_s} want {want_s}");
-            prop_assert_eq!(end - SimTime(7), f.estimate(bytes));
+            prop_assert_eq!(end - Timestamp(7), f.estimate(bytes));
         }
 
         #[test]
@@ -486,13 +498,13 @@ mod tests {
                 let (at, _, _, bytes) = by_id[id.0 as usize];
                 prop_assert!(!seen[id.0 as usize], "{id} completed twice");
                 seen[id.0 as usize] = true;
-                prop_assert_eq!(started, SimTime(at));
+                prop_assert_eq!(started, Timestamp(at));
                 delivered_bytes += bytes;
                 let took = end - started;
                 prop_assert!(took >= f.estimate(bytes), "{id} faster than an idle link");
                 // Never slower than sharing the link with every other transfer the whole time.
-                let worst = SimDuration(f.estimate(bytes).as_nanos().saturating_mul(n));
-                prop_assert!(took <= worst + SimDuration(2 * n + 2), "{id} took {took}, bound {worst}");
+                let worst = TimeSpan(f.estimate(bytes).as_nanos().saturating_mul(n));
+                prop_assert!(took <= worst + TimeSpan(2 * n + 2), "{id} took {took}, bound {worst}");
             }
             prop_assert_eq!(delivered_bytes, starts.iter().map(|s| s.3).sum::<u64>());
             prop_assert!(done.windows(2).all(|w| w[0].2 <= w[1].2), "completions out of order");

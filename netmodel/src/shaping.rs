@@ -1,8 +1,8 @@
 //! Link shaping: a token-bucket rate limit plus an added one-way latency, sans-IO.
 //!
-//! The emulator moves real KV bytes over whatever the host offers (loopback, a LAN); SPEC
-//! "Migration" asks that a run can additionally *shape* a link to emulate the timing of a 100 Gbps
-//! or 400 Gbps fabric. This module is the arithmetic only: [`ShapeParams`] says what the link looks
+//! The emulator moves real KV bytes over whatever the host offers (loopback, a LAN); a run can
+//! additionally *shape* a link to emulate the timing of a 100 Gbps or 400 Gbps fabric, so that
+//! migration timings on one host resemble those of a real cluster. This module is the arithmetic only: [`ShapeParams`] says what the link looks
 //! like, [`TokenBucket::reserve`] says when a number of bytes may leave. The async writer that
 //! sleeps until then lives in `kvfleet-transport` (`shaped.rs`); the simulator can use the same
 //! bucket in virtual time.
@@ -28,7 +28,7 @@
 //! `1 / rate` nanoseconds (`ns × rate`), in which a byte costs exactly 10⁹ units, so the TAT never
 //! accumulates rounding error; only the returned instant is rounded, up, to a nanosecond.
 
-use kvfleet_core::{SimDuration, SimTime};
+use kvfleet_core::{TimeSpan, Timestamp};
 use serde::{Deserialize, Serialize};
 
 /// Time units per byte: one byte at `rate` bytes/s takes 10⁹ / rate ns = 10⁹ units of 1/rate ns.
@@ -37,13 +37,21 @@ const UNITS_PER_BYTE: u128 = 1_000_000_000;
 /// Why shaping parameters were rejected, naming the field.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ShapeError {
+    /// A parameter is out of range.
     #[error("invalid shaping parameter `{field}` = {value}: {reason}")]
-    Invalid { field: &'static str, value: String, reason: &'static str },
+    Invalid {
+        /// The parameter.
+        field: &'static str,
+        /// Its value, as given.
+        value: String,
+        /// The accepted range.
+        reason: &'static str,
+    },
 }
 
 /// How one link is shaped (per direction): rate, burst and added one-way latency.
 ///
-/// In TOML/JSON `latency` is in nanoseconds (a [`SimDuration`]); the default shapes nothing
+/// In TOML/JSON `latency` is in nanoseconds (a [`TimeSpan`]); the default shapes nothing
 /// (no rate limit, no latency).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -52,7 +60,7 @@ pub struct ShapeParams {
     /// the rate alone and only adds latency.
     pub rate_bytes_per_s: Option<f64>,
     /// One-way latency added to every byte (a delay line: it does not reduce the rate).
-    pub latency: SimDuration,
+    pub latency: TimeSpan,
     /// Bucket depth: how many bytes may leave back to back after the link was idle. A writer
     /// that sleeps on a coarse timer (tokio's is 1 ms) needs at least `rate × 1 ms` here to reach
     /// the rate; 0 is strict pacing.
@@ -61,14 +69,14 @@ pub struct ShapeParams {
 
 impl Default for ShapeParams {
     fn default() -> Self {
-        ShapeParams { rate_bytes_per_s: None, latency: SimDuration::ZERO, burst_bytes: 0 }
+        ShapeParams { rate_bytes_per_s: None, latency: TimeSpan::ZERO, burst_bytes: 0 }
     }
 }
 
 impl ShapeParams {
     /// A link of `gbit_per_s` (10⁹ bit/s) with one-way `latency` and a burst of 2 ms at that rate
     /// (enough for a millisecond timer), e.g. `ShapeParams::fabric_gbps(100.0, 10 µs)`.
-    pub fn fabric_gbps(gbit_per_s: f64, latency: SimDuration) -> ShapeParams {
+    pub fn fabric_gbps(gbit_per_s: f64, latency: TimeSpan) -> ShapeParams {
         let rate = gbit_per_s * 1e9 / 8.0;
         let burst = if rate.is_finite() && rate > 0.0 { (rate * 2e-3).min(u64::MAX as f64) as u64 } else { 0 };
         ShapeParams { rate_bytes_per_s: Some(rate), latency, burst_bytes: burst }
@@ -76,12 +84,12 @@ impl ShapeParams {
 
     /// The shaping that emulates the simulator's link model ([`crate::LinkParams`]).
     pub fn from_link(link: &crate::LinkParams) -> ShapeParams {
-        ShapeParams::fabric_gbps(link.bandwidth_gbps, SimDuration::from_secs_f64(link.latency_us * 1e-6))
+        ShapeParams::fabric_gbps(link.bandwidth_gbps, TimeSpan::from_secs_f64(link.latency_us * 1e-6))
     }
 
     /// Whether these parameters change anything (a rate limit or a latency).
     pub fn is_shaping(&self) -> bool {
-        self.rate_bytes_per_s.is_some() || self.latency > SimDuration::ZERO
+        self.rate_bytes_per_s.is_some() || self.latency > TimeSpan::ZERO
     }
 
     /// The rate must be finite, at least 1 byte/s and below 2⁶⁴ bytes/s; a burst without a rate
@@ -141,18 +149,18 @@ impl TokenBucket {
     ///
     /// Reservations are served in call order: a later one never leaves before an earlier one.
     /// `now` going backwards is treated as the latest `now` seen.
-    pub fn reserve(&mut self, now: SimTime, bytes: u64) -> SimTime {
+    pub fn reserve(&mut self, now: Timestamp, bytes: u64) -> Timestamp {
         let Some(rate) = self.rate else { return now };
         let rate = u128::from(rate);
         let now_units = u128::from(now.as_nanos()) * rate;
         self.tat = self.tat.max(now_units) + u128::from(bytes) * UNITS_PER_BYTE;
         let leave_units = self.tat.saturating_sub(self.tolerance).max(now_units);
         let leave_ns = leave_units.div_ceil(rate);
-        SimTime(u64::try_from(leave_ns).unwrap_or(u64::MAX))
+        Timestamp(u64::try_from(leave_ns).unwrap_or(u64::MAX))
     }
 
     /// When a reservation of `bytes` made at `now` would leave, without making it.
-    pub fn peek(&self, now: SimTime, bytes: u64) -> SimTime {
+    pub fn peek(&self, now: Timestamp, bytes: u64) -> Timestamp {
         self.clone().reserve(now, bytes)
     }
 }
@@ -163,7 +171,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn bucket(rate: f64, burst: u64) -> TokenBucket {
-        TokenBucket::new(&ShapeParams { rate_bytes_per_s: Some(rate), latency: SimDuration::ZERO, burst_bytes: burst })
+        TokenBucket::new(&ShapeParams { rate_bytes_per_s: Some(rate), latency: TimeSpan::ZERO, burst_bytes: burst })
             .expect("valid params")
     }
 
@@ -171,61 +179,61 @@ mod tests {
     fn strict_pacing_releases_at_the_rate() {
         // 1000 B/s, no burst: 100 B leave at 0.1 s, the next 100 B at 0.2 s.
         let mut b = bucket(1000.0, 0);
-        assert_eq!(b.reserve(SimTime::ZERO, 100), SimTime(100_000_000));
-        assert_eq!(b.reserve(SimTime::ZERO, 100), SimTime(200_000_000));
+        assert_eq!(b.reserve(Timestamp::ZERO, 100), Timestamp(100_000_000));
+        assert_eq!(b.reserve(Timestamp::ZERO, 100), Timestamp(200_000_000));
         // An idle link does not bank credit without a burst.
-        assert_eq!(b.reserve(SimTime(1_000_000_000), 100), SimTime(1_100_000_000));
+        assert_eq!(b.reserve(Timestamp(1_000_000_000), 100), Timestamp(1_100_000_000));
     }
 
     #[test]
     fn burst_leaves_at_once_then_the_rate_applies() {
         let mut b = bucket(1000.0, 500);
         for _ in 0..5 {
-            assert_eq!(b.reserve(SimTime::ZERO, 100), SimTime::ZERO, "within the burst");
+            assert_eq!(b.reserve(Timestamp::ZERO, 100), Timestamp::ZERO, "within the burst");
         }
-        assert_eq!(b.reserve(SimTime::ZERO, 100), SimTime(100_000_000), "burst spent");
+        assert_eq!(b.reserve(Timestamp::ZERO, 100), Timestamp(100_000_000), "burst spent");
         // After idling long enough the bucket is full again, but never more than the burst.
-        let later = SimTime(10_000_000_000);
+        let later = Timestamp(10_000_000_000);
         assert_eq!(b.reserve(later, 500), later);
-        assert_eq!(b.reserve(later, 1), SimTime(10_001_000_000));
+        assert_eq!(b.reserve(later, 1), Timestamp(10_001_000_000));
     }
 
     #[test]
     fn a_reservation_larger_than_the_burst_waits_for_the_difference() {
         let mut b = bucket(1000.0, 200);
-        assert_eq!(b.reserve(SimTime::ZERO, 1200), SimTime(1_000_000_000));
+        assert_eq!(b.reserve(Timestamp::ZERO, 1200), Timestamp(1_000_000_000));
     }
 
     #[test]
     fn fractional_costs_do_not_drift() {
         // 3 B/s: one byte costs 333 333 333.3 ns; 3000 one-byte reservations end at exactly 1000 s.
         let mut b = bucket(3.0, 0);
-        let mut last = SimTime::ZERO;
+        let mut last = Timestamp::ZERO;
         for _ in 0..3000 {
-            last = b.reserve(SimTime::ZERO, 1);
+            last = b.reserve(Timestamp::ZERO, 1);
         }
-        assert_eq!(last, SimTime(1_000_000_000_000));
+        assert_eq!(last, Timestamp(1_000_000_000_000));
     }
 
     #[test]
     fn unlimited_rate_releases_now() {
         let mut b = TokenBucket::new(&ShapeParams::default()).unwrap();
         assert_eq!(b.rate_bytes_per_s(), None);
-        assert_eq!(b.reserve(SimTime(42), u64::MAX), SimTime(42));
+        assert_eq!(b.reserve(Timestamp(42), u64::MAX), Timestamp(42));
     }
 
     #[test]
     fn huge_values_saturate_instead_of_overflowing() {
         let mut b = bucket(1.0, 0);
-        assert_eq!(b.reserve(SimTime(u64::MAX), u64::MAX), SimTime::MAX);
-        assert_eq!(b.reserve(SimTime(u64::MAX), u64::MAX), SimTime::MAX);
+        assert_eq!(b.reserve(Timestamp(u64::MAX), u64::MAX), Timestamp::MAX);
+        assert_eq!(b.reserve(Timestamp(u64::MAX), u64::MAX), Timestamp::MAX);
     }
 
     #[test]
     fn peek_does_not_consume() {
         let mut b = bucket(1000.0, 0);
-        assert_eq!(b.peek(SimTime::ZERO, 100), SimTime(100_000_000));
-        assert_eq!(b.reserve(SimTime::ZERO, 100), SimTime(100_000_000));
+        assert_eq!(b.peek(Timestamp::ZERO, 100), Timestamp(100_000_000));
+        assert_eq!(b.reserve(Timestamp::ZERO, 100), Timestamp(100_000_000));
     }
 
     #[test]
@@ -260,27 +268,27 @@ mod tests {
             ShapeParams::deserialize(MapDeserializer::<_, Error>::new(fields.into_iter()))
         };
         let partial = de(vec![("latency", 5), ("burst_bytes", 7)]).unwrap();
-        assert_eq!(partial, ShapeParams { latency: SimDuration(5), burst_bytes: 7, ..Default::default() });
+        assert_eq!(partial, ShapeParams { latency: TimeSpan(5), burst_bytes: 7, ..Default::default() });
         let err = de(vec![("rate", 5)]).expect_err("unknown field");
         assert!(err.to_string().contains("rate"), "{err}");
     }
 
     #[test]
     fn fabric_helper_sets_rate_and_a_timer_sized_burst() {
-        let p = ShapeParams::fabric_gbps(100.0, SimDuration::from_nanos(10_000));
+        let p = ShapeParams::fabric_gbps(100.0, TimeSpan::from_nanos(10_000));
         assert_eq!(p.rate_bytes_per_s, Some(12.5e9));
         assert_eq!(p.burst_bytes, 25_000_000);
         assert!(p.is_shaping());
         assert!(p.validate().is_ok());
         assert!(!ShapeParams::default().is_shaping());
-        assert!(ShapeParams::fabric_gbps(0.0, SimDuration::ZERO).validate().is_err());
+        assert!(ShapeParams::fabric_gbps(0.0, TimeSpan::ZERO).validate().is_err());
     }
 
     #[test]
     fn from_link_matches_the_simulators_link() {
         let p = ShapeParams::from_link(&crate::LinkParams { bandwidth_gbps: 400.0, latency_us: 2.0 });
         assert_eq!(p.rate_bytes_per_s, Some(50e9));
-        assert_eq!(p.latency, SimDuration(2_000));
+        assert_eq!(p.latency, TimeSpan(2_000));
     }
 
     proptest! {
@@ -294,12 +302,12 @@ mod tests {
             steps in proptest::collection::vec((0u64..5_000_000, 1u64..2_000_000), 1..200),
         ) {
             let mut b = bucket(rate as f64, burst);
-            let start = SimTime(1_000);
+            let start = Timestamp(1_000);
             let mut now = start;
             let mut sent: u128 = 0;
-            let mut prev = SimTime::ZERO;
+            let mut prev = Timestamp::ZERO;
             for (gap_ns, bytes) in steps {
-                now += SimDuration(gap_ns);
+                now += TimeSpan(gap_ns);
                 let leave = b.reserve(now, bytes);
                 prop_assert!(leave >= now);
                 prop_assert!(leave >= prev);
@@ -323,10 +331,10 @@ mod tests {
             sizes in proptest::collection::vec(1u64..1_000_000, 1..100),
         ) {
             let mut b = bucket(rate as f64, burst);
-            let mut last = SimTime::ZERO;
+            let mut last = Timestamp::ZERO;
             let mut total: u128 = 0;
             for s in sizes {
-                last = b.reserve(SimTime::ZERO, s);
+                last = b.reserve(Timestamp::ZERO, s);
                 total += u128::from(s);
             }
             let ideal = (total.saturating_sub(u128::from(burst)) * UNITS_PER_BYTE).div_ceil(u128::from(rate));

@@ -14,6 +14,8 @@
 //! PEM). [`TlsArgs`] is the flag set every binary shares; `--plaintext` turns TLS off for local
 //! debugging, loudly.
 
+#![warn(missing_docs)]
+
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -31,23 +33,51 @@ pub const CA_KEY_FILE: &str = "ca.key";
 /// What went wrong, naming the file or the step.
 #[derive(Debug, thiserror::Error)]
 pub enum PkiError {
+    /// A PEM file could not be read.
     #[error("reading {path}: {cause}")]
-    Read { path: PathBuf, cause: std::io::Error },
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        cause: std::io::Error,
+    },
+    /// A PEM file (or its directory, or its permissions) could not be written.
     #[error("writing {path}: {cause}")]
-    Write { path: PathBuf, cause: std::io::Error },
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        cause: std::io::Error,
+    },
+    /// rcgen failed to generate a key, certificate parameters or a certificate.
     #[error("{what}: {cause}")]
-    Generate { what: String, cause: rcgen::Error },
+    Generate {
+        /// The step that failed (e.g. "CA key", "node certificate").
+        what: String,
+        /// rcgen's error.
+        cause: rcgen::Error,
+    },
+    /// A certificate or key is not valid PEM, or holds no block of the expected kind.
     #[error("{what}: not valid PEM ({cause})")]
-    Pem { what: String, cause: String },
+    Pem {
+        /// The file or object that was parsed.
+        what: String,
+        /// Why it was rejected.
+        cause: String,
+    },
+    /// rustls rejected the TLS configuration (certificate, key or protocol versions).
     #[error("TLS configuration: {0}")]
     Rustls(#[from] rustls::Error),
+    /// The client-certificate verifier could not be built from the CA roots.
     #[error("TLS client verifier: {0}")]
     Verifier(String),
+    /// No TLS flags were given and `--plaintext` was not either.
     #[error(
         "no cluster certificate: pass --tls-dir DIR (with ca.pem, node.pem, node.key) or \
          --tls-ca/--tls-cert/--tls-key, or --plaintext for an insecure local debugging cluster"
     )]
     Missing,
+    /// Only some of `--tls-ca`, `--tls-cert`, `--tls-key` were given; names the first missing flag.
     #[error("--tls-ca, --tls-cert and --tls-key go together; missing {0}")]
     Incomplete(&'static str),
 }
@@ -55,12 +85,16 @@ pub enum PkiError {
 /// The role a certificate is issued for (recorded in its subject; see [`NodeIdentity::role_of`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
+    /// The coordinator (leader or standby).
     Coordinator,
+    /// A worker hosting engine instances.
     Worker,
+    /// A client submitting requests (e.g. the CLI or a load generator).
     Client,
 }
 
 impl Role {
+    /// The role's name as written in certificate subjects (`coordinator`, `worker`, `client`).
     pub fn as_str(self) -> &'static str {
         match self {
             Role::Coordinator => "coordinator",
@@ -142,6 +176,7 @@ impl ClusterCa {
         write(&dir.join(CA_KEY_FILE), &self.key_pem, true)
     }
 
+    /// The CA certificate (PEM), to distribute to every process as its trust root.
     pub fn cert_pem(&self) -> &str {
         &self.cert_pem
     }
@@ -170,8 +205,11 @@ impl ClusterCa {
 /// One process's TLS material: the cluster CA certificate, its own certificate and key (PEM).
 #[derive(Clone)]
 pub struct NodeIdentity {
+    /// The cluster CA certificate (PEM): the only trust root.
     pub ca_pem: String,
+    /// This process's certificate (PEM), signed by the cluster CA.
     pub cert_pem: String,
+    /// This process's private key (PEM).
     pub key_pem: String,
 }
 
@@ -184,8 +222,11 @@ impl std::fmt::Debug for NodeIdentity {
 /// The three files of one identity.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IdentityFiles {
+    /// The cluster CA certificate (`ca.pem`).
     pub ca: PathBuf,
+    /// This process's certificate (`<stem>.pem`).
     pub cert: PathBuf,
+    /// This process's private key (`<stem>.key`, mode 0600).
     pub key: PathBuf,
 }
 

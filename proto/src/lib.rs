@@ -6,8 +6,11 @@
 //! (`kvfleet_proto::v1::RequestSpec` is `kvfleet_wire::v1::RequestSpec`) and adds what needs tonic:
 //! the services, and validation failures as `Status::invalid_argument`.
 
+#![warn(missing_docs)]
+
 /// `kvfleet.v1`: the messages of [`kvfleet_wire::v1`] and the generated services
 /// (`worker_client`, `worker_server`, `coordinator_client`, `coordinator_server`).
+#[allow(missing_docs)]
 pub mod v1 {
     pub use kvfleet_wire::v1::*;
     tonic::include_proto!("kvfleet.v1");

@@ -23,8 +23,9 @@ use kvfleet_core::engine::sched::build_scheduler;
 use kvfleet_core::engine::{Engine, EngineConfig, EngineEvent, EngineStats};
 use kvfleet_core::metrics::{MigrationRecord, RequestRecord};
 use kvfleet_core::policy::InstancePolicy;
+use kvfleet_core::time::RUN_LIMIT;
 use kvfleet_core::timing::TimingModel;
-use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimRng, SimTime};
+use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimRng, Timestamp};
 use kvfleet_netmodel::migration::{MigrationId, MigrationParams};
 use kvfleet_netmodel::{Fabric, LinkParams, TransferId};
 use std::cmp::Reverse;
@@ -46,9 +47,13 @@ enum Event {
 /// Progress callback payload, every few thousand events.
 #[derive(Clone, Copy, Debug)]
 pub struct Progress {
-    pub now: SimTime,
+    /// The virtual clock.
+    pub now: Timestamp,
+    /// Requests arrived so far.
     pub arrived: usize,
+    /// Requests finished so far.
     pub finished: usize,
+    /// Requests in the workload.
     pub total: usize,
 }
 
@@ -62,15 +67,38 @@ pub struct ClusterOutcome {
     pub migrations: Vec<MigrationRecord>,
     /// The same migrations in full (outcome, stages, downtime).
     pub live_migrations: Vec<LiveMigrationRecord>,
+    /// Engine counters per instance, by instance number.
     pub instances: Vec<EngineStats>,
+    /// Simulated events processed.
     pub events: u64,
-    pub end: SimTime,
+    /// Virtual time of the last event.
+    pub end: Timestamp,
+}
+
+/// A run whose virtual clock passed [`RUN_LIMIT`]: an iteration or a transfer lasting longer than
+/// any real one (a GPU or link figure off by orders of magnitude).
+#[derive(Clone, Debug, thiserror::Error)]
+#[error(
+    "simulated time passed {} s at t = {:.3e} s with {finished} of {total} requests finished: an iteration or \
+     transfer takes far longer than real hardware would (check the GPU's figures, the timing profile and [link])",
+    limit.as_secs_f64(),
+    at.as_secs_f64()
+)]
+pub struct Overrun {
+    /// The clock when the run stopped.
+    pub at: Timestamp,
+    /// The limit it passed.
+    pub limit: Timestamp,
+    /// Requests finished by then.
+    pub finished: usize,
+    /// Requests in the workload.
+    pub total: usize,
 }
 
 /// A live migration in progress, and the deadline an event is queued for.
 struct InFlight {
     m: LiveMigration,
-    armed: Option<SimTime>,
+    armed: Option<Timestamp>,
 }
 
 /// A simulated cluster. Build it, then [`Cluster::run`] a workload.
@@ -78,7 +106,7 @@ pub struct Cluster {
     engines: Vec<Engine>,
     control: Controller,
     fabric: Fabric,
-    queue: BinaryHeap<Reverse<(SimTime, u64, Event)>>,
+    queue: BinaryHeap<Reverse<(Timestamp, u64, Event)>>,
     seq: u64,
     fabric_gen: u64,
     /// A transfer started since the fabric's wake-up was last scheduled.
@@ -99,6 +127,9 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// `instances` idle engines (each with its own `intra` scheduler) sharing `timing`, joined to
+    /// a [`Controller`] running `policy`, linked by the fabric `link`; live migrations use
+    /// `migration`, and `seed` drives the controller's random choices. Errors name a bad piece.
     #[allow(clippy::too_many_arguments)] // one run's setup, each piece from its own config section
     pub fn new(
         instances: u32,
@@ -127,8 +158,8 @@ impl Cluster {
                 model: String::new(),
                 kv_bytes_per_token: engine.kv_bytes_per_token,
             };
-            control.handle(SimTime::ZERO, joined).map_err(|e| e.to_string())?;
-            control.handle(SimTime::ZERO, Control::Load(e.load_report())).map_err(|e| e.to_string())?;
+            control.handle(Timestamp::ZERO, joined).map_err(|e| e.to_string())?;
+            control.handle(Timestamp::ZERO, Control::Load(e.load_report())).map_err(|e| e.to_string())?;
         }
         Ok(Cluster {
             engines,
@@ -149,7 +180,7 @@ impl Cluster {
         })
     }
 
-    fn push(&mut self, at: SimTime, ev: Event) {
+    fn push(&mut self, at: Timestamp, ev: Event) {
         self.seq += 1;
         self.queue.push(Reverse((at, self.seq, ev)));
     }
@@ -159,7 +190,7 @@ impl Cluster {
     }
 
     /// Instance `i` publishes its load (the controller drops the charges it now shows).
-    fn refresh_load(&mut self, now: SimTime, i: u32) {
+    fn refresh_load(&mut self, now: Timestamp, i: u32) {
         let load = self.engines[i as usize].load_report();
         // Only unknown requests can make an event fail; a load report never does.
         let _ = self.control.handle(now, Control::Load(load));
@@ -173,27 +204,41 @@ impl Cluster {
     }
 
     /// Instances changed earlier in this time slice publish their load before a policy reads it.
-    fn refresh_touched_loads(&mut self, now: SimTime) {
+    fn refresh_touched_loads(&mut self, now: Timestamp) {
         for k in 0..self.touched.len() {
             let i = self.touched[k];
             self.refresh_load(now, i);
         }
     }
 
-    /// Run `requests` (sorted by arrival) to completion.
-    pub fn run(mut self, requests: &[RequestSpec], mut progress: impl FnMut(Progress)) -> ClusterOutcome {
+    /// Run `requests` (sorted by arrival) to completion, or stop with [`Overrun`] once the clock
+    /// passes [`RUN_LIMIT`].
+    pub fn run(self, requests: &[RequestSpec], progress: impl FnMut(Progress)) -> Result<ClusterOutcome, Overrun> {
+        self.run_until(requests, RUN_LIMIT, progress)
+    }
+
+    /// [`Cluster::run`] with the clock stopped at `until` instead of [`RUN_LIMIT`].
+    pub fn run_until(
+        mut self,
+        requests: &[RequestSpec],
+        until: Timestamp,
+        mut progress: impl FnMut(Progress),
+    ) -> Result<ClusterOutcome, Overrun> {
         let total = requests.len();
         let mut records: Vec<RequestRecord> = Vec::with_capacity(total);
         let mut events_buf = Vec::new();
         let mut arrived = 0usize;
         let mut events: u64 = 0;
         // The last instant something happened (a deadline of a migration long over is nothing).
-        let mut last_event = SimTime::ZERO;
+        let mut last_event = Timestamp::ZERO;
         // Arrivals are fed lazily: only the next one is in the queue.
         if let Some(first) = requests.first() {
             self.push(first.arrival, Event::Arrival(0));
         }
         while let Some(Reverse((now, _, _))) = self.queue.peek().copied() {
+            if now > until {
+                return Err(Overrun { at: now, limit: until, finished: records.len(), total });
+            }
             while let Some(&Reverse((t2, _, ev))) = self.queue.peek() {
                 if t2 != now {
                     break;
@@ -299,18 +344,18 @@ impl Cluster {
         progress(Progress { now: last_event, arrived, finished: records.len(), total });
         debug_assert!(self.migrations.is_empty(), "every migration ends");
         records.sort_by_key(|r| r.id);
-        ClusterOutcome {
+        Ok(ClusterOutcome {
             records,
             migrations: self.live_migrations.iter().map(LiveMigrationRecord::to_metrics).collect(),
             live_migrations: self.live_migrations,
             instances: self.engines.iter().map(|e| e.stats().clone()).collect(),
             events,
             end: last_event,
-        }
+        })
     }
 
     /// Execute the controller's decisions: placements on engines, moves on the fabric.
-    fn execute(&mut self, now: SimTime, arrival: &RequestSpec, records: &mut Vec<RequestRecord>) {
+    fn execute(&mut self, now: Timestamp, arrival: &RequestSpec, records: &mut Vec<RequestRecord>) {
         while let Some(action) = self.control.poll_action() {
             match action {
                 Action::Place { request, on, .. } => {
@@ -336,7 +381,7 @@ impl Cluster {
 
     fn on_phase_boundary(
         &mut self,
-        now: SimTime,
+        now: Timestamp,
         i: u32,
         request: RequestId,
         kv_blocks: u32,
@@ -361,7 +406,7 @@ impl Cluster {
 
     /// Start the live migration the controller decided; one that cannot start (the request left
     /// its source, or holds no KV) is an abort.
-    fn start_migration(&mut self, now: SimTime, request: RequestId, from: InstanceId, to: InstanceId) {
+    fn start_migration(&mut self, now: Timestamp, request: RequestId, from: InstanceId, to: InstanceId) {
         let key = self.next_migration;
         self.next_migration += 1;
         let spec = LiveMigrationSpec::new(MigrationId(key), request, from, to, self.migration.clone());
@@ -383,7 +428,7 @@ impl Cluster {
 
     /// Instance `i` completed an iteration: every migration out of it sees the request's KV grow,
     /// and may pause it now.
-    fn on_source_iteration_end(&mut self, now: SimTime, i: u32) {
+    fn on_source_iteration_end(&mut self, now: Timestamp, i: u32) {
         let keys: Vec<u64> = self.migrations.iter().filter(|(_, f)| f.m.from().0 == i).map(|(&k, _)| k).collect();
         for key in keys {
             let f = self.migrations.get_mut(&key).expect("listed above");
@@ -425,7 +470,7 @@ impl Cluster {
 
     /// Tell the controller how the migrations that ended went, and start the moves it decides
     /// next (a refused move goes to the policy's next choice).
-    fn report_ended_migrations(&mut self, now: SimTime) {
+    fn report_ended_migrations(&mut self, now: Timestamp) {
         while !self.ended.is_empty() {
             for record in std::mem::take(&mut self.ended) {
                 let outcome = if record.committed() {

@@ -3,38 +3,66 @@
 //! Every field has a default, so a config file only states what differs from PASCAL's setup
 //! (8 × H100 96 GB, 100 Gbps, DeepSeek-R1-Distill-Qwen-32B, profile timing).
 
-use kvfleet_core::engine::sched::{SchedulerParams, SCHEDULER_NAMES};
+use kvfleet_core::engine::sched::{build_scheduler, SchedulerParams, SCHEDULER_NAMES};
+use kvfleet_core::engine::sizing;
 use kvfleet_core::engine::EngineConfig;
 use kvfleet_core::metrics::SloTargets;
 use kvfleet_core::policy::registry::{policy_names, PolicyParams};
 use kvfleet_core::spec::{GpuSpec, ModelSpec};
-use kvfleet_core::time::SimDuration;
+use kvfleet_core::time::TimeSpan;
 use kvfleet_core::workload::WorkloadConfig;
 use kvfleet_netmodel::migration::MigrationParams;
 use kvfleet_netmodel::LinkParams;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+/// Why an experiment config could not be read or used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The config file could not be read.
     #[error("cannot read config {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The config is not valid TOML for a [`SimConfig`].
     #[error("invalid config {path}: {message}")]
-    Parse { path: String, message: String },
+    Parse {
+        /// The file (or other origin) of the text.
+        path: String,
+        /// The parser's message, on one line.
+        message: String,
+    },
+    /// A value is out of range or inconsistent; names the field.
     #[error("invalid config: {0}")]
     Invalid(String),
 }
+
+/// Most instances one experiment may have (a simulated cluster of 1,000 runs an hour of arrivals
+/// in about a minute; the bound only catches typos).
+pub const MAX_INSTANCES: u32 = 1 << 16;
+
+/// Most KV blocks, GPU and CPU pools of every instance together, that one simulation keeps
+/// (4 bytes of bookkeeping each: 1 GiB).
+pub const MAX_CLUSTER_BLOCKS: u64 = 1 << 28;
 
 /// A whole experiment.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SimConfig {
+    /// The instances: count, model, GPU, memory carving (`[cluster]`).
     pub cluster: ClusterConfig,
+    /// Which schedulers run, and their knobs (`[scheduler]`).
     pub scheduler: SchedulerConfig,
+    /// SLO targets (TPOT, TTFAT, QoE threshold) the summary measures attainment against (`[slo]`).
     pub slo: SloTargets,
+    /// The simulated network: per-instance NIC bandwidth and latency (`[link]`).
     pub link: LinkParams,
     /// Live migration tuning (the pipelined stop-and-copy protocol's knobs).
     pub migration: MigrationConfig,
+    /// The requests: arrival process, length distributions, seed (`[workload]`).
     pub workload: WorkloadConfig,
     /// Optional sweep: policies × arrival rates. Without it, one run of `scheduler.policy`.
     pub sweep: Option<SweepConfig>,
@@ -147,12 +175,13 @@ impl MigrationConfig {
         MigrationParams {
             stop_copy_blocks: self.stop_copy_blocks,
             max_stages: self.max_stages,
-            timeout: SimDuration::from_millis_f64(self.timeout_ms),
-            stop_copy_after: (self.stop_copy_ms > 0.0).then(|| SimDuration::from_millis_f64(self.stop_copy_ms)),
+            timeout: TimeSpan::from_millis_f64(self.timeout_ms),
+            stop_copy_after: (self.stop_copy_ms > 0.0).then(|| TimeSpan::from_millis_f64(self.stop_copy_ms)),
             ..MigrationParams::default()
         }
     }
 
+    /// `stop_copy_ms` finite and ≥ 0, `timeout_ms` finite and > 0.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !(self.stop_copy_ms.is_finite() && self.stop_copy_ms >= 0.0) {
             return Err(ConfigError::Invalid(format!(
@@ -160,7 +189,7 @@ impl MigrationConfig {
                 self.stop_copy_ms
             )));
         }
-        if !self.timeout_ms.is_finite() || SimDuration::from_millis_f64(self.timeout_ms) == SimDuration::ZERO {
+        if !self.timeout_ms.is_finite() || TimeSpan::from_millis_f64(self.timeout_ms) == TimeSpan::ZERO {
             return Err(ConfigError::Invalid(format!("`migration.timeout_ms` must be > 0, got {}", self.timeout_ms)));
         }
         Ok(())
@@ -218,25 +247,43 @@ pub fn resolve_policy(name: &str) -> Result<(String, String), ConfigError> {
 }
 
 impl SimConfig {
-    /// Parse a TOML file; relative paths inside resolve against its directory (see `base_dir`).
+    /// Parse a TOML file. Every relative path inside resolves against the file's directory: the
+    /// model and GPU files here, the profile directory and the workload's traces when they are
+    /// read (with that directory as `base_dir`).
     pub fn load(path: &Path) -> Result<SimConfig, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|source| ConfigError::Io { path: path.display().to_string(), source })?;
-        Self::parse(&text, &path.display().to_string())
-    }
-
-    pub fn parse(text: &str, origin: &str) -> Result<SimConfig, ConfigError> {
-        let cfg: SimConfig = toml::from_str(text)
-            .map_err(|e| ConfigError::Parse { path: origin.into(), message: one_line(&e.to_string()) })?;
+        let mut cfg = Self::parse_unchecked(&text, &path.display().to_string())?;
+        let dir = path.parent().unwrap_or(Path::new(""));
+        for spec in [&mut cfg.cluster.model, &mut cfg.cluster.gpu] {
+            if kvfleet_core::spec::looks_like_path(spec) && Path::new(spec.as_str()).is_relative() {
+                *spec = dir.join(spec.as_str()).display().to_string();
+            }
+        }
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Parse TOML text and validate it; `origin` names it in errors. Relative paths stay relative
+    /// to the working directory ([`SimConfig::load`] resolves them against the file's).
+    pub fn parse(text: &str, origin: &str) -> Result<SimConfig, ConfigError> {
+        let cfg = Self::parse_unchecked(text, origin)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn parse_unchecked(text: &str, origin: &str) -> Result<SimConfig, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse { path: origin.into(), message: one_line(&e.to_string()) })
     }
 
     /// Everything that can be checked without running: names, ranges, model fits the GPU.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let c = &self.cluster;
-        if c.instances == 0 {
-            return Err(ConfigError::Invalid("`cluster.instances` must be at least 1".into()));
+        if c.instances == 0 || c.instances > MAX_INSTANCES {
+            return Err(ConfigError::Invalid(format!(
+                "`cluster.instances` must be in 1..={MAX_INSTANCES}, got {}",
+                c.instances
+            )));
         }
         if !(c.gpu_memory_utilization > 0.0 && c.gpu_memory_utilization <= 1.0) {
             return Err(ConfigError::Invalid(format!(
@@ -272,28 +319,41 @@ impl SimConfig {
                 self.slo.qoe_threshold
             )));
         }
-        resolve_policy(&self.scheduler.policy)?;
+        let mut policies = vec![&self.scheduler.policy];
         if let Some(sweep) = &self.sweep {
             if sweep.policies.is_empty() {
                 return Err(ConfigError::Invalid("`sweep.policies` must not be empty".into()));
             }
-            for p in &sweep.policies {
-                resolve_policy(p)?;
-            }
+            policies.extend(&sweep.policies);
             for &r in &sweep.rates {
                 if !(r.is_finite() && r > 0.0) {
                     return Err(ConfigError::Invalid(format!("`sweep.rates` must be positive request rates, got {r}")));
                 }
             }
         }
+        for p in policies {
+            let (intra, _) = resolve_policy(p)?;
+            build_scheduler(&intra, &self.scheduler.intra)
+                .map_err(|e| ConfigError::Invalid(format!("`scheduler.intra` for policy `{p}`: {e}")))?;
+        }
         self.link.validate().map_err(|e| ConfigError::Invalid(format!("link: {e}")))?;
         self.migration.validate()?;
         self.workload.validate().map_err(|e| ConfigError::Invalid(format!("workload: {e}")))?;
         let (model, gpu) = self.specs()?;
-        self.engine_config(&model, &gpu)?;
+        let e = self.engine_config(&model, &gpu)?;
+        let blocks = c.instances as u64 * (e.gpu_blocks as u64 + e.cpu_blocks as u64);
+        if blocks > MAX_CLUSTER_BLOCKS {
+            return Err(ConfigError::Invalid(format!(
+                "{} instances × {} KV blocks is {blocks} blocks, more than the {MAX_CLUSTER_BLOCKS} one simulation keeps \
+                 (fewer instances, less memory per instance, or a larger `cluster.block_size`)",
+                c.instances,
+                e.gpu_blocks as u64 + e.cpu_blocks as u64
+            )));
+        }
         Ok(())
     }
 
+    /// Loads the model and GPU named by `cluster.model` and `cluster.gpu` (built-in or TOML path).
     pub fn specs(&self) -> Result<(ModelSpec, GpuSpec), ConfigError> {
         let model =
             ModelSpec::load(&self.cluster.model).map_err(|e| ConfigError::Invalid(format!("`cluster.model`: {e}")))?;
@@ -302,14 +362,21 @@ impl SimConfig {
     }
 
     /// Size one instance: KV blocks on the GPU after weights (or `kv_cache_gb`), CPU pool, limits.
+    /// Every count is bounded ([`sizing`]) before an engine allocates anything.
     pub fn engine_config(&self, model: &ModelSpec, gpu: &GpuSpec) -> Result<EngineConfig, ConfigError> {
         let c = &self.cluster;
-        let block_bytes = c.block_size as u64 * model.kv_bytes_per_token();
-        let kv_bytes = match c.kv_cache_gb {
-            Some(gb) => (gb * 1e9) as u64,
+        let kv_bytes_per_token = model.kv_bytes_per_token();
+        let block_bytes = sizing::block_bytes(c.block_size, kv_bytes_per_token)
+            .map_err(|e| ConfigError::Invalid(format!("`cluster.block_size`: {e}")))?;
+        let gb = |field: &str, gb: f64| {
+            sizing::gb_to_bytes(gb)
+                .ok_or_else(|| ConfigError::Invalid(format!("`cluster.{field}` is out of range: {gb}")))
+        };
+        let (field, kv_bytes) = match c.kv_cache_gb {
+            Some(v) => ("kv_cache_gb", gb("kv_cache_gb", v)?),
             None => {
                 let usable = (gpu.memory_bytes() as f64 * c.gpu_memory_utilization) as u64;
-                usable.checked_sub(model.weight_bytes()).filter(|&b| b >= block_bytes).ok_or_else(|| {
+                let kv = usable.checked_sub(model.weight_bytes()).filter(|&b| b >= block_bytes).ok_or_else(|| {
                     ConfigError::Invalid(format!(
                         "model `{}` ({:.1} GB of weights) leaves no KV memory on `{}` at gpu_memory_utilization {}",
                         model.name,
@@ -317,21 +384,22 @@ impl SimConfig {
                         gpu.name,
                         c.gpu_memory_utilization
                     ))
-                })?
+                })?;
+                ("gpu_memory_utilization", kv)
             }
         };
-        let gpu_blocks = u32::try_from(kv_bytes / block_bytes).unwrap_or(u32::MAX);
-        if gpu_blocks == 0 {
-            return Err(ConfigError::Invalid(format!("`cluster.kv_cache_gb` holds no {block_bytes}-byte block")));
-        }
+        let gpu_blocks = sizing::gpu_pool_blocks(kv_bytes, block_bytes)
+            .map_err(|e| ConfigError::Invalid(format!("`cluster.{field}`: {e}")))?;
+        let cpu_blocks = sizing::pool_blocks(gb("cpu_swap_gb", c.cpu_swap_gb)?, block_bytes)
+            .map_err(|e| ConfigError::Invalid(format!("`cluster.cpu_swap_gb`: {e}")))?;
         Ok(EngineConfig {
             block_size: c.block_size,
             gpu_blocks,
-            cpu_blocks: u32::try_from((c.cpu_swap_gb * 1e9) as u64 / block_bytes).unwrap_or(u32::MAX),
+            cpu_blocks,
             max_num_seqs: c.max_num_seqs,
             max_batched_tokens: c.max_batched_tokens,
-            kv_bytes_per_token: model.kv_bytes_per_token(),
-            tpot: SimDuration::from_secs_f64(self.slo.tpot_s),
+            kv_bytes_per_token,
+            tpot: TimeSpan::from_secs_f64(self.slo.tpot_s),
         })
     }
 
@@ -380,6 +448,12 @@ mod tests {
             ("[migration]\nstop_copy_ms = nan", "migration.stop_copy_ms"),
             ("[migration]\nmax_stages = -1", "max_stages = -1 | ^^ invalid value"),
             ("[migration]\nstop_copy_bytes = 1", "unknown field `stop_copy_bytes`"),
+            ("[scheduler.intra]\nquantum_tokens = 0", "`scheduler.intra` for policy `pascal`"),
+            ("[sweep]\npolicies = [\"fcfs\", \"rr\"]\n[scheduler.intra]\ndemotion_tokens = 0", "demotion_tokens"),
+            ("[cluster]\nkv_cache_gb = 1e9", "`cluster.kv_cache_gb`: 1000000000000000000 bytes are"),
+            ("[cluster]\nkv_cache_gb = 1e300", "`cluster.kv_cache_gb` is out of range"),
+            ("[cluster]\ncpu_swap_gb = 1e9", "`cluster.cpu_swap_gb`: "),
+            ("[cluster]\nkv_cache_gb = 0.001", "hold no KV block"),
         ];
         for (text, want) in cases {
             let e = SimConfig::parse(text, "x.toml").unwrap_err().to_string();
@@ -394,8 +468,8 @@ mod tests {
         let text = "[migration]\nstop_copy_blocks = 4\nstop_copy_ms = 10\nmax_stages = 0\ntimeout_ms = 250.5";
         let p = SimConfig::parse(text, "x.toml").unwrap().migration.params();
         assert_eq!((p.stop_copy_blocks, p.max_stages), (4, 0));
-        assert_eq!(p.stop_copy_after, Some(SimDuration::from_millis_f64(10.0)));
-        assert_eq!(p.timeout, SimDuration::from_nanos(250_500_000));
+        assert_eq!(p.stop_copy_after, Some(TimeSpan::from_millis_f64(10.0)));
+        assert_eq!(p.timeout, TimeSpan::from_nanos(250_500_000));
     }
 
     #[test]

@@ -11,6 +11,8 @@
 //! - [`run_one`]: one (policy, rate) point of a config (`kvfleet sim` runs a sweep's points in
 //!   parallel).
 
+#![warn(missing_docs)]
+
 pub mod cluster;
 pub mod config;
 pub mod migration;
@@ -22,6 +24,7 @@ use kvfleet_core::metrics::{
     summarize, tail_ttft_by_reasoning_bin, MigrationRecord, RequestRecord, RunSummary, TailBin,
 };
 use kvfleet_core::policy::registry::build_policy;
+use kvfleet_core::time::{Timestamp, RUN_LIMIT};
 use kvfleet_core::timing::TimingModel;
 use kvfleet_core::workload::{generate, ArrivalConfig};
 pub use migration::LiveMigrations;
@@ -32,21 +35,30 @@ use std::sync::Arc;
 /// One finished run: inputs that identify it, per-request data, and the summary.
 #[derive(Debug, Serialize)]
 pub struct RunResult {
+    /// The policy as asked for: a preset name or `INTRA+INSTANCE`.
     pub policy: String,
+    /// The intra-instance scheduler it resolved to.
     pub intra: String,
+    /// The instance (placement and migration) policy it resolved to.
     pub instance_policy: String,
     /// The arrival rate this run used (req/s), when the workload has one.
     pub rate: Option<f64>,
+    /// Name of the timing model used.
     pub timing: String,
+    /// Latency, throughput, SLO and migration summary of the run.
     pub summary: RunSummary,
+    /// Tail TTFT per reasoning-length bin of 256 tokens.
     pub tail_ttft: Vec<TailBin>,
+    /// One record per finished request.
     #[serde(skip)]
     pub records: Vec<RequestRecord>,
+    /// One record per migration, as the metrics count them.
     #[serde(skip)]
     pub migrations: Vec<MigrationRecord>,
     /// The same migrations as the live-migration protocol ran them (empty where the caller has
     /// no such records).
     pub live_migrations: LiveMigrations,
+    /// Engine counters per instance.
     #[serde(skip)]
     pub instances: Vec<EngineStats>,
     /// Simulated events processed (for the events/s benchmark).
@@ -55,16 +67,24 @@ pub struct RunResult {
     pub sim_end_s: f64,
 }
 
+/// Why a run could not be set up or did not finish.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
+    /// The experiment config is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The workload could not be generated (or a rate sweep does not fit its arrival process).
     #[error("workload: {0}")]
     Workload(String),
+    /// The timing model could not be built.
     #[error("timing model: {0}")]
     Timing(String),
+    /// The policy or the cluster could not be built.
     #[error("{0}")]
     Setup(String),
+    /// The virtual clock passed the run's time limit.
+    #[error(transparent)]
+    Overrun(#[from] cluster::Overrun),
 }
 
 /// Build the timing model a config asks for (shared by every instance of a run).
@@ -109,6 +129,19 @@ pub fn run_one(
     base_dir: &Path,
     progress: impl FnMut(Progress),
 ) -> Result<RunResult, SimError> {
+    run_one_until(cfg, policy, rate, base_dir, RUN_LIMIT, progress)
+}
+
+/// [`run_one`], stopping with [`SimError::Overrun`] once the virtual clock passes `until` (at
+/// most [`RUN_LIMIT`]).
+pub fn run_one_until(
+    cfg: &SimConfig,
+    policy: &str,
+    rate: Option<f64>,
+    base_dir: &Path,
+    until: Timestamp,
+    progress: impl FnMut(Progress),
+) -> Result<RunResult, SimError> {
     let cfg = with_rate(cfg, rate)?;
     let (intra, inst) = resolve_policy(policy)?;
     let (model, gpu) = cfg.specs()?;
@@ -129,7 +162,7 @@ pub fn run_one(
     )
     .map_err(SimError::Setup)?;
     let ClusterOutcome { records, migrations, live_migrations, instances, events, end } =
-        cluster.run(&requests, progress);
+        cluster.run_until(&requests, until.min(RUN_LIMIT), progress)?;
     let summary = summarize(&records, &migrations, &cfg.slo);
     let tail_ttft = tail_ttft_by_reasoning_bin(&records, 256);
     Ok(RunResult {

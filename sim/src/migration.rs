@@ -55,7 +55,7 @@
 
 use kvfleet_core::engine::{Engine, EngineError, MigratedRequest};
 use kvfleet_core::metrics::{Distribution, MigrationRecord};
-use kvfleet_core::{InstanceId, RequestId, SimDuration, SimTime};
+use kvfleet_core::{InstanceId, RequestId, TimeSpan, Timestamp};
 use kvfleet_netmodel::migration::wire::{frame::Body, BlockData, Frame};
 use kvfleet_netmodel::migration::{
     block_tokens, checksum, AbortReason, MigrationId, MigrationParams, MigrationPhase, MigrationReport, Outcome,
@@ -81,7 +81,9 @@ pub const STAND_IN_BLOCK_BYTES: u64 = 1;
 
 /// The two engines of one migration, borrowed for one call.
 pub struct Engines<'a> {
+    /// The instance the request migrates from.
     pub source: &'a mut Engine,
+    /// The instance it migrates to.
     pub target: &'a mut Engine,
 }
 
@@ -106,13 +108,18 @@ impl<'a> Engines<'a> {
 /// What to migrate, where, and how.
 #[derive(Clone, Debug)]
 pub struct LiveMigrationSpec {
+    /// The migration's id (carried by every frame).
     pub id: MigrationId,
+    /// The request to migrate.
     pub request: RequestId,
+    /// Its source instance.
     pub from: InstanceId,
+    /// Its target instance.
     pub to: InstanceId,
     /// The protocol's knobs. `block_size` / `block_bytes` are ignored: the engines' geometry
     /// decides them (module doc).
     pub params: MigrationParams,
+    /// Blocks the target reserves beyond the KV announced by `Prepare`, where it has room.
     pub reserve_headroom_blocks: u32,
 }
 
@@ -126,14 +133,28 @@ impl LiveMigrationSpec {
 /// Why a migration could not start (nothing was changed).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StartError {
+    /// The migration parameters are invalid.
     #[error(transparent)]
     Params(#[from] ParamsError),
+    /// The engines passed are not the spec's source and target.
     #[error("the engines are instances {source_instance} → {target_instance}, the spec says {from} → {to}")]
-    WrongEngines { from: InstanceId, to: InstanceId, source_instance: InstanceId, target_instance: InstanceId },
+    WrongEngines {
+        /// The spec's source.
+        from: InstanceId,
+        /// The spec's target.
+        to: InstanceId,
+        /// The source engine passed.
+        source_instance: InstanceId,
+        /// The target engine passed.
+        target_instance: InstanceId,
+    },
+    /// The request is not on the source instance.
     #[error("{0} is not on the source instance")]
     NotOnSource(RequestId),
+    /// The request already has a migration in progress.
     #[error("{0} is already migrating out")]
     AlreadyMigrating(RequestId),
+    /// The request holds no KV on the source (not prefilled yet, or preempted and dropped).
     #[error("{0} holds no KV on the source (not prefilled yet, or preempted and dropped)")]
     NoKv(RequestId),
 }
@@ -141,9 +162,13 @@ pub enum StartError {
 /// How one migration went, once both sides are done.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LiveMigrationRecord {
+    /// The migration's id.
     pub id: MigrationId,
+    /// The migrated request.
     pub request: RequestId,
+    /// Its source instance.
     pub from: InstanceId,
+    /// Its target instance.
     pub to: InstanceId,
     /// `Committed` (the request runs on `to`) or `Aborted(reason)` (it stayed on `from`); a
     /// refused `Prepare` is `Aborted(Refused)` ([`LiveMigrationRecord::refused`]). Never
@@ -151,28 +176,34 @@ pub struct LiveMigrationRecord {
     pub outcome: Outcome,
     /// The source ended `Unknown` (its deadline passed between `Commit` and `CommitReply`).
     pub in_doubt: bool,
-    /// The source's `start` and `Done`.
-    pub start: SimTime,
-    pub end: SimTime,
+    /// The source's `start`.
+    pub start: Timestamp,
+    /// The source's `Done`.
+    pub end: Timestamp,
     /// Block bytes put on the fabric, all stages (whole blocks).
     pub bytes: u64,
+    /// Live copy stages run before the stop-and-copy.
     pub live_stages: u32,
+    /// The request's KV tokens at `start`.
     pub kv_tokens_start: u32,
+    /// Its KV tokens once paused (what the stop-and-copy completes); `None` if never paused.
     pub kv_tokens_final: Option<u32>,
     /// The request froze on the source, and ran again: attached on the target (committed) or
     /// resumed on the source (aborted). `None` if it never froze.
-    pub paused_at: Option<SimTime>,
-    pub resumed_at: Option<SimTime>,
+    pub paused_at: Option<Timestamp>,
+    /// When it ran again (see `paused_at`); `None` if it never froze.
+    pub resumed_at: Option<Timestamp>,
     /// `paused_at → resumed_at`: what the request itself lost. (The source machine's own
     /// `report.downtime` ends at the `CommitReply`, one latency later.)
-    pub downtime: Option<SimDuration>,
+    pub downtime: Option<TimeSpan>,
     /// `start → end`.
-    pub total_time: SimDuration,
+    pub total_time: TimeSpan,
     /// The source machine's report, its byte counts in real bytes.
     pub report: MigrationReport,
 }
 
 impl LiveMigrationRecord {
+    /// Whether it committed (the request runs on `to`).
     pub fn committed(&self) -> bool {
         self.outcome == Outcome::Committed
     }
@@ -210,6 +241,7 @@ impl LiveMigrationRecord {
 /// line reports them, with every record.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct LiveMigrations {
+    /// Migrations that committed.
     pub committed: u64,
     /// Ended without committing, the request staying at its source (refused ones not counted).
     pub aborted: u64,
@@ -221,9 +253,11 @@ pub struct LiveMigrations {
     pub stages_avg: Option<f64>,
     /// Committed migrations: pause → the request runs on the target.
     pub downtime_p50_s: Option<f64>,
+    /// P99 of the same downtime, seconds.
     pub downtime_p99_s: Option<f64>,
     /// Committed migrations: start (`Prepare` sent) → the source learns of the commit.
     pub transfer_p50_s: Option<f64>,
+    /// P99 of the same transfer time, seconds.
     pub transfer_p99_s: Option<f64>,
     /// Block bytes the committed migrations moved.
     pub bytes_committed: u64,
@@ -233,9 +267,10 @@ pub struct LiveMigrations {
 }
 
 impl LiveMigrations {
+    /// Counts and distributions over `records` (kept, in their order).
     pub fn new(records: Vec<LiveMigrationRecord>) -> LiveMigrations {
         let ok: Vec<&LiveMigrationRecord> = records.iter().filter(|r| r.committed()).collect();
-        let secs = |d: SimDuration| d.as_secs_f64();
+        let secs = |d: TimeSpan| d.as_secs_f64();
         let downtime = Distribution::new(ok.iter().filter_map(|r| r.downtime.map(secs)).collect());
         let transfer = Distribution::new(ok.iter().map(|r| secs(r.total_time)).collect());
         let refused = records.iter().filter(|r| r.refused()).count() as u64;
@@ -301,8 +336,8 @@ pub struct LiveMigration {
     /// An engine call changed what an instance holds or runs since the last
     /// [`LiveMigration::take_engines_changed`].
     engines_changed: bool,
-    paused_at: Option<SimTime>,
-    resumed_at: Option<SimTime>,
+    paused_at: Option<Timestamp>,
+    resumed_at: Option<Timestamp>,
     in_doubt: bool,
     /// The source's settled outcome (engine calls done).
     outcome: Option<Outcome>,
@@ -317,7 +352,7 @@ impl LiveMigration {
     /// `plan_iteration` (its KV table then holds exactly its final tokens; mid-iteration it holds
     /// one more, the token being computed, which only sizes the reservation).
     pub fn start(
-        now: SimTime,
+        now: Timestamp,
         spec: LiveMigrationSpec,
         mut engines: Engines<'_>,
         fabric: &mut Fabric,
@@ -373,15 +408,19 @@ impl LiveMigration {
         Ok(m)
     }
 
+    /// The migration's id.
     pub fn id(&self) -> MigrationId {
         self.spec.id
     }
+    /// The request being migrated.
     pub fn request(&self) -> RequestId {
         self.spec.request
     }
+    /// The source instance.
     pub fn from(&self) -> InstanceId {
         self.spec.from
     }
+    /// The target instance.
     pub fn to(&self) -> InstanceId {
         self.spec.to
     }
@@ -403,7 +442,7 @@ impl LiveMigration {
     }
 
     /// When to call [`LiveMigration::on_timeout`] (`None` when neither side waits on a deadline).
-    pub fn next_timeout(&self) -> Option<SimTime> {
+    pub fn next_timeout(&self) -> Option<Timestamp> {
         let target = self.target.as_ref().and_then(|t| t.poll_timeout());
         match (self.source.poll_timeout(), target) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -414,7 +453,7 @@ impl LiveMigration {
     /// A fabric transfer completed. Returns false if it is not this migration's (nothing done).
     pub fn on_transfer_complete(
         &mut self,
-        now: SimTime,
+        now: Timestamp,
         id: TransferId,
         mut engines: Engines<'_>,
         fabric: &mut Fabric,
@@ -473,7 +512,7 @@ impl LiveMigration {
     /// `complete_iteration` and before its next `plan_iteration`, for every migration out of it
     /// (cheap when nothing is due): it reports the request's KV progress, performs a pending
     /// pause, and cancels the migration if the request finished meanwhile.
-    pub fn on_source_iteration_end(&mut self, now: SimTime, mut engines: Engines<'_>, fabric: &mut Fabric) {
+    pub fn on_source_iteration_end(&mut self, now: Timestamp, mut engines: Engines<'_>, fabric: &mut Fabric) {
         let request = self.spec.request;
         if !self.source.is_done() {
             if !engines.source.contains(request) {
@@ -492,7 +531,7 @@ impl LiveMigration {
     }
 
     /// Deadlines from [`LiveMigration::next_timeout`] may have passed (early calls do nothing).
-    pub fn on_timeout(&mut self, now: SimTime, mut engines: Engines<'_>, fabric: &mut Fabric) {
+    pub fn on_timeout(&mut self, now: Timestamp, mut engines: Engines<'_>, fabric: &mut Fabric) {
         self.source.on_timeout(now);
         if let Some(t) = self.target.as_mut() {
             t.on_timeout(now);
@@ -504,7 +543,7 @@ impl LiveMigration {
 
     /// Execute every action both machines want, until neither wants any; then write the record
     /// if both are done.
-    fn pump(&mut self, now: SimTime, e: &mut Engines<'_>, fabric: &mut Fabric) {
+    fn pump(&mut self, now: Timestamp, e: &mut Engines<'_>, fabric: &mut Fabric) {
         loop {
             let mut acted = false;
             while let Some(a) = self.source.poll_action() {
@@ -522,7 +561,7 @@ impl LiveMigration {
         self.maybe_finish();
     }
 
-    fn send(&mut self, now: SimTime, to_target: bool, frame: Frame, fabric: &mut Fabric) {
+    fn send(&mut self, now: Timestamp, to_target: bool, frame: Frame, fabric: &mut Fabric) {
         let (src, dst) = if to_target { (self.spec.from, self.spec.to) } else { (self.spec.to, self.spec.from) };
         let stream = if to_target { &mut self.to_target } else { &mut self.to_source };
         let seq = stream.next_seq;
@@ -532,7 +571,7 @@ impl LiveMigration {
         self.new_transfers.push(id);
     }
 
-    fn exec_source(&mut self, now: SimTime, action: SourceAction, e: &mut Engines<'_>, fabric: &mut Fabric) {
+    fn exec_source(&mut self, now: Timestamp, action: SourceAction, e: &mut Engines<'_>, fabric: &mut Fabric) {
         let request = self.spec.request;
         match action {
             SourceAction::Send(frame) => self.send(now, true, frame, fabric),
@@ -560,7 +599,7 @@ impl LiveMigration {
 
     /// Freeze the request if the pause is still wanted and no iteration is in flight (else
     /// [`LiveMigration::on_source_iteration_end`] comes back here).
-    fn pause(&mut self, now: SimTime, e: &mut Engines<'_>) {
+    fn pause(&mut self, now: Timestamp, e: &mut Engines<'_>) {
         if self.source.phase() != MigrationPhase::Pausing {
             self.pause_pending = false;
             return;
@@ -598,7 +637,7 @@ impl LiveMigration {
     }
 
     /// The source machine is done: apply its outcome to the source engine.
-    fn settle_source(&mut self, now: SimTime, outcome: Outcome, e: &mut Engines<'_>) {
+    fn settle_source(&mut self, now: Timestamp, outcome: Outcome, e: &mut Engines<'_>) {
         let request = self.spec.request;
         self.pause_pending = false;
         self.engines_changed = true;
@@ -626,7 +665,7 @@ impl LiveMigration {
         self.outcome = Some(settled);
     }
 
-    fn exec_target(&mut self, now: SimTime, action: TargetAction, e: &mut Engines<'_>, fabric: &mut Fabric) {
+    fn exec_target(&mut self, now: Timestamp, action: TargetAction, e: &mut Engines<'_>, fabric: &mut Fabric) {
         let request = self.spec.request;
         let no_room = |err: EngineError| match err {
             EngineError::NoRoom { .. } | EngineError::TooLarge { .. } => {

@@ -14,6 +14,8 @@
 //! Without an endpoint the global tracer is OpenTelemetry's no-op one: spans cost a few
 //! allocations, carry invalid contexts, and nothing is injected into requests.
 
+#![warn(missing_docs)]
+
 use opentelemetry::propagation::{Extractor, Injector};
 use opentelemetry::trace::{Span as _, SpanContext, TraceContextExt, Tracer as _, TracerProvider as _};
 use opentelemetry::{global, InstrumentationScope};
@@ -56,8 +58,15 @@ pub struct Service {
 /// Errors of [`init`].
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {
+    /// The OTLP endpoint is not a usable URL, or the exporter could not be built for it.
     #[error("--otlp-endpoint {endpoint:?}: {reason}")]
-    Endpoint { endpoint: String, reason: String },
+    Endpoint {
+        /// The endpoint as given.
+        endpoint: String,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// The global `tracing` subscriber could not be installed (e.g. one is already set).
     #[error("installing the tracing subscriber: {0}")]
     Subscriber(String),
 }

@@ -163,6 +163,54 @@ const BAD_INPUTS: &[BadInput] = &[
         mentions: &["invalid config", "line 2"],
     },
     BadInput {
+        name: "zero quantum",
+        config: Some("[scheduler.intra]\nquantum_tokens = 0\n"),
+        args: &[],
+        mentions: &["scheduler.intra", "quantum_tokens"],
+    },
+    BadInput {
+        name: "KV cache of a billion GB",
+        config: Some("[cluster]\nkv_cache_gb = 1e9\n"),
+        args: &[],
+        mentions: &["cluster.kv_cache_gb", "one pool may hold"],
+    },
+    BadInput {
+        name: "CPU pool of a billion GB",
+        config: Some("[cluster]\ncpu_swap_gb = 1e9\n"),
+        args: &[],
+        mentions: &["cluster.cpu_swap_gb", "one pool may hold"],
+    },
+    BadInput {
+        name: "model whose KV bytes per token overflow",
+        config: Some("[cluster]\nmodel = \"huge-model.toml\"\n"),
+        args: &[],
+        mentions: &["cluster.model", "`layers` must be in 1..=4096"],
+    },
+    BadInput {
+        name: "GPU of 1e-9 TFLOP/s",
+        config: Some("[cluster]\ngpu = \"slow-gpu.toml\"\ntiming = \"analytic\"\n"),
+        args: &[],
+        mentions: &["cluster.gpu", "`bf16_tflops` must be in"],
+    },
+    BadInput {
+        name: "Mooncake row with an absurd timestamp",
+        config: Some(
+            "[workload]\nnum_requests = 5\n[workload.arrivals]\nkind = \"trace\"\n\
+             [workload.lengths]\nkind = \"trace\"\npath = \"bad-mooncake.jsonl\"\nformat = \"mooncake\"\n",
+        ),
+        args: &[],
+        mentions: &["bad-mooncake.jsonl:2", "timestamp"],
+    },
+    BadInput {
+        name: "kvfleet row whose prompt + output reach 2^32",
+        config: Some(
+            "[workload]\nnum_requests = 5\n[workload.arrivals]\nkind = \"trace\"\n\
+             [workload.lengths]\nkind = \"trace\"\npath = \"long.csv\"\nformat = \"kvfleet\"\n",
+        ),
+        args: &[],
+        mentions: &["long.csv:3", "one request may hold"],
+    },
+    BadInput {
         name: "zero requests flag",
         config: Some(OK_WORKLOAD),
         args: &["--requests", "0"],
@@ -174,6 +222,21 @@ const BAD_INPUTS: &[BadInput] = &[
 fn assert_refused(case: &BadInput) {
     let dir = TempDir::new("bad-input");
     dir.write("bad-trace.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,10,5\n");
+    dir.write(
+        "huge-model.toml",
+        "name = \"huge\"\nlayers = 4294967295\nhidden = 5120\nq_heads = 40\nkv_heads = 8\nhead_dim = 128\n\
+         intermediate = 27648\nvocab = 152064\ndtype_bytes = 2\n",
+    );
+    dir.write(
+        "slow-gpu.toml",
+        "name = \"slow\"\nmemory_gb = 96\nbf16_tflops = 1e-9\nhbm_tbytes_per_s = 3.35\nhost_link_gbytes_per_s = 53.7\n",
+    );
+    dir.write(
+        "bad-mooncake.jsonl",
+        "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 5}\n\
+         {\"timestamp\": 1e300, \"input_length\": 10, \"output_length\": 5}\n",
+    );
+    dir.write("long.csv", "arrival_s,prompt_tokens,reasoning_tokens,answer_tokens\n0,100,10,10\n1,4294967295,0,1\n");
     let config = match case.config {
         Some(text) => dir.write("config.toml", text),
         None => dir.join("absent.toml"),

@@ -5,8 +5,8 @@
 //! analyser's parser and through `kvfleet traces analyze`. Skipped (with a message) when the
 //! Python modules are missing.
 
+use kvfleet_otel::{AttrValue, SpanRecord};
 use kvfleet_tests::{describe, kvfleet_bin, run_kvfleet, TempDir};
-use kvfleet_traces::{AttrValue, SpanRecord};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -131,7 +131,7 @@ fn python_opentelemetry_sdk_exports_land_in_the_file() {
     assert!(text.contains(r#""startTimeUnixNano":"1700000000000000000""#), "64-bit times are strings:\n{text}");
     assert!(text.contains(r#"{"intValue":"1099511627776"}"#), "64-bit ints are strings:\n{text}");
 
-    let parsed = kvfleet_traces::parse_file(&file).unwrap();
+    let parsed = kvfleet_otel::parse_file(&file).unwrap();
     assert!(parsed.warnings.is_empty(), "{:?}", parsed.warnings);
     assert_eq!(parsed.spans.len(), 3, "{:#?}", parsed.spans);
     for name in ["request", "migration", "migration.stage"] {
@@ -160,7 +160,7 @@ fn python_opentelemetry_sdk_exports_land_in_the_file() {
     assert_eq!(stage.attr("kvfleet.stage.bytes"), Some(&AttrValue::Int(1 << 40)));
 
     // The analyser joins them: one aborted migration of request 42 under `pascal`.
-    let a = kvfleet_traces::analyze(&parsed.spans);
+    let a = kvfleet_otel::analyze(&parsed.spans);
     let [m] = &a.migrations[..] else { panic!("{:#?}", a.migrations) };
     assert_eq!((m.migration_id.as_str(), m.policy.as_str(), m.request_id), ("sdk-1", "pascal", Some(42)));
     assert_eq!((m.outcome.as_str(), m.downtime_ms, m.live_stages, m.kv_tokens), ("aborted", Some(1.25), 1, Some(4096)));
@@ -199,13 +199,12 @@ fn collect_and_analyze_name_bad_input() {
     assert!(String::from_utf8_lossy(&out.stderr).contains(&addr), "{}", describe(&out));
 
     // One good line between two bad ones: both reported by number, the good one analysed.
-    let good =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../traces/fixtures/migrations.jsonl"))
-            .unwrap()
-            .lines()
-            .nth(1)
-            .unwrap()
-            .to_string();
+    let good = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../otel/fixtures/migrations.jsonl"))
+        .unwrap()
+        .lines()
+        .nth(1)
+        .unwrap()
+        .to_string();
     let path = tmp.write("mixed.jsonl", &format!("not json\n{good}\n{{\"resourceSpans\": 3}}\n"));
     let out = run_kvfleet(["traces", "analyze", path_str(&path)]);
     assert!(out.status.success(), "{}", describe(&out));

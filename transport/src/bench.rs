@@ -104,14 +104,24 @@ pub enum SinkKind {
 /// What went wrong in a benchmark, naming the step.
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
+    /// An I/O step failed.
     #[error("{what}: {cause}")]
-    Io { what: String, cause: std::io::Error },
+    Io {
+        /// The step.
+        what: String,
+        /// The I/O error.
+        cause: std::io::Error,
+    },
+    /// The KV transport failed.
     #[error(transparent)]
     Transport(#[from] TransportError),
+    /// A frame could not be read or written.
     #[error("frames: {0}")]
     Frame(#[from] crate::FrameError),
+    /// The peer broke the benchmark's protocol (short transfer, missing report).
     #[error("{0}")]
     Protocol(String),
+    /// A QUIC benchmark was started without a cluster identity.
     #[error("a QUIC sink or sender needs a cluster identity")]
     NoIdentity,
 }
@@ -353,11 +363,13 @@ pub async fn quic_send(
 /// A QUIC transfer and what its connection's path saw.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct QuicRun {
+    /// Bytes moved and the time they took.
     pub goodput: Goodput,
     /// The datagram size MTU discovery reached (UDP payload bytes).
     pub datagram_bytes: u16,
-    /// Packets sent, and declared lost by the sender.
+    /// Packets sent.
     pub sent_packets: u64,
+    /// Packets declared lost by the sender.
     pub lost_packets: u64,
 }
 

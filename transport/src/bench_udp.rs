@@ -28,14 +28,16 @@ const TAG_REPORT: u8 = 0xFE;
 /// What the receiver saw of one transfer.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct UdpReport {
-    /// Bytes sent, and received (datagram payloads, the tag byte included).
+    /// Bytes sent (datagram payloads, the tag byte included).
     pub sent: u64,
+    /// Bytes received (datagram payloads, the tag byte included).
     pub received: u64,
     /// First to last data datagram at the receiver.
     pub elapsed_s: f64,
 }
 
 impl UdpReport {
+    /// Bytes received over the receiver's elapsed time.
     pub fn goodput(&self) -> Goodput {
         Goodput { bytes: self.received, elapsed_s: self.elapsed_s }
     }

@@ -41,10 +41,20 @@ fn len_delimited_key(tag: u32) -> u64 {
 pub enum FrameError {
     /// The header announces a body larger than the limit (nothing was read past the header).
     #[error("frame body of {len} bytes exceeds the limit of {max} bytes")]
-    TooLarge { len: u64, max: usize },
+    TooLarge {
+        /// The announced body length, bytes.
+        len: u64,
+        /// The limit, bytes.
+        max: usize,
+    },
     /// The stream ended inside a frame (`want` counts the header).
     #[error("stream ended inside a frame: have {have} of {want} bytes")]
-    Truncated { have: usize, want: usize },
+    Truncated {
+        /// Bytes of the frame received.
+        have: usize,
+        /// Bytes the frame needs.
+        want: usize,
+    },
     /// The body is not a valid encoding of the expected message.
     #[error("malformed frame body: {0}")]
     Malformed(#[from] prost::DecodeError),

@@ -1,6 +1,6 @@
 //! kvfleet-transport: the byte movers of KV-cache live migration.
 //!
-//! A migration (SPEC "Migration", driven by `kvfleet_netmodel::migration`) uses one connection
+//! A live migration (the protocol is `kvfleet_netmodel::migration`) uses one connection
 //! between two workers: a control stream plus several parallel data streams, each carrying
 //! length-prefixed protobuf frames. This crate moves those bytes and knows nothing of the
 //! protocol.
@@ -34,6 +34,8 @@
 //! connecting again returns the same one, so several migrations to one peer share a connection
 //! (and a shaped link). Connections accepted from a peer are not pooled for outbound use: their
 //! streams are served by whoever called [`KvTransport::accept`].
+
+#![warn(missing_docs)]
 
 pub mod bench;
 pub mod bench_udp;
@@ -129,22 +131,58 @@ pub type KvStream = (StreamWriter, StreamReader);
 /// What failed, naming the peer (or local address) and the step.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum TransportError {
+    /// The local endpoint could not be bound.
     #[error("binding {addr}: {reason}")]
-    Bind { addr: SocketAddr, reason: String },
+    Bind {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// Why it failed.
+        reason: String,
+    },
+    /// The TLS configuration could not be built from the cluster identity.
     #[error("TLS setup: {0}")]
     Tls(String),
+    /// The transport's configuration is unusable (e.g. no RDMA device).
     #[error("configuration: {0}")]
     Config(String),
+    /// A connection to the peer could not be established.
     #[error("connecting to {peer}: {reason}")]
-    Connect { peer: SocketAddr, reason: String },
+    Connect {
+        /// The peer.
+        peer: SocketAddr,
+        /// Why it failed.
+        reason: String,
+    },
+    /// The connection was closed (by either side, or lost).
     #[error("connection to {peer} is closed: {reason}")]
-    Closed { peer: SocketAddr, reason: String },
+    Closed {
+        /// The peer.
+        peer: SocketAddr,
+        /// Why it closed.
+        reason: String,
+    },
+    /// Opening, accepting or using one stream of the connection failed.
     #[error("{what} on the connection to {peer}: {reason}")]
-    Stream { peer: SocketAddr, what: &'static str, reason: String },
+    Stream {
+        /// The peer.
+        peer: SocketAddr,
+        /// The step (`opening a stream`, ...).
+        what: &'static str,
+        /// Why it failed.
+        reason: String,
+    },
+    /// The local transport was shut down.
     #[error("the transport on {local} is closed")]
-    EndpointClosed { local: SocketAddr },
+    EndpointClosed {
+        /// Its address.
+        local: SocketAddr,
+    },
+    /// No transport listens at the peer's address (in-memory network).
     #[error("{peer}: nothing listens there")]
-    Unreachable { peer: SocketAddr },
+    Unreachable {
+        /// The peer.
+        peer: SocketAddr,
+    },
 }
 
 /// A way to reach other workers: outbound connections (pooled) and inbound ones.

@@ -13,7 +13,7 @@
 
 use crate::{BoxFuture, KvConnection, KvStream, KvTransport, StreamWriter, TransportError};
 use bytes::Bytes;
-use kvfleet_core::SimTime;
+use kvfleet_core::Timestamp;
 use kvfleet_netmodel::shaping::{ShapeError, ShapeParams, TokenBucket};
 use std::collections::HashMap;
 use std::future::Future;
@@ -54,7 +54,7 @@ impl ShapedLink {
 
     /// Reserve `bytes` now; the instant they may leave.
     fn reserve(&self, bytes: usize) -> Instant {
-        let now = SimTime(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX));
+        let now = Timestamp(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX));
         let leave = lock(&self.bucket).reserve(now, bytes as u64);
         self.epoch + Duration::from_nanos(leave.as_nanos())
     }

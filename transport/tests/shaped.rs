@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use kvfleet_core::SimDuration;
+use kvfleet_core::TimeSpan;
 use kvfleet_netmodel::shaping::ShapeParams;
 use kvfleet_transport::{FrameWriter, KvTransport, MemNetwork, MemTransport, Shaped};
 use std::sync::Arc;
@@ -22,7 +22,7 @@ fn shaped_pair(params: ShapeParams) -> (MemNetwork, Arc<Shaped<MemTransport>>, A
 async fn a_200_mb_per_s_link_moves_50_mb_in_at_least_a_quarter_second() {
     let rate = 200e6;
     let burst = 256 << 10;
-    let latency = SimDuration::from_millis_f64(2.0);
+    let latency = TimeSpan::from_millis_f64(2.0);
     let (_net, a, b) = shaped_pair(ShapeParams { rate_bytes_per_s: Some(rate), latency, burst_bytes: burst });
     let _srv = spawn_ack_server(b.clone());
     let start = Instant::now();
@@ -36,7 +36,7 @@ async fn a_200_mb_per_s_link_moves_50_mb_in_at_least_a_quarter_second() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn latency_delays_delivery_and_bytes_pass_intact() {
-    let latency = SimDuration::from_millis_f64(30.0);
+    let latency = TimeSpan::from_millis_f64(30.0);
     let (_net, a, b) = shaped_pair(ShapeParams { latency, ..ShapeParams::default() });
     let _srv = spawn_echo_server(b.clone());
     let start = Instant::now();
@@ -47,7 +47,7 @@ async fn latency_delays_delivery_and_bytes_pass_intact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_and_latency_together_keep_streams_intact() {
-    let params = ShapeParams::fabric_gbps(4.0, SimDuration::from_millis_f64(1.0));
+    let params = ShapeParams::fabric_gbps(4.0, TimeSpan::from_millis_f64(1.0));
     let (_net, a, b) = shaped_pair(params);
     let _srv = spawn_ack_server(b.clone());
     concurrent_streams(a.as_ref(), b.local_addr(), 4, 4, 1 << 20).await;
@@ -55,7 +55,7 @@ async fn rate_and_latency_together_keep_streams_intact() {
 
 #[tokio::test]
 async fn shaped_connections_are_reused_with_their_link() {
-    let (_net, a, b) = shaped_pair(ShapeParams::fabric_gbps(100.0, SimDuration::ZERO));
+    let (_net, a, b) = shaped_pair(ShapeParams::fabric_gbps(100.0, TimeSpan::ZERO));
     let _srv = spawn_echo_server(b.clone());
     connection_reuse(a.as_ref(), b.local_addr()).await;
 }
@@ -76,7 +76,7 @@ async fn a_cut_link_fails_the_shaped_writer() {
     let b = net.bind_any();
     let conn = raw.connect_mem(b.local_addr()).await.unwrap();
     let a =
-        Shaped::new(raw, ShapeParams { latency: SimDuration::from_millis_f64(1.0), ..ShapeParams::default() }).unwrap();
+        Shaped::new(raw, ShapeParams { latency: TimeSpan::from_millis_f64(1.0), ..ShapeParams::default() }).unwrap();
     let shaped = a.connect(b.local_addr()).await.unwrap();
     let (w, _r) = shaped.open_stream().await.unwrap();
     let mut writer = FrameWriter::new(w);

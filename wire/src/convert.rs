@@ -3,7 +3,7 @@
 
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::LoadReport;
-use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimTime};
+use kvfleet_core::{InstanceId, RequestId, RequestSpec, Timestamp};
 
 use crate::{v1, InvalidField};
 
@@ -37,7 +37,7 @@ impl TryFrom<&v1::RequestSpec> for RequestSpec {
         }
         Ok(RequestSpec {
             id: RequestId(s.id),
-            arrival: SimTime(s.arrival_ns),
+            arrival: Timestamp(s.arrival_ns),
             prompt_tokens: s.prompt_tokens,
             reasoning_tokens: s.reasoning_tokens,
             answer_tokens: s.answer_tokens,
@@ -90,11 +90,11 @@ impl From<&v1::LoadReport> for LoadReport {
     }
 }
 
-fn ns(t: Option<SimTime>) -> Option<u64> {
+fn ns(t: Option<Timestamp>) -> Option<u64> {
     t.map(|t| t.0)
 }
-fn time(ns: Option<u64>) -> Option<SimTime> {
-    ns.map(SimTime)
+fn time(ns: Option<u64>) -> Option<Timestamp> {
+    ns.map(Timestamp)
 }
 
 impl From<&RequestRecord> for v1::RequestRecord {
@@ -126,7 +126,7 @@ impl From<&v1::RequestRecord> for RequestRecord {
     fn from(r: &v1::RequestRecord) -> Self {
         RequestRecord {
             id: RequestId(r.id),
-            arrival: SimTime(r.arrival_ns),
+            arrival: Timestamp(r.arrival_ns),
             prompt_tokens: r.prompt_tokens,
             reasoning_tokens: r.reasoning_tokens,
             answer_tokens: r.answer_tokens,
@@ -154,14 +154,14 @@ mod tests {
     fn record_round_trips() {
         let r = RequestRecord {
             id: RequestId(9),
-            arrival: SimTime(5),
+            arrival: Timestamp(5),
             prompt_tokens: 1,
             reasoning_tokens: 2,
             answer_tokens: 3,
             placed_on: InstanceId(1),
             finished_on: Some(InstanceId(2)),
-            first_token: Some(SimTime(7)),
-            finish: Some(SimTime(11)),
+            first_token: Some(Timestamp(7)),
+            finish: Some(Timestamp(11)),
             qoe: Some(0.5),
             migrations: 1,
             ..RequestRecord::default()

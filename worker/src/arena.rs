@@ -1,15 +1,17 @@
 //! The real KV arena: host memory standing in for one GPU's KV cache and its CPU offload pool.
 //!
-//! SPEC "Model, hardware, KV": a worker holds `blocks × block_bytes` of real memory per pool (two
-//! anonymous mmaps), `block_bytes = block_size × kv_bytes_per_token` (16 × 256 KiB = 4 MiB for
-//! R1-Distill-Qwen-32B). On a small host the *number* of blocks is scaled down; the per-token size
-//! never is. Block `b` of a pool lives at offset `b × block_bytes`, exactly the ids the engine's
+//! A worker holds `blocks × block_bytes` of real memory per pool (two anonymous mmaps),
+//! `block_bytes = block_size × kv_bytes_per_token` (16 × 256 KiB = 4 MiB for R1-Distill-Qwen-32B),
+//! so KV writes, tier copies and migrations move as many bytes as on the real GPU. On a small host
+//! the *number* of blocks is scaled down; the per-token size never is, since it sets the bytes per
+//! token that offloads and migrations copy. Block `b` of a pool lives at offset `b × block_bytes`, exactly the ids the engine's
 //! [`kvfleet_core::kv::KvBlockManager`] hands out, so the arena mirrors the engine's block tables.
 //!
 //! Every token slot is filled with bytes derived only from (request id, token index): four
-//! xorshift64 lanes seeded (splitmix64) by a hash of the pair. A receiver of a migrated block (the pipelined stop-and-copy
-//! of SPEC "Migration", after Llumnix and Phasor App. D) can therefore regenerate and verify every
-//! byte without having seen the sender. [`KvFill::Stamp`] writes only the first [`STAMP_BYTES`] of
+//! xorshift64 lanes seeded (splitmix64) by a hash of the pair. A receiver of a migrated block (the
+//! pipelined live migration: copy stages while the request decodes, then a short stop-and-copy,
+//! after Llumnix and Phasor App. D; docs/architecture.md, "Live migration") can therefore
+//! regenerate and verify every byte without having seen the sender. [`KvFill::Stamp`] writes only the first [`STAMP_BYTES`] of
 //! each slot (the same bytes a full fill starts with), for hosts running many workers: it keeps
 //! resident memory at 1/64 of the arena while still letting every token be identified.
 
@@ -34,43 +36,102 @@ pub enum KvFill {
 /// Shape of the two pools.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ArenaLayout {
+    /// Tokens per KV block (the engine's block size).
     pub block_size: u32,
+    /// Bytes of KV cache one token occupies, across all layers (never scaled down).
     pub kv_bytes_per_token: u64,
+    /// Blocks in the GPU pool.
     pub gpu_blocks: u32,
+    /// Blocks in the CPU (offload) pool.
     pub cpu_blocks: u32,
 }
 
 impl ArenaLayout {
+    /// Bytes of one block: `block_size × kv_bytes_per_token`.
     pub fn block_bytes(&self) -> u64 {
         self.block_size as u64 * self.kv_bytes_per_token
     }
+    /// Number of blocks in `tier`'s pool.
     pub fn blocks(&self, tier: Tier) -> u32 {
         match tier {
             Tier::Gpu => self.gpu_blocks,
             Tier::Cpu => self.cpu_blocks,
         }
     }
+    /// Bytes of `tier`'s whole pool.
     pub fn tier_bytes(&self, tier: Tier) -> u64 {
         self.blocks(tier) as u64 * self.block_bytes()
     }
 }
 
+/// Why an arena could not be mapped, or a block could not be written, copied or verified.
 #[derive(Debug, thiserror::Error)]
 pub enum ArenaError {
+    /// The layout has a zero block size or a zero per-token size.
     #[error("block_size and kv_bytes_per_token must be > 0 (got {block_size} and {kv_bytes_per_token})")]
-    EmptyLayout { block_size: u32, kv_bytes_per_token: u64 },
+    EmptyLayout {
+        /// Tokens per block asked for.
+        block_size: u32,
+        /// Bytes per token asked for.
+        kv_bytes_per_token: u64,
+    },
+    /// A pool's size does not fit `usize` on this host.
     #[error("the {tier:?} KV pool ({bytes} bytes) does not fit this address space")]
-    TooLarge { tier: Tier, bytes: u64 },
+    TooLarge {
+        /// The pool.
+        tier: Tier,
+        /// Its size in bytes.
+        bytes: u64,
+    },
+    /// The anonymous mmap of a pool failed.
     #[error("cannot map {bytes} bytes for the {tier:?} KV pool: {cause}")]
-    Map { tier: Tier, bytes: u64, cause: std::io::Error },
+    Map {
+        /// The pool.
+        tier: Tier,
+        /// Its size in bytes.
+        bytes: u64,
+        /// The OS error.
+        cause: std::io::Error,
+    },
+    /// A block id past the end of its pool (or any id in an empty pool).
     #[error("block {block} is outside the {tier:?} pool ({blocks} blocks)")]
-    BlockOutOfRange { tier: Tier, block: u32, blocks: u32 },
+    BlockOutOfRange {
+        /// The pool.
+        tier: Tier,
+        /// The block id asked for.
+        block: u32,
+        /// Blocks the pool holds.
+        blocks: u32,
+    },
+    /// A token range to verify spans more than one block.
     #[error("tokens {first_token}..{end} do not fit one {block_size}-token block")]
-    TokensOutOfBlock { first_token: u32, end: u64, block_size: u32 },
+    TokensOutOfBlock {
+        /// First token of the range (absolute position in the request's context).
+        first_token: u32,
+        /// One past the last token of the range.
+        end: u64,
+        /// Tokens per block.
+        block_size: u32,
+    },
+    /// A [`KvMove`] whose source and destination block lists differ in length.
     #[error("KV move of {request} lists {from} source blocks but {to} destination blocks")]
-    MoveShape { request: RequestId, from: usize, to: usize },
+    MoveShape {
+        /// The request whose blocks move.
+        request: RequestId,
+        /// Number of source blocks.
+        from: usize,
+        /// Number of destination blocks.
+        to: usize,
+    },
+    /// Block data of the wrong length (e.g. a migration payload).
     #[error("a block is {want} bytes, got {got}")]
-    BlockLength { got: u64, want: u64 },
+    BlockLength {
+        /// Bytes received.
+        got: u64,
+        /// Bytes per block in this arena.
+        want: u64,
+    },
+    /// Verification found a byte that is not the token's deterministic content.
     #[error(transparent)]
     Mismatch(#[from] Mismatch),
 }
@@ -82,14 +143,21 @@ pub enum ArenaError {
      expected {expected:#04x}, found {found:#04x}"
 )]
 pub struct Mismatch {
+    /// Pool of the block.
     pub tier: Tier,
+    /// Block id within the pool.
     pub block: u32,
+    /// Request the token belongs to.
     pub request: RequestId,
+    /// Token index (absolute position in the request's context).
     pub token: u32,
+    /// Slot of the token within the block (`token % block_size`).
     pub slot: u32,
     /// Offset within the token's slot.
     pub byte: u64,
+    /// The deterministic byte.
     pub expected: u8,
+    /// The byte in memory.
     pub found: u8,
 }
 
@@ -242,9 +310,11 @@ impl KvArena {
         Ok(KvArena { layout, fill, gpu, cpu, written_per_token })
     }
 
+    /// Shape of the two pools.
     pub fn layout(&self) -> &ArenaLayout {
         &self.layout
     }
+    /// How much of each token slot this arena writes.
     pub fn fill(&self) -> KvFill {
         self.fill
     }

@@ -1,4 +1,4 @@
-//! The cluster clock: [`SimTime`] as nanoseconds since the cluster epoch, on this host's monotonic
+//! The cluster clock: [`Timestamp`] as nanoseconds since the cluster epoch, on this host's monotonic
 //! clock.
 //!
 //! Every process of a cluster agrees on the epoch (`epoch_unix_ns`, chosen by `kvfleet up` or the
@@ -7,15 +7,23 @@
 //! place the epoch on the monotonic clock; after that only `Instant` is used, so NTP steps cannot
 //! move a schedule.
 
-use kvfleet_core::SimTime;
+use kvfleet_core::Timestamp;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+/// Why the cluster epoch cannot be placed on this host's monotonic clock.
 #[derive(Debug, thiserror::Error)]
 pub enum ClockError {
+    /// The wall clock reads before the Unix epoch.
     #[error("the system clock is before 1970: {0}")]
     BeforeUnixEpoch(std::time::SystemTimeError),
+    /// The epoch is further in the past than this host's `Instant` can represent (e.g. before boot).
     #[error("`--epoch-unix-ns` {epoch_unix_ns} is {ago_s:.0} s in the past, beyond this host's monotonic clock")]
-    EpochTooOld { epoch_unix_ns: u64, ago_s: f64 },
+    EpochTooOld {
+        /// The requested epoch, ns since the Unix epoch.
+        epoch_unix_ns: u64,
+        /// How far in the past it lies, in seconds.
+        ago_s: f64,
+    },
 }
 
 /// Maps cluster time to `Instant`s and back.
@@ -42,22 +50,23 @@ impl ClusterClock {
         Ok(ClusterClock { epoch, epoch_unix_ns })
     }
 
+    /// The cluster epoch, ns since the Unix epoch (wall clock).
     pub fn epoch_unix_ns(&self) -> u64 {
         self.epoch_unix_ns
     }
 
     /// Cluster time now (0 before the epoch).
-    pub fn now(&self) -> SimTime {
+    pub fn now(&self) -> Timestamp {
         self.at(Instant::now())
     }
 
     /// Cluster time of an instant (0 before the epoch).
-    pub fn at(&self, instant: Instant) -> SimTime {
-        SimTime(u64::try_from(instant.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX))
+    pub fn at(&self, instant: Instant) -> Timestamp {
+        Timestamp(u64::try_from(instant.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX))
     }
 
     /// The instant of a cluster time.
-    pub fn instant(&self, t: SimTime) -> Instant {
+    pub fn instant(&self, t: Timestamp) -> Instant {
         self.epoch + Duration::from_nanos(t.0)
     }
 }
@@ -95,10 +104,10 @@ mod tests {
         let c = ClusterClock::new(Some(unix_now - 2_000_000_000)).unwrap();
         let t = c.now();
         assert!(t.0 >= 2_000_000_000 && t.0 < 3_000_000_000, "{t:?}");
-        assert_eq!(c.at(c.instant(SimTime(5_000_000_123))), SimTime(5_000_000_123));
+        assert_eq!(c.at(c.instant(Timestamp(5_000_000_123))), Timestamp(5_000_000_123));
         // An epoch in the future reads as 0 until it arrives.
         let future = ClusterClock::new(Some(unix_now + 60_000_000_000)).unwrap();
-        assert_eq!(future.now(), SimTime(0));
+        assert_eq!(future.now(), Timestamp(0));
         assert!(ClusterClock::new(None).unwrap().now().0 < 1_000_000_000);
     }
 }

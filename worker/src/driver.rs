@@ -15,9 +15,11 @@
 //!
 //! The loop runs on its own OS thread, not as a tokio task: tokio's timer has 1 ms granularity
 //! (measured on the 2-core dev host: `sleep_until` p50 1.1 ms, p99 2.0 ms late), which alone would
-//! miss the p99 < 1 ms lateness target; a thread blocked in `recv_timeout` wakes ~0.1 ms late
-//! and also wakes at once for commands. Submits and attaches apply immediately (the engine accepts
-//! them mid-iteration; they join at the next plan, as in the simulator), so their RPCs answer fast.
+//! miss the p99 < 1 ms lateness target (every token of a late iteration is delivered late;
+//! `kvfleet bench workers` counts the workers a host sustains under that bound); a thread blocked in
+//! `recv_timeout` wakes ~0.1 ms late and also wakes at once for commands. Submits and attaches apply
+//! immediately (the engine accepts them mid-iteration; they join at the next plan, as in the
+//! simulator), so their RPCs answer fast.
 
 use crate::arena::{ArenaError, KvArena};
 use crate::clock::ClusterClock;
@@ -30,7 +32,7 @@ use kvfleet_core::idmap::IdMap;
 use kvfleet_core::kv::Tier;
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::LoadReport;
-use kvfleet_core::{RequestId, RequestSpec, SimTime};
+use kvfleet_core::{RequestId, RequestSpec, Timestamp};
 use kvfleet_netmodel::migration::MigrationId;
 use kvfleet_proto::v1;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -86,6 +88,7 @@ pub(crate) enum Command {
 /// The answer to a submit.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SubmitOutcome {
+    /// Handed to the engine.
     Accepted,
     /// Already accepted earlier (submits are idempotent by id).
     Duplicate,
@@ -93,24 +96,56 @@ pub enum SubmitOutcome {
     Rejected(String),
 }
 
+/// Why the driver refused or failed a command.
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {
+    /// The request is not held on this instance.
     #[error("{0} is not on this instance")]
     Unknown(RequestId),
+    /// The instance is draining (or its engine loop has stopped).
     #[error("the instance is draining and accepts no requests")]
     Draining,
+    /// The engine refused the operation.
     #[error(transparent)]
     Engine(#[from] EngineError),
+    /// A request's KV failed verification against its deterministic content (before moving it
+    /// out, or on arrival by a live migration).
     #[error("KV of {request} failed verification before migrating out: {cause}")]
-    KvCorrupt { request: RequestId, cause: ArenaError },
+    KvCorrupt {
+        /// The request whose KV is wrong.
+        request: RequestId,
+        /// The first mismatch, or the arena error.
+        cause: ArenaError,
+    },
+    /// The request's engine state could not be serialised for a migration.
     #[error("cannot serialize the state of {request}: {message}")]
-    Serialize { request: RequestId, message: String },
+    Serialize {
+        /// The request.
+        request: RequestId,
+        /// The serde error.
+        message: String,
+    },
+    /// The request's KV is not in a state the operation needs (not written yet, being rewritten,
+    /// incomplete), or the ledger's `AlreadyComingIn` / `AlreadyRun` refusals.
     #[error("KV of {request}: {message}")]
-    Kv { request: RequestId, message: String },
+    Kv {
+        /// The request.
+        request: RequestId,
+        /// What is wrong with its KV.
+        message: String,
+    },
+    /// The request ledger refused the arrival or move.
     #[error("{request}: {refusal}")]
-    Refused { request: RequestId, refusal: Refusal },
+    Refused {
+        /// The request.
+        request: RequestId,
+        /// The ledger's reason.
+        refusal: Refusal,
+    },
+    /// An event the ledger found impossible in the request's state (a bug).
     #[error("request ledger: {0}")]
     Ledger(#[from] LedgerError),
+    /// A KV arena operation failed.
     #[error("arena: {0}")]
     Arena(#[from] ArenaError),
 }
@@ -120,14 +155,18 @@ pub enum DriverError {
 pub struct MigratedOut {
     /// serde JSON of [`MigratedRequest`].
     pub state: Vec<u8>,
+    /// Tokens of KV the request held on the source (re-materialised on the target).
     pub kv_tokens: u32,
+    /// Bytes of that KV (`kv_tokens × kv_bytes_per_token`).
     pub kv_bytes: u64,
 }
 
 /// Arena activity counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KvStats {
+    /// Tokens whose KV was written into the arena.
     pub tokens_written: u64,
+    /// Blocks copied between tiers (offloads, reloads) or written from an inbound live migration.
     pub blocks_copied: u64,
     /// Tokens checked against their deterministic content (moves with `--verify-kv`, migrations).
     pub tokens_verified: u64,
@@ -138,12 +177,17 @@ pub struct KvStats {
 /// A snapshot of the driver.
 #[derive(Clone, Debug, Default)]
 pub struct DriverStats {
+    /// Timer lateness of the engine loop's wake-ups.
     pub lateness: LatenessSummary,
+    /// The engine's counters (iterations, tokens, preemptions, ...).
     pub engine: EngineStats,
     /// Requests on the instance (running, waiting, offloaded).
     pub requests: usize,
+    /// Arena activity.
     pub kv: KvStats,
+    /// Event log counters.
     pub log: LogStats,
+    /// Whether the instance is draining.
     pub draining: bool,
     /// Latency histograms of finished requests (Prometheus).
     pub requests_metrics: crate::metrics::RequestMetrics,
@@ -152,6 +196,7 @@ pub struct DriverStats {
 /// What the driver left behind when it stopped.
 #[derive(Clone, Debug, Default)]
 pub struct DriverReport {
+    /// The last snapshot, at exit.
     pub stats: DriverStats,
     /// Requests still on the instance at exit (reported unfinished; the coordinator re-places them).
     pub unfinished: Vec<RequestId>,
@@ -397,7 +442,7 @@ impl Driver {
         }
     }
 
-    fn plan(&mut self, now: SimTime) {
+    fn plan(&mut self, now: Timestamp) {
         self.engine.plan_iteration(now);
         for m in self.engine.drain_kv_moves() {
             if let Err(e) = self.arena.copy_blocks(&m) {
@@ -495,7 +540,7 @@ impl Driver {
     }
 
     /// The iteration ending at `end` is due.
-    fn complete(&mut self, end: SimTime) {
+    fn complete(&mut self, end: Timestamp) {
         let mut tokens = std::mem::take(&mut self.tokens);
         let mut events = std::mem::take(&mut self.events);
         let mut out = std::mem::take(&mut self.out);

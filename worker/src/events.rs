@@ -2,9 +2,10 @@
 //!
 //! Every event (a request's tokens from one iteration, a `</think>` boundary, a finished record, a
 //! periodic load report) gets the next sequence number (dense, from 1). The log keeps events until
-//! the leader acknowledges them (`Ack(up_to_seq)`: it has recorded them durably, SPEC "Coordinator
-//! and etcd"), so a new leader can replay from its last acknowledged number (`Events(after_seq)`)
-//! and then follow live events. That is what makes "no request lost" possible across a failover.
+//! the leader acknowledges them (`Ack(up_to_seq)`: it has handled them, and has stored every
+//! finished record among them in the metadata store, fenced on its leadership, before acking), so a
+//! new leader can replay from its last acknowledged number (`Events(after_seq)`) and then follow
+//! live events. That is what makes "no request lost" possible across a failover.
 //!
 //! Memory is bounded: when more than `cap` token and load events are unacknowledged (a leader that
 //! stopped acknowledging), the oldest of those are dropped — a gap in the replay — but boundaries
@@ -19,9 +20,13 @@ use tokio::sync::watch;
 /// One entry, stored compactly (records and load reports boxed: tokens are the common case).
 #[derive(Clone, Debug, PartialEq)]
 pub enum LogEvent {
+    /// Tokens a request produced in one iteration (droppable).
     Tokens(v1::Tokens),
+    /// A request crossed a phase boundary (e.g. `</think>`); never dropped.
     Boundary(v1::PhaseBoundary),
+    /// A request's final record; never dropped.
     Finished(Box<v1::RequestRecord>),
+    /// A periodic load report of this instance (droppable).
     Load(Box<v1::LoadReport>),
 }
 
@@ -134,6 +139,7 @@ impl EventLog {
         last
     }
 
+    /// Append one event. Returns its sequence number.
     pub fn push(&self, event: LogEvent) -> u64 {
         self.extend([event])
     }
@@ -183,6 +189,7 @@ impl EventLog {
         self.notify.send_replace(last);
     }
 
+    /// Current counters of the log.
     pub fn stats(&self) -> LogStats {
         let g = self.lock();
         LogStats { last_seq: g.last_seq, acked: g.acked, retained: g.events.len(), dropped: g.dropped }

@@ -1,9 +1,10 @@
 //! Timer lateness: how long after an iteration's modelled end the driver actually woke up.
 //!
 //! The emulator is only as faithful as its timers: a worker that wakes late delivers every token of
-//! the iteration late (the schedule itself does not drift, see `driver`). The benchmark asks
-//! how many workers one host sustains with p99 lateness < 1 ms, so the histogram resolves 1 µs up to
-//! ~1 ms and keeps ~3 % relative precision beyond, in constant memory (no per-sample storage).
+//! the iteration late (the schedule itself does not drift, see `driver`). Worker density is judged
+//! by p99 lateness < 1 ms (`kvfleet bench workers`: how many workers one host sustains under that
+//! bound), so the histogram resolves 1 µs up to ~1 ms and keeps ~3 % relative precision beyond, in
+//! constant memory (no per-sample storage).
 
 use std::time::Duration;
 
@@ -26,10 +27,15 @@ pub struct LatenessHistogram {
 /// Quantiles of the lateness so far, in microseconds.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LatenessSummary {
+    /// Wake-ups recorded.
     pub samples: u64,
+    /// Median lateness, µs.
     pub p50_us: f64,
+    /// 99th-percentile lateness, µs.
     pub p99_us: f64,
+    /// Largest lateness seen, µs (exact).
     pub max_us: f64,
+    /// Mean lateness, µs (exact).
     pub mean_us: f64,
 }
 
@@ -50,6 +56,7 @@ impl Default for LatenessHistogram {
 }
 
 impl LatenessHistogram {
+    /// An empty histogram.
     pub fn new() -> Self {
         LatenessHistogram { buckets: vec![0; Self::bucket_count()], samples: 0, sum_ns: 0, max_ns: 0 }
     }
@@ -87,6 +94,7 @@ impl LatenessHistogram {
         (1u64 << exp) + (sub + 1) * width - 1
     }
 
+    /// Add one wake-up's lateness (ns precision for max and mean, 1 µs buckets for quantiles).
     pub fn record(&mut self, lateness: Duration) {
         let ns = u64::try_from(lateness.as_nanos()).unwrap_or(u64::MAX);
         self.buckets[Self::bucket(ns / 1000)] += 1;
@@ -95,6 +103,7 @@ impl LatenessHistogram {
         self.max_ns = self.max_ns.max(ns);
     }
 
+    /// Number of samples recorded.
     pub fn samples(&self) -> u64 {
         self.samples
     }
@@ -115,6 +124,7 @@ impl LatenessHistogram {
         self.max_ns as f64 / 1000.0
     }
 
+    /// p50, p99, max and mean so far.
     pub fn summary(&self) -> LatenessSummary {
         LatenessSummary {
             samples: self.samples,

@@ -65,6 +65,7 @@ pub enum State {
     /// Left by a committed migration. It may come back: migrated back, or re-placed from the start
     /// when the instance it moved to died.
     Left,
+    /// Finished here; its record is in the event log (a later submit is answered "already accepted").
     Finished,
     /// Can never run here (too large); every later submit gets this reason.
     Rejected(String),
@@ -103,26 +104,34 @@ impl fmt::Display for State {
 /// texts peers and tests already know.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
+    /// The instance is draining (stopping) and accepts nothing new.
     #[error("the instance is draining and accepts no requests")]
     Draining,
     /// A final rejection given earlier (too large for this instance).
     #[error("{0}")]
     Rejected(String),
+    /// Not held here (or, for a COMMIT, not reserved by that migration).
     #[error("not on this instance")]
     NotHere,
+    /// Already held here: a second copy may not arrive.
     #[error("already on this instance")]
     AlreadyHere,
+    /// Finished here already (re-placed from the start): an old migration must not bring a second copy.
     #[error("already run on this instance")]
     AlreadyRun,
+    /// Another inbound migration holds its reservation (two may never share one).
     #[error("another migration of it is already coming in")]
     AlreadyComingIn,
+    /// A block write from a migration that does not hold the request's reservation.
     #[error("holds no reservation for this migration")]
     NotReserved,
+    /// A move out of it (moving out, paused or in doubt) is already under way.
     #[error("a migration of it is already under way")]
     MoveUnderWay,
     /// The coordinator settled it as "not migrated here" (after a lost COMMIT reply).
     #[error("settled as not migrated by the coordinator")]
     Fenced,
+    /// This worker's registration lease lapsed: no request may arrive by migration until it re-registers.
     #[error("this worker's registration lapsed: its instance number may be another worker's now")]
     Unregistered,
 }
@@ -131,8 +140,11 @@ pub enum Refusal {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{request}: cannot {event} while it is {state}")]
 pub struct LedgerError {
+    /// The request the event was about.
     pub request: RequestId,
+    /// The event that was refused, as a verb phrase (e.g. "finish", "abort a move out").
     pub event: &'static str,
+    /// The state the request was in.
     pub state: State,
 }
 
@@ -142,10 +154,12 @@ pub enum Admission {
     /// Hand it to the engine; first free the reservation of a stale inbound migration, if any
     /// (the migration, whose source was declared dead, aborts on its next frame or deadline).
     Run {
+        /// The stale inbound migration whose reservation to free first.
         release: Option<MigrationId>,
     },
     /// Submits are idempotent by id: it is here, or finished here.
     AlreadyAccepted,
+    /// Not accepted, for this reason.
     Refuse(Refusal),
 }
 
@@ -221,6 +235,7 @@ impl Ledger {
 
     // ------------------------------------------------------------------------- queries
 
+    /// Where `request` stands (`Unseen` if unknown).
     pub fn state(&self, request: RequestId) -> State {
         self.entries.get(&request).map_or(State::Unseen, |e| e.state.clone())
     }
@@ -248,10 +263,12 @@ impl Ledger {
         self.entries.get(&request).and_then(|e| e.reserved_for)
     }
 
+    /// Whether the instance is draining (accepts no arrivals).
     pub fn is_draining(&self) -> bool {
         self.draining
     }
 
+    /// Whether the registration is in force (arrivals by migration accepted).
     pub fn is_registered(&self) -> bool {
         self.registered
     }

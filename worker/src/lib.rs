@@ -1,4 +1,4 @@
-//! kvfleet-worker: one process = one emulated GPU serving instance (SPEC "Layout": `worker/`).
+//! kvfleet-worker: one process = one emulated GPU serving instance.
 //!
 //! The `core` [`Engine`] runs in real time on this host's clock, with a real KV arena in host
 //! memory, behind the `kvfleet.v1.Worker` gRPC service. No scheduling logic lives here: the engine
@@ -21,6 +21,8 @@
 //! Start a worker in-process with [`start`] (returns a [`WorkerHandle`] with its address and info,
 //! the hook for registration with a coordinator) or [`run`] (until a future resolves); the
 //! `kvfleet-worker` binary is [`start`] plus signal handling.
+
+#![warn(missing_docs)]
 
 pub mod arena;
 pub mod clock;
@@ -55,26 +57,42 @@ use tokio::sync::oneshot;
 /// How long the gRPC server may take to close its connections once the engine has stopped.
 const SERVER_STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Why a worker could not start, or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
+    /// Invalid flags or instance sizing (model, GPU, scheduler, timing model).
     #[error(transparent)]
     Options(#[from] options::OptionsError),
+    /// The cluster epoch cannot be placed on this host's clock.
     #[error(transparent)]
     Clock(#[from] clock::ClockError),
+    /// The KV arena could not be mapped.
     #[error(transparent)]
     Arena(#[from] arena::ArenaError),
+    /// Binding a listener (gRPC or metrics) failed.
     #[error("cannot listen on {addr}: {cause}")]
-    Bind { addr: SocketAddr, cause: std::io::Error },
+    Bind {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The OS error.
+        cause: std::io::Error,
+    },
+    /// The gRPC server refused the TLS configuration.
     #[error("TLS configuration: {0}")]
     Tls(tonic::transport::Error),
+    /// The QUIC live-migration endpoint could not be set up (`--kv-listen`, `--link-gbps`, parameters).
     #[error("live migration endpoint: {0}")]
     Migration(String),
+    /// The cluster certificate or key could not be loaded.
     #[error("the control plane's TLS: {0}")]
     Pki(#[from] kvfleet_pki::PkiError),
+    /// The gRPC server failed while serving.
     #[error("gRPC server: {0}")]
     Serve(tonic::transport::Error),
+    /// The engine thread could not be spawned.
     #[error("cannot start the engine thread: {0}")]
     Thread(std::io::Error),
+    /// The engine thread (or a blocking start-up task) died without a report.
     #[error("the engine thread panicked")]
     DriverPanicked,
 }
@@ -82,6 +100,7 @@ pub enum WorkerError {
 /// What a stopped worker reports.
 #[derive(Clone, Debug, Default)]
 pub struct WorkerReport {
+    /// The engine loop's final report.
     pub driver: DriverReport,
 }
 
@@ -354,7 +373,7 @@ fn start_migrator(
     let transport: Arc<dyn KvTransport> = if opts.link_gbps.is_some() || opts.link_latency_us > 0.0 {
         let mut p = kvfleet_netmodel::shaping::ShapeParams::fabric_gbps(
             opts.link_gbps.unwrap_or(f64::INFINITY),
-            kvfleet_core::SimDuration::from_secs_f64(opts.link_latency_us * 1e-6),
+            kvfleet_core::TimeSpan::from_secs_f64(opts.link_latency_us * 1e-6),
         );
         if opts.link_gbps.is_none() {
             p.rate_bytes_per_s = None;

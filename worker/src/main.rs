@@ -69,7 +69,16 @@ async fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvfleet-worker: error: {e:#}");
-            ExitCode::FAILURE
+            // A bad flag is the user's input, not the program's failure: exit 2, as the CLI does.
+            let bad_flag = |c: &(dyn std::error::Error + 'static)| {
+                c.is::<kvfleet_worker::options::OptionsError>()
+                    || matches!(c.downcast_ref(), Some(kvfleet_worker::WorkerError::Options(_)))
+            };
+            if e.chain().any(bad_flag) {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

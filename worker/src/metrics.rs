@@ -22,11 +22,17 @@ const TPOT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
 /// Per-request latency histograms, fed with every finished record.
 #[derive(Clone, Debug)]
 pub struct RequestMetrics {
+    /// Arrival to first output token, seconds (emulated time).
     pub ttft: Histogram,
+    /// Arrival to first *answer* token (PASCAL's TTFT), seconds.
     pub ttft_answer: Histogram,
+    /// Time per answer token after the first, seconds.
     pub tpot: Histogram,
+    /// Arrival to last token, seconds.
     pub e2e: Histogram,
+    /// Requests finished on this instance.
     pub finished: u64,
+    /// Requests rejected because they can never fit this instance.
     pub rejected: u64,
 }
 
@@ -44,13 +50,14 @@ impl Default for RequestMetrics {
 }
 
 impl RequestMetrics {
+    /// Count one finished (or rejected) request and add its latencies to the histograms.
     pub fn observe(&mut self, r: &RequestRecord) {
         if r.rejected {
             self.rejected += 1;
             return;
         }
         self.finished += 1;
-        let secs = |from: kvfleet_core::SimTime, to: Option<kvfleet_core::SimTime>| {
+        let secs = |from: kvfleet_core::Timestamp, to: Option<kvfleet_core::Timestamp>| {
             to.map(|t| t.saturating_since(from).as_secs_f64())
         };
         if let Some(v) = secs(r.arrival, r.first_token) {
@@ -73,13 +80,19 @@ impl RequestMetrics {
 /// Live-migration counters of one worker (as source).
 #[derive(Clone, Debug)]
 pub struct MigrationMetrics {
+    /// Migrations that committed (the target owns the request).
     pub committed: u64,
+    /// Migrations aborted after connecting (the request resumed here), refusals excluded.
     pub aborted: u64,
     /// Declined `Prepare`s (the target had no room; nothing copied).
     pub refused: u64,
+    /// Migrations in doubt: the connection broke after COMMIT was sent (the request stays paused).
     pub unknown: u64,
+    /// KV bytes sent, all outcomes.
     pub bytes: u64,
+    /// Start to settle of committed migrations, seconds.
     pub total: Histogram,
+    /// Pause on the source to resume on the target of committed migrations, seconds.
     pub downtime: Histogram,
 }
 
@@ -259,15 +272,15 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvfleet_core::{RequestId, SimTime};
+    use kvfleet_core::{RequestId, Timestamp};
 
     #[test]
     fn histograms_are_cumulative_and_records_feed_the_vllm_latencies() {
         let mut m = RequestMetrics::default();
-        let s = |x: f64| Some(SimTime((x * 1e9) as u64));
+        let s = |x: f64| Some(Timestamp((x * 1e9) as u64));
         m.observe(&RequestRecord {
             id: RequestId(1),
-            arrival: SimTime(0),
+            arrival: Timestamp(0),
             answer_tokens: 11,
             first_token: s(0.03),
             first_answer_token: s(2.0),

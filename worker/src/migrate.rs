@@ -27,7 +27,7 @@ use crate::clock::ClusterClock;
 use crate::driver::{BlockRead, Command, DriverError, LiveCommand, PausedOut};
 use crate::ledger::Refusal;
 use bytes::Bytes;
-use kvfleet_core::{RequestId, SimTime};
+use kvfleet_core::{RequestId, Timestamp};
 use kvfleet_netmodel::migration::wire::{frame::Body, Frame};
 use kvfleet_netmodel::migration::{
     block_frame_head, block_tokens, AbortReason, MigrationId, MigrationParams, MigrationReport, Outcome, SourceAction,
@@ -55,6 +55,7 @@ type DataRoute = mpsc::UnboundedSender<(Frame, Option<Payload>)>;
 /// How this worker migrates.
 #[derive(Clone, Debug)]
 pub struct MigrateConfig {
+    /// Stage thresholds, block geometry and deadline of every migration (both roles).
     pub params: MigrationParams,
     /// Parallel data streams per migration.
     pub streams: usize,
@@ -137,7 +138,7 @@ impl Migrator {
         rx.await.map_err(|_| DriverError::Draining)?
     }
 
-    fn now(&self) -> SimTime {
+    fn now(&self) -> Timestamp {
         self.clock.now()
     }
 

@@ -3,9 +3,9 @@
 
 use crate::arena::{ArenaLayout, KvFill};
 use kvfleet_core::engine::sched::{DemotionBasis, SchedulerParams};
-use kvfleet_core::engine::EngineConfig;
+use kvfleet_core::engine::{sizing, EngineConfig};
 use kvfleet_core::spec::{GpuSpec, ModelSpec};
-use kvfleet_core::SimDuration;
+use kvfleet_core::TimeSpan;
 use kvfleet_netmodel::migration::MigrationParams;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -148,18 +148,30 @@ impl Default for WorkerOptions {
     }
 }
 
+/// An invalid flag or specification; the message names the flag.
 #[derive(Debug, thiserror::Error)]
 pub enum OptionsError {
+    /// The model specification could not be loaded.
     #[error("`--model`: {0}")]
     Model(kvfleet_core::spec::SpecError),
+    /// The GPU specification could not be loaded.
     #[error("`--gpu`: {0}")]
     Gpu(kvfleet_core::spec::SpecError),
+    /// The timing model could not be built (unknown name, missing or unreadable profile).
     #[error("`--timing`: {0}")]
     Timing(kvfleet_core::timing::TimingError),
+    /// Unknown scheduler or invalid scheduler parameters.
     #[error("`--scheduler`: {0}")]
     Scheduler(kvfleet_core::engine::sched::SchedulerError),
+    /// A flag with a value out of range or unresolved (`auto`), or `--timing cuda` unavailable.
     #[error("`--{flag}`: {message}")]
-    Invalid { flag: &'static str, message: String },
+    Invalid {
+        /// The flag's name, without `--`.
+        flag: &'static str,
+        /// What is wrong with its value.
+        message: String,
+    },
+    /// Invalid live-migration tuning (`--stop-copy-ms`, stage and timeout flags).
     #[error("{0}")]
     Migration(String),
 }
@@ -167,10 +179,15 @@ pub enum OptionsError {
 /// Everything the options decide about the instance.
 #[derive(Debug)]
 pub struct InstanceShape {
+    /// The served model (`--model`); its architecture fixes the KV bytes per token.
     pub model: ModelSpec,
+    /// The emulated GPU (`--gpu`).
     pub gpu: GpuSpec,
+    /// The engine's sizing: pools in blocks, batch limits, TPOT target.
     pub engine: EngineConfig,
+    /// The KV arena's shape (same block counts as the engine).
     pub layout: ArenaLayout,
+    /// Scheduler tuning (quantum, demotion threshold and basis).
     pub scheduler: SchedulerParams,
 }
 
@@ -204,19 +221,13 @@ impl WorkerOptions {
             return Err(invalid("load-interval-ms", "must be > 0".into()));
         }
         let kv_bytes_per_token = model.kv_bytes_per_token();
-        let block_bytes = self.block_size as u64 * kv_bytes_per_token;
-        let blocks = |bytes: u64, flag: &'static str| -> Result<u32, OptionsError> {
-            u32::try_from(bytes / block_bytes)
-                .map_err(|_| invalid(flag, format!("{bytes} bytes is more than 2^32 blocks of {block_bytes} bytes")))
-        };
-        let gpu_blocks = blocks(self.kv_memory_bytes, "kv-memory")?;
-        if gpu_blocks == 0 {
-            return Err(invalid(
-                "kv-memory",
-                format!("{} bytes holds no KV block: a block of {} is {block_bytes} bytes ({} tokens × {kv_bytes_per_token} B)", self.kv_memory_bytes, model.name, self.block_size),
-            ));
-        }
-        let cpu_blocks = blocks(self.cpu_memory_bytes, "cpu-memory")?;
+        let block_bytes = sizing::block_bytes(self.block_size, kv_bytes_per_token)
+            .map_err(|e| invalid("block-size", e.to_string()))?;
+        let gpu_blocks = sizing::gpu_pool_blocks(self.kv_memory_bytes, block_bytes).map_err(|e| {
+            invalid("kv-memory", format!("{e} ({} tokens × {kv_bytes_per_token} B of {})", self.block_size, model.name))
+        })?;
+        let cpu_blocks = sizing::pool_blocks(self.cpu_memory_bytes, block_bytes)
+            .map_err(|e| invalid("cpu-memory", e.to_string()))?;
         let demotion_basis = match self.demotion_basis.as_str() {
             "reasoning" => DemotionBasis::Reasoning,
             "kv" => DemotionBasis::Kv,
@@ -231,7 +242,7 @@ impl WorkerOptions {
             max_num_seqs: self.max_num_seqs,
             max_batched_tokens: self.max_batched_tokens,
             kv_bytes_per_token,
-            tpot: SimDuration::from_millis_f64(self.tpot_ms),
+            tpot: TimeSpan::from_millis_f64(self.tpot_ms),
         };
         let layout = ArenaLayout { block_size: self.block_size, kv_bytes_per_token, gpu_blocks, cpu_blocks };
         Ok(InstanceShape { model, gpu, engine, layout, scheduler })
@@ -246,8 +257,8 @@ impl WorkerOptions {
         if self.stop_copy_ms < 0.0 || !self.stop_copy_ms.is_finite() {
             return Err(OptionsError::Migration(format!("--stop-copy-ms must be ≥ 0, got {}", self.stop_copy_ms)));
         }
-        params.stop_copy_after = (self.stop_copy_ms > 0.0).then(|| SimDuration::from_millis_f64(self.stop_copy_ms));
-        params.timeout = SimDuration(self.migration_timeout_ms.saturating_mul(1_000_000));
+        params.stop_copy_after = (self.stop_copy_ms > 0.0).then(|| TimeSpan::from_millis_f64(self.stop_copy_ms));
+        params.timeout = TimeSpan(self.migration_timeout_ms.saturating_mul(1_000_000));
         params.validate().map_err(|e| OptionsError::Migration(e.to_string()))?;
         Ok(params)
     }
@@ -368,7 +379,7 @@ mod tests {
         let p = o.migration_params(bs, bb).unwrap();
         assert_eq!(
             (p.timeout, p.stop_copy_after, p.max_stages),
-            (SimDuration(2_500_000_000), Some(SimDuration(5_000_000)), 0)
+            (TimeSpan(2_500_000_000), Some(TimeSpan(5_000_000)), 0)
         );
         let e = WorkerOptions::parse_from(["w", "--stop-copy-ms=-1"]).migration_params(bs, bb).unwrap_err();
         assert!(e.to_string().contains("--stop-copy-ms"), "{e}");

@@ -30,10 +30,14 @@ use kvfleet_proto::v1::coordinator_client::CoordinatorClient;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Why registering with the cluster failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RegisterError {
+    /// Final: the cluster will not take this worker (model mismatch, unreadable cluster record,
+    /// no free instance number, or the coordinator said no).
     #[error("refused by the cluster: {0}")]
     Refused(String),
+    /// The metadata store (etcd) failed; transient, [`registration_loop`] retries with backoff.
     #[error("metadata store: {0}")]
     Store(#[from] kvfleet_meta::MetaError),
 }
@@ -70,9 +74,11 @@ pub async fn cluster_record(
 /// An instance number held in etcd by this process (`--instance auto`): the claim key lives on
 /// `keeper`'s lease, which the registration then shares.
 pub struct InstanceClaim {
+    /// The instance number claimed.
     pub instance: u32,
     /// What the claim key holds: unique to this process, so it can recognise its own claim.
     pub owner: String,
+    /// Keeps the claim's etcd lease alive; the registration is written under the same lease.
     pub keeper: LeaseKeeper,
 }
 

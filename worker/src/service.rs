@@ -54,6 +54,7 @@ impl ShutdownTrigger {
         let _ = tx.send(Command::Shutdown { grace: self.inner.grace });
     }
 
+    /// Whether the graceful stop has begun (from any source).
     pub fn is_triggered(&self) -> bool {
         self.inner.fired.load(Ordering::SeqCst)
     }
@@ -313,7 +314,7 @@ mod tests {
     use super::*;
     use kvfleet_core::engine::{Engine, EngineConfig};
     use kvfleet_core::timing::FixedTiming;
-    use kvfleet_core::{InstanceId, RequestSpec, SimDuration, SimTime};
+    use kvfleet_core::{InstanceId, RequestSpec, TimeSpan, Timestamp};
 
     /// A real migrated request, taken out of a real engine.
     fn migrated(generated_steps: u32) -> Vec<u8> {
@@ -324,21 +325,20 @@ mod tests {
             max_num_seqs: 8,
             max_batched_tokens: 1024,
             kv_bytes_per_token: 8,
-            tpot: SimDuration::from_millis_f64(100.0),
+            tpot: TimeSpan::from_millis_f64(100.0),
         };
-        let timing =
-            Arc::new(FixedTiming { iteration: SimDuration::from_millis_f64(10.0), transfer: SimDuration::ZERO });
+        let timing = Arc::new(FixedTiming { iteration: TimeSpan::from_millis_f64(10.0), transfer: TimeSpan::ZERO });
         let sched = kvfleet_core::engine::sched::build_scheduler("fcfs", &Default::default()).unwrap();
         let mut e = Engine::new(InstanceId(0), cfg, timing, sched);
         let spec = RequestSpec {
             id: RequestId(4),
-            arrival: SimTime(0),
+            arrival: Timestamp(0),
             prompt_tokens: 10,
             reasoning_tokens: 3,
             answer_tokens: 2,
         };
-        e.submit(SimTime(0), spec).unwrap();
-        let mut now = SimTime(0);
+        e.submit(Timestamp(0), spec).unwrap();
+        let mut now = Timestamp(0);
         let mut events = Vec::new();
         for _ in 0..generated_steps {
             now = e.step(now, &mut events).unwrap();

@@ -10,7 +10,7 @@ use common::*;
 use kvfleet_core::engine::sched::build_scheduler;
 use kvfleet_core::engine::{Engine, EngineEvent};
 use kvfleet_core::timing::build_timing;
-use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimTime};
+use kvfleet_core::{InstanceId, RequestId, RequestSpec, Timestamp};
 use kvfleet_proto::v1;
 use kvfleet_worker::WorkerOptions;
 use std::sync::Arc;
@@ -27,10 +27,10 @@ fn virtual_e2e_ns(worker_args: &[&str], specs: &[v1::RequestSpec]) -> Vec<(u64, 
     let sched = build_scheduler(&opts.scheduler, &shape.scheduler).unwrap();
     let mut engine = Engine::new(InstanceId(0), shape.engine, timing, sched);
     for s in specs {
-        let spec = RequestSpec { id: RequestId(s.id), arrival: SimTime(0), ..RequestSpec::try_from(s).unwrap() };
-        engine.submit(SimTime(0), spec).unwrap();
+        let spec = RequestSpec { id: RequestId(s.id), arrival: Timestamp(0), ..RequestSpec::try_from(s).unwrap() };
+        engine.submit(Timestamp(0), spec).unwrap();
     }
-    let (mut now, mut events, mut out) = (SimTime(0), Vec::new(), Vec::new());
+    let (mut now, mut events, mut out) = (Timestamp(0), Vec::new(), Vec::new());
     while let Some(end) = engine.step(now, &mut events) {
         now = end;
     }

@@ -4,7 +4,7 @@
 
 use kvfleet_core::metrics::Distribution;
 use kvfleet_core::metrics::MigrationRecord;
-use kvfleet_core::{InstanceId, RequestId, SimTime};
+use kvfleet_core::{InstanceId, RequestId, Timestamp};
 use kvfleet_proto::v1::MigrationStats;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -22,8 +22,8 @@ pub fn records(log: &[MigrationStats]) -> Vec<MigrationRecord> {
             from: InstanceId(m.source),
             to: InstanceId(m.target),
             bytes: m.bytes,
-            start: SimTime(m.started_ns),
-            end: SimTime(m.ended_ns.max(m.started_ns)),
+            start: Timestamp(m.started_ns),
+            end: Timestamp(m.ended_ns.max(m.started_ns)),
             aborted: !m.committed(),
         })
         .collect()

@@ -581,10 +581,10 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
 
 /// `kvfleet traces analyze OUT/traces.jsonl --out OUT/traces`, with a one-line summary.
 fn analyze_traces(file: &Path, dir: &Path) -> anyhow::Result<()> {
-    let parsed = kvfleet_traces::parse_file(file)?;
-    let a = kvfleet_traces::analyze(&parsed.spans);
-    let mut written = kvfleet_traces::report::write_outputs(dir, &parsed, &a)?;
-    written.extend(kvfleet_traces::plots::write_plots(dir, &a, 10)?);
+    let parsed = kvfleet_otel::parse_file(file)?;
+    let a = kvfleet_otel::analyze(&parsed.spans);
+    let mut written = kvfleet_otel::report::write_outputs(dir, &parsed, &a)?;
+    written.extend(kvfleet_otel::plots::write_plots(dir, &a, 10)?);
     let complete = a.migrations.iter().filter(|m| m.complete).count();
     say!(
         "traces      {} spans in {} traces: {} requests, {} migrations ({} with every phase); {} files in {} \

@@ -4,7 +4,7 @@
 //! record.
 
 use kvfleet_core::metrics::RequestRecord;
-use kvfleet_core::{RequestSpec, SimTime};
+use kvfleet_core::{RequestSpec, Timestamp};
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::coordinator_client::CoordinatorClient;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -273,7 +273,7 @@ pub async fn replay(
     failover_wait: Duration,
     give_up: GiveUp,
 ) -> Vec<Result<RequestRecord, String>> {
-    let mut order: Vec<(SimTime, u64, usize)> =
+    let mut order: Vec<(Timestamp, u64, usize)> =
         requests.iter().enumerate().map(|(i, r)| (r.arrival, r.id.0, i)).collect();
     order.sort_unstable();
     let mut tasks = Vec::with_capacity(requests.len());
@@ -339,7 +339,7 @@ pub const ORDER_WAIT: Duration = Duration::from_millis(250);
 pub fn schedule(requests: &mut [RequestSpec], epoch_unix_ns: u64, lead: Duration) {
     let start = unix_now_ns().saturating_sub(epoch_unix_ns) + lead.as_nanos() as u64;
     for r in requests {
-        r.arrival = SimTime(start + r.arrival.0);
+        r.arrival = Timestamp(start + r.arrival.0);
     }
 }
 
@@ -351,7 +351,7 @@ mod tests {
     fn spec(id: u64, arrival_ns: u64) -> RequestSpec {
         RequestSpec {
             id: RequestId(id),
-            arrival: SimTime(arrival_ns),
+            arrival: Timestamp(arrival_ns),
             prompt_tokens: 1,
             reasoning_tokens: 1,
             answer_tokens: 1,

@@ -12,8 +12,8 @@ fn ctl(policy: &str, instances: u32) -> Controller {
         .expect_model(MODEL, KV)
         .retain_finished();
     for i in 0..instances {
-        c.handle(SimTime::ZERO, joined(i)).unwrap();
-        c.handle(SimTime::ZERO, Event::Load(load(i, 0, 0))).unwrap();
+        c.handle(Timestamp::ZERO, joined(i)).unwrap();
+        c.handle(Timestamp::ZERO, Event::Load(load(i, 0, 0))).unwrap();
     }
     c
 }
@@ -23,7 +23,13 @@ fn joined(i: u32) -> Event {
 }
 
 fn spec(id: u64, prompt: u32) -> RequestSpec {
-    RequestSpec { id: RequestId(id), arrival: SimTime(0), prompt_tokens: prompt, reasoning_tokens: 5, answer_tokens: 5 }
+    RequestSpec {
+        id: RequestId(id),
+        arrival: Timestamp(0),
+        prompt_tokens: prompt,
+        reasoning_tokens: 5,
+        answer_tokens: 5,
+    }
 }
 
 fn load(i: u32, used: u32, reasoning: u32) -> LoadReport {
@@ -40,7 +46,7 @@ fn load(i: u32, used: u32, reasoning: u32) -> LoadReport {
 }
 
 fn place(c: &mut Controller, s: RequestSpec) -> InstanceId {
-    match c.decide(SimTime::ZERO, Event::Arrival(s)).unwrap().as_slice() {
+    match c.decide(Timestamp::ZERO, Event::Arrival(s)).unwrap().as_slice() {
         [Action::Place { on, replaced: 0, .. }] => *on,
         other => panic!("expected one placement, got {other:?}"),
     }
@@ -67,16 +73,16 @@ fn a_charge_lasts_until_a_report_shows_it_or_it_expires() {
     let charged = published(&c, 0);
     assert_eq!((charged.waiting_blocks, charged.waiting_requests, charged.reasoning_requests), (10, 1, 1));
     // A report from before the submit arrived (admitted still 0) does not erase it.
-    c.handle(SimTime::ZERO, Event::Load(load(0, 0, 0))).unwrap();
+    c.handle(Timestamp::ZERO, Event::Load(load(0, 0, 0))).unwrap();
     assert_eq!(published(&c, 0).waiting_blocks, 10, "a stale report keeps the charge");
     // The instance took it in: its own report now carries the load.
-    c.handle(SimTime::ZERO, Event::Load(LoadReport { admitted: 1, waiting_blocks: 10, ..load(0, 0, 1) })).unwrap();
+    c.handle(Timestamp::ZERO, Event::Load(LoadReport { admitted: 1, waiting_blocks: 10, ..load(0, 0, 1) })).unwrap();
     assert_eq!(published(&c, 0).waiting_blocks, 10, "counted once, by the report");
     assert_eq!(published(&c, 0).reasoning_requests, 1);
     // A decision no report ever shows stops counting after the TTL.
     assert_eq!(place(&mut c, spec(2, 160)), InstanceId(1));
     assert_eq!(published(&c, 1).waiting_blocks, 10);
-    c.handle(SimTime::ZERO + CHARGE_TTL, Event::Tick).unwrap();
+    c.handle(Timestamp::ZERO + CHARGE_TTL, Event::Tick).unwrap();
     assert_eq!(published(&c, 1).waiting_blocks, 0, "expired");
 }
 
@@ -85,7 +91,7 @@ fn model_mismatch_is_refused_with_both_names() {
     let mut c = ctl("pascal", 0);
     let e = c
         .handle(
-            SimTime::ZERO,
+            Timestamp::ZERO,
             Event::Joined {
                 instance: InstanceId(0),
                 address: "a".into(),
@@ -103,11 +109,11 @@ fn model_mismatch_is_refused_with_both_names() {
 fn placement_follows_the_policy_and_skips_dead_instances() {
     let mut c = ctl("pascal", 3);
     for (i, used, r) in [(0, 50, 3), (1, 10, 1), (2, 5, 0)] {
-        c.handle(SimTime::ZERO, Event::Load(load(i, used, r))).unwrap();
+        c.handle(Timestamp::ZERO, Event::Load(load(i, used, r))).unwrap();
     }
     assert_eq!(place(&mut c, spec(1, 10)), InstanceId(2), "Alg. 1: least KV footprint");
-    assert_eq!(c.handle(SimTime::ZERO, Event::Arrival(spec(1, 10))), Err(ControlError::Duplicate(RequestId(1))));
-    let actions = c.decide(SimTime::ZERO, Event::Left { instance: InstanceId(2) }).unwrap();
+    assert_eq!(c.handle(Timestamp::ZERO, Event::Arrival(spec(1, 10))), Err(ControlError::Duplicate(RequestId(1))));
+    let actions = c.decide(Timestamp::ZERO, Event::Left { instance: InstanceId(2) }).unwrap();
     assert_eq!(actions, vec![Action::Place { request: RequestId(1), on: InstanceId(1), replaced: 1 }]);
     assert_eq!(c.ownership(RequestId(1)).unwrap().instance, InstanceId(1));
     assert!(c.loads().iter().all(|l| l.instance != InstanceId(2)), "a dead instance is not offered to policies");
@@ -116,7 +122,7 @@ fn placement_follows_the_policy_and_skips_dead_instances() {
 #[test]
 fn no_instances_rejects_and_records_nothing() {
     let mut c = ctl("least-kv", 0);
-    let actions = c.decide(SimTime::ZERO, Event::Arrival(spec(1, 10))).unwrap();
+    let actions = c.decide(Timestamp::ZERO, Event::Arrival(spec(1, 10))).unwrap();
     assert_eq!(actions, vec![Action::Reject { request: RequestId(1), reason: RejectReason::NoInstance }]);
     assert!(c.ownership(RequestId(1)).is_none());
 }
@@ -143,12 +149,12 @@ impl InstancePolicy for Rogue {
 fn a_policy_naming_a_dead_instance_gets_the_fallback() {
     let mut c = Controller::new(Box::new(Rogue), SimRng::seed_from_u64(0));
     for i in 0..3 {
-        c.handle(SimTime::ZERO, joined(i)).unwrap();
-        c.handle(SimTime::ZERO, Event::Load(load(i, 30 - i * 10, 0))).unwrap();
+        c.handle(Timestamp::ZERO, joined(i)).unwrap();
+        c.handle(Timestamp::ZERO, Event::Load(load(i, 30 - i * 10, 0))).unwrap();
     }
     assert_eq!(place(&mut c, spec(1, 10)), InstanceId(2), "least loaded live instance");
     let actions = c
-        .decide(SimTime::ZERO, Event::Boundary { request: RequestId(1), instance: InstanceId(2), kv_blocks: 1 })
+        .decide(Timestamp::ZERO, Event::Boundary { request: RequestId(1), instance: InstanceId(2), kv_blocks: 1 })
         .unwrap();
     assert!(actions.is_empty(), "a move to a dead instance: the request stays");
     assert_eq!(c.ownership(RequestId(1)).unwrap().phase, OwnedPhase::Answering);
@@ -157,22 +163,23 @@ fn a_policy_naming_a_dead_instance_gets_the_fallback() {
 #[test]
 fn boundary_migrates_to_fewest_reasoning_and_charges_the_target() {
     let mut c = ctl("pascal", 2);
-    c.handle(SimTime::ZERO, Event::Load(load(0, 10, 4))).unwrap();
-    c.handle(SimTime::ZERO, Event::Load(load(1, 10, 0))).unwrap();
+    c.handle(Timestamp::ZERO, Event::Load(load(0, 10, 4))).unwrap();
+    c.handle(Timestamp::ZERO, Event::Load(load(1, 10, 0))).unwrap();
     let at = place(&mut c, spec(7, 10));
     assert_eq!(at, InstanceId(0), "equal footprints: lowest id");
     let actions =
-        c.decide(SimTime::ZERO, Event::Boundary { request: RequestId(7), instance: at, kv_blocks: 1 }).unwrap();
+        c.decide(Timestamp::ZERO, Event::Boundary { request: RequestId(7), instance: at, kv_blocks: 1 }).unwrap();
     assert_eq!(actions, vec![Action::Migrate { request: RequestId(7), from: at, to: InstanceId(1), kv_blocks: 1 }]);
     let o = c.ownership(RequestId(7)).unwrap();
     assert_eq!((o.phase, o.migrating_to), (OwnedPhase::Migrating, Some(InstanceId(1))), "where to, for a successor");
     assert_eq!(published(&c, 1).gpu_used_blocks, 11, "the move is charged to its target at once");
-    c.handle(SimTime::ZERO, Event::MigrationEnded { request: RequestId(7), outcome: MoveOutcome::Committed }).unwrap();
+    c.handle(Timestamp::ZERO, Event::MigrationEnded { request: RequestId(7), outcome: MoveOutcome::Committed })
+        .unwrap();
     assert_eq!(c.ownership(RequestId(7)).unwrap().instance, InstanceId(1));
     assert_eq!(c.ownership(RequestId(7)).unwrap().migrations, 1);
-    c.handle(SimTime::ZERO, Event::Finished { request: RequestId(7) }).unwrap();
+    c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(7) }).unwrap();
     assert_eq!(
-        c.handle(SimTime::ZERO, Event::Finished { request: RequestId(7) }),
+        c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(7) }),
         Err(ControlError::NotInFlight(RequestId(7))),
         "a duplicate finish report is refused"
     );
@@ -182,49 +189,49 @@ fn boundary_migrates_to_fewest_reasoning_and_charges_the_target() {
 #[test]
 fn stale_boundaries_never_move_a_request() {
     let mut c = ctl("pascal", 2);
-    c.handle(SimTime::ZERO, Event::Load(load(0, 10, 4))).unwrap();
-    c.handle(SimTime::ZERO, Event::Load(load(1, 10, 0))).unwrap();
+    c.handle(Timestamp::ZERO, Event::Load(load(0, 10, 4))).unwrap();
+    c.handle(Timestamp::ZERO, Event::Load(load(1, 10, 0))).unwrap();
     let at = place(&mut c, spec(7, 10));
     let wrong = InstanceId(1 - at.0);
     let boundary = |instance| Event::Boundary { request: RequestId(7), instance, kv_blocks: 1 };
-    assert!(c.decide(SimTime::ZERO, boundary(wrong)).unwrap().is_empty(), "from an instance that does not own it");
-    c.handle(SimTime::ZERO, Event::Finished { request: RequestId(7) }).unwrap();
-    assert!(c.decide(SimTime::ZERO, boundary(at)).unwrap().is_empty(), "for a finished request");
+    assert!(c.decide(Timestamp::ZERO, boundary(wrong)).unwrap().is_empty(), "from an instance that does not own it");
+    c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(7) }).unwrap();
+    assert!(c.decide(Timestamp::ZERO, boundary(at)).unwrap().is_empty(), "for a finished request");
     assert_eq!(c.ownership(RequestId(7)).unwrap().phase, OwnedPhase::Finished, "stays finished");
-    assert!(c.decide(SimTime::ZERO, boundary(at)).is_ok(), "unknown requests are ignored, not errors");
+    assert!(c.decide(Timestamp::ZERO, boundary(at)).is_ok(), "unknown requests are ignored, not errors");
 }
 
 #[test]
 fn a_request_that_finishes_during_its_move_stays_finished() {
     let mut c = ctl("pascal", 2);
-    c.handle(SimTime::ZERO, Event::Load(load(0, 10, 4))).unwrap();
-    c.handle(SimTime::ZERO, Event::Load(load(1, 10, 0))).unwrap();
+    c.handle(Timestamp::ZERO, Event::Load(load(0, 10, 4))).unwrap();
+    c.handle(Timestamp::ZERO, Event::Load(load(1, 10, 0))).unwrap();
     let at = place(&mut c, spec(8, 10));
-    c.handle(SimTime::ZERO, Event::Boundary { request: RequestId(8), instance: at, kv_blocks: 1 }).unwrap();
+    c.handle(Timestamp::ZERO, Event::Boundary { request: RequestId(8), instance: at, kv_blocks: 1 }).unwrap();
     assert!(matches!(c.poll_action(), Some(Action::Migrate { .. })));
-    c.handle(SimTime::ZERO, Event::Finished { request: RequestId(8) }).unwrap();
-    c.handle(SimTime::ZERO, Event::MigrationEnded { request: RequestId(8), outcome: MoveOutcome::Aborted }).unwrap();
+    c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(8) }).unwrap();
+    c.handle(Timestamp::ZERO, Event::MigrationEnded { request: RequestId(8), outcome: MoveOutcome::Aborted }).unwrap();
     assert_eq!(c.ownership(RequestId(8)).unwrap().phase, OwnedPhase::Finished);
     assert_eq!(c.in_flight(), 0);
-    assert!(c.decide(SimTime::ZERO, Event::Left { instance: at }).unwrap().is_empty(), "not re-placed");
+    assert!(c.decide(Timestamp::ZERO, Event::Left { instance: at }).unwrap().is_empty(), "not re-placed");
 }
 
 #[test]
 fn a_declined_move_goes_to_the_next_choice_then_stays() {
     let mut c = ctl("pascal", 4);
     for (i, r) in [(0, 4), (1, 0), (2, 1), (3, 2)] {
-        c.handle(SimTime::ZERO, Event::Load(load(i, 10, r))).unwrap();
+        c.handle(Timestamp::ZERO, Event::Load(load(i, 10, r))).unwrap();
     }
     let at = place(&mut c, spec(7, 10));
     assert_eq!(at, InstanceId(0));
     let mut targets = Vec::new();
     let mut actions =
-        c.decide(SimTime::ZERO, Event::Boundary { request: RequestId(7), instance: at, kv_blocks: 1 }).unwrap();
+        c.decide(Timestamp::ZERO, Event::Boundary { request: RequestId(7), instance: at, kv_blocks: 1 }).unwrap();
     while let [Action::Migrate { to, .. }] = actions.as_slice() {
         targets.push(to.0);
         assert_eq!(c.ownership(RequestId(7)).unwrap().migrating_to, Some(*to));
         actions = c
-            .decide(SimTime::ZERO, Event::MigrationEnded { request: RequestId(7), outcome: MoveOutcome::Refused })
+            .decide(Timestamp::ZERO, Event::MigrationEnded { request: RequestId(7), outcome: MoveOutcome::Refused })
             .unwrap();
     }
     assert_eq!(targets, vec![1, 2, 3], "fewest reasoning first, then the next, at most 1 + MAX_RETARGETS tries");
@@ -241,7 +248,7 @@ fn events_for_unknown_requests_are_errors_that_change_nothing() {
         Event::Lost { request: RequestId(5) },
         Event::Finished { request: RequestId(5) },
     ] {
-        assert_eq!(c.handle(SimTime::ZERO, ev), Err(ControlError::NotInFlight(RequestId(5))));
+        assert_eq!(c.handle(Timestamp::ZERO, ev), Err(ControlError::NotInFlight(RequestId(5))));
     }
     assert!(c.poll_action().is_none());
     assert!(c.requests().is_empty());
@@ -250,9 +257,9 @@ fn events_for_unknown_requests_are_errors_that_change_nothing() {
 #[test]
 fn forgetting_finished_requests_keeps_only_those_in_flight() {
     let mut c = Controller::new(build_policy("least-kv", &PolicyParams::default()).unwrap(), SimRng::seed_from_u64(0));
-    c.handle(SimTime::ZERO, joined(0)).unwrap();
+    c.handle(Timestamp::ZERO, joined(0)).unwrap();
     place(&mut c, spec(1, 10));
-    c.handle(SimTime::ZERO, Event::Finished { request: RequestId(1) }).unwrap();
+    c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(1) }).unwrap();
     assert!(c.requests().is_empty());
 }
 
@@ -260,11 +267,11 @@ fn forgetting_finished_requests_keeps_only_those_in_flight() {
 fn moving_from_0_to_1(instances: u32) -> Controller {
     let mut c = ctl("pascal", instances);
     for i in 0..instances {
-        c.handle(SimTime::ZERO, Event::Load(load(i, 10, if i == 1 { 0 } else { 4 }))).unwrap();
+        c.handle(Timestamp::ZERO, Event::Load(load(i, 10, if i == 1 { 0 } else { 4 }))).unwrap();
     }
     assert_eq!(place(&mut c, spec(7, 10)), InstanceId(0));
     let actions = c
-        .decide(SimTime::ZERO, Event::Boundary { request: RequestId(7), instance: InstanceId(0), kv_blocks: 1 })
+        .decide(Timestamp::ZERO, Event::Boundary { request: RequestId(7), instance: InstanceId(0), kv_blocks: 1 })
         .unwrap();
     assert_eq!(
         actions,
@@ -294,7 +301,7 @@ fn a_source_leaving_mid_move_is_settled_by_its_target_not_re_placed() {
     ];
     for (held, then, runs_on, phase, replaced) in table {
         let mut c = moving_from_0_to_1(2);
-        let actions = c.decide(SimTime::ZERO, Event::Left { instance: InstanceId(0) }).unwrap();
+        let actions = c.decide(Timestamp::ZERO, Event::Left { instance: InstanceId(0) }).unwrap();
         assert_eq!(
             actions,
             vec![Action::Settle { request: id, from: InstanceId(0), to: InstanceId(1) }],
@@ -303,15 +310,15 @@ fn a_source_leaving_mid_move_is_settled_by_its_target_not_re_placed() {
         assert_eq!(owner(&c, 7), (InstanceId(0), OwnedPhase::Migrating, Some(InstanceId(1))), "undecided until asked");
         // The source's side of the move fails with it: that proves nothing about the COMMIT.
         assert!(c
-            .decide(SimTime::ZERO, Event::MigrationEnded { request: id, outcome: MoveOutcome::Aborted })
+            .decide(Timestamp::ZERO, Event::MigrationEnded { request: id, outcome: MoveOutcome::Aborted })
             .unwrap()
             .is_empty());
         assert_eq!(owner(&c, 7), (InstanceId(0), OwnedPhase::Migrating, Some(InstanceId(1))), "held={held}");
-        assert_eq!(c.decide(SimTime::ZERO, Event::Settled { request: id, held }).unwrap(), then, "held={held}");
+        assert_eq!(c.decide(Timestamp::ZERO, Event::Settled { request: id, held }).unwrap(), then, "held={held}");
         let o = c.ownership(id).unwrap();
         assert_eq!((o.instance, o.phase, o.migrating_to, o.replaced), (runs_on, phase, None, replaced));
         assert!(
-            c.decide(SimTime::ZERO, Event::Settled { request: id, held: !held }).unwrap().is_empty(),
+            c.decide(Timestamp::ZERO, Event::Settled { request: id, held: !held }).unwrap().is_empty(),
             "a late answer"
         );
         assert_eq!(c.ownership(id).unwrap().instance, runs_on, "held={held}: changes nothing");
@@ -322,16 +329,16 @@ fn a_source_leaving_mid_move_is_settled_by_its_target_not_re_placed() {
 fn a_target_leaving_mid_move_leaves_the_request_on_its_source() {
     let id = RequestId(7);
     let mut c = moving_from_0_to_1(3);
-    assert!(c.decide(SimTime::ZERO, Event::Left { instance: InstanceId(1) }).unwrap().is_empty());
+    assert!(c.decide(Timestamp::ZERO, Event::Left { instance: InstanceId(1) }).unwrap().is_empty());
     assert_eq!(owner(&c, 7), (InstanceId(0), OwnedPhase::Migrating, Some(InstanceId(1))), "still its source's");
-    c.handle(SimTime::ZERO, Event::MigrationEnded { request: id, outcome: MoveOutcome::Aborted }).unwrap();
+    c.handle(Timestamp::ZERO, Event::MigrationEnded { request: id, outcome: MoveOutcome::Aborted }).unwrap();
     assert_eq!(owner(&c, 7), (InstanceId(0), OwnedPhase::Answering, None), "the move aborted: runs on at its source");
 
     // Had the COMMIT gone through before the target left, the only copy left with it.
     let mut c = moving_from_0_to_1(3);
-    c.handle(SimTime::ZERO, Event::Left { instance: InstanceId(1) }).unwrap();
+    c.handle(Timestamp::ZERO, Event::Left { instance: InstanceId(1) }).unwrap();
     let actions =
-        c.decide(SimTime::ZERO, Event::MigrationEnded { request: id, outcome: MoveOutcome::Committed }).unwrap();
+        c.decide(Timestamp::ZERO, Event::MigrationEnded { request: id, outcome: MoveOutcome::Committed }).unwrap();
     assert!(
         matches!(actions.as_slice(), [Action::Place { on, replaced: 1, .. }] if *on != InstanceId(1)),
         "{actions:?}"
@@ -342,7 +349,7 @@ fn a_target_leaving_mid_move_leaves_the_request_on_its_source() {
         let mut c = moving_from_0_to_1(3);
         let mut actions = Vec::new();
         for i in order {
-            actions.extend(c.decide(SimTime::ZERO, Event::Left { instance: InstanceId(i) }).unwrap());
+            actions.extend(c.decide(Timestamp::ZERO, Event::Left { instance: InstanceId(i) }).unwrap());
         }
         let placed: Vec<_> = actions.iter().filter(|a| matches!(a, Action::Place { .. })).collect();
         assert_eq!(
@@ -350,7 +357,7 @@ fn a_target_leaving_mid_move_leaves_the_request_on_its_source() {
             vec![&Action::Place { request: id, on: InstanceId(2), replaced: 1 }],
             "{order:?}: {actions:?}"
         );
-        assert!(c.decide(SimTime::ZERO, Event::Settled { request: id, held: true }).unwrap().is_empty());
+        assert!(c.decide(Timestamp::ZERO, Event::Settled { request: id, held: true }).unwrap().is_empty());
         assert_eq!(owner(&c, 7), (InstanceId(2), OwnedPhase::Reasoning, None), "{order:?}");
     }
 }
@@ -359,10 +366,10 @@ fn a_target_leaving_mid_move_leaves_the_request_on_its_source() {
 fn a_re_placement_without_a_live_instance_is_retried_when_one_joins() {
     let mut c = ctl("least-kv", 1);
     place(&mut c, spec(1, 10));
-    let actions = c.decide(SimTime::ZERO, Event::Left { instance: InstanceId(0) }).unwrap();
+    let actions = c.decide(Timestamp::ZERO, Event::Left { instance: InstanceId(0) }).unwrap();
     assert_eq!(actions, vec![Action::Reject { request: RequestId(1), reason: RejectReason::NoInstance }]);
     // The same instance number back (a restarted process): it starts over there.
-    let actions = c.decide(SimTime::ZERO, joined(0)).unwrap();
+    let actions = c.decide(Timestamp::ZERO, joined(0)).unwrap();
     assert_eq!(actions, vec![Action::Place { request: RequestId(1), on: InstanceId(0), replaced: 1 }]);
-    assert!(c.decide(SimTime::ZERO, joined(0)).unwrap().is_empty(), "a refreshed registration re-places nothing");
+    assert!(c.decide(Timestamp::ZERO, joined(0)).unwrap().is_empty(), "a refreshed registration re-places nothing");
 }

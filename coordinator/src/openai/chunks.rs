@@ -51,6 +51,7 @@ pub struct TokenTracker {
 }
 
 impl TokenTracker {
+    /// Nothing delivered yet, of `reasoning_tokens` then `answer_tokens` output tokens.
     pub fn new(reasoning_tokens: u32, answer_tokens: u32) -> TokenTracker {
         TokenTracker { reasoning: reasoning_tokens, total: reasoning_tokens.saturating_add(answer_tokens), next: 0 }
     }
@@ -83,11 +84,14 @@ pub struct ResponseMeta {
     pub id: String,
     /// Unix seconds.
     pub created: u64,
+    /// The served model's name.
     pub model: String,
+    /// The endpoint answered (sets the `object` type and chunk shape).
     pub endpoint: Endpoint,
 }
 
 impl ResponseMeta {
+    /// The identity of the response to cluster request `request_id`, created at `created` (Unix s).
     pub fn new(endpoint: Endpoint, request_id: u64, created: u64, model: &str) -> ResponseMeta {
         let prefix = match endpoint {
             Endpoint::Chat => "chatcmpl",
@@ -149,8 +153,11 @@ pub fn finish_chunk(meta: &ResponseMeta, finish_reason: &str) -> Value {
 /// Token counts reported as OpenAI `usage`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Usage {
+    /// Prompt tokens.
     pub prompt_tokens: u32,
+    /// Reasoning tokens (before `</think>`), reported in `completion_tokens_details`.
     pub reasoning_tokens: u32,
+    /// Answer tokens.
     pub answer_tokens: u32,
 }
 

@@ -25,6 +25,7 @@ pub enum Endpoint {
 /// One validated request: what to emulate and how to answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CompletionRequest {
+    /// The endpoint it came to (shapes the response).
     pub endpoint: Endpoint,
     /// The model the client named (always the served one: others are refused).
     pub model: String,
@@ -32,8 +33,11 @@ pub struct CompletionRequest {
     pub stream: bool,
     /// `stream_options.include_usage`: a final chunk with `usage`.
     pub include_usage: bool,
+    /// Prompt length in tokens: `kvfleet_prompt_tokens`, else estimated from the text.
     pub prompt_tokens: u32,
+    /// Reasoning tokens to emulate before `</think>` (`kvfleet_reasoning_tokens`, default 256).
     pub reasoning_tokens: u32,
+    /// Answer tokens to emulate (`kvfleet_answer_tokens`, capped by the token limit; default 128).
     pub answer_tokens: u32,
     /// The answer was cut to `max_tokens`/`max_completion_tokens`: `finish_reason` is `length`.
     pub capped: bool,
@@ -54,12 +58,15 @@ impl CompletionRequest {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{status}: {message}")]
 pub struct ApiError {
+    /// HTTP status of the response.
     pub status: StatusCode,
+    /// Human-readable explanation (`error.message`).
     pub message: String,
     /// OpenAI's `type`: `invalid_request_error`, `service_unavailable`, `server_error`, …
     pub kind: &'static str,
     /// The offending request field, if one is to blame.
     pub param: Option<String>,
+    /// OpenAI's machine-readable `code` (e.g. `invalid_value`, `model_not_found`).
     pub code: Option<&'static str>,
 }
 

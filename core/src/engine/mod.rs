@@ -16,6 +16,7 @@
 //! can grow in free memory, the previous batch is reused (the common case; keeps the simulator fast).
 
 pub mod sched;
+pub mod sizing;
 
 use crate::idmap::IdMap;
 use crate::ids::{InstanceId, RequestId};
@@ -24,7 +25,7 @@ use crate::metrics::RequestRecord;
 use crate::pacer::TokenPacer;
 use crate::policy::LoadReport;
 use crate::request::RequestSpec;
-use crate::time::{SimDuration, SimTime};
+use crate::time::{TimeSpan, Timestamp};
 use crate::timing::{BatchShape, TimingModel};
 use sched::{Admission, IntraScheduler, Phase, SchedState, TokenProgress};
 use serde::{Deserialize, Serialize};
@@ -46,10 +47,11 @@ pub struct EngineConfig {
     /// Derived from the model spec.
     pub kv_bytes_per_token: u64,
     /// Token pacer pace: the user's expected time per output token.
-    pub tpot: SimDuration,
+    pub tpot: TimeSpan,
 }
 
 impl EngineConfig {
+    /// Bytes of KV one block holds (`block_size` × `kv_bytes_per_token`).
     pub fn block_bytes(&self) -> u64 {
         self.block_size as u64 * self.kv_bytes_per_token
     }
@@ -59,27 +61,57 @@ impl EngineConfig {
 #[derive(Clone, Debug, PartialEq)]
 pub enum EngineEvent {
     /// The request produced its last reasoning token (`</think>`): time for PASCAL Alg. 2.
-    PhaseBoundary { request: RequestId, kv_blocks: u32 },
+    PhaseBoundary {
+        /// The request that finished reasoning.
+        request: RequestId,
+        /// KV blocks it holds at the boundary (what a migration would move).
+        kv_blocks: u32,
+    },
     /// The request produced its last token; its KV is freed.
     Finished(Box<RequestRecord>),
 }
 
+/// Why the engine refused a request or a migration step.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EngineError {
+    /// The request could never fit in this instance's GPU KV memory, even alone.
     #[error("{request} needs {needed} KV blocks at its longest, but the instance has {capacity}")]
-    TooLarge { request: RequestId, needed: u32, capacity: u32 },
+    TooLarge {
+        /// The refused request.
+        request: RequestId,
+        /// KV blocks at its largest context (prompt + all output tokens).
+        needed: u32,
+        /// KV blocks of GPU memory on this instance.
+        capacity: u32,
+    },
+    /// The request is already here (or already migrating out).
     #[error("{0} is already on this instance")]
     Duplicate(RequestId),
+    /// No request with this id is on this instance.
     #[error("{0} is not on this instance")]
     Unknown(RequestId),
+    /// The call needs a request frozen by [`Engine::begin_migration_out`], and this one is not.
     #[error("{0} is not migrating out")]
     NotMigrating(RequestId),
+    /// The call is only allowed between iterations, and one is in flight.
     #[error("an iteration is in flight; call between iterations")]
     IterationInFlight,
+    /// Not enough free KV blocks to receive a migrating request.
     #[error("no room to receive {request}: needs {needed} KV blocks, {free} free")]
-    NoRoom { request: RequestId, needed: u32, free: u32 },
+    NoRoom {
+        /// The incoming request.
+        request: RequestId,
+        /// KV blocks it needs.
+        needed: u32,
+        /// KV blocks free in the tier it would go to.
+        free: u32,
+    },
+    /// The request asks for no answer tokens; every request must produce at least one.
     #[error("request {request} has answer_tokens = 0; every request produces at least one answer token")]
-    NoAnswer { request: RequestId },
+    NoAnswer {
+        /// The refused request.
+        request: RequestId,
+    },
 }
 
 /// Where a request's KV is.
@@ -132,8 +164,11 @@ impl Req {
 /// Serializable so that worker processes can hand it over the network.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MigratedRequest {
+    /// The request as submitted (id, arrival, prompt/reasoning/answer token counts).
     pub spec: RequestSpec,
+    /// Output tokens already generated on the source instance.
     pub generated: u32,
+    /// Its metrics record so far (timestamps, preemptions, migrations), carried on.
     pub record: RequestRecord,
     pacer: Option<TokenPacer>,
     awaiting_after_reasoning: bool,
@@ -150,17 +185,22 @@ impl MigratedRequest {
 /// Returned when a migration starts: what will be copied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MigrationOut {
+    /// Tokens of KV to copy (prompt + generated).
     pub kv_tokens: u32,
+    /// KV blocks the request holds on the source.
     pub kv_blocks: u32,
+    /// Bytes to copy (`kv_tokens` × KV bytes per token).
     pub kv_bytes: u64,
 }
 
 /// One token produced by a completed iteration (for drivers that stream tokens or write KV).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TokenEmitted {
+    /// The request that produced the token.
     pub request: RequestId,
     /// 0-based output token index.
     pub index: u32,
+    /// Whether it is a reasoning token or an answer token (after `</think>`).
     pub phase: Phase,
     /// KV tokens the request holds after this token (its position in the KV is `context - 1`).
     pub context_tokens: u32,
@@ -169,14 +209,21 @@ pub struct TokenEmitted {
 /// Counters over the engine's lifetime.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct EngineStats {
+    /// Iterations completed.
     pub iterations: u64,
     /// Iterations planned from scratch (sort + fit); the rest reused the previous batch.
     pub full_plans: u64,
+    /// Time spent running iterations, in ns.
     pub busy_ns: u64,
+    /// Output tokens produced (one per batched request per iteration).
     pub tokens: u64,
+    /// Requests preempted (offloaded to the CPU pool or dropped for recompute).
     pub preemptions: u64,
+    /// KV bytes offloaded GPU → CPU on preemption.
     pub offloaded_bytes: u64,
+    /// KV bytes reloaded CPU → GPU when offloaded requests ran again.
     pub reloaded_bytes: u64,
+    /// Tokens of KV recomputed by prefill after preemption dropped it.
     pub recomputed_tokens: u64,
 }
 
@@ -200,7 +247,7 @@ pub struct Engine {
     /// Schedulable requests (everything here except those migrating out).
     active: Vec<u32>,
     batch: Vec<BatchEntry>,
-    inflight: Option<(SimTime, SimTime)>,
+    inflight: Option<(Timestamp, Timestamp)>,
     /// Requests frozen while their KV is copied out (they hold blocks but do not run).
     migrating_out: Vec<u32>,
     /// Incoming live migrations holding reserved GPU blocks (not yet requests here).
@@ -216,6 +263,7 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// An idle instance with empty KV pools sized by `cfg`.
     pub fn new(
         instance: InstanceId,
         cfg: EngineConfig,
@@ -245,12 +293,15 @@ impl Engine {
         }
     }
 
+    /// This instance's id.
     pub fn instance(&self) -> InstanceId {
         self.instance
     }
+    /// The static configuration it was built with.
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
     }
+    /// The KV block manager (GPU and CPU pools, per-request block tables).
     pub fn kv(&self) -> &KvBlockManager {
         &self.kv
     }
@@ -266,20 +317,23 @@ impl Engine {
     pub fn contains(&self, request: RequestId) -> bool {
         self.index.contains_key(&request)
     }
+    /// Lifetime counters.
     pub fn stats(&self) -> &EngineStats {
         &self.stats
     }
+    /// Name of the intra-instance scheduler (`fcfs`, `rr`, `pascal`, ...).
     pub fn scheduler_name(&self) -> &'static str {
         self.sched.name()
     }
     /// End of the iteration in flight, if any.
-    pub fn next_wake(&self) -> Option<SimTime> {
+    pub fn next_wake(&self) -> Option<Timestamp> {
         self.inflight.map(|(_, end)| end)
     }
     /// Requests on this instance, including ones migrating out.
     pub fn len(&self) -> usize {
         self.index.len()
     }
+    /// Whether no request is on this instance (including migrating out).
     pub fn is_empty(&self) -> bool {
         self.index.is_empty()
     }
@@ -328,7 +382,7 @@ impl Engine {
     }
 
     /// Accept a new request. Fails if it could never fit in GPU memory (it would block forever).
-    pub fn submit(&mut self, now: SimTime, spec: RequestSpec) -> Result<(), EngineError> {
+    pub fn submit(&mut self, now: Timestamp, spec: RequestSpec) -> Result<(), EngineError> {
         let _ = now;
         if spec.answer_tokens == 0 {
             return Err(EngineError::NoAnswer { request: spec.id });
@@ -366,14 +420,14 @@ impl Engine {
 
     /// Complete (if due) the iteration in flight and plan the next one. Returns the events of the
     /// completed iteration and the end of the next one (None: idle).
-    pub fn step(&mut self, now: SimTime, events: &mut Vec<EngineEvent>) -> Option<SimTime> {
+    pub fn step(&mut self, now: Timestamp, events: &mut Vec<EngineEvent>) -> Option<Timestamp> {
         self.complete_iteration(now, events);
         self.plan_iteration(now)
     }
 
     /// Finish the iteration in flight if it ends at or before `now`: every request in it gets its
     /// token (timestamped at the iteration's end).
-    pub fn complete_iteration(&mut self, now: SimTime, events: &mut Vec<EngineEvent>) {
+    pub fn complete_iteration(&mut self, now: Timestamp, events: &mut Vec<EngineEvent>) {
         self.complete_inner(now, events, None);
     }
 
@@ -381,7 +435,7 @@ impl Engine {
     /// them and writes their KV).
     pub fn complete_iteration_tokens(
         &mut self,
-        now: SimTime,
+        now: Timestamp,
         events: &mut Vec<EngineEvent>,
         tokens: &mut Vec<TokenEmitted>,
     ) {
@@ -390,7 +444,7 @@ impl Engine {
 
     fn complete_inner(
         &mut self,
-        now: SimTime,
+        now: Timestamp,
         events: &mut Vec<EngineEvent>,
         mut tokens: Option<&mut Vec<TokenEmitted>>,
     ) {
@@ -430,7 +484,7 @@ impl Engine {
     }
 
     /// One token for the request in `slot` at time `t`. Returns (priority changed, finished).
-    fn emit_token(&mut self, slot: u32, t: SimTime, _prefill: bool, events: &mut Vec<EngineEvent>) -> (bool, bool) {
+    fn emit_token(&mut self, slot: u32, t: Timestamp, _prefill: bool, events: &mut Vec<EngineEvent>) -> (bool, bool) {
         let instance = self.instance;
         let tpot = self.cfg.tpot;
         let req = self.slots[slot as usize].as_mut().expect("batched request is live");
@@ -474,12 +528,12 @@ impl Engine {
     /// left for the user to read: generation fell behind the reading pace right now ("insufficient
     /// remaining tokens", §IV-B). Cumulative QoE would be the wrong signal: once a user falls
     /// behind, the fluid reader never catches up, so the instance could never clear.
-    fn pacer_starving(req: &Req, now: SimTime) -> bool {
+    fn pacer_starving(req: &Req, now: Timestamp) -> bool {
         req.pacer.as_ref().is_some_and(|p| p.buffered(now) < 1.0)
     }
 
     /// Plan the next iteration starting at `now` (no-op if one is in flight). Returns its end.
-    pub fn plan_iteration(&mut self, now: SimTime) -> Option<SimTime> {
+    pub fn plan_iteration(&mut self, now: Timestamp) -> Option<Timestamp> {
         if let Some((_, end)) = self.inflight {
             return Some(end);
         }
@@ -487,7 +541,7 @@ impl Engine {
             self.batch.clear();
             return None;
         }
-        let mut costs = SimDuration::ZERO;
+        let mut costs = TimeSpan::ZERO;
         let replanned = self.dirty || !self.grow_batch_in_place();
         if replanned {
             costs = self.full_plan();
@@ -547,7 +601,7 @@ impl Engine {
     }
 
     /// Order by priority, fit by priority, preempt what must go. Returns offload + reload time.
-    fn full_plan(&mut self) -> SimDuration {
+    fn full_plan(&mut self) -> TimeSpan {
         self.dirty = false;
         self.stats.full_plans += 1;
         self.epoch += 1;
@@ -616,7 +670,7 @@ impl Engine {
                 self.kv.blocks_for(r.context() + 1).saturating_sub(held_on_gpu)
             })
             .sum();
-        let mut costs = SimDuration::ZERO;
+        let mut costs = TimeSpan::ZERO;
         let mut offload_bytes = 0u64;
         for &slot in active.iter().rev() {
             if need_free <= self.kv.free(Tier::Gpu) {
@@ -830,7 +884,7 @@ impl Engine {
     /// Receive a migrated request. With a reservation ([`Engine::reserve_incoming`]) its KV is
     /// already in those GPU blocks; otherwise it lands in GPU memory if there is room, else in
     /// the CPU pool (reloaded when it is scheduled), else it is recomputed.
-    pub fn attach(&mut self, now: SimTime, m: MigratedRequest) -> Result<(), EngineError> {
+    pub fn attach(&mut self, now: Timestamp, m: MigratedRequest) -> Result<(), EngineError> {
         let _ = now;
         let id = m.spec.id;
         if self.index.contains_key(&id) {

@@ -26,12 +26,15 @@ use serde::{Deserialize, Serialize};
 /// A request's phase: before or after `</think>`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Phase {
+    /// Generating reasoning tokens, before `</think>`.
     Reasoning,
+    /// Generating answer tokens, after `</think>`.
     Answering,
 }
 
-/// Queue class; lower runs first.
+/// Queue class; lower runs first. PASCAL's high (reasoning) queue, and the only queue of `fcfs`/`rr`.
 pub const CLASS_HIGH: u8 = 0;
+/// PASCAL's low queue: answering requests and demoted long reasoning requests.
 pub const CLASS_LOW: u8 = 1;
 
 /// Per-request scheduling state, owned by the engine and updated only through the scheduler.
@@ -92,7 +95,9 @@ pub enum Admission {
 
 /// An intra-instance scheduling policy.
 pub trait IntraScheduler: Send + std::fmt::Debug {
+    /// Registry name (`fcfs`, `rr`, `pascal`).
     fn name(&self) -> &'static str;
+    /// What happens to waiting requests behind one that does not fit.
     fn admission(&self) -> Admission;
     /// A request joins this instance: on arrival (`Reasoning`, or `Answering` when it has no
     /// reasoning tokens) or on migration in.
@@ -122,12 +127,16 @@ impl Default for SchedulerParams {
     }
 }
 
+/// Names [`build_scheduler`] accepts.
 pub const SCHEDULER_NAMES: &[&str] = &["fcfs", "rr", "pascal"];
 
+/// Why [`build_scheduler`] failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SchedulerError {
+    /// No scheduler has this name.
     #[error("unknown intra-instance scheduler `{0}` (valid: fcfs, rr, pascal)")]
     Unknown(String),
+    /// The named parameter (`quantum_tokens` or `demotion_tokens`) is 0.
     #[error("scheduler parameter `{0}` must be > 0")]
     Zero(&'static str),
 }
@@ -210,6 +219,7 @@ pub struct RoundRobin {
 }
 
 impl RoundRobin {
+    /// Round-robin with a quantum of `quantum_tokens` output tokens.
     pub fn new(quantum_tokens: u32) -> Self {
         RoundRobin { q: Quantum { tokens: quantum_tokens, next_seq: 0 } }
     }
@@ -242,6 +252,8 @@ pub struct Pascal {
 }
 
 impl Pascal {
+    /// Two queues, each round-robin with a quantum of `quantum_tokens`; a reasoning request longer than
+    /// `demotion_tokens` (counted per `demotion_basis`) is demoted to the low queue.
     pub fn new(quantum_tokens: u32, demotion_tokens: u32, demotion_basis: DemotionBasis) -> Self {
         Pascal { q: Quantum { tokens: quantum_tokens, next_seq: 0 }, demotion_tokens, demotion_basis }
     }

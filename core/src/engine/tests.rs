@@ -16,12 +16,12 @@ fn cfg(gpu_blocks: u32, cpu_blocks: u32) -> EngineConfig {
         max_num_seqs: 256,
         max_batched_tokens: 8192,
         kv_bytes_per_token: 262_144,
-        tpot: SimDuration(UNIT),
+        tpot: TimeSpan(UNIT),
     }
 }
 
 fn engine(sched: &str, gpu_blocks: u32, cpu_blocks: u32, quantum: u32) -> Engine {
-    let timing = Arc::new(FixedTiming { iteration: SimDuration(UNIT), transfer: SimDuration::ZERO });
+    let timing = Arc::new(FixedTiming { iteration: TimeSpan(UNIT), transfer: TimeSpan::ZERO });
     let params = SchedulerParams { quantum_tokens: quantum, ..SchedulerParams::default() };
     Engine::new(InstanceId(0), cfg(gpu_blocks, cpu_blocks), timing, build_scheduler(sched, &params).unwrap())
 }
@@ -29,7 +29,7 @@ fn engine(sched: &str, gpu_blocks: u32, cpu_blocks: u32, quantum: u32) -> Engine
 fn spec(id: u64, arrival_units: u64, prompt: u32, reasoning: u32, answer: u32) -> RequestSpec {
     RequestSpec {
         id: RequestId(id),
-        arrival: SimTime(arrival_units * UNIT),
+        arrival: Timestamp(arrival_units * UNIT),
         prompt_tokens: prompt,
         reasoning_tokens: reasoning,
         answer_tokens: answer,
@@ -44,7 +44,7 @@ fn run(engine: &mut Engine, mut requests: Vec<RequestSpec>) -> Vec<RequestRecord
     let mut done = Vec::new();
     let mut next = 0;
     for tick in 0..10_000u64 {
-        let now = SimTime(tick * UNIT);
+        let now = Timestamp(tick * UNIT);
         engine.complete_iteration(now, &mut events);
         while next < requests.len() && requests[next].arrival <= now {
             engine.submit(now, requests[next].clone()).unwrap();
@@ -96,10 +96,10 @@ fn fig2_rr_preempts_b_for_three_units_and_c_at_eight() {
     let done = run(&mut e, fig2());
     let (a, b, c) = (&done[0], &done[1], &done[2]);
     // A: preempted at 4 (after 4 tokens), resumes at 5, finishes at 9.
-    assert_eq!(a.finish, Some(SimTime(9 * UNIT)));
+    assert_eq!(a.finish, Some(Timestamp(9 * UNIT)));
     // B: 4 tokens by 5, preempted 5..8 (3 units), 4 more tokens at 9..12.
     assert_eq!(b.preemptions, 1);
-    assert_eq!(b.finish, Some(SimTime(12 * UNIT)));
+    assert_eq!(b.finish, Some(Timestamp(12 * UNIT)));
     // C: preempted at 8 after its 4-token quantum.
     assert_eq!(c.preemptions, 1);
     assert!(a.preemptions == 1);
@@ -109,8 +109,8 @@ fn fig2_rr_preempts_b_for_three_units_and_c_at_eight() {
 fn reasoning_boundary_and_answer_timestamps() {
     let mut e = engine("pascal", 64, 64, 500);
     let mut events = Vec::new();
-    e.submit(SimTime(0), spec(7, 0, 10, 3, 2)).unwrap();
-    let mut t = e.step(SimTime(0), &mut events).unwrap();
+    e.submit(Timestamp(0), spec(7, 0, 10, 3, 2)).unwrap();
+    let mut t = e.step(Timestamp(0), &mut events).unwrap();
     let mut boundary_at = None;
     let mut record = None;
     while record.is_none() {
@@ -137,12 +137,12 @@ fn reasoning_boundary_and_answer_timestamps() {
     }
     let r = record.unwrap();
     // Tokens at 1 (prefill), 2, 3 = reasoning; 4, 5 = answer.
-    assert_eq!(r.first_token, Some(SimTime(UNIT)));
-    assert_eq!(r.reasoning_end, Some(SimTime(3 * UNIT)));
-    assert_eq!(boundary_at, Some(SimTime(3 * UNIT)));
-    assert_eq!(r.first_scheduled_after_reasoning, Some(SimTime(3 * UNIT)), "no blocking");
-    assert_eq!(r.first_answer_token, Some(SimTime(4 * UNIT)));
-    assert_eq!(r.finish, Some(SimTime(5 * UNIT)));
+    assert_eq!(r.first_token, Some(Timestamp(UNIT)));
+    assert_eq!(r.reasoning_end, Some(Timestamp(3 * UNIT)));
+    assert_eq!(boundary_at, Some(Timestamp(3 * UNIT)));
+    assert_eq!(r.first_scheduled_after_reasoning, Some(Timestamp(3 * UNIT)), "no blocking");
+    assert_eq!(r.first_answer_token, Some(Timestamp(4 * UNIT)));
+    assert_eq!(r.finish, Some(Timestamp(5 * UNIT)));
     assert_eq!(r.qoe, Some(1.0), "one token per TPOT is exactly on pace");
 }
 
@@ -153,11 +153,11 @@ fn pascal_reasoning_preempts_answering_and_fcfs_does_not() {
     for (sched, newcomer_waits) in [("pascal", false), ("fcfs", true)] {
         let mut e = engine(sched, 2, 64, 500);
         let mut ev = Vec::new();
-        e.submit(SimTime(0), spec(1, 0, 17, 0, 10)).unwrap(); // 18 tokens → 2 blocks, answering
-        e.step(SimTime(0), &mut ev);
-        e.complete_iteration(SimTime(UNIT), &mut ev);
-        e.submit(SimTime(UNIT), spec(2, 1, 1, 5, 5)).unwrap(); // reasoning, 1 block
-        e.plan_iteration(SimTime(UNIT));
+        e.submit(Timestamp(0), spec(1, 0, 17, 0, 10)).unwrap(); // 18 tokens → 2 blocks, answering
+        e.step(Timestamp(0), &mut ev);
+        e.complete_iteration(Timestamp(UNIT), &mut ev);
+        e.submit(Timestamp(UNIT), spec(2, 1, 1, 5, 5)).unwrap(); // reasoning, 1 block
+        e.plan_iteration(Timestamp(UNIT));
         let report = e.load_report();
         assert_eq!(report.reasoning_requests, 1);
         let newcomer_running = e.kv().tier_of(RequestId(2)) == Some(Tier::Gpu);
@@ -175,12 +175,12 @@ fn pascal_demotes_long_reasoning() {
     let mut e = Engine::new(
         InstanceId(0),
         cfg(1024, 0),
-        Arc::new(FixedTiming { iteration: SimDuration(UNIT), transfer: SimDuration::ZERO }),
+        Arc::new(FixedTiming { iteration: TimeSpan(UNIT), transfer: TimeSpan::ZERO }),
         build_scheduler("pascal", &SchedulerParams { demotion_tokens: 10, ..SchedulerParams::default() }).unwrap(),
     );
     let mut ev = Vec::new();
-    e.submit(SimTime(0), spec(1, 0, 90, 50, 5)).unwrap();
-    let mut t = SimTime(0);
+    e.submit(Timestamp(0), spec(1, 0, 90, 50, 5)).unwrap();
+    let mut t = Timestamp(0);
     for _ in 0..12 {
         t = e.step(t, &mut ev).unwrap();
     }
@@ -193,12 +193,12 @@ fn pascal_demotes_long_reasoning() {
 fn too_large_and_duplicate_requests_are_refused() {
     let mut e = engine("fcfs", 2, 0, 500);
     assert_eq!(
-        e.submit(SimTime(0), spec(1, 0, 20, 10, 3)),
+        e.submit(Timestamp(0), spec(1, 0, 20, 10, 3)),
         Err(EngineError::TooLarge { request: RequestId(1), needed: 3, capacity: 2 })
     );
-    e.submit(SimTime(0), spec(2, 0, 1, 0, 1)).unwrap();
-    assert_eq!(e.submit(SimTime(0), spec(2, 0, 1, 0, 1)), Err(EngineError::Duplicate(RequestId(2))));
-    assert_eq!(e.submit(SimTime(0), spec(3, 0, 1, 1, 0)), Err(EngineError::NoAnswer { request: RequestId(3) }));
+    e.submit(Timestamp(0), spec(2, 0, 1, 0, 1)).unwrap();
+    assert_eq!(e.submit(Timestamp(0), spec(2, 0, 1, 0, 1)), Err(EngineError::Duplicate(RequestId(2))));
+    assert_eq!(e.submit(Timestamp(0), spec(3, 0, 1, 1, 0)), Err(EngineError::NoAnswer { request: RequestId(3) }));
 }
 
 #[test]
@@ -207,38 +207,38 @@ fn migration_moves_state_and_abort_keeps_request() {
     let mut dst = Engine::new(
         InstanceId(1),
         cfg(64, 64),
-        Arc::new(FixedTiming { iteration: SimDuration(UNIT), transfer: SimDuration::ZERO }),
+        Arc::new(FixedTiming { iteration: TimeSpan(UNIT), transfer: TimeSpan::ZERO }),
         build_scheduler("pascal", &SchedulerParams::default()).unwrap(),
     );
     let mut ev = Vec::new();
-    src.submit(SimTime(0), spec(1, 0, 30, 2, 3)).unwrap();
-    src.step(SimTime(0), &mut ev);
-    src.complete_iteration(SimTime(UNIT), &mut ev);
-    src.plan_iteration(SimTime(UNIT));
-    src.complete_iteration(SimTime(2 * UNIT), &mut ev);
+    src.submit(Timestamp(0), spec(1, 0, 30, 2, 3)).unwrap();
+    src.step(Timestamp(0), &mut ev);
+    src.complete_iteration(Timestamp(UNIT), &mut ev);
+    src.plan_iteration(Timestamp(UNIT));
+    src.complete_iteration(Timestamp(2 * UNIT), &mut ev);
     assert!(matches!(ev.last(), Some(EngineEvent::PhaseBoundary { .. })));
     // Abort: the request stays and runs on the source.
     let out = src.begin_migration_out(RequestId(1)).unwrap();
     assert_eq!(out, MigrationOut { kv_tokens: 32, kv_blocks: 2, kv_bytes: 32 * 262_144 });
-    assert_eq!(src.plan_iteration(SimTime(2 * UNIT)), None, "a migrating request is frozen");
+    assert_eq!(src.plan_iteration(Timestamp(2 * UNIT)), None, "a migrating request is frozen");
     src.abort_migration_out(RequestId(1)).unwrap();
     src.check_invariants().unwrap();
     // Migrate for real.
     src.begin_migration_out(RequestId(1)).unwrap();
     let m = src.finish_migration_out(RequestId(1)).unwrap();
     assert!(src.is_empty() && src.kv().used(Tier::Gpu) == 0);
-    dst.attach(SimTime(3 * UNIT), m).unwrap();
+    dst.attach(Timestamp(3 * UNIT), m).unwrap();
     assert_eq!(dst.kv().tier_of(RequestId(1)), Some(Tier::Gpu));
-    let mut t = dst.step(SimTime(3 * UNIT), &mut ev).unwrap();
+    let mut t = dst.step(Timestamp(3 * UNIT), &mut ev).unwrap();
     ev.clear();
     while let Some(next) = dst.step(t, &mut ev) {
         t = next;
     }
     let Some(EngineEvent::Finished(r)) = ev.pop() else { panic!("finished on target") };
     assert_eq!((r.migrations, r.finished_on, r.placed_on), (1, Some(InstanceId(1)), InstanceId(0)));
-    assert_eq!(r.first_scheduled_after_reasoning, Some(SimTime(3 * UNIT)), "blocking latency spans the migration");
-    assert_eq!(r.first_answer_token, Some(SimTime(4 * UNIT)));
-    assert_eq!(r.finish, Some(SimTime(6 * UNIT)));
+    assert_eq!(r.first_scheduled_after_reasoning, Some(Timestamp(3 * UNIT)), "blocking latency spans the migration");
+    assert_eq!(r.first_answer_token, Some(Timestamp(4 * UNIT)));
+    assert_eq!(r.finish, Some(Timestamp(6 * UNIT)));
 }
 
 /// A target without GPU room receives into its CPU pool; the request attaches offloaded and is
@@ -248,18 +248,18 @@ fn a_reservation_without_gpu_room_lands_in_the_cpu_pool() {
     let mut src = engine("fcfs", 64, 0, 500);
     let mut dst = engine("fcfs", 8, 16, 500);
     let mut ev = Vec::new();
-    src.submit(SimTime(0), spec(1, 0, 80, 2, 3)).unwrap();
-    src.step(SimTime(0), &mut ev);
+    src.submit(Timestamp(0), spec(1, 0, 80, 2, 3)).unwrap();
+    src.step(Timestamp(0), &mut ev);
     dst.reserve_incoming(RequestId(2), 7 * 16).unwrap(); // another incoming request fills the GPU
     dst.reserve_incoming(RequestId(1), 80).unwrap();
     assert_eq!((dst.kv().tier_of(RequestId(1)), dst.kv().used(Tier::Cpu)), (Some(Tier::Cpu), 5));
-    src.complete_iteration(SimTime(UNIT), &mut ev);
+    src.complete_iteration(Timestamp(UNIT), &mut ev);
     src.begin_migration_out(RequestId(1)).unwrap();
     let m = src.finish_migration_out(RequestId(1)).unwrap();
-    dst.attach(SimTime(UNIT), m).unwrap();
+    dst.attach(Timestamp(UNIT), m).unwrap();
     dst.check_invariants().unwrap();
     dst.release_reservation(RequestId(2));
-    let mut t = dst.step(SimTime(UNIT), &mut ev).unwrap();
+    let mut t = dst.step(Timestamp(UNIT), &mut ev).unwrap();
     while let Some(next) = dst.step(t, &mut ev) {
         t = next;
     }
@@ -275,8 +275,8 @@ fn a_reservation_without_gpu_room_lands_in_the_cpu_pool() {
 fn reserved_blocks_are_never_planned_over() {
     let mut e = engine("fcfs", 8, 16, 500);
     let mut ev = Vec::new();
-    e.submit(SimTime(0), spec(1, 0, 40, 60, 4)).unwrap(); // 3 blocks now, 7 at the end
-    let mut t = e.step(SimTime(0), &mut ev).unwrap();
+    e.submit(Timestamp(0), spec(1, 0, 40, 60, 4)).unwrap(); // 3 blocks now, 7 at the end
+    let mut t = e.step(Timestamp(0), &mut ev).unwrap();
     e.reserve_incoming(RequestId(9), 64).unwrap(); // 4 blocks promised: 1 left for request 1
     for _ in 0..200 {
         let Some(next) = e.step(t, &mut ev) else { break };
@@ -302,9 +302,9 @@ fn a_reservation_takes_headroom_where_there_is_room_and_attach_gives_it_back() {
     let migrated = || {
         let mut src = engine("fcfs", 64, 0, 500);
         let mut ev = Vec::new();
-        src.submit(SimTime(0), spec(1, 0, 40, 2, 3)).unwrap();
-        src.step(SimTime(0), &mut ev);
-        src.complete_iteration(SimTime(UNIT), &mut ev);
+        src.submit(Timestamp(0), spec(1, 0, 40, 2, 3)).unwrap();
+        src.step(Timestamp(0), &mut ev);
+        src.complete_iteration(Timestamp(UNIT), &mut ev);
         src.begin_migration_out(RequestId(1)).unwrap();
         src.finish_migration_out(RequestId(1)).unwrap()
     };
@@ -320,7 +320,7 @@ fn a_reservation_takes_headroom_where_there_is_room_and_attach_gives_it_back() {
         assert_eq!((dst.kv().tier_of(RequestId(1)), got), (Some(tier), blocks), "{case:?}");
         dst.check_invariants().unwrap();
         if tier == Tier::Gpu {
-            dst.attach(SimTime(UNIT), migrated()).unwrap();
+            dst.attach(Timestamp(UNIT), migrated()).unwrap();
             assert_eq!(dst.kv().table(RequestId(1)).unwrap().blocks.len(), 3, "{case:?}: 41 tokens");
             assert_eq!(dst.kv().free(Tier::Gpu), gpu - held - 3, "{case:?}: the headroom is free again");
         }
@@ -338,8 +338,8 @@ fn live_migration_target_reserves_grows_attaches_in_place_or_releases() {
     let mut src = engine("fcfs", 64, 0, 500);
     let mut dst = engine("fcfs", 8, 0, 500);
     let mut ev = Vec::new();
-    src.submit(SimTime(0), spec(1, 0, 40, 2, 3)).unwrap();
-    src.step(SimTime(0), &mut ev);
+    src.submit(Timestamp(0), spec(1, 0, 40, 2, 3)).unwrap();
+    src.step(Timestamp(0), &mut ev);
     // PREPARE: 40 tokens → 3 GPU blocks reserved on the target, counted as used there.
     let blocks = dst.reserve_incoming(RequestId(1), 40).unwrap().to_vec();
     assert_eq!(blocks.len(), 3);
@@ -354,11 +354,11 @@ fn live_migration_target_reserves_grows_attaches_in_place_or_releases() {
     assert!(matches!(e, EngineError::TooLarge { .. } | EngineError::NoRoom { .. }), "{e}");
     assert_eq!(dst.kv().table(RequestId(1)).unwrap().blocks, grown);
     // Commit: the request attaches onto exactly the reserved blocks (fitted to its 41 tokens).
-    src.complete_iteration(SimTime(UNIT), &mut ev);
+    src.complete_iteration(Timestamp(UNIT), &mut ev);
     src.begin_migration_out(RequestId(1)).unwrap();
     let m = src.finish_migration_out(RequestId(1)).unwrap();
     assert_eq!(m.kv_tokens(), 41);
-    dst.attach(SimTime(UNIT), m).unwrap();
+    dst.attach(Timestamp(UNIT), m).unwrap();
     let table = dst.kv().table(RequestId(1)).unwrap();
     assert_eq!((table.tier, table.tokens, &table.blocks[..]), (Tier::Gpu, 41, &grown[..3]));
     assert!(dst.reserved_requests().is_empty());
@@ -413,8 +413,8 @@ fn kv_frozen_by_outgoing_migration_is_not_planned_over() {
     // 4 GPU blocks; A holds 2 and starts migrating out; B needs 3 blocks to start.
     let mut e = engine("pascal", 4, 64, 500);
     let mut ev = Vec::new();
-    e.submit(SimTime(0), spec(1, 0, 20, 1, 5)).unwrap();
-    let t = e.step(SimTime(0), &mut ev).unwrap();
+    e.submit(Timestamp(0), spec(1, 0, 20, 1, 5)).unwrap();
+    let t = e.step(Timestamp(0), &mut ev).unwrap();
     e.complete_iteration(t, &mut ev);
     e.begin_migration_out(RequestId(1)).unwrap();
     e.submit(t, spec(2, 1, 40, 0, 5)).unwrap();

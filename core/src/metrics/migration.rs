@@ -1,21 +1,25 @@
 //! One KV-cache migration as the simulator or coordinator logged it (PASCAL §IV-B, §V-D: P99 KV
-//! transfer latency; SPEC "Metrics": migration count, bytes, P50/P99 transfer time, aborts).
+//! transfer latency); runs report migration count, bytes, P50/P99 transfer time and aborts from these.
 
 use crate::ids::{InstanceId, RequestId};
-use crate::time::SimTime;
+use crate::time::Timestamp;
 use serde::{Deserialize, Serialize};
 
 /// A request's KV cache moving between instances at its `</think>` boundary.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MigrationRecord {
+    /// The migrated request.
     pub request: RequestId,
+    /// Source instance (where the request reasoned).
     pub from: InstanceId,
+    /// Target instance chosen for the answering phase.
     pub to: InstanceId,
     /// Bytes put on the wire (for an aborted migration, what was sent before the abort).
     pub bytes: u64,
-    /// When the transfer started and when it completed (or was abandoned).
-    pub start: SimTime,
-    pub end: SimTime,
+    /// When the transfer started.
+    pub start: Timestamp,
+    /// When the transfer completed or was abandoned.
+    pub end: Timestamp,
     /// The migration was abandoned and the request stayed on (or went back to) `from`.
     pub aborted: bool,
 }

@@ -1,4 +1,5 @@
-//! Metrics: per-request records reduced to what PASCAL §V reports and SPEC "Metrics" asks for.
+//! Metrics: per-request records reduced to what PASCAL §V reports (TTFT, TTFAT, TPOT, E2E, QoE,
+//! tail bins) plus KV-migration statistics.
 //!
 //! | file | what lives there |
 //! |---|---|

@@ -39,10 +39,12 @@ impl Distribution {
         Distribution { sorted: values }
     }
 
+    /// Number of (finite) samples.
     pub fn len(&self) -> usize {
         self.sorted.len()
     }
 
+    /// Whether there are no samples.
     pub fn is_empty(&self) -> bool {
         self.sorted.is_empty()
     }
@@ -52,6 +54,7 @@ impl Distribution {
         &self.sorted
     }
 
+    /// Arithmetic mean; `None` when empty.
     pub fn mean(&self) -> Option<f64> {
         if self.sorted.is_empty() {
             None
@@ -65,10 +68,12 @@ impl Distribution {
         nearest_rank(&self.sorted, q)
     }
 
+    /// Smallest sample; `None` when empty.
     pub fn min(&self) -> Option<f64> {
         self.sorted.first().copied()
     }
 
+    /// Largest sample; `None` when empty.
     pub fn max(&self) -> Option<f64> {
         self.sorted.last().copied()
     }

@@ -19,14 +19,17 @@ pub struct Histogram {
 }
 
 impl Histogram {
+    /// An empty histogram with these bucket upper bounds (`le`), ascending.
     pub fn new(bounds: &'static [f64]) -> Histogram {
         Histogram { bounds, counts: vec![0; bounds.len()], sum: 0.0, count: 0 }
     }
 
+    /// An empty histogram over [`LATENCY_BUCKETS`] (seconds).
     pub fn latency() -> Histogram {
         Histogram::new(LATENCY_BUCKETS)
     }
 
+    /// Record one sample; non-finite values are ignored.
     pub fn observe(&mut self, v: f64) {
         if !v.is_finite() {
             return;
@@ -38,14 +41,18 @@ impl Histogram {
         self.count += 1;
     }
 
+    /// Samples recorded.
     pub fn count(&self) -> u64 {
         self.count
     }
 
+    /// Sum of the samples recorded.
     pub fn sum(&self) -> f64 {
         self.sum
     }
 
+    /// Append HELP/TYPE, cumulative `_bucket`, `_sum` and `_count` lines to `out`; `labels` is
+    /// `k="v",...` without braces (may be empty).
     pub fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         let sep = if labels.is_empty() { "" } else { "," };

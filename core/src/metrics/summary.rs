@@ -25,11 +25,12 @@
 use super::migration::MigrationRecord;
 use super::percentile::Distribution;
 use super::record::RequestRecord;
-use crate::time::SimTime;
+use crate::time::Timestamp;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 
-/// The service-level targets a run is judged against (SPEC "Metrics"; PASCAL §V-A).
+/// The service-level targets a run is judged against (PASCAL §V-A). Defaults: TPOT 0.1 s, TTFAT
+/// 0.25 s, QoE threshold 0.95.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SloTargets {
@@ -50,37 +51,60 @@ impl Default for SloTargets {
 /// A run's summary. Latencies in seconds; `None` where the underlying set is empty.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct RunSummary {
+    /// Request records in the run (finished, unfinished and rejected).
     pub requests_total: u64,
+    /// Requests that finished (not rejected, `finish` set).
     pub requests_finished: u64,
+    /// Requests rejected because they could never fit in an instance's GPU KV memory.
     pub requests_rejected: u64,
 
+    /// Mean TTFT (arrival → first answer token).
     pub ttft_mean_s: Option<f64>,
+    /// Median TTFT.
     pub ttft_p50_s: Option<f64>,
+    /// P90 TTFT.
     pub ttft_p90_s: Option<f64>,
+    /// P99 TTFT.
     pub ttft_p99_s: Option<f64>,
+    /// Largest TTFT.
     pub ttft_max_s: Option<f64>,
 
+    /// Mean TTFAT (end of reasoning → first answer token).
     pub ttfat_mean_s: Option<f64>,
+    /// Median TTFAT.
     pub ttfat_p50_s: Option<f64>,
+    /// P99 TTFAT.
     pub ttfat_p99_s: Option<f64>,
     /// Share of TTFAT samples `≤ slo_ttfat_s`.
     pub ttfat_within_target_frac: Option<f64>,
 
+    /// Mean TPOT over the answer phase of finished requests.
     pub tpot_mean_s: Option<f64>,
+    /// Median TPOT.
     pub tpot_p50_s: Option<f64>,
+    /// P99 TPOT.
     pub tpot_p99_s: Option<f64>,
 
+    /// Mean end-to-end latency (arrival → last token) of finished requests.
     pub e2e_mean_s: Option<f64>,
+    /// Median end-to-end latency.
     pub e2e_p50_s: Option<f64>,
+    /// P99 end-to-end latency.
     pub e2e_p99_s: Option<f64>,
 
+    /// Mean reasoning latency (arrival → `</think>`), PASCAL Fig. 13.
     pub reasoning_latency_mean_s: Option<f64>,
+    /// P99 reasoning latency.
     pub reasoning_latency_p99_s: Option<f64>,
 
+    /// Median blocking latency (`</think>` → first iteration that runs the request again).
     pub blocking_latency_p50_s: Option<f64>,
+    /// P99 blocking latency.
     pub blocking_latency_p99_s: Option<f64>,
+    /// Largest blocking latency.
     pub blocking_latency_max_s: Option<f64>,
 
+    /// Mean Andes QoE of finished requests (0–1; 1.0 when tokens always kept ahead of the reading pace).
     pub qoe_mean: Option<f64>,
     /// Share of finished requests (with a QoE) whose QoE is below `slo_qoe_threshold`.
     pub slo_violation_rate: Option<f64>,
@@ -89,21 +113,29 @@ pub struct RunSummary {
     pub makespan_s: Option<f64>,
     /// Reasoning + answer tokens of finished requests per second of makespan.
     pub throughput_output_tokens_per_s: Option<f64>,
+    /// Finished requests per second of makespan.
     pub throughput_requests_per_s: Option<f64>,
 
+    /// Preemptions summed over all requests.
     pub preemptions_total: u64,
 
+    /// KV-cache migrations logged, aborted ones included.
     pub migrations_total: u64,
+    /// Migrations abandoned (the request stayed on its source).
     pub migrations_aborted: u64,
     /// Bytes of every migration, aborted ones included (what they sent before aborting).
     pub migration_bytes_total: u64,
-    /// `end − start` of completed (not aborted) migrations.
+    /// Median `end − start` of completed (not aborted) migrations.
     pub migration_transfer_p50_s: Option<f64>,
+    /// P99 transfer time of completed migrations.
     pub migration_transfer_p99_s: Option<f64>,
 
-    /// The targets this summary was computed against, so a CSV row stands on its own.
+    /// The targets this summary was computed against, so a CSV row stands on its own:
+    /// [`SloTargets::tpot_s`] used.
     pub slo_tpot_s: f64,
+    /// [`SloTargets::ttfat_s`] used.
     pub slo_ttfat_s: f64,
+    /// [`SloTargets::qoe_threshold`] used.
     pub slo_qoe_threshold: f64,
 }
 
@@ -183,7 +215,7 @@ impl RunSummary {
     }
 }
 
-fn span_s(from: SimTime, to: SimTime) -> f64 {
+fn span_s(from: Timestamp, to: Timestamp) -> f64 {
     to.saturating_since(from).as_secs_f64()
 }
 
@@ -201,8 +233,8 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
     let mut rejected = 0u64;
     let mut output_tokens = 0u64;
     let mut preemptions = 0u64;
-    let mut first_arrival: Option<SimTime> = None;
-    let mut last_finish: Option<SimTime> = None;
+    let mut first_arrival: Option<Timestamp> = None;
+    let mut last_finish: Option<Timestamp> = None;
 
     for r in records {
         preemptions += u64::from(r.preemptions);
@@ -304,8 +336,8 @@ mod tests {
     use super::*;
     use crate::ids::{InstanceId, RequestId};
 
-    fn t(s: f64) -> SimTime {
-        SimTime::from_secs_f64(s)
+    fn t(s: f64) -> Timestamp {
+        Timestamp::from_secs_f64(s)
     }
 
     fn close(got: Option<f64>, want: f64) -> bool {

@@ -17,9 +17,13 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum TailStatistic {
+    /// The largest sample (5–9 samples).
     Max,
+    /// Nearest-rank P90 (10–19 samples).
     P90,
+    /// Nearest-rank P95 (20–99 samples).
     P95,
+    /// Nearest-rank P99 (100 samples or more).
     P99,
 }
 
@@ -45,6 +49,7 @@ impl TailStatistic {
         }
     }
 
+    /// Lowercase label (`max`, `p90`, `p95`, `p99`), as serialized.
     pub fn as_str(self) -> &'static str {
         match self {
             TailStatistic::Max => "max",
@@ -58,10 +63,15 @@ impl TailStatistic {
 /// Tail TTFT of the requests whose reasoning length falls in `[lo, hi]` tokens.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TailBin {
+    /// Smallest reasoning length in the bin, tokens (inclusive).
     pub lo: u32,
+    /// Largest reasoning length in the bin, tokens (inclusive).
     pub hi: u32,
+    /// Requests with a TTFT in the bin.
     pub samples: u64,
+    /// Which tail statistic `ttft_s` is, chosen by sample count.
     pub statistic: TailStatistic,
+    /// That statistic of the bin's TTFTs, in seconds.
     pub ttft_s: f64,
 }
 
@@ -113,15 +123,15 @@ pub fn ttft_cdf(records: &[RequestRecord]) -> Vec<(f64, f64)> {
 mod tests {
     use super::*;
     use crate::ids::RequestId;
-    use crate::time::SimTime;
+    use crate::time::Timestamp;
 
     /// A finished request with the given reasoning length and TTFT.
     fn rec(id: u64, reasoning_tokens: u32, ttft_s: f64) -> RequestRecord {
         RequestRecord {
             id: RequestId(id),
-            arrival: SimTime::from_secs_f64(10.0),
+            arrival: Timestamp::from_secs_f64(10.0),
             reasoning_tokens,
-            first_answer_token: Some(SimTime::from_secs_f64(10.0 + ttft_s)),
+            first_answer_token: Some(Timestamp::from_secs_f64(10.0 + ttft_s)),
             ..Default::default()
         }
     }

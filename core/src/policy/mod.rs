@@ -18,11 +18,15 @@ use serde::{Deserialize, Serialize};
 /// What an instance publishes about itself (PASCAL's "instance monitor").
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LoadReport {
+    /// The reporting instance.
     pub instance: InstanceId,
-    /// KV blocks held on the GPU and in the CPU offload pool (PASCAL's m_i is their sum, in bytes).
+    /// KV blocks held on the GPU (PASCAL's m_i is GPU + CPU blocks, in bytes).
     pub gpu_used_blocks: u32,
+    /// KV blocks held in the CPU offload pool (preempted requests).
     pub cpu_used_blocks: u32,
+    /// KV blocks of GPU memory in all.
     pub gpu_total_blocks: u32,
+    /// Bytes per KV block.
     pub block_bytes: u64,
     /// r_i: requests in the reasoning phase (high-priority queue, not demoted).
     pub reasoning_requests: u32,
@@ -60,6 +64,7 @@ impl LoadReport {
     pub fn blocks_for(&self, tokens: u32) -> u32 {
         crate::kv::blocks_for_tokens(tokens, self.block_tokens)
     }
+    /// GPU KV blocks not held by any request.
     pub fn gpu_free_blocks(&self) -> u32 {
         self.gpu_total_blocks.saturating_sub(self.gpu_used_blocks)
     }
@@ -68,7 +73,9 @@ impl LoadReport {
 /// A request that just produced its last reasoning token.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PhaseChange {
+    /// The request at its `</think>` boundary.
     pub request: RequestId,
+    /// The instance it reasoned on (where its KV is).
     pub current: InstanceId,
     /// KV the request holds now (prompt + reasoning tokens), in blocks.
     pub kv_blocks: u32,
@@ -77,12 +84,18 @@ pub struct PhaseChange {
 /// What to do with a request at its phase boundary.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PhaseDecision {
+    /// Keep the request on its current instance for the answering phase.
     Stay,
-    Migrate { to: InstanceId },
+    /// Move its KV cache to another instance and answer there.
+    Migrate {
+        /// The instance that serves the answering phase.
+        to: InstanceId,
+    },
 }
 
 /// A placement policy. Implementations are deterministic given the `rng` they are handed.
 pub trait InstancePolicy: Send + std::fmt::Debug {
+    /// Registry name (`pascal`, `least-kv`, ...; see [`policy_names`]).
     fn name(&self) -> &str;
     /// Pick an instance for a new request. `loads` is non-empty, one per live instance.
     fn place(&mut self, request: &RequestSpec, loads: &[LoadReport], rng: &mut SimRng) -> InstanceId;

@@ -51,9 +51,11 @@ impl PascalPolicy {
     pub fn new(mode: MigrationMode, headroom_blocks: u32) -> Self {
         PascalPolicy { mode, headroom_blocks }
     }
+    /// What it does at the `</think>` boundary.
     pub fn mode(&self) -> MigrationMode {
         self.mode
     }
+    /// Free GPU blocks adaptive migration asks of an instance beyond the request's KV.
     pub fn headroom_blocks(&self) -> u32 {
         self.headroom_blocks
     }
@@ -135,7 +137,7 @@ impl InstancePolicy for PascalPolicy {
 pub(crate) mod tests {
     use super::*;
     use crate::ids::RequestId;
-    use crate::time::SimTime;
+    use crate::time::Timestamp;
 
     pub(crate) const BLOCK_BYTES: u64 = 16 * 1024;
 
@@ -175,7 +177,7 @@ pub(crate) mod tests {
     pub(crate) fn request() -> RequestSpec {
         RequestSpec {
             id: RequestId(7),
-            arrival: SimTime::ZERO,
+            arrival: Timestamp::ZERO,
             prompt_tokens: 100,
             reasoning_tokens: 500,
             answer_tokens: 200,

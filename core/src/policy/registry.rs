@@ -11,10 +11,17 @@ use serde::{Deserialize, Serialize};
 const POLICY_NAMES: &[&str] =
     &["pascal", "pascal-nonadaptive", "pascal-nomigration", "least-kv", "round-robin", "random"];
 
+/// Why [`build_policy`] failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
+    /// No instance policy has this name.
     #[error("unknown instance policy `{name}` (valid: {valid})")]
-    Unknown { name: String, valid: String },
+    Unknown {
+        /// The name asked for.
+        name: String,
+        /// The accepted names, comma-separated.
+        valid: String,
+    },
 }
 
 /// Tunables shared by the policies (TOML table `[policy]` or CLI flags); each has a default.

@@ -1,7 +1,7 @@
 //! Analytic roofline timing model: iteration time from model FLOPs and bytes vs GPU peaks.
 //!
-//! The fallback for any (model, GPU) pair without a measured profile (SPEC "Timing" 1; PASCAL §V
-//! uses profiles, which [`super::profile`] provides where we have one). One iteration is two
+//! The fallback for any (model, GPU) pair without a measured profile (PASCAL §V uses measured
+//! profiles, which [`super::profile`] provides where we have one). One iteration is two
 //! kernel families run back to back, each bound by compute or memory, plus a fixed cost:
 //!
 //! ```text
@@ -31,7 +31,7 @@
 use super::profile::TimingError;
 use super::{BatchShape, TimingModel};
 use crate::spec::{GpuSpec, ModelSpec};
-use crate::time::SimDuration;
+use crate::time::TimeSpan;
 use serde::{Deserialize, Serialize};
 
 /// Efficiency factors of the roofline; defaults calibrated on the H100 × Qwen2.5-32B table.
@@ -47,6 +47,7 @@ pub struct AnalyticParams {
 }
 
 impl AnalyticParams {
+    /// The fit on the H100 × Qwen2.5-32B profile (see the module doc): mfu 0.66, mbu 0.95, 0.07 ms per layer.
     pub const H100_CALIBRATED: AnalyticParams = AnalyticParams { mfu: 0.66, mbu: 0.95, overhead_ms_per_layer: 0.07 };
 
     fn validate(&self) -> Result<(), TimingError> {
@@ -97,6 +98,8 @@ impl AnalyticTiming {
         Self::with_params(model, gpu, AnalyticParams::default())
     }
 
+    /// With explicit efficiency factors; fails on factors out of range or a GPU spec without a
+    /// positive compute, HBM or host-link figure.
     pub fn with_params(
         model: &ModelSpec,
         gpu: &GpuSpec,
@@ -135,6 +138,7 @@ impl AnalyticTiming {
         })
     }
 
+    /// The efficiency factors in use.
     pub fn params(&self) -> AnalyticParams {
         self.params
     }
@@ -167,14 +171,14 @@ impl TimingModel for AnalyticTiming {
     fn name(&self) -> &str {
         "analytic"
     }
-    fn iteration(&self, batch: &BatchShape) -> SimDuration {
-        SimDuration::from_millis_f64(self.iteration_ms(batch))
+    fn iteration(&self, batch: &BatchShape) -> TimeSpan {
+        TimeSpan::from_millis_f64(self.iteration_ms(batch))
     }
-    fn offload(&self, bytes: u64) -> SimDuration {
-        SimDuration::from_secs_f64(bytes as f64 / self.host_link_bytes_per_s)
+    fn offload(&self, bytes: u64) -> TimeSpan {
+        TimeSpan::from_secs_f64(bytes as f64 / self.host_link_bytes_per_s)
     }
-    fn reload(&self, bytes: u64) -> SimDuration {
-        SimDuration::from_secs_f64(bytes as f64 / self.host_link_bytes_per_s)
+    fn reload(&self, bytes: u64) -> TimeSpan {
+        TimeSpan::from_secs_f64(bytes as f64 / self.host_link_bytes_per_s)
     }
 }
 
@@ -238,7 +242,7 @@ mod tests {
         let mixed = BatchShape { prefill_seqs: 1, prefill_tokens: 512, prefill_tokens_sq: 512 * 512, ..d };
         let (td, tp, tm) = (a.iteration_ms(&d), a.iteration_ms(&p), a.iteration_ms(&mixed));
         assert!(tm >= td.max(tp) && tm < td + tp, "decode {td} prefill {tp} mixed {tm}");
-        assert_eq!(a.iteration(&BatchShape::default()), SimDuration::ZERO);
+        assert_eq!(a.iteration(&BatchShape::default()), TimeSpan::ZERO);
     }
 
     #[test]
@@ -259,9 +263,9 @@ mod tests {
     fn transfers_are_bytes_over_the_host_link() {
         let a = qwen32b_h100();
         let gib = 1u64 << 30;
-        assert_eq!(a.offload(gib), SimDuration::from_secs_f64(gib as f64 / 53e9));
+        assert_eq!(a.offload(gib), TimeSpan::from_secs_f64(gib as f64 / 53e9));
         assert_eq!(a.reload(gib), a.offload(gib));
-        assert_eq!(a.offload(0), SimDuration::ZERO);
+        assert_eq!(a.offload(0), TimeSpan::ZERO);
     }
 
     #[test]

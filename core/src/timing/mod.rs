@@ -6,7 +6,7 @@
 //!
 //! Preemption costs (offload/reload) are bytes over the host link, also owned by the model.
 
-use crate::time::SimDuration;
+use crate::time::TimeSpan;
 
 pub mod analytic;
 pub mod profile;
@@ -32,13 +32,16 @@ pub struct BatchShape {
 }
 
 impl BatchShape {
+    /// Whether the iteration runs no sequence.
     pub fn is_empty(&self) -> bool {
         self.decode_seqs == 0 && self.prefill_seqs == 0
     }
+    /// Add one decoding sequence whose context (counting the token being produced) is `context_tokens`.
     pub fn add_decode(&mut self, context_tokens: u32) {
         self.decode_seqs += 1;
         self.decode_context_tokens += context_tokens as u64;
     }
+    /// Add one prompt of `prompt_tokens` tokens to prefill.
     pub fn add_prefill(&mut self, prompt_tokens: u32) {
         self.prefill_seqs += 1;
         self.prefill_tokens += prompt_tokens as u64;
@@ -52,38 +55,40 @@ pub trait TimingModel: Send + Sync + std::fmt::Debug {
     /// Name used in configs and reports (`analytic`, `profile`, ...).
     fn name(&self) -> &str;
     /// Duration of one iteration running `batch` (mixed prefill + decode costs by the model).
-    fn iteration(&self, batch: &BatchShape) -> SimDuration;
+    fn iteration(&self, batch: &BatchShape) -> TimeSpan;
     /// GPU → CPU copy of `bytes` of KV (preemption).
-    fn offload(&self, bytes: u64) -> SimDuration;
+    fn offload(&self, bytes: u64) -> TimeSpan;
     /// CPU → GPU copy of `bytes` of KV (resume).
-    fn reload(&self, bytes: u64) -> SimDuration;
+    fn reload(&self, bytes: u64) -> TimeSpan;
 }
 
 /// A model with a fixed iteration time and free transfers: the paper's worked examples count
 /// time in iterations. Useful for tests and for reasoning about schedules by hand.
 #[derive(Clone, Debug)]
 pub struct FixedTiming {
-    pub iteration: SimDuration,
-    pub transfer: SimDuration,
+    /// Duration of every iteration, whatever the batch.
+    pub iteration: TimeSpan,
+    /// Duration of any non-empty offload or reload, whatever its size.
+    pub transfer: TimeSpan,
 }
 
 impl TimingModel for FixedTiming {
     fn name(&self) -> &str {
         "fixed"
     }
-    fn iteration(&self, _batch: &BatchShape) -> SimDuration {
+    fn iteration(&self, _batch: &BatchShape) -> TimeSpan {
         self.iteration
     }
-    fn offload(&self, bytes: u64) -> SimDuration {
+    fn offload(&self, bytes: u64) -> TimeSpan {
         if bytes == 0 {
-            SimDuration::ZERO
+            TimeSpan::ZERO
         } else {
             self.transfer
         }
     }
-    fn reload(&self, bytes: u64) -> SimDuration {
+    fn reload(&self, bytes: u64) -> TimeSpan {
         if bytes == 0 {
-            SimDuration::ZERO
+            TimeSpan::ZERO
         } else {
             self.transfer
         }

@@ -38,24 +38,65 @@ pub use table::{CopyDirection, CopyPoint, DecodePoint, PrefillPoint};
 
 use super::{BatchShape, TimingModel};
 use crate::spec::{ModelSpec, SpecError};
-use crate::time::SimDuration;
+use crate::time::TimeSpan;
 use std::path::Path;
 
 /// Errors from building a timing model: bad tables, bad parameters, unknown kinds.
 #[derive(Debug, thiserror::Error)]
 pub enum TimingError {
+    /// A value or column of a profile CSV could not be read.
     #[error("{file}:{line}: `{field}`: {message}")]
-    Parse { file: String, line: usize, field: String, message: String },
+    Parse {
+        /// The CSV file.
+        file: String,
+        /// 1-based line number.
+        line: usize,
+        /// The column.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A profile table is unusable as a whole (empty, too few points, missing rates).
     #[error("{file}: {message}")]
-    Table { file: String, message: String },
+    Table {
+        /// The CSV file.
+        file: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A profile file could not be read.
     #[error("cannot read {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A timing parameter or GPU figure is out of range.
     #[error("invalid timing parameter `{name}` = {value}: {message}")]
-    InvalidParam { name: &'static str, value: f64, message: String },
+    InvalidParam {
+        /// The parameter (e.g. `mfu`, `gpu.bf16_tflops`).
+        name: &'static str,
+        /// Its value.
+        value: f64,
+        /// The allowed range or why it is refused.
+        message: String,
+    },
+    /// No timing model has this name.
     #[error("unknown timing model `{kind}` (valid: {valid})")]
-    UnknownKind { kind: String, valid: String },
+    UnknownKind {
+        /// The name asked for.
+        kind: String,
+        /// The accepted names, comma-separated.
+        valid: String,
+    },
+    /// The profile model was asked for a (model, GPU) pair without a built-in measured profile.
     #[error("no built-in timing profile for {what}; use `--timing analytic` or give a profile directory holding decode.csv, prefill.csv and copy.csv")]
-    NoProfile { what: String },
+    NoProfile {
+        /// The (model, GPU) pair asked for.
+        what: String,
+    },
+    /// The model or GPU spec could not be loaded.
     #[error(transparent)]
     Spec(#[from] SpecError),
 }
@@ -380,12 +421,15 @@ impl ProfileTiming {
     pub fn source(&self) -> &str {
         &self.source
     }
+    /// The measured decode iterations, as loaded.
     pub fn decode_points(&self) -> &[DecodePoint] {
         &self.decode_points
     }
+    /// The measured single-prompt prefill iterations, as loaded.
     pub fn prefill_points(&self) -> &[PrefillPoint] {
         &self.prefill_points
     }
+    /// The measured host↔device copy rates, as loaded.
     pub fn copy_points(&self) -> &[CopyPoint] {
         &self.copy_points
     }
@@ -445,14 +489,14 @@ impl TimingModel for ProfileTiming {
     fn name(&self) -> &str {
         "profile"
     }
-    fn iteration(&self, batch: &BatchShape) -> SimDuration {
-        SimDuration::from_millis_f64(self.iteration_ms(batch))
+    fn iteration(&self, batch: &BatchShape) -> TimeSpan {
+        TimeSpan::from_millis_f64(self.iteration_ms(batch))
     }
-    fn offload(&self, bytes: u64) -> SimDuration {
-        SimDuration::from_secs_f64(bytes as f64 / self.offload_bytes_per_s)
+    fn offload(&self, bytes: u64) -> TimeSpan {
+        TimeSpan::from_secs_f64(bytes as f64 / self.offload_bytes_per_s)
     }
-    fn reload(&self, bytes: u64) -> SimDuration {
-        SimDuration::from_secs_f64(bytes as f64 / self.reload_bytes_per_s)
+    fn reload(&self, bytes: u64) -> TimeSpan {
+        TimeSpan::from_secs_f64(bytes as f64 / self.reload_bytes_per_s)
     }
 }
 

@@ -8,7 +8,7 @@
 use super::traces::TraceFormat;
 use super::WorkloadError;
 use crate::rng::SimRng;
-use crate::time::SimTime;
+use crate::time::Timestamp;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -53,7 +53,7 @@ pub(crate) struct Stop {
     /// At most this many requests.
     pub max_requests: u64,
     /// No arrival after this time.
-    pub horizon: SimTime,
+    pub horizon: Timestamp,
 }
 
 /// Time scaling applied to every arrival: t' = t × time_scale ÷ rate_scale.
@@ -77,7 +77,7 @@ pub(crate) fn synthetic_arrivals(
     scale: Scale,
     stop: Stop,
     rng: &mut SimRng,
-) -> Result<Vec<SimTime>, WorkloadError> {
+) -> Result<Vec<Timestamp>, WorkloadError> {
     let rate = rate * scale.rate_scale;
     let gamma = cv.map(|cv| {
         let shape = 1.0 / (cv * cv);
@@ -92,7 +92,7 @@ pub(crate) fn synthetic_arrivals(
             Some((shape, scale_s)) => rng.gamma(shape, scale_s),
         };
         t_s += gap_s * scale.time_scale;
-        let t = SimTime::from_secs_f64(t_s);
+        let t = Timestamp::from_secs_f64(t_s);
         if t > stop.horizon {
             break;
         }
@@ -106,12 +106,12 @@ pub(crate) fn synthetic_arrivals(
 
 /// Scales raw, sorted trace timestamps (ns in the trace's clock) to run time: relative to the
 /// first one, stretched by time_scale ÷ rate_scale, cut at `stop`.
-pub(crate) fn replay_times(raw_sorted_ns: &[u64], scale: Scale, stop: Stop) -> Vec<SimTime> {
+pub(crate) fn replay_times(raw_sorted_ns: &[u64], scale: Scale, stop: Stop) -> Vec<Timestamp> {
     let Some(&t0) = raw_sorted_ns.first() else { return Vec::new() };
     let stretch = scale.stretch();
     raw_sorted_ns
         .iter()
-        .map(|&t| SimTime(((t - t0) as f64 * stretch).round() as u64))
+        .map(|&t| Timestamp(((t - t0) as f64 * stretch).round() as u64))
         .take_while(|&t| t <= stop.horizon)
         .take(stop.max_requests.min(usize::MAX as u64) as usize)
         .collect()
@@ -131,11 +131,11 @@ fn too_many() -> WorkloadError {
 mod tests {
     use super::*;
 
-    const UNLIMITED: Stop = Stop { max_requests: 200_000, horizon: SimTime::MAX };
+    const UNLIMITED: Stop = Stop { max_requests: 200_000, horizon: Timestamp::MAX };
     const UNIT: Scale = Scale { rate_scale: 1.0, time_scale: 1.0 };
 
     /// Mean and coefficient of variation of the gaps, in seconds.
-    fn gap_stats(times: &[SimTime]) -> (f64, f64) {
+    fn gap_stats(times: &[Timestamp]) -> (f64, f64) {
         let mut prev = 0.0;
         let gaps: Vec<f64> = times
             .iter()
@@ -203,11 +203,11 @@ mod tests {
 
     #[test]
     fn horizon_and_count_stop_generation() {
-        let stop = Stop { max_requests: u64::MAX, horizon: SimTime::from_secs_f64(100.0) };
+        let stop = Stop { max_requests: u64::MAX, horizon: Timestamp::from_secs_f64(100.0) };
         let t = synthetic_arrivals(5.0, Some(1.5), UNIT, stop, &mut SimRng::seed_from_u64(2)).unwrap();
         assert!((400..600).contains(&t.len()), "{}", t.len());
         assert!(t.last().unwrap() <= &stop.horizon);
-        let stop = Stop { max_requests: 7, horizon: SimTime::MAX };
+        let stop = Stop { max_requests: 7, horizon: Timestamp::MAX };
         assert_eq!(synthetic_arrivals(5.0, None, UNIT, stop, &mut SimRng::seed_from_u64(2)).unwrap().len(), 7);
     }
 
@@ -215,14 +215,14 @@ mod tests {
     fn replay_is_relative_scaled_and_cut() {
         let raw = [1_000_000_000u64, 1_500_000_000, 3_000_000_000, 9_000_000_000];
         let t = replay_times(&raw, UNIT, UNLIMITED);
-        assert_eq!(t, vec![SimTime(0), SimTime(500_000_000), SimTime(2_000_000_000), SimTime(8_000_000_000)]);
+        assert_eq!(t, vec![Timestamp(0), Timestamp(500_000_000), Timestamp(2_000_000_000), Timestamp(8_000_000_000)]);
         let t = replay_times(&raw, Scale { rate_scale: 2.0, time_scale: 1.0 }, UNLIMITED);
-        assert_eq!(t[3], SimTime(4_000_000_000));
+        assert_eq!(t[3], Timestamp(4_000_000_000));
         let t = replay_times(&raw, Scale { rate_scale: 1.0, time_scale: 0.5 }, UNLIMITED);
-        assert_eq!(t[2], SimTime(1_000_000_000));
-        let t = replay_times(&raw, UNIT, Stop { max_requests: 10, horizon: SimTime::from_secs_f64(2.0) });
+        assert_eq!(t[2], Timestamp(1_000_000_000));
+        let t = replay_times(&raw, UNIT, Stop { max_requests: 10, horizon: Timestamp::from_secs_f64(2.0) });
         assert_eq!(t.len(), 3);
-        let t = replay_times(&raw, UNIT, Stop { max_requests: 2, horizon: SimTime::MAX });
+        let t = replay_times(&raw, UNIT, Stop { max_requests: 2, horizon: Timestamp::MAX });
         assert_eq!(t.len(), 2);
         assert!(replay_times(&[], UNIT, UNLIMITED).is_empty());
     }

@@ -59,6 +59,7 @@ pub enum Joint {
 }
 
 impl Joint {
+    /// Lowercase name (`comonotonic`, `independent`), as in configs.
     pub fn name(self) -> &'static str {
         match self {
             Joint::Comonotonic => "comonotonic",
@@ -171,12 +172,16 @@ pub enum ReasonRatioConfig {
 /// The three fields of a ServeGen length PMF.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PmfField {
+    /// Prompt length, tokens.
     InputTokens,
+    /// Output length (reasoning + answer), tokens.
     OutputTokens,
+    /// Share of the output that is reasoning (reasoning ÷ output, in [0, 1]).
     ReasonRatio,
 }
 
 impl PmfField {
+    /// Name of the field as written in PMF files.
     pub fn name(self) -> &'static str {
         match self {
             PmfField::InputTokens => "input_tokens",

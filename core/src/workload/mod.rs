@@ -27,7 +27,7 @@ pub use traces::{load_trace, parse_trace, TraceFormat, TraceOutput, TraceRow, AZ
 use crate::ids::RequestId;
 use crate::request::RequestSpec;
 use crate::rng::SimRng;
-use crate::time::SimTime;
+use crate::time::{Timestamp, RUN_LIMIT};
 use arrivals::{replay_times, synthetic_arrivals, Scale, Stop};
 use lengths::{sample_lognormal, sample_servegen, PmfRef};
 use serde::{Deserialize, Serialize};
@@ -45,20 +45,50 @@ const STREAM_LENGTHS: u64 = 2;
 /// Errors from loading, validating or generating a workload.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkloadError {
+    /// A workload, trace or PMF file could not be read.
     #[error("cannot read {}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
     /// Malformed row: file, 1-based line and the field that failed.
     #[error("{}:{line}: field `{field}`: {message}", path.display())]
-    Parse { path: PathBuf, line: usize, field: &'static str, message: String },
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// The field that failed.
+        field: &'static str,
+        /// What is wrong.
+        message: String,
+    },
     /// A problem with a whole file (empty, missing a section).
     #[error("{}: {message}", path.display())]
-    File { path: PathBuf, message: String },
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
     /// A config value out of range; `field` is its dotted TOML path.
     #[error("workload config: `{field}`: {message}")]
-    Invalid { field: String, message: String },
+    Invalid {
+        /// Dotted TOML path of the value (e.g. `arrivals.rate`).
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
     /// The TOML itself did not deserialize.
     #[error("{origin}: invalid workload config: {message}")]
-    Toml { origin: String, message: String },
+    Toml {
+        /// Where the document came from (a path or `<cli>`).
+        origin: String,
+        /// The deserializer's message.
+        message: String,
+    },
 }
 
 /// A workload description (TOML). Every field has a default; see `examples/` for complete files.
@@ -369,7 +399,7 @@ pub fn generate(cfg: &WorkloadConfig, base_dir: &Path) -> Result<Vec<RequestSpec
     };
     let stop = Stop {
         max_requests: cfg.num_requests.unwrap_or(default_n),
-        horizon: cfg.duration_s.map(SimTime::from_secs_f64).unwrap_or(SimTime::MAX),
+        horizon: cfg.duration_s.map(Timestamp::from_secs_f64).unwrap_or(Timestamp::MAX),
     };
 
     let mut length_rows = match &cfg.lengths {
@@ -424,13 +454,23 @@ pub fn generate(cfg: &WorkloadConfig, base_dir: &Path) -> Result<Vec<RequestSpec
         let prompt = cfg.max_prompt_tokens.map_or(prompt, |c| prompt.min(c)).max(1);
         let (reasoning, answer) =
             cfg.max_output_tokens.map_or((reasoning, answer.max(1)), |c| cap_output(reasoning, answer.max(1), c));
-        out.push(RequestSpec {
+        let spec = RequestSpec {
             id: RequestId(i as u64),
             arrival,
             prompt_tokens: prompt,
             reasoning_tokens: reasoning,
             answer_tokens: answer,
-        });
+        };
+        spec.check_lengths().map_err(|m| invalid("lengths", format!("request {i}: {m}")))?;
+        if arrival > RUN_LIMIT {
+            let message = format!(
+                "request {i} arrives at {:.3e} s, later than a run may last ({} s); check the trace's timestamps and `time_scale`",
+                arrival.as_secs_f64(),
+                RUN_LIMIT.as_secs_f64()
+            );
+            return Err(invalid("arrivals", message));
+        }
+        out.push(spec);
     }
     Ok(out)
 }

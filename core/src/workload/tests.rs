@@ -78,7 +78,7 @@ fn rate_scale_doubles_the_rate_of_synthetic_arrivals() {
 fn duration_bounds_synthetic_arrivals() {
     let reqs = gen("duration_s = 60.0\n[arrivals]\nkind = \"poisson\"\nrate = 10.0\n");
     assert!((500..700).contains(&reqs.len()), "{}", reqs.len());
-    assert!(reqs.last().unwrap().arrival <= SimTime::from_secs_f64(60.0));
+    assert!(reqs.last().unwrap().arrival <= Timestamp::from_secs_f64(60.0));
     let both = gen("duration_s = 60.0\nnum_requests = 100\n[arrivals]\nkind = \"poisson\"\nrate = 10.0\n");
     assert_eq!(both.len(), 100);
 }
@@ -140,18 +140,18 @@ fn azure_trace_replays_its_own_timestamps() {
     let reqs = gen(text);
     assert_eq!(reqs.len(), 8_819);
     assert_well_formed(&reqs);
-    assert_eq!(reqs[0].arrival, SimTime::ZERO);
+    assert_eq!(reqs[0].arrival, Timestamp::ZERO);
     // First row: 4808 context tokens, 10 generated → 5 + 5.
     assert_eq!((reqs[0].prompt_tokens, reqs[0].reasoning_tokens, reqs[0].answer_tokens), (4808, 5, 5));
     // Second row is 52 ms later.
-    assert_eq!(reqs[1].arrival, SimTime(52_000_000));
+    assert_eq!(reqs[1].arrival, Timestamp(52_000_000));
     let span = reqs.last().unwrap().arrival.as_secs_f64();
     let fast = gen(&format!("rate_scale = 2.0\n{text}"));
     assert!((fast.last().unwrap().arrival.as_secs_f64() - span / 2.0).abs() < 1e-6);
     let slow = gen(&format!("time_scale = 3.0\n{text}"));
     assert!((slow.last().unwrap().arrival.as_secs_f64() - span * 3.0).abs() < 1e-6);
     let first_minute = gen(&format!("duration_s = 60.0\n{text}"));
-    assert!(first_minute.len() < 1_000 && first_minute.last().unwrap().arrival <= SimTime::from_secs_f64(60.0));
+    assert!(first_minute.len() < 1_000 && first_minute.last().unwrap().arrival <= Timestamp::from_secs_f64(60.0));
     assert_eq!(gen(&format!("num_requests = 10\n{text}")).len(), 10);
 }
 

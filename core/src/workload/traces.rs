@@ -8,6 +8,8 @@
 //! 1-based line and the field — never a panic.
 
 use super::WorkloadError;
+use crate::request::MAX_REQUEST_TOKENS;
+use crate::time::RUN_LIMIT;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -27,6 +29,7 @@ pub enum TraceFormat {
 }
 
 impl TraceFormat {
+    /// Lowercase name (`azure`, `mooncake`, `kvfleet`), as in configs.
     pub fn name(self) -> &'static str {
         match self {
             TraceFormat::Azure => "azure",
@@ -42,7 +45,12 @@ pub enum TraceOutput {
     /// Reasoning + answer together (Azure, Mooncake): the split comes from a reason ratio.
     Total(u32),
     /// Explicit split (kvfleet CSV).
-    Split { reasoning_tokens: u32, answer_tokens: u32 },
+    Split {
+        /// Tokens before `</think>`.
+        reasoning_tokens: u32,
+        /// Tokens after `</think>`.
+        answer_tokens: u32,
+    },
 }
 
 /// One request of a trace, as written in the file.
@@ -51,7 +59,9 @@ pub struct TraceRow {
     /// Arrival in the trace's own clock, nanoseconds (Azure: since the Unix epoch; Mooncake and
     /// kvfleet: since the trace start).
     pub arrival_ns: u64,
+    /// Prompt length in tokens.
     pub prompt_tokens: u32,
+    /// Output length: a total, or split into reasoning and answer tokens.
     pub output: TraceOutput,
 }
 
@@ -136,6 +146,28 @@ pub(crate) fn parse_u32(s: &str, path: &Path, line: usize, field: &'static str) 
     s.parse::<u32>().map_err(|e| parse_err(path, line, field, format!("invalid integer {s:?} ({e})")))
 }
 
+/// The row, if the request it describes fits [`MAX_REQUEST_TOKENS`] (the sum once wrapped).
+fn checked(row: TraceRow, path: &Path, line: usize) -> Result<TraceRow, WorkloadError> {
+    let output = match row.output {
+        TraceOutput::Total(t) => t as u64,
+        TraceOutput::Split { reasoning_tokens, answer_tokens } => reasoning_tokens as u64 + answer_tokens as u64,
+    };
+    let total = row.prompt_tokens as u64 + output;
+    if total > MAX_REQUEST_TOKENS as u64 {
+        let message =
+            format!("prompt + output = {total} tokens, more than the {MAX_REQUEST_TOKENS} one request may hold");
+        return Err(parse_err(path, line, "row", message));
+    }
+    Ok(row)
+}
+
+fn at_least_one(v: u32, path: &Path, line: usize, field: &'static str) -> Result<u32, WorkloadError> {
+    if v == 0 {
+        return Err(parse_err(path, line, field, "must be >= 1 (a request has a prompt)".into()));
+    }
+    Ok(v)
+}
+
 pub(crate) fn parse_f64(s: &str, path: &Path, line: usize, field: &'static str) -> Result<f64, WorkloadError> {
     match s.parse::<f64>() {
         Ok(v) if v.is_finite() => Ok(v),
@@ -151,9 +183,9 @@ fn parse_azure(text: &str, path: &Path) -> Result<Vec<TraceRow>, WorkloadError> 
     for (n, line) in it {
         let [ts, ctx, gen] = csv_fields(line, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"], path, n)?;
         let arrival_ns = parse_wall_clock_ns(ts).map_err(|m| parse_err(path, n, "TIMESTAMP", m))?;
-        let prompt_tokens = parse_u32(ctx, path, n, "ContextTokens")?;
+        let prompt_tokens = at_least_one(parse_u32(ctx, path, n, "ContextTokens")?, path, n, "ContextTokens")?;
         let generated = parse_u32(gen, path, n, "GeneratedTokens")?;
-        rows.push(TraceRow { arrival_ns, prompt_tokens, output: TraceOutput::Total(generated) });
+        rows.push(checked(TraceRow { arrival_ns, prompt_tokens, output: TraceOutput::Total(generated) }, path, n)?);
     }
     Ok(rows)
 }
@@ -206,6 +238,7 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
 }
 
 /// Only the fields we use; `hash_ids` and anything else is skipped without allocating.
+/// (A JSON array would deserialize into it positionally: [`parse_mooncake`] asks for an object.)
 #[derive(Deserialize)]
 struct MooncakeLine {
     timestamp: Option<serde_json::Value>,
@@ -216,12 +249,23 @@ struct MooncakeLine {
 fn parse_mooncake(text: &str, path: &Path) -> Result<Vec<TraceRow>, WorkloadError> {
     let mut rows = Vec::new();
     for (n, line) in lines(text) {
+        if !line.trim_start().starts_with('{') {
+            return Err(parse_err(path, n, "json", "not a JSON object".into()));
+        }
         let rec: MooncakeLine =
             serde_json::from_str(line).map_err(|e| parse_err(path, n, "json", format!("not a JSON object: {e}")))?;
+        let max_ms = RUN_LIMIT.as_secs_f64() * 1e3;
         let ms = match rec.timestamp {
             Some(v) => match v.as_f64() {
-                Some(ms) if ms.is_finite() && ms >= 0.0 => ms,
-                _ => return Err(parse_err(path, n, "timestamp", format!("expected milliseconds >= 0, got {v}"))),
+                Some(ms) if ms.is_finite() && (0.0..=max_ms).contains(&ms) => ms,
+                _ => {
+                    return Err(parse_err(
+                        path,
+                        n,
+                        "timestamp",
+                        format!("expected milliseconds in [0, {max_ms:e}], got {v}"),
+                    ))
+                }
             },
             None => return Err(parse_err(path, n, "timestamp", "missing".into())),
         };
@@ -231,10 +275,10 @@ fn parse_mooncake(text: &str, path: &Path) -> Result<Vec<TraceRow>, WorkloadErro
                 .and_then(|x| u32::try_from(x).ok())
                 .ok_or_else(|| parse_err(path, n, field, format!("expected a non-negative integer, got {v}")))
         };
-        let prompt_tokens = tokens(rec.input_length, "input_length")?;
+        let prompt_tokens = at_least_one(tokens(rec.input_length, "input_length")?, path, n, "input_length")?;
         let output = tokens(rec.output_length, "output_length")?;
         let arrival_ns = (ms * 1e6).round() as u64;
-        rows.push(TraceRow { arrival_ns, prompt_tokens, output: TraceOutput::Total(output) });
+        rows.push(checked(TraceRow { arrival_ns, prompt_tokens, output: TraceOutput::Total(output) }, path, n)?);
     }
     Ok(rows)
 }
@@ -247,24 +291,19 @@ fn parse_kvfleet(text: &str, path: &Path) -> Result<Vec<TraceRow>, WorkloadError
         let [a, p, r, ans] =
             csv_fields(line, ["arrival_s", "prompt_tokens", "reasoning_tokens", "answer_tokens"], path, n)?;
         let arrival_s = parse_f64(a, path, n, "arrival_s")?;
-        if arrival_s < 0.0 {
-            return Err(parse_err(path, n, "arrival_s", format!("must be >= 0, got {a}")));
+        if !(0.0..=RUN_LIMIT.as_secs_f64()).contains(&arrival_s) {
+            let max = RUN_LIMIT.as_secs_f64();
+            return Err(parse_err(path, n, "arrival_s", format!("must be in [0, {max:e}], got {a}")));
         }
-        let prompt_tokens = parse_u32(p, path, n, "prompt_tokens")?;
-        if prompt_tokens == 0 {
-            return Err(parse_err(path, n, "prompt_tokens", "must be >= 1".into()));
-        }
+        let prompt_tokens = at_least_one(parse_u32(p, path, n, "prompt_tokens")?, path, n, "prompt_tokens")?;
         let reasoning_tokens = parse_u32(r, path, n, "reasoning_tokens")?;
         let answer_tokens = parse_u32(ans, path, n, "answer_tokens")?;
         if answer_tokens == 0 {
             return Err(parse_err(path, n, "answer_tokens", "must be >= 1 (every request streams an answer)".into()));
         }
         let arrival_ns = (arrival_s * 1e9).round() as u64;
-        rows.push(TraceRow {
-            arrival_ns,
-            prompt_tokens,
-            output: TraceOutput::Split { reasoning_tokens, answer_tokens },
-        });
+        let output = TraceOutput::Split { reasoning_tokens, answer_tokens };
+        rows.push(checked(TraceRow { arrival_ns, prompt_tokens, output }, path, n)?);
     }
     Ok(rows)
 }

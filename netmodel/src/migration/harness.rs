@@ -84,7 +84,7 @@ pub(super) type Blocks = BTreeMap<u32, (u32, Bytes)>;
 
 /// The whole system under test.
 pub(super) struct World {
-    pub now: SimTime,
+    pub now: Timestamp,
     pub cfg: Config,
     pub src: SourceMachine,
     pub tgt: Option<TargetMachine>,
@@ -125,12 +125,12 @@ pub(super) struct World {
 impl World {
     pub fn new(cfg: Config) -> World {
         let src =
-            SourceMachine::new(MigrationId(1), RequestId(REQUEST), cfg.params.clone(), SimTime(0), cfg.initial_kv)
+            SourceMachine::new(MigrationId(1), RequestId(REQUEST), cfg.params.clone(), Timestamp(0), cfg.initial_kv)
                 .expect("valid params")
                 .with_model("test-model")
                 .with_source_instance(3);
         World {
-            now: SimTime(0),
+            now: Timestamp(0),
             src,
             tgt: None,
             kv_tokens: cfg.initial_kv,
@@ -327,7 +327,7 @@ impl World {
     /// Applies `ev`; `pick` chooses which pending write completes for [`Ev::WriteDone`], and
     /// whether (and where) a data frame's block arrives apart from it in two buffers.
     pub fn apply(&mut self, ev: Ev, pick: usize) {
-        self.now += SimDuration::from_nanos(1_000);
+        self.now += TimeSpan::from_nanos(1_000);
         let now = self.now;
         match ev {
             Ev::ToTarget => {
@@ -406,7 +406,7 @@ impl World {
         self.to_target.clear();
         self.to_source.clear();
         self.data.iter_mut().for_each(VecDeque::clear);
-        self.now += SimDuration::from_nanos(1_000);
+        self.now += TimeSpan::from_nanos(1_000);
         self.src.on_disconnect(self.now);
         if let Some(t) = self.tgt.as_mut() {
             t.on_disconnect(self.now);

@@ -303,15 +303,15 @@ proptest! {
 
 fn poke_both_machines(pokes: Vec<Poke>, start: bool) -> Result<(), TestCaseError> {
     let params = MigrationParams { stop_copy_blocks: 1, ..MigrationParams::new(4, 8) };
-    let mut src = SourceMachine::new(MigrationId(1), RequestId(1), params.clone(), SimTime(0), 9).unwrap();
+    let mut src = SourceMachine::new(MigrationId(1), RequestId(1), params.clone(), Timestamp(0), 9).unwrap();
     if start {
-        src.start(SimTime(0));
+        src.start(Timestamp(0));
     }
     let mut tgt: Option<TargetMachine> = None;
     let (mut src_done, mut tgt_done) = (false, false);
-    let mut now = SimTime(0);
+    let mut now = Timestamp(0);
     for poke in pokes {
-        now += SimDuration::from_nanos(1_000);
+        now += TimeSpan::from_nanos(1_000);
         match poke {
             Poke::Frame(f) => {
                 src.on_frame(now, f.clone());
@@ -343,7 +343,7 @@ fn poke_both_machines(pokes: Vec<Poke>, start: bool) -> Result<(), TestCaseError
                 }
             }
             Poke::Timeout(ns) => {
-                now = now.max(SimTime(ns));
+                now = now.max(Timestamp(ns));
                 src.on_timeout(now);
                 if let Some(t) = tgt.as_mut() {
                     t.on_timeout(now);

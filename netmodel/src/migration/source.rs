@@ -6,7 +6,7 @@ use super::{
     MigrationParams, MigrationPhase, MigrationReport, Outcome, ParamsError, StageReport,
 };
 use bytes::Bytes;
-use kvfleet_core::{RequestId, SimTime};
+use kvfleet_core::{RequestId, Timestamp};
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
@@ -20,7 +20,16 @@ pub enum SourceAction {
     /// [`SourceMachine::on_blocks_sent`] with `stage`. Block `i` holds
     /// [`super::block_tokens`]`(i, kv_tokens, block_size)` valid tokens; in a live stage every block of the
     /// range is full. Never emitted with an empty range.
-    CopyBlocks { stage: u32, blocks: Range<u32>, kv_tokens: u32, final_stage: bool },
+    CopyBlocks {
+        /// The copy stage (0, 1, ...).
+        stage: u32,
+        /// Logical block indices to send.
+        blocks: Range<u32>,
+        /// The request's KV length (tokens) this stage copies up to.
+        kv_tokens: u32,
+        /// True for the stop-and-copy stage (request paused).
+        final_stage: bool,
+    },
     /// Freeze the request (finish the current iteration, decode no more), then call
     /// [`SourceMachine::on_paused`] with its final KV length and serialized state.
     Pause,
@@ -57,7 +66,7 @@ pub struct SourceMachine {
     /// Blocks `0..sent_blocks` have been handed to `CopyBlocks`.
     sent_blocks: u32,
     live_stages_done: u32,
-    deadline: Option<SimTime>,
+    deadline: Option<Timestamp>,
     /// The request state from `on_paused`, sent in `Commit`.
     request_state: Bytes,
     actions: VecDeque<SourceAction>,
@@ -71,7 +80,7 @@ impl SourceMachine {
         id: MigrationId,
         request: RequestId,
         params: MigrationParams,
-        now: SimTime,
+        now: Timestamp,
         kv_tokens: u32,
     ) -> Result<SourceMachine, ParamsError> {
         params.validate()?;
@@ -128,12 +137,15 @@ impl SourceMachine {
         self
     }
 
+    /// The migration's id.
     pub fn id(&self) -> MigrationId {
         self.id
     }
+    /// The request being migrated.
     pub fn request(&self) -> RequestId {
         self.request
     }
+    /// The migration's tuning.
     pub fn params(&self) -> &MigrationParams {
         &self.params
     }
@@ -145,6 +157,7 @@ impl SourceMachine {
     pub fn outcome(&self) -> Option<&Outcome> {
         self.report.outcome.as_ref()
     }
+    /// Whether `Done` was emitted.
     pub fn is_done(&self) -> bool {
         self.state == State::Done
     }
@@ -169,7 +182,7 @@ impl SourceMachine {
     }
 
     /// When to call [`SourceMachine::on_timeout`] (`None` before `start` and after `Done`).
-    pub fn poll_timeout(&self) -> Option<SimTime> {
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
         match self.state {
             State::Idle | State::Done => None,
             _ => self.deadline,
@@ -177,7 +190,7 @@ impl SourceMachine {
     }
 
     /// Send `Prepare`. Only the first call does anything.
-    pub fn start(&mut self, now: SimTime) {
+    pub fn start(&mut self, now: Timestamp) {
         if self.state != State::Idle {
             return;
         }
@@ -197,7 +210,7 @@ impl SourceMachine {
     }
 
     /// A frame from the target (control stream).
-    pub fn on_frame(&mut self, now: SimTime, frame: Frame) {
+    pub fn on_frame(&mut self, now: Timestamp, frame: Frame) {
         if matches!(self.state, State::Done) {
             return;
         }
@@ -259,7 +272,7 @@ impl SourceMachine {
     }
 
     /// The driver has written every block of the `CopyBlocks` of `stage` to the transport.
-    pub fn on_blocks_sent(&mut self, now: SimTime, stage: u32) {
+    pub fn on_blocks_sent(&mut self, now: Timestamp, stage: u32) {
         match self.state {
             State::Copying { stage: s } if s == stage => {
                 let blocks = self.mark_stage_sent(now);
@@ -281,7 +294,7 @@ impl SourceMachine {
 
     /// The driver froze the request after [`SourceAction::Pause`]: it holds `kv_tokens_final`
     /// tokens and `state` is its serialized state for the target.
-    pub fn on_paused(&mut self, now: SimTime, kv_tokens_final: u32, state: impl Into<Bytes>) {
+    pub fn on_paused(&mut self, now: Timestamp, kv_tokens_final: u32, state: impl Into<Bytes>) {
         if self.state != State::Pausing {
             return;
         }
@@ -316,7 +329,7 @@ impl SourceMachine {
 
     /// The driver could not read the request's KV blocks. Aborts unless `Commit` was already sent
     /// (then every block has been read and the failure is irrelevant).
-    pub fn on_read_failed(&mut self, now: SimTime, reason: impl Into<String>) {
+    pub fn on_read_failed(&mut self, now: Timestamp, reason: impl Into<String>) {
         match self.state {
             State::Done | State::Committing => {}
             _ => self.fail(now, AbortReason::SourceKvUnavailable(reason.into()), true),
@@ -325,14 +338,14 @@ impl SourceMachine {
 
     /// The connection to the target broke: `Aborted(Disconnected)`, or `Unknown(Disconnected)` if
     /// `Commit` was sent.
-    pub fn on_disconnect(&mut self, now: SimTime) {
+    pub fn on_disconnect(&mut self, now: Timestamp) {
         if self.state != State::Done {
             self.fail(now, AbortReason::Disconnected, false);
         }
     }
 
     /// The deadline from [`SourceMachine::poll_timeout`] may have passed.
-    pub fn on_timeout(&mut self, now: SimTime) {
+    pub fn on_timeout(&mut self, now: Timestamp) {
         if let Some(deadline) = self.poll_timeout() {
             if now >= deadline {
                 let phase = self.phase();
@@ -344,7 +357,7 @@ impl SourceMachine {
     /// Abort the migration: the request stays here. Returns false, and does nothing, once `Commit`
     /// was sent (the target may already run the request; the migration completes on its own) or
     /// after `Done`.
-    pub fn cancel(&mut self, now: SimTime, reason: impl Into<String>) -> bool {
+    pub fn cancel(&mut self, now: Timestamp, reason: impl Into<String>) -> bool {
         match self.state {
             State::Done | State::Committing => false,
             _ => {
@@ -355,8 +368,8 @@ impl SourceMachine {
     }
 
     /// After `PrepareReply { ok }` or a `StageAck`: copy the full blocks added since the last
-    /// stage, or pause if few remain (SPEC: fewer than `stop_copy_blocks`) or enough live stages ran.
-    fn next_stage(&mut self, now: SimTime) {
+    /// stage, or pause if few remain (fewer than `stop_copy_blocks`) or enough live stages ran.
+    fn next_stage(&mut self, now: Timestamp) {
         let full_blocks = self.kv_tokens / self.params.block_size;
         let remaining = full_blocks.saturating_sub(self.sent_blocks);
         // The link as the last live stage measured it: its bytes over Copy → StageAck.
@@ -382,7 +395,7 @@ impl SourceMachine {
         });
     }
 
-    fn begin_stage(&mut self, now: SimTime, stage: u32, blocks: Range<u32>, final_stage: bool) {
+    fn begin_stage(&mut self, now: Timestamp, stage: u32, blocks: Range<u32>, final_stage: bool) {
         let n = blocks.end.saturating_sub(blocks.start);
         self.sent_blocks = self.sent_blocks.max(blocks.end);
         self.report.stages.push(StageReport {
@@ -397,14 +410,14 @@ impl SourceMachine {
     }
 
     /// Records that the current stage's blocks left; returns how many there were.
-    fn mark_stage_sent(&mut self, now: SimTime) -> u32 {
+    fn mark_stage_sent(&mut self, now: Timestamp) -> u32 {
         let Some(s) = self.report.stages.last_mut() else { return 0 };
         s.sent = Some(now);
         self.report.bytes += s.bytes;
         s.blocks
     }
 
-    fn end_final_stage(&mut self, now: SimTime, stage: u32, kv_final: u32, blocks_total: u32) {
+    fn end_final_stage(&mut self, now: Timestamp, stage: u32, kv_final: u32, blocks_total: u32) {
         let blocks = self.report.stages.last().map_or(0, |s| s.blocks);
         self.send(Body::StageEnd(wire::StageEnd { migration_id: self.id.0, stage, blocks, final_stage: true }));
         self.send(Body::Commit(wire::Commit {
@@ -420,7 +433,7 @@ impl SourceMachine {
     /// Ends the migration because of `reason`, telling the target if `notify_peer` (the connection
     /// stands) and it has heard of the migration. After `Commit` the outcome is `Unknown`: the
     /// target may have attached.
-    fn fail(&mut self, now: SimTime, reason: AbortReason, notify_peer: bool) {
+    fn fail(&mut self, now: Timestamp, reason: AbortReason, notify_peer: bool) {
         if self.state == State::Done {
             return;
         }
@@ -431,7 +444,7 @@ impl SourceMachine {
         self.finish(now, outcome);
     }
 
-    fn finish(&mut self, now: SimTime, outcome: Outcome) {
+    fn finish(&mut self, now: Timestamp, outcome: Outcome) {
         if self.state == State::Done {
             return;
         }

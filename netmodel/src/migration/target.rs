@@ -7,7 +7,7 @@ use super::{
 };
 use crate::Payload;
 use bytes::Bytes;
-use kvfleet_core::{RequestId, SimTime};
+use kvfleet_core::{RequestId, Timestamp};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -20,16 +20,39 @@ pub enum TargetAction {
     /// `model`; answer with [`TargetMachine::on_reserved`] (an error refuses the `Prepare`, e.g.
     /// [`AbortReason::TargetOutOfMemory`] or [`AbortReason::Refused`] for a model not served here).
     /// The request keeps decoding on the source, so later writes may need more blocks.
-    Reserve { request: RequestId, kv_tokens: u32, blocks: u32, model: String },
+    Reserve {
+        /// The request being migrated.
+        request: RequestId,
+        /// Its KV length announced by `Prepare`, tokens.
+        kv_tokens: u32,
+        /// Blocks holding those tokens.
+        blocks: u32,
+        /// The model the KV belongs to.
+        model: String,
+    },
     /// Write this verified block (logical `index`, `tokens` valid tokens, exactly `block_bytes`
     /// long) into the reservation, growing it if needed; a later write of the same index replaces
     /// it. Answer with [`TargetMachine::on_written`] or [`TargetMachine::on_write_failed`].
     /// The data is in the buffers it arrived in (see [`TargetMachine::on_frame_with_payload`]).
-    WriteBlock { index: u32, tokens: u32, data: Payload },
+    WriteBlock {
+        /// Logical block index.
+        index: u32,
+        /// Valid tokens in the block.
+        tokens: u32,
+        /// The block's bytes.
+        data: Payload,
+    },
     /// Commit: attach the request with `state`, `kv_tokens` tokens in logical blocks `0..blocks`
     /// (all written), and answer with [`TargetMachine::on_attached`]. This is the commit point:
     /// from here on only a failed attach aborts.
-    Attach { state: Bytes, kv_tokens: u32, blocks: u32 },
+    Attach {
+        /// The request's serialized state, from `Commit`.
+        state: Bytes,
+        /// Its final KV length, tokens.
+        kv_tokens: u32,
+        /// Logical blocks holding it.
+        blocks: u32,
+    },
     /// Free the reservation and every block written for this migration.
     Release,
     /// The migration is over (always the last action). `Committed`: resume the request here.
@@ -40,20 +63,27 @@ pub enum TargetAction {
 /// Measurements of one migration as the target saw it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TargetReport {
+    /// The migration.
     pub migration: MigrationId,
+    /// The request being migrated.
     pub request: RequestId,
+    /// The instance it comes from (from `Prepare`).
     pub source_instance: u32,
     /// When the `Prepare` arrived.
-    pub started: SimTime,
-    pub finished_at: Option<SimTime>,
-    /// KV tokens announced by `Prepare`, and committed by `Commit`.
+    pub started: Timestamp,
+    /// When `Done` was emitted.
+    pub finished_at: Option<Timestamp>,
+    /// KV tokens announced by `Prepare`.
     pub kv_tokens_prepare: u32,
+    /// KV tokens committed by `Commit`.
     pub kv_tokens_final: Option<u32>,
-    /// Block bytes received and verified, and blocks written.
+    /// Block bytes received and verified.
     pub bytes_received: u64,
+    /// Blocks written (`on_written`).
     pub blocks_written: u32,
     /// Live stages acknowledged.
     pub stages_acked: u32,
+    /// How it ended; `None` until `Done`.
     pub outcome: Option<Outcome>,
 }
 
@@ -84,7 +114,7 @@ pub struct TargetMachine {
     params: MigrationParams,
     trace_context: HashMap<String, String>,
     state: State,
-    deadline: Option<SimTime>,
+    deadline: Option<Timestamp>,
     /// A `Reserve` was emitted and not released (answer `Release` on abort).
     reserved: bool,
     stage: u32,
@@ -103,7 +133,7 @@ impl TargetMachine {
     /// A machine for the migration `frame` opens, if it is a `Prepare`; otherwise the `Abort` frame
     /// to send back. `params` are this worker's: a `Prepare` whose block geometry differs, or
     /// invalid `params`, is refused (the machine then starts with `PrepareReply { ok: false }`).
-    pub fn accept(now: SimTime, params: &MigrationParams, frame: Frame) -> Result<TargetMachine, Frame> {
+    pub fn accept(now: Timestamp, params: &MigrationParams, frame: Frame) -> Result<TargetMachine, Frame> {
         match frame.body {
             Some(Body::Prepare(p)) => Ok(TargetMachine::new(now, params, p)),
             Some(other) => {
@@ -116,7 +146,7 @@ impl TargetMachine {
     }
 
     /// A machine for this `Prepare` (see [`TargetMachine::accept`]).
-    pub fn new(now: SimTime, params: &MigrationParams, prepare: wire::Prepare) -> TargetMachine {
+    pub fn new(now: Timestamp, params: &MigrationParams, prepare: wire::Prepare) -> TargetMachine {
         let id = MigrationId(prepare.migration_id);
         let request = RequestId(prepare.request_id);
         let mut m = TargetMachine {
@@ -172,9 +202,11 @@ impl TargetMachine {
         m
     }
 
+    /// The migration's id.
     pub fn id(&self) -> MigrationId {
         self.id
     }
+    /// The request being migrated.
     pub fn request(&self) -> RequestId {
         self.request
     }
@@ -182,6 +214,7 @@ impl TargetMachine {
     pub fn trace_context(&self) -> &HashMap<String, String> {
         &self.trace_context
     }
+    /// Measurements so far (complete once `Done` was emitted).
     pub fn report(&self) -> &TargetReport {
         &self.report
     }
@@ -189,6 +222,7 @@ impl TargetMachine {
     pub fn outcome(&self) -> Option<&Outcome> {
         self.report.outcome.as_ref()
     }
+    /// Whether `Done` was emitted.
     pub fn is_done(&self) -> bool {
         self.state == State::Done
     }
@@ -209,7 +243,7 @@ impl TargetMachine {
     }
 
     /// When to call [`TargetMachine::on_timeout`] (`None` once attaching or done).
-    pub fn poll_timeout(&self) -> Option<SimTime> {
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
         match self.state {
             State::Reserving | State::Receiving => self.deadline,
             State::Attaching | State::Done => None,
@@ -217,7 +251,7 @@ impl TargetMachine {
     }
 
     /// The driver's answer to [`TargetAction::Reserve`].
-    pub fn on_reserved(&mut self, now: SimTime, result: Result<(), AbortReason>) {
+    pub fn on_reserved(&mut self, now: Timestamp, result: Result<(), AbortReason>) {
         if self.state != State::Reserving {
             return;
         }
@@ -239,14 +273,14 @@ impl TargetMachine {
 
     /// A frame from the source (control or data stream). Once attaching, frames are ignored: the
     /// commit point has passed.
-    pub fn on_frame(&mut self, now: SimTime, frame: Frame) {
+    pub fn on_frame(&mut self, now: Timestamp, frame: Frame) {
         self.on_frame_with_payload(now, frame, None)
     }
 
     /// [`TargetMachine::on_frame`] for a `BlockData` frame whose data was received apart from
     /// it, as a list of buffers (`payload`; the frame's own `data` is then empty): the bytes are
     /// verified and written from those buffers, never joined.
-    pub fn on_frame_with_payload(&mut self, now: SimTime, frame: Frame, payload: Option<Payload>) {
+    pub fn on_frame_with_payload(&mut self, now: Timestamp, frame: Frame, payload: Option<Payload>) {
         if matches!(self.state, State::Attaching | State::Done) {
             return;
         }
@@ -288,7 +322,7 @@ impl TargetMachine {
     }
 
     /// The driver wrote block `index` (answer to [`TargetAction::WriteBlock`]).
-    pub fn on_written(&mut self, now: SimTime, index: u32) {
+    pub fn on_written(&mut self, now: Timestamp, index: u32) {
         if self.state != State::Receiving {
             return;
         }
@@ -306,14 +340,14 @@ impl TargetMachine {
 
     /// The driver could not write a block (e.g. [`AbortReason::TargetOutOfMemory`] when growing
     /// the reservation): abort.
-    pub fn on_write_failed(&mut self, now: SimTime, reason: AbortReason) {
+    pub fn on_write_failed(&mut self, now: Timestamp, reason: AbortReason) {
         if self.state == State::Receiving {
             self.fail(now, reason, true);
         }
     }
 
     /// The driver's answer to [`TargetAction::Attach`].
-    pub fn on_attached(&mut self, now: SimTime, result: Result<(), AbortReason>) {
+    pub fn on_attached(&mut self, now: Timestamp, result: Result<(), AbortReason>) {
         if self.state != State::Attaching {
             return;
         }
@@ -341,14 +375,14 @@ impl TargetMachine {
 
     /// The connection to the source broke: abort, unless already attaching (then the attach
     /// decides; the source, missing the `CommitReply`, ends `Unknown`).
-    pub fn on_disconnect(&mut self, now: SimTime) {
+    pub fn on_disconnect(&mut self, now: Timestamp) {
         if matches!(self.state, State::Reserving | State::Receiving) {
             self.fail(now, AbortReason::Disconnected, false);
         }
     }
 
     /// The deadline from [`TargetMachine::poll_timeout`] may have passed.
-    pub fn on_timeout(&mut self, now: SimTime) {
+    pub fn on_timeout(&mut self, now: Timestamp) {
         let Some(deadline) = self.poll_timeout() else { return };
         if now < deadline {
             return;
@@ -363,7 +397,7 @@ impl TargetMachine {
         self.fail(now, reason, true);
     }
 
-    fn on_block(&mut self, now: SimTime, b: wire::BlockData, data: Payload) {
+    fn on_block(&mut self, now: Timestamp, b: wire::BlockData, data: Payload) {
         let bad = |msg: String| AbortReason::BadFrame(format!("BlockData {} of stage {}: {msg}", b.index, b.stage));
         if b.stage != self.stage {
             return self.fail(now, bad(format!("expected stage {}", self.stage)), true);
@@ -391,7 +425,7 @@ impl TargetMachine {
         self.actions.push_back(TargetAction::WriteBlock { index: b.index, tokens: b.tokens, data });
     }
 
-    fn on_stage_end(&mut self, now: SimTime, e: wire::StageEnd) {
+    fn on_stage_end(&mut self, now: Timestamp, e: wire::StageEnd) {
         if e.stage != self.stage || self.progress.expected.is_some() {
             let msg = format!("StageEnd for stage {}, expected the end of stage {}", e.stage, self.stage);
             return self.fail(now, AbortReason::BadFrame(msg), true);
@@ -405,7 +439,7 @@ impl TargetMachine {
         self.advance(now);
     }
 
-    fn on_commit(&mut self, now: SimTime, c: wire::Commit) {
+    fn on_commit(&mut self, now: Timestamp, c: wire::Commit) {
         if !self.progress.final_stage || self.commit.is_some() {
             let msg = "Commit without a preceding final StageEnd (or twice)".to_string();
             return self.fail(now, AbortReason::BadFrame(msg), true);
@@ -421,7 +455,7 @@ impl TargetMachine {
     }
 
     /// Acknowledge a complete live stage; attach once a committed transfer is complete.
-    fn advance(&mut self, now: SimTime) {
+    fn advance(&mut self, now: Timestamp) {
         let Some(expected) = self.progress.expected else { return };
         if self.progress.written < expected {
             return;
@@ -465,7 +499,7 @@ impl TargetMachine {
     }
 
     /// Answers the `Prepare` with a refusal and ends.
-    fn refuse(&mut self, now: SimTime, reason: AbortReason) {
+    fn refuse(&mut self, now: Timestamp, reason: AbortReason) {
         self.send(Body::PrepareReply(wire::PrepareReply {
             migration_id: self.id.0,
             ok: false,
@@ -475,7 +509,7 @@ impl TargetMachine {
     }
 
     /// Aborts before the commit point: tells the source if `notify_peer`, frees the reservation.
-    fn fail(&mut self, now: SimTime, reason: AbortReason, notify_peer: bool) {
+    fn fail(&mut self, now: Timestamp, reason: AbortReason, notify_peer: bool) {
         if !matches!(self.state, State::Reserving | State::Receiving) {
             return;
         }
@@ -493,7 +527,7 @@ impl TargetMachine {
         }
     }
 
-    fn finish(&mut self, now: SimTime, outcome: Outcome) {
+    fn finish(&mut self, now: Timestamp, outcome: Outcome) {
         if self.state == State::Done {
             return;
         }

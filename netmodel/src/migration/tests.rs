@@ -21,7 +21,7 @@ fn stage_blocks(w: &World) -> Vec<u32> {
 fn params_defaults_and_validation() {
     let p = MigrationParams::default();
     assert_eq!((p.stop_copy_blocks, p.max_stages, p.block_size, p.block_bytes), (16, 3, 16, 4 << 20));
-    assert_eq!(p.timeout, SimDuration::from_secs_f64(10.0));
+    assert_eq!(p.timeout, TimeSpan::from_secs_f64(10.0));
     assert!(p.validate().is_ok());
     let bad = |f: fn(&mut MigrationParams)| {
         let mut p = MigrationParams::default();
@@ -31,9 +31,9 @@ fn params_defaults_and_validation() {
     assert!(bad(|p| p.block_size = 0).contains("`block_size`"));
     assert!(bad(|p| p.block_bytes = 0).contains("`block_bytes`"));
     assert!(bad(|p| p.block_bytes = MAX_BLOCK_BYTES + 1).contains("`block_bytes`"));
-    assert!(bad(|p| p.timeout = SimDuration::ZERO).contains("`timeout`"));
+    assert!(bad(|p| p.timeout = TimeSpan::ZERO).contains("`timeout`"));
     let p = MigrationParams { block_size: 0, ..MigrationParams::default() };
-    assert!(SourceMachine::new(MigrationId(1), RequestId(1), p, SimTime(0), 10).is_err());
+    assert!(SourceMachine::new(MigrationId(1), RequestId(1), p, Timestamp(0), 10).is_err());
 }
 
 #[test]
@@ -130,7 +130,7 @@ fn time_based_stop_copy_pauses_when_the_rest_fits_the_budget() {
     #[rustfmt::skip]
     type Row = (Option<f64>, u32, u32, Option<f64>, bool);
     let table: &[Row] = &[
-        // off: the SPEC's block threshold (16)
+        // off: the default block threshold (16)
         (None, 1, 15, Some(400.0), true),
         (None, 1, 16, Some(400.0), false),
         // a 4 MiB block takes 8.4 ms at 500 MB/s; 10 ms at 12.5 GB/s (100 Gbit/s) is 29.8 blocks
@@ -147,7 +147,7 @@ fn time_based_stop_copy_pauses_when_the_rest_fits_the_budget() {
     ];
     for &(budget, done, remaining, mb_per_s, pause) in table {
         let p =
-            MigrationParams { stop_copy_after: budget.map(SimDuration::from_millis_f64), ..MigrationParams::default() };
+            MigrationParams { stop_copy_after: budget.map(TimeSpan::from_millis_f64), ..MigrationParams::default() };
         let rate = mb_per_s.map(|m| m * 1e6);
         assert_eq!(p.stop_copy_now(done, remaining, rate), pause, "{budget:?} {done} {remaining} {mb_per_s:?}");
     }
@@ -160,7 +160,7 @@ fn time_based_stop_copy_runs_through_the_machines() {
         let mut cfg = Config::small(400, 3);
         cfg.decode_per_copy = 40;
         cfg.params.stop_copy_blocks = 1;
-        cfg.params.stop_copy_after = Some(SimDuration::from_secs_f64(budget_s));
+        cfg.params.stop_copy_after = Some(TimeSpan::from_secs_f64(budget_s));
         let mut w = World::new(cfg);
         w.start();
         w.drain();
@@ -225,18 +225,18 @@ fn downtime_runs_from_pause_to_commit_reply() {
     w.start();
     w.run_until(|w| w.pause_asked);
     assert_eq!(w.src.phase(), MigrationPhase::Pausing);
-    w.now = SimTime::from_secs_f64(2.0);
+    w.now = Timestamp::from_secs_f64(2.0);
     w.apply(Ev::Freeze, 0);
     let paused = w.now;
     assert_eq!(w.src.report().paused_at, Some(paused));
     // Deliver everything except the CommitReply, then let 1.5 s pass before it arrives.
     w.run_until(|w| w.to_source.front().is_some_and(|f| matches!(body(f), Body::CommitReply(_))));
     assert!(w.src_done.is_empty());
-    w.now = paused + SimDuration::from_secs_f64(1.5);
+    w.now = paused + TimeSpan::from_secs_f64(1.5);
     w.apply(Ev::ToSource, 0);
     assert_eq!(w.src_outcome(), Some(&Outcome::Committed));
     let r = w.src.report();
-    assert_eq!(r.downtime, Some(SimDuration::from_secs_f64(1.5) + SimDuration::from_nanos(1_000)));
+    assert_eq!(r.downtime, Some(TimeSpan::from_secs_f64(1.5) + TimeSpan::from_nanos(1_000)));
     assert_eq!(r.finished_at, Some(w.now));
     assert!(r.pause_requested_at.unwrap() < paused);
 }
@@ -472,15 +472,15 @@ fn target_refuses_reservation() {
 #[test]
 fn target_refuses_a_different_block_geometry() {
     let src_params = MigrationParams::new(16, 4096);
-    let mut src = SourceMachine::new(MigrationId(5), RequestId(1), src_params, SimTime(0), 100).unwrap();
-    src.start(SimTime(0));
+    let mut src = SourceMachine::new(MigrationId(5), RequestId(1), src_params, Timestamp(0), 100).unwrap();
+    src.start(Timestamp(0));
     let Some(SourceAction::Send(prepare)) = src.poll_action() else { panic!() };
-    let mut tgt = TargetMachine::accept(SimTime(1), &MigrationParams::new(32, 4096), prepare).unwrap();
+    let mut tgt = TargetMachine::accept(Timestamp(1), &MigrationParams::new(32, 4096), prepare).unwrap();
     let Some(TargetAction::Send(reply)) = tgt.poll_action() else { panic!() };
     let Some(TargetAction::Done(Outcome::Aborted(AbortReason::Refused(m)))) = tgt.poll_action() else { panic!() };
     assert!(m.contains("block_size"), "{m}");
     assert_eq!(tgt.poll_action(), None);
-    src.on_frame(SimTime(2), reply);
+    src.on_frame(Timestamp(2), reply);
     assert!(matches!(src.poll_action(), Some(SourceAction::Done(Outcome::Aborted(AbortReason::Refused(_))))));
 }
 
@@ -489,9 +489,9 @@ fn source_times_out_waiting_for_the_prepare_reply() {
     let mut w = World::new(Config::small(64, 1));
     w.start();
     let deadline = w.src.poll_timeout().expect("armed after start");
-    assert_eq!(deadline, SimTime(0) + w.cfg.params.timeout);
+    assert_eq!(deadline, Timestamp(0) + w.cfg.params.timeout);
     w.to_target.clear(); // the Prepare is lost
-    w.src.on_timeout(SimTime(deadline.0 - 1));
+    w.src.on_timeout(Timestamp(deadline.0 - 1));
     w.pump();
     assert!(w.src_done.is_empty(), "an early timeout call does nothing");
     w.src.on_timeout(deadline);
@@ -545,11 +545,11 @@ fn manual_target(kv: u32) -> (TargetMachine, MigrationParams) {
         block_bytes: 8,
         ..Default::default()
     };
-    let mut t = TargetMachine::new(SimTime(0), &params, prepare);
+    let mut t = TargetMachine::new(Timestamp(0), &params, prepare);
     assert!(
         matches!(t.poll_action(), Some(TargetAction::Reserve { blocks, .. }) if blocks == blocks_for_tokens(kv, 4))
     );
-    t.on_reserved(SimTime(1), Ok(()));
+    t.on_reserved(Timestamp(1), Ok(()));
     assert!(
         matches!(t.poll_action(), Some(TargetAction::Send(f)) if matches!(body(&f), Body::PrepareReply(r) if r.ok))
     );
@@ -569,18 +569,18 @@ fn target_acks_a_stage_only_when_every_block_is_written() {
     let (mut t, _) = manual_target(8);
     // StageEnd overtakes its blocks (other streams).
     t.on_frame(
-        SimTime(2),
+        Timestamp(2),
         ctrl(Body::StageEnd(wire::StageEnd { migration_id: 9, stage: 0, blocks: 2, final_stage: false })),
     );
     assert!(drain_target(&mut t).is_empty());
-    t.on_frame(SimTime(3), block_frame(MigrationId(9), 0, 1, 4, Bytes::from_static(b"bbbbbbbb")));
-    t.on_frame(SimTime(3), block_frame(MigrationId(9), 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
+    t.on_frame(Timestamp(3), block_frame(MigrationId(9), 0, 1, 4, Bytes::from_static(b"bbbbbbbb")));
+    t.on_frame(Timestamp(3), block_frame(MigrationId(9), 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
     let writes = drain_target(&mut t);
     assert_eq!(writes.len(), 2);
     assert!(writes.iter().all(|a| matches!(a, TargetAction::WriteBlock { .. })));
-    t.on_written(SimTime(4), 0);
+    t.on_written(Timestamp(4), 0);
     assert!(drain_target(&mut t).is_empty(), "block 1 received but not written: no ack yet");
-    t.on_written(SimTime(5), 1);
+    t.on_written(Timestamp(5), 1);
     let acts = drain_target(&mut t);
     assert!(matches!(&acts[..], [TargetAction::Send(f)] if matches!(body(f), Body::StageAck(a) if a.stage == 0)));
 }
@@ -589,22 +589,22 @@ fn target_acks_a_stage_only_when_every_block_is_written() {
 fn target_waits_for_final_blocks_after_commit_then_attaches() {
     let (mut t, _) = manual_target(6);
     let id = MigrationId(9);
-    t.on_frame(SimTime(2), block_frame(id, 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
+    t.on_frame(Timestamp(2), block_frame(id, 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
     t.on_frame(
-        SimTime(2),
+        Timestamp(2),
         ctrl(Body::StageEnd(wire::StageEnd { migration_id: 9, stage: 0, blocks: 2, final_stage: true })),
     );
     let commit = wire::Commit { migration_id: 9, kv_tokens: 6, blocks_total: 2, state: Bytes::from_static(b"st") };
-    t.on_frame(SimTime(3), ctrl(Body::Commit(commit)));
-    t.on_written(SimTime(4), 0);
+    t.on_frame(Timestamp(3), ctrl(Body::Commit(commit)));
+    t.on_written(Timestamp(4), 0);
     drain_target(&mut t);
     assert_eq!(t.phase(), MigrationPhase::Receiving, "block 1 has not arrived: wait");
-    t.on_frame(SimTime(5), block_frame(id, 0, 1, 2, Bytes::from_static(b"cc......")));
+    t.on_frame(Timestamp(5), block_frame(id, 0, 1, 2, Bytes::from_static(b"cc......")));
     drain_target(&mut t);
-    t.on_written(SimTime(6), 1);
+    t.on_written(Timestamp(6), 1);
     let acts = drain_target(&mut t);
     assert_eq!(acts, vec![TargetAction::Attach { state: Bytes::from_static(b"st"), kv_tokens: 6, blocks: 2 }]);
-    t.on_attached(SimTime(7), Ok(()));
+    t.on_attached(Timestamp(7), Ok(()));
     let acts = drain_target(&mut t);
     assert!(matches!(&acts[0], TargetAction::Send(f) if matches!(body(f), Body::CommitReply(r) if r.ok)));
     assert_eq!(acts[1], TargetAction::Done(Outcome::Committed));
@@ -614,17 +614,17 @@ fn target_waits_for_final_blocks_after_commit_then_attaches() {
 #[test]
 fn target_commit_with_a_missing_block_times_out_incomplete() {
     let (mut t, params) = manual_target(6);
-    t.on_frame(SimTime(2), block_frame(MigrationId(9), 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
+    t.on_frame(Timestamp(2), block_frame(MigrationId(9), 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
     t.on_frame(
-        SimTime(2),
+        Timestamp(2),
         ctrl(Body::StageEnd(wire::StageEnd { migration_id: 9, stage: 0, blocks: 2, final_stage: true })),
     );
     let commit = wire::Commit { migration_id: 9, kv_tokens: 6, blocks_total: 2, state: Bytes::new() };
-    t.on_frame(SimTime(3), ctrl(Body::Commit(commit)));
-    t.on_written(SimTime(4), 0);
+    t.on_frame(Timestamp(3), ctrl(Body::Commit(commit)));
+    t.on_written(Timestamp(4), 0);
     drain_target(&mut t);
     let deadline = t.poll_timeout().unwrap();
-    assert_eq!(deadline, SimTime(0) + params.timeout);
+    assert_eq!(deadline, Timestamp(0) + params.timeout);
     t.on_timeout(deadline);
     let acts = drain_target(&mut t);
     assert!(matches!(&acts[0], TargetAction::Send(f) if is_abort(f, AbortKind::Incomplete)));
@@ -636,26 +636,26 @@ fn target_commit_with_a_missing_block_times_out_incomplete() {
 fn target_commit_that_can_never_complete_aborts_at_once() {
     // The final stage is complete (1 block) but Commit claims 3 blocks: nothing else can come.
     let (mut t, _) = manual_target(4);
-    t.on_frame(SimTime(2), block_frame(MigrationId(9), 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
+    t.on_frame(Timestamp(2), block_frame(MigrationId(9), 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
     t.on_frame(
-        SimTime(2),
+        Timestamp(2),
         ctrl(Body::StageEnd(wire::StageEnd { migration_id: 9, stage: 0, blocks: 1, final_stage: true })),
     );
-    t.on_written(SimTime(3), 0);
+    t.on_written(Timestamp(3), 0);
     let commit = wire::Commit { migration_id: 9, kv_tokens: 12, blocks_total: 3, state: Bytes::new() };
-    t.on_frame(SimTime(4), ctrl(Body::Commit(commit)));
+    t.on_frame(Timestamp(4), ctrl(Body::Commit(commit)));
     let acts = drain_target(&mut t);
     assert_eq!(acts.last(), Some(&TargetAction::Done(Outcome::Aborted(AbortReason::Incomplete { missing: 2 }))));
     // A Commit whose token count contradicts the blocks' token counts is a bad frame.
     let (mut t, _) = manual_target(4);
-    t.on_frame(SimTime(2), block_frame(MigrationId(9), 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
+    t.on_frame(Timestamp(2), block_frame(MigrationId(9), 0, 0, 4, Bytes::from_static(b"aaaaaaaa")));
     t.on_frame(
-        SimTime(2),
+        Timestamp(2),
         ctrl(Body::StageEnd(wire::StageEnd { migration_id: 9, stage: 0, blocks: 1, final_stage: true })),
     );
-    t.on_written(SimTime(3), 0);
+    t.on_written(Timestamp(3), 0);
     let commit = wire::Commit { migration_id: 9, kv_tokens: 3, blocks_total: 1, state: Bytes::new() };
-    t.on_frame(SimTime(4), ctrl(Body::Commit(commit)));
+    t.on_frame(Timestamp(4), ctrl(Body::Commit(commit)));
     let acts = drain_target(&mut t);
     let Some(TargetAction::Done(Outcome::Aborted(AbortReason::BadFrame(m)))) = acts.last() else { panic!("{acts:?}") };
     assert!(m.contains("implies 3"), "{m}");
@@ -679,7 +679,7 @@ fn nonsense_frames_abort_with_bad_frame() {
     ];
     for (case, mk) in cases {
         let (mut t, _) = manual_target(8);
-        t.on_frame(SimTime(2), mk());
+        t.on_frame(Timestamp(2), mk());
         let acts = drain_target(&mut t);
         assert!(matches!(&acts[0], TargetAction::Send(f) if is_abort(f, AbortKind::BadFrame)), "{case}: {acts:?}");
         assert_eq!(acts[1], TargetAction::Release, "{case}");
@@ -688,7 +688,7 @@ fn nonsense_frames_abort_with_bad_frame() {
     }
     // A first frame that is not a Prepare gets an Abort back and no machine.
     let stray = ctrl(Body::StageAck(wire::StageAck { migration_id: 4, stage: 0 }));
-    let reply = TargetMachine::accept(SimTime(0), &MigrationParams::default(), stray).unwrap_err();
+    let reply = TargetMachine::accept(Timestamp(0), &MigrationParams::default(), stray).unwrap_err();
     assert!(is_abort(&reply, AbortKind::BadFrame));
     assert_eq!(frame_migration_id(&reply), Some(MigrationId(4)));
     // The source: a StageAck for a stage it is not waiting for.

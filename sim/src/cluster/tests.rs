@@ -6,7 +6,7 @@ use crate::config::{resolve_policy, SimConfig};
 use crate::migration::LiveMigrations;
 use kvfleet_core::policy::registry::build_policy;
 use kvfleet_core::policy::{LoadReport, PhaseChange, PhaseDecision};
-use kvfleet_core::SimDuration;
+use kvfleet_core::TimeSpan;
 use kvfleet_netmodel::migration::AbortReason;
 use std::path::Path;
 
@@ -30,7 +30,7 @@ fn run_with(cfg: &SimConfig, policy: Box<dyn InstancePolicy>, requests: &[Reques
         0,
     )
     .unwrap();
-    cluster.run(requests, |_| {})
+    cluster.run(requests, |_| {}).expect("the run ends within RUN_LIMIT")
 }
 
 fn run(policy: &str, instances: u32, requests: &[RequestSpec]) -> ClusterOutcome {
@@ -46,7 +46,7 @@ fn burst(n: u64, prompt: u32) -> Vec<RequestSpec> {
     (0..n)
         .map(|id| RequestSpec {
             id: RequestId(id),
-            arrival: SimTime::ZERO,
+            arrival: Timestamp::ZERO,
             prompt_tokens: prompt,
             reasoning_tokens: 100,
             answer_tokens: 50,
@@ -95,14 +95,14 @@ impl InstancePolicy for Scripted {
 fn request(id: u64, arrival_s: f64, prompt: u32, reasoning: u32, answer: u32) -> RequestSpec {
     RequestSpec {
         id: RequestId(id),
-        arrival: SimTime::from_secs_f64(arrival_s),
+        arrival: Timestamp::from_secs_f64(arrival_s),
         prompt_tokens: prompt,
         reasoning_tokens: reasoning,
         answer_tokens: answer,
     }
 }
 
-fn last_finish(out: &ClusterOutcome) -> SimTime {
+fn last_finish(out: &ClusterOutcome) -> Timestamp {
     out.records.iter().filter_map(|r| r.finish).max().unwrap()
 }
 
@@ -118,7 +118,7 @@ fn boundary_moves_are_live_migrations_that_commit() {
         assert_eq!((m.outcome_name(), m.from, m.to), ("committed", InstanceId(0), InstanceId(1)), "{m:?}");
         assert!(m.live_stages >= 1, "1000 tokens are 62 full blocks: they go live first");
         let downtime = m.downtime.expect("paused");
-        assert!(downtime < SimDuration::from_millis_f64(2.0), "{}: downtime {downtime}", m.request);
+        assert!(downtime < TimeSpan::from_millis_f64(2.0), "{}: downtime {downtime}", m.request);
     }
     for r in &out.records {
         assert_eq!((r.placed_on, r.finished_on, r.migrations), (InstanceId(0), Some(InstanceId(1)), 1), "{}", r.id);

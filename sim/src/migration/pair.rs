@@ -8,7 +8,7 @@ use kvfleet_core::engine::sched::{build_scheduler, SchedulerParams};
 use kvfleet_core::engine::{Engine, EngineConfig, EngineError, EngineEvent};
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::timing::TimingModel;
-use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimTime};
+use kvfleet_core::{InstanceId, RequestId, RequestSpec, Timestamp};
 use kvfleet_netmodel::migration::{MigrationId, MigrationParams};
 use kvfleet_netmodel::{Fabric, LinkError, LinkParams};
 use std::sync::Arc;
@@ -25,18 +25,37 @@ pub const SIMULATED_DECODE_TOKENS: u32 = 1000;
 /// Why an [`EnginePair`] could not be built or run.
 #[derive(Debug, thiserror::Error)]
 pub enum PairError {
+    /// The link parameters are invalid.
     #[error("link: {0}")]
     Link(#[from] LinkError),
+    /// The intra-instance scheduler could not be built.
     #[error("scheduler: {0}")]
     Scheduler(String),
+    /// An engine refused the request.
     #[error("submitting {request} on {on}: {source}")]
-    Submit { request: RequestId, on: InstanceId, source: EngineError },
+    Submit {
+        /// The request.
+        request: RequestId,
+        /// The instance.
+        on: InstanceId,
+        /// The engine's error.
+        source: EngineError,
+    },
+    /// The request was submitted but no iteration was planned for it.
     #[error("{0} has nothing to plan (its prefill does not fit one iteration?)")]
     NotPlanned(RequestId),
+    /// The live migration could not be started.
     #[error("starting the migration: {0}")]
     Start(#[from] StartError),
+    /// An engine's consistency check failed.
     #[error("instance {instance} broke an invariant: {message}")]
-    Invariant { instance: InstanceId, message: String },
+    Invariant {
+        /// The instance.
+        instance: InstanceId,
+        /// What is inconsistent.
+        message: String,
+    },
+    /// Nothing is due (no iteration, transfer or deadline) while the migration is unfinished.
     #[error("the migration waits for nothing: no iteration, transfer or deadline is due")]
     Stalled,
 }
@@ -44,9 +63,12 @@ pub enum PairError {
 /// Two engines (`engines[0]`: [`SOURCE`], `engines[1]`: [`TARGET`]), the fabric between them,
 /// and the virtual clock.
 pub struct EnginePair {
+    /// The two engines.
     pub engines: Vec<Engine>,
+    /// The network between them.
     pub fabric: Fabric,
-    pub now: SimTime,
+    /// The virtual clock.
+    pub now: Timestamp,
     /// Requests that finished on either side, in order.
     pub finished: Vec<RequestRecord>,
 }
@@ -67,7 +89,7 @@ impl EnginePair {
         Ok(EnginePair {
             engines: vec![engine(SOURCE, source)?, engine(TARGET, target)?],
             fabric: Fabric::new(2, link)?,
-            now: SimTime::ZERO,
+            now: Timestamp::ZERO,
             finished: Vec::new(),
         })
     }
@@ -184,7 +206,7 @@ pub fn simulate_one(
     let mut pair = EnginePair::new(cfg.clone(), cfg, timing, link)?;
     let spec = RequestSpec {
         id: request,
-        arrival: SimTime::ZERO,
+        arrival: Timestamp::ZERO,
         prompt_tokens: kv_tokens.saturating_sub(1).max(1),
         reasoning_tokens: SIMULATED_DECODE_TOKENS,
         answer_tokens: 1,

@@ -17,7 +17,7 @@ const BLOCK_SIZE: u32 = 16;
 const BLOCK_BYTES: u64 = BLOCK_SIZE as u64 * KV_BYTES_PER_TOKEN;
 const REQUEST: RequestId = RequestId(1);
 
-fn ms(d: SimDuration) -> f64 {
+fn ms(d: TimeSpan) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
@@ -45,12 +45,12 @@ fn engine_config(gpu_blocks: u32, cpu_blocks: u32) -> EngineConfig {
         max_num_seqs: 256,
         max_batched_tokens: 8192,
         kv_bytes_per_token: KV_BYTES_PER_TOKEN,
-        tpot: SimDuration::from_millis_f64(100.0),
+        tpot: TimeSpan::from_millis_f64(100.0),
     }
 }
 
 fn fixed_timing(iteration_ms: f64) -> Arc<FixedTiming> {
-    Arc::new(FixedTiming { iteration: SimDuration::from_millis_f64(iteration_ms), transfer: SimDuration::ZERO })
+    Arc::new(FixedTiming { iteration: TimeSpan::from_millis_f64(iteration_ms), transfer: TimeSpan::ZERO })
 }
 
 fn link(link_gbps: f64) -> LinkParams {
@@ -73,7 +73,7 @@ impl Bench {
     fn place(&mut self, on: InstanceId, id: RequestId, kv_tokens: u32, answer_tokens: u32) {
         let spec = RequestSpec {
             id,
-            arrival: SimTime::ZERO,
+            arrival: Timestamp::ZERO,
             prompt_tokens: kv_tokens - 1,
             reasoning_tokens: 1,
             answer_tokens,
@@ -170,7 +170,7 @@ fn a_timeout_aborts_and_the_request_carries_on_at_the_source() {
         ("blocking: times out paused", blocking(), MigrationPhase::StopAndCopy, true),
     ];
     for (name, params, phase, paused) in cases {
-        let timeout = SimDuration::from_millis_f64(100.0);
+        let timeout = TimeSpan::from_millis_f64(100.0);
         let mut b = Bench::new(100.0, 30.0);
         b.place(SOURCE, REQUEST, 16 * 1024, 200);
         let r = b.migrate(MigrationParams { timeout, ..params });

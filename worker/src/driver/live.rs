@@ -90,7 +90,7 @@ pub(crate) enum LiveCommand {
     AttachReserved {
         migration: MigrationId,
         state: Box<MigratedRequest>,
-        reply: Reply<kvfleet_core::SimTime>,
+        reply: Reply<kvfleet_core::Timestamp>,
     },
     Release {
         request: RequestId,
@@ -308,7 +308,7 @@ impl Driver {
         &mut self,
         migration: MigrationId,
         m: MigratedRequest,
-    ) -> Result<kvfleet_core::SimTime, DriverError> {
+    ) -> Result<kvfleet_core::Timestamp, DriverError> {
         let id = m.spec.id;
         match self.ledger.commit(id, migration) {
             Ok(Arrival::AlreadyHere) => return Ok(self.clock.now()), // a retried commit

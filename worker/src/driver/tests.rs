@@ -8,7 +8,7 @@ use crate::ledger::Refusal;
 use kvfleet_core::engine::sched::{build_scheduler, SchedulerParams};
 use kvfleet_core::engine::EngineConfig;
 use kvfleet_core::timing::FixedTiming;
-use kvfleet_core::{InstanceId, SimDuration};
+use kvfleet_core::{InstanceId, TimeSpan};
 use kvfleet_netmodel::migration::MigrationId;
 use std::collections::BTreeMap;
 use std::sync::mpsc::{channel, Sender};
@@ -36,12 +36,10 @@ fn start(instance: u32, scheduler: &str, gpu_blocks: u32, cpu_blocks: u32) -> Ru
         max_num_seqs: 16,
         max_batched_tokens: 256,
         kv_bytes_per_token: 96,
-        tpot: SimDuration::from_millis_f64(5.0),
+        tpot: TimeSpan::from_millis_f64(5.0),
     };
-    let timing = Arc::new(FixedTiming {
-        iteration: SimDuration::from_millis_f64(1.0),
-        transfer: SimDuration::from_millis_f64(0.2),
-    });
+    let timing =
+        Arc::new(FixedTiming { iteration: TimeSpan::from_millis_f64(1.0), transfer: TimeSpan::from_millis_f64(0.2) });
     let params = SchedulerParams { quantum_tokens: 3, ..SchedulerParams::default() };
     let engine = Engine::new(InstanceId(instance), cfg.clone(), timing, build_scheduler(scheduler, &params).unwrap());
     let layout = ArenaLayout { block_size: 4, kv_bytes_per_token: 96, gpu_blocks, cpu_blocks };
@@ -69,7 +67,7 @@ fn ask<T>(r: &Running, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> T {
 fn spec(id: u64, prompt: u32, reasoning: u32, answer: u32) -> RequestSpec {
     RequestSpec {
         id: RequestId(id),
-        arrival: SimTime(0),
+        arrival: Timestamp(0),
         prompt_tokens: prompt,
         reasoning_tokens: reasoning,
         answer_tokens: answer,

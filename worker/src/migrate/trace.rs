@@ -6,14 +6,16 @@
 //! the start: its context travels in `Prepare.trace_context` so the target's spans join it.
 
 use crate::clock::ClusterClock;
-use kvfleet_core::{RequestId, SimTime};
+use kvfleet_core::{RequestId, Timestamp};
 use kvfleet_netmodel::migration::{AbortReason, MigrationId, MigrationReport, Outcome, TargetReport};
 use kvfleet_telemetry::{extract, unix_time, Carrier, Context, KeyValue, OpenSpan};
 
 /// How the link a migration crosses is shaped (0 rate: unshaped).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LinkShape {
+    /// Rate limit, Gbit/s (`--link-gbps`; 0: unshaped).
     pub gbps: f64,
+    /// Added one-way latency, µs (`--link-latency-us`).
     pub latency_us: f64,
 }
 
@@ -21,7 +23,7 @@ fn int(key: &'static str, v: impl TryInto<i64>) -> KeyValue {
     KeyValue::new(key, v.try_into().unwrap_or(i64::MAX))
 }
 
-fn ms(d: kvfleet_core::SimDuration) -> f64 {
+fn ms(d: kvfleet_core::TimeSpan) -> f64 {
     d.as_millis_f64()
 }
 
@@ -46,7 +48,7 @@ impl SourceTrace {
     pub fn start(
         parent: &Context,
         clock: &ClusterClock,
-        now: SimTime,
+        now: Timestamp,
         id: MigrationId,
         request: RequestId,
         (source, target): (u32, Option<u32>),
@@ -76,12 +78,12 @@ impl SourceTrace {
         self.span.carrier()
     }
 
-    fn at(&self, t: SimTime) -> std::time::SystemTime {
+    fn at(&self, t: Timestamp) -> std::time::SystemTime {
         unix_time(self.epoch_unix_ns + t.0)
     }
 
     /// The request finished on the source while its KV was copied: nothing was moved.
-    pub fn finish_vanished(mut self, now: SimTime) {
+    pub fn finish_vanished(mut self, now: Timestamp) {
         self.span.set([
             KeyValue::new("kvfleet.migration.outcome", "finished"),
             KeyValue::new("kvfleet.migration.abort_reason", "the request finished on the source during the copy"),
@@ -91,7 +93,7 @@ impl SourceTrace {
     }
 
     /// Record every phase of `r` and end the span at the migration's end (`now` if it has none).
-    pub fn finish(mut self, r: &MigrationReport, now: SimTime) {
+    pub fn finish(mut self, r: &MigrationReport, now: Timestamp) {
         let end = r.finished_at.unwrap_or(now);
         let started = r.started.unwrap_or(r.created);
         let blocks: u64 = r.stages.iter().map(|s| u64::from(s.blocks)).sum();
@@ -167,7 +169,7 @@ impl TargetTrace {
     pub fn start(
         trace_context: &Carrier,
         clock: &ClusterClock,
-        now: SimTime,
+        now: Timestamp,
         id: MigrationId,
         request: RequestId,
         instance: u32,
@@ -184,12 +186,13 @@ impl TargetTrace {
     }
 
     /// Record a phase `[from, to]` (`migration.reserve`, `.verify`, `.attach`).
-    pub fn phase(&self, name: &'static str, from: SimTime, to: SimTime, blocks: Option<u64>) {
+    pub fn phase(&self, name: &'static str, from: Timestamp, to: Timestamp, blocks: Option<u64>) {
         let attrs = blocks.map(|b| vec![int("kvfleet.migration.blocks", b)]).unwrap_or_default();
         self.span.child(name, unix_time(self.epoch_unix_ns + from.0), unix_time(self.epoch_unix_ns + to.0), attrs);
     }
 
-    pub fn finish(mut self, r: &TargetReport, now: SimTime) {
+    /// Tag the outcome and end the span at the target's finish time (`now` if it never finished).
+    pub fn finish(mut self, r: &TargetReport, now: Timestamp) {
         self.span.set([KeyValue::new("kvfleet.migration.outcome", outcome_name(r.outcome.as_ref()))]);
         let end = unix_time(self.epoch_unix_ns + r.finished_at.unwrap_or(now).0);
         self.span.end(end);

@@ -20,16 +20,30 @@ use crate::timing::analytic::AnalyticTiming;
 use crate::timing::BatchShape;
 use std::fmt;
 
+/// Method name: each interior point removed in turn and predicted by interpolation.
 pub const METHOD_LOO: &str = "leave-one-out";
+/// Method name: each interior decode batch row removed whole and predicted.
 pub const METHOD_BATCH_OUT: &str = "leave-one-batch-out";
+/// Method name: the longest context of each decode row predicted by extrapolation.
 pub const METHOD_EDGE: &str = "edge-extrapolation";
+/// Method name: every point predicted by a model never fitted per point (the analytic roofline).
 pub const METHOD_ALL: &str = "all-points";
 
 /// Which table point was predicted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TablePoint {
-    Decode { batch: u32, context: u32 },
-    Prefill { tokens: u32 },
+    /// A decode cell of the table.
+    Decode {
+        /// Decoding sequences.
+        batch: u32,
+        /// Context tokens of each.
+        context: u32,
+    },
+    /// A prefill length of the table.
+    Prefill {
+        /// Prompt length, tokens.
+        tokens: u32,
+    },
 }
 
 impl fmt::Display for TablePoint {
@@ -46,9 +60,13 @@ impl fmt::Display for TablePoint {
 pub struct HeldOutPoint {
     /// `profile` or `analytic`.
     pub model: &'static str,
+    /// How it was held out (one of the `METHOD_*` names).
     pub method: &'static str,
+    /// The table point predicted.
     pub point: TablePoint,
+    /// Measured iteration time, ms.
     pub measured_ms: f64,
+    /// The model's prediction, ms.
     pub predicted_ms: f64,
 }
 
@@ -62,16 +80,24 @@ impl HeldOutPoint {
 /// Slices of the points the report summarises (decode thresholds: batch 8, context 2048).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Regime {
+    /// Every point.
     All,
+    /// Decode points.
     Decode,
+    /// Decode points with batch ≤ 8.
     DecodeSmallBatch,
+    /// Decode points with batch > 8.
     DecodeLargeBatch,
+    /// Decode points with context ≤ 2048 tokens.
     DecodeShortContext,
+    /// Decode points with context > 2048 tokens.
     DecodeLongContext,
+    /// Prefill points.
     Prefill,
 }
 
 impl Regime {
+    /// Every regime, in report order.
     pub const ALL: [Regime; 7] = [
         Regime::All,
         Regime::Decode,
@@ -82,6 +108,7 @@ impl Regime {
         Regime::Prefill,
     ];
 
+    /// Short label for report tables.
     pub fn label(self) -> &'static str {
         match self {
             Regime::All => "all",
@@ -94,6 +121,7 @@ impl Regime {
         }
     }
 
+    /// Whether point `p` falls in this regime.
     pub fn contains(self, p: TablePoint) -> bool {
         match (self, p) {
             (Regime::All, _) => true,
@@ -111,15 +139,20 @@ impl Regime {
 /// Mean and worst absolute error over a set of points.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ErrorStats {
+    /// Points summarised.
     pub n: usize,
+    /// Mean absolute percentage error, %.
     pub mape_pct: f64,
+    /// Largest absolute percentage error, %.
     pub max_abs_pct: f64,
 }
 
 /// Every held-out prediction, with summaries by (model, method, regime).
 #[derive(Clone, Debug)]
 pub struct HoldoutReport {
+    /// Heading naming the profile the points come from.
     pub title: String,
+    /// Every held-out prediction.
     pub points: Vec<HeldOutPoint>,
 }
 

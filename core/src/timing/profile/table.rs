@@ -12,15 +12,20 @@ use std::str::FromStr;
 /// One measured decode iteration: `batch` sequences, each at `context` tokens (counting the new one).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecodePoint {
+    /// Decoding sequences in the iteration.
     pub batch: u32,
+    /// Context length of each sequence, tokens.
     pub context: u32,
+    /// Measured iteration time, ms.
     pub iter_ms: f64,
 }
 
 /// One measured prefill iteration of a single prompt of `tokens` tokens.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PrefillPoint {
+    /// Prompt length, tokens.
     pub tokens: u32,
+    /// Measured iteration time, ms.
     pub iter_ms: f64,
 }
 
@@ -38,7 +43,9 @@ pub enum CopyDirection {
 /// One measured copy rate.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CopyPoint {
+    /// Which way the bytes went.
     pub direction: CopyDirection,
+    /// Size of the measured copy, bytes.
     pub bytes: u64,
     /// Payload rate, GB/s = 1e9 bytes/s.
     pub gbps: f64,

@@ -29,7 +29,7 @@ fn reproduces_every_table_point() {
     for d in p.decode_points() {
         let got = p.iteration_ms(&decode(d.batch, d.context));
         assert!((got - d.iter_ms).abs() < 1e-9, "b={} ctx={}: {got} vs {}", d.batch, d.context, d.iter_ms);
-        assert_eq!(p.iteration(&decode(d.batch, d.context)), SimDuration::from_millis_f64(d.iter_ms));
+        assert_eq!(p.iteration(&decode(d.batch, d.context)), TimeSpan::from_millis_f64(d.iter_ms));
     }
     for q in p.prefill_points() {
         let mut s = BatchShape::default();
@@ -134,11 +134,11 @@ fn transfers_use_the_measured_copy_rates() {
     let p = h100();
     let gib = 1u64 << 30;
     // copy.csv at 1 GiB: d2h 53.91 GB/s (offload), h2d 53.65 GB/s (reload).
-    assert_eq!(p.offload(gib), SimDuration::from_secs_f64(gib as f64 / 53.91e9));
-    assert_eq!(p.reload(gib), SimDuration::from_secs_f64(gib as f64 / 53.65e9));
+    assert_eq!(p.offload(gib), TimeSpan::from_secs_f64(gib as f64 / 53.91e9));
+    assert_eq!(p.reload(gib), TimeSpan::from_secs_f64(gib as f64 / 53.65e9));
     assert!((p.reload(gib).as_millis_f64() - 20.01).abs() < 0.01);
-    assert_eq!(p.offload(0), SimDuration::ZERO);
-    assert_eq!(p.iteration(&BatchShape::default()), SimDuration::ZERO);
+    assert_eq!(p.offload(0), TimeSpan::ZERO);
+    assert_eq!(p.iteration(&BatchShape::default()), TimeSpan::ZERO);
 }
 
 #[test]

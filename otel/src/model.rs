@@ -28,10 +28,13 @@ pub struct Phase {
     pub name: String,
     /// `source` or `target`.
     pub side: &'static str,
+    /// Span start, Unix nanoseconds.
     pub start_ns: u64,
+    /// Span end, Unix nanoseconds.
     pub end_ns: u64,
     /// Start relative to the migration span's start.
     pub offset_ms: f64,
+    /// Span duration, milliseconds.
     pub duration_ms: f64,
     /// `kvfleet.stage.index` of a `stage`/`stop_copy`.
     pub stage_index: Option<i64>,
@@ -42,51 +45,72 @@ pub struct Phase {
 /// Time spent in each phase (summed when a phase occurs more than once, as live stages do).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct PhaseTimes {
+    /// PREPARE (source side), milliseconds.
     pub prepare_ms: Option<f64>,
     /// All live (pre-copy) stages together.
     pub live_copy_ms: Option<f64>,
+    /// Pausing the request on the source before the stop-and-copy, milliseconds.
     pub pause_ms: Option<f64>,
+    /// The stop-and-copy stage, milliseconds.
     pub stop_copy_ms: Option<f64>,
+    /// COMMIT, milliseconds.
     pub commit_ms: Option<f64>,
+    /// The target reserving KV blocks, milliseconds.
     pub reserve_ms: Option<f64>,
+    /// The target checking every block's checksum and token stamps, milliseconds.
     pub verify_ms: Option<f64>,
+    /// The target attaching the request to its engine, milliseconds.
     pub attach_ms: Option<f64>,
 }
 
 /// One migration: the source's `migration` span with its phases and the target's spans.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MigrationRecord {
+    /// Trace id (hex) of the `migration` span.
     pub trace_id: String,
+    /// Span id (hex) of the `migration` span.
     pub span_id: String,
     /// `kvfleet.migration.id` (the span id when absent).
     pub migration_id: String,
+    /// `kvfleet.request.id` of the migrated request.
     pub request_id: Option<i64>,
     /// The span id of the `request` span the migration belongs to (see the module doc).
     pub request_span_id: Option<String>,
+    /// `kvfleet.policy` of the request span (see the module doc), `"unknown"` without one.
     pub policy: String,
     /// `kvfleet.link` (`"<source>-><target>"`).
     pub link: String,
+    /// `kvfleet.migration.source`, else the span's `kvfleet.instance`: the source instance.
     pub source: Option<i64>,
     /// `kvfleet.migration.target`, else the target span's `kvfleet.instance`; `None` if unknown.
     pub target: Option<i64>,
     /// `committed`, `aborted`, `unknown`, or what the span says.
     pub outcome: String,
+    /// `kvfleet.migration.abort_reason` (aborted migrations only).
     pub abort_reason: Option<String>,
+    /// Start of the `migration` span, Unix nanoseconds.
     pub start_ns: u64,
+    /// End of the `migration` span, Unix nanoseconds.
     pub end_ns: u64,
     /// `kvfleet.migration.total_ms`, else the span's duration.
     pub total_ms: f64,
     /// `kvfleet.migration.downtime_ms`, else the `downtime` span's duration.
     pub downtime_ms: Option<f64>,
+    /// `kvfleet.migration.goodput_gbps`: bytes moved over total time, Gbit/s (committed only).
     pub goodput_gbps: Option<f64>,
+    /// `kvfleet.migration.kv_tokens`: sequence length when paused, else at start.
     pub kv_tokens: Option<i64>,
+    /// `kvfleet.migration.blocks`: KV blocks migrated.
     pub blocks: Option<i64>,
     /// `kvfleet.migration.bytes`, else the sum of the stages' bytes.
     pub bytes: Option<i64>,
     /// `kvfleet.migration.stages`: copy stages, stop-and-copy included.
     pub stages: Option<i64>,
+    /// `kvfleet.link.gbps`: the link's shaped rate, Gbit/s (0 = unshaped).
     pub link_gbps: Option<f64>,
+    /// `kvfleet.link.latency_us`: the link's added one-way latency, microseconds.
     pub link_latency_us: Option<f64>,
+    /// Time per phase.
     pub times: PhaseTimes,
     /// Live `stage` spans found.
     pub live_stages: usize,
@@ -101,10 +125,15 @@ pub struct MigrationRecord {
 /// The coordinator's placement decision for a request.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Placement {
+    /// `kvfleet.placement.candidates`: live instances the policy saw.
     pub candidates: Option<i64>,
+    /// `kvfleet.placement.chosen`: the instance picked.
     pub chosen: Option<i64>,
+    /// `kvfleet.placement.reason`: the policy and the chosen instance's load.
     pub reason: Option<String>,
+    /// Start of the `placement` span, Unix nanoseconds.
     pub start_ns: u64,
+    /// Duration of the `placement` span, milliseconds.
     pub duration_ms: f64,
 }
 
@@ -112,24 +141,36 @@ pub struct Placement {
 /// `preempted`).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RequestPhase {
+    /// The span name without `request.`.
     pub name: String,
+    /// The instance it ran on (`kvfleet.instance` of the span or its resource).
     pub instance: Option<i64>,
+    /// Span start, Unix nanoseconds.
     pub start_ns: u64,
+    /// Span end, Unix nanoseconds.
     pub end_ns: u64,
     /// Start relative to the request span's start.
     pub offset_ms: f64,
+    /// Span duration, milliseconds.
     pub duration_ms: f64,
 }
 
 /// A migration of a request, as its timeline shows it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MigrationRef {
+    /// [`MigrationRecord::migration_id`].
     pub migration_id: String,
+    /// Source instance.
     pub source: Option<i64>,
+    /// Target instance.
     pub target: Option<i64>,
+    /// [`MigrationRecord::outcome`].
     pub outcome: String,
+    /// Start relative to the request span's start, milliseconds.
     pub offset_ms: f64,
+    /// [`MigrationRecord::total_ms`].
     pub total_ms: f64,
+    /// [`MigrationRecord::downtime_ms`].
     pub downtime_ms: Option<f64>,
 }
 
@@ -137,16 +178,27 @@ pub struct MigrationRef {
 /// migrations.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RequestTimeline {
+    /// Trace id (hex) of the `request` span.
     pub trace_id: String,
+    /// Span id (hex) of the `request` span.
     pub span_id: String,
+    /// `kvfleet.request.id`.
     pub request_id: Option<i64>,
+    /// `kvfleet.policy`, `"unknown"` without one.
     pub policy: String,
+    /// Start of the `request` span, Unix nanoseconds.
     pub start_ns: u64,
+    /// End of the `request` span, Unix nanoseconds.
     pub end_ns: u64,
+    /// Duration of the `request` span, milliseconds.
     pub duration_ms: f64,
+    /// `kvfleet.request.prompt_tokens`.
     pub prompt_tokens: Option<i64>,
+    /// `kvfleet.request.reasoning_tokens`.
     pub reasoning_tokens: Option<i64>,
+    /// `kvfleet.request.answer_tokens`.
     pub answer_tokens: Option<i64>,
+    /// The first `placement` span of this request, if any.
     pub placement: Option<Placement>,
     /// By start time.
     pub phases: Vec<RequestPhase>,
@@ -154,19 +206,26 @@ pub struct RequestTimeline {
     pub phase_ms: BTreeMap<String, f64>,
     /// Instances the request ran on, in order.
     pub instances: Vec<i64>,
+    /// Its migrations, by start time.
     pub migrations: Vec<MigrationRef>,
 }
 
 /// Counts and distributions of one group of migrations (a policy, a link, or all).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct GroupStats {
+    /// The group: a policy name, a link name, or `all`.
     pub key: String,
+    /// Migrations in the group.
     pub migrations: usize,
+    /// Of which committed.
     pub committed: usize,
+    /// Of which aborted.
     pub aborted: usize,
     /// Neither committed nor aborted (`unknown`, `finished`, ...).
     pub other: usize,
+    /// Migrations with a phase missing (see the module doc).
     pub incomplete: usize,
+    /// Bytes moved, summed over the migrations that report them.
     pub bytes: i64,
     /// Over every migration with a downtime (an aborted one's, after a pause, counts).
     pub downtime_ms: Percentiles,
@@ -201,12 +260,15 @@ impl GroupStats {
 /// Everything [`analyze`] finds.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Analysis {
+    /// Spans analysed.
     pub spans: usize,
+    /// Distinct trace ids among them.
     pub traces: usize,
     /// By start time.
     pub migrations: Vec<MigrationRecord>,
     /// By start time.
     pub requests: Vec<RequestTimeline>,
+    /// Every migration together.
     pub overall: GroupStats,
     /// By policy name.
     pub by_policy: Vec<GroupStats>,

@@ -224,12 +224,19 @@ fn base64_decode(s: &str) -> Option<Vec<u8>> {
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 #[serde(untagged)]
 pub enum AttrValue {
+    /// `stringValue`.
     Str(String),
+    /// `boolValue`.
     Bool(bool),
+    /// `intValue`.
     Int(i64),
+    /// `doubleValue`.
     Double(f64),
+    /// `bytesValue` (base64 in OTLP JSON), decoded.
     Bytes(Vec<u8>),
+    /// `arrayValue`.
     Array(Vec<AttrValue>),
+    /// `kvlistValue`.
     KvList(Attributes),
     /// An `AnyValue` with no value set.
     Empty,
@@ -259,6 +266,7 @@ impl AttrValue {
         }
     }
 
+    /// The string of a `stringValue`; `None` for any other kind.
     pub fn as_str(&self) -> Option<&str> {
         match self {
             AttrValue::Str(s) => Some(s),
@@ -278,11 +286,15 @@ pub struct SpanRecord {
     pub span_id: String,
     /// `None` for a root span.
     pub parent_span_id: Option<String>,
+    /// The span's name (`request`, `migration`, `migration.stage`, ...).
     pub name: String,
     /// `SpanKind` as its number (0 unspecified … 5 consumer).
     pub kind: i64,
+    /// Start, Unix nanoseconds.
     pub start_ns: u64,
+    /// End, Unix nanoseconds.
     pub end_ns: u64,
+    /// The span's own attributes.
     pub attributes: Attributes,
     /// The attributes of the span's resource (`service.name`, `kvfleet.instance`, ...).
     pub resource: Arc<Attributes>,
@@ -290,22 +302,27 @@ pub struct SpanRecord {
     pub scope: String,
     /// `Status.code` as its number (0 unset, 1 ok, 2 error).
     pub status_code: i64,
+    /// `Status.message` (empty when unset).
     pub status_message: String,
 }
 
 impl SpanRecord {
+    /// The span attribute `key`.
     pub fn attr(&self, key: &str) -> Option<&AttrValue> {
         self.attributes.get(key)
     }
 
+    /// The span attribute `key` as an integer ([`AttrValue::as_i64`]).
     pub fn attr_i64(&self, key: &str) -> Option<i64> {
         self.attr(key).and_then(AttrValue::as_i64)
     }
 
+    /// The span attribute `key` as a number ([`AttrValue::as_f64`]).
     pub fn attr_f64(&self, key: &str) -> Option<f64> {
         self.attr(key).and_then(AttrValue::as_f64)
     }
 
+    /// The span attribute `key` if it is a string.
     pub fn attr_str(&self, key: &str) -> Option<&str> {
         self.attr(key).and_then(AttrValue::as_str)
     }
@@ -321,6 +338,7 @@ impl SpanRecord {
 pub struct LineWarning {
     /// 1-based.
     pub line: usize,
+    /// What was wrong with it.
     pub message: String,
 }
 
@@ -333,7 +351,9 @@ impl std::fmt::Display for LineWarning {
 /// Everything read from one file.
 #[derive(Clone, Debug, Default)]
 pub struct ParsedTraces {
+    /// Every span read, in file order, duplicates dropped.
     pub spans: Vec<SpanRecord>,
+    /// Lines or spans that could not be read.
     pub warnings: Vec<LineWarning>,
     /// Lines read, blank ones included.
     pub lines: usize,

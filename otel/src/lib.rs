@@ -20,6 +20,8 @@
 //!
 //! The `kvfleet traces collect|analyze` commands (cli/src/traces.rs) are thin shells over these.
 
+#![warn(missing_docs)]
+
 pub mod collect;
 pub mod model;
 pub mod otlp_json;
@@ -36,16 +38,41 @@ pub use otlp_json::{parse_file, parse_reader, AttrValue, Attributes, LineWarning
 /// What can go wrong in this crate. Every variant names the file or address it is about.
 #[derive(Debug, thiserror::Error)]
 pub enum TracesError {
+    /// Reading or writing a file failed.
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A file's content is unusable (e.g. a compressed trace file) or could not be encoded.
     #[error("{path}: {what}")]
-    Input { path: PathBuf, what: String },
+    Input {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        what: String,
+    },
+    /// The OTLP/gRPC listener could not be bound.
     #[error("cannot listen for OTLP on {addr}: {source}")]
-    Bind { addr: std::net::SocketAddr, source: std::io::Error },
+    Bind {
+        /// The address asked for.
+        addr: std::net::SocketAddr,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The OTLP/gRPC server failed while serving.
     #[error("OTLP server: {0}")]
     Server(#[from] tonic::transport::Error),
+    /// An SVG plot could not be drawn or written.
     #[error("plot {name}: {what}")]
-    Plot { name: String, what: String },
+    Plot {
+        /// The plot's name.
+        name: String,
+        /// What went wrong.
+        what: String,
+    },
 }
 
 impl TracesError {

@@ -202,7 +202,7 @@ fn a_bad_span_or_attribute_is_reported_and_its_neighbours_kept() {
 
 #[test]
 fn binary_and_compressed_files_are_refused_clearly() {
-    let dir = std::env::temp_dir().join(format!("kvfleet-traces-bin-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("kvfleet-otel-bin-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let gz = dir.join("spans.jsonl.gz");
     std::fs::write(&gz, [0x1f, 0x8b, 8, 0, 0, 0]).unwrap();

@@ -21,15 +21,22 @@ pub fn nearest_rank(sorted: &[f64], q: f64) -> Option<f64> {
 /// Count, mean and P50/P90/P99/max of a sample (non-finite values dropped).
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct Percentiles {
+    /// Finite values in the sample.
     pub n: usize,
+    /// Arithmetic mean; `None` when empty.
     pub mean: Option<f64>,
+    /// Nearest-rank median.
     pub p50: Option<f64>,
+    /// Nearest-rank 90th percentile.
     pub p90: Option<f64>,
+    /// Nearest-rank 99th percentile.
     pub p99: Option<f64>,
+    /// Largest value.
     pub max: Option<f64>,
 }
 
 impl Percentiles {
+    /// The statistics of `values`, non-finite ones dropped.
     pub fn of(values: impl IntoIterator<Item = f64>) -> Percentiles {
         let mut v: Vec<f64> = values.into_iter().filter(|x| x.is_finite()).collect();
         v.sort_by(f64::total_cmp);

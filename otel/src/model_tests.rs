@@ -192,7 +192,7 @@ fn outputs_table_csv_json_and_plots() {
     assert_eq!(json["by_policy"][0]["downtime_ms"]["p90"], 4.6);
     assert_eq!(json["migrations"][2]["missing"][0], "verify");
 
-    let dir = std::env::temp_dir().join(format!("kvfleet-traces-out-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("kvfleet-otel-out-{}", std::process::id()));
     let mut files = crate::report::write_outputs(&dir, &parsed, &a).unwrap();
     files.extend(crate::plots::write_plots(&dir, &a, 3).unwrap());
     let names: Vec<String> = files.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
@@ -219,7 +219,7 @@ fn outputs_table_csv_json_and_plots() {
 #[test]
 fn no_migrations_means_no_plots_and_a_short_table() {
     let a = analyze(&[]);
-    let dir = std::env::temp_dir().join(format!("kvfleet-traces-empty-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("kvfleet-otel-empty-{}", std::process::id()));
     assert!(crate::plots::write_plots(&dir, &a, 5).unwrap().is_empty());
     let table = crate::report::summary_table(&ParsedTraces::default(), &a, 5);
     assert_eq!(table.lines().count(), 3, "{table}");

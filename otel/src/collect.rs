@@ -8,8 +8,8 @@
 //! requests are refused with `UNIMPLEMENTED` (exporters send uncompressed by default).
 //!
 //! ```no_run
-//! # async fn f() -> Result<(), kvfleet_traces::TracesError> {
-//! let sink = kvfleet_traces::Sink::bind("127.0.0.1:4317".parse().unwrap(), "spans.jsonl".as_ref(), false).await?;
+//! # async fn f() -> Result<(), kvfleet_otel::TracesError> {
+//! let sink = kvfleet_otel::Sink::bind("127.0.0.1:4317".parse().unwrap(), "spans.jsonl".as_ref(), false).await?;
 //! println!("otlp on {}", sink.local_addr());
 //! let stats = sink.serve(async { tokio::signal::ctrl_c().await.ok(); }).await?;
 //! println!("{} spans", stats.spans);
@@ -37,6 +37,7 @@ pub const MAX_REQUEST_BYTES: usize = 64 << 20;
 pub struct SinkStats {
     /// Export requests written (those with at least one span).
     pub requests: u64,
+    /// Spans in those requests.
     pub spans: u64,
     /// Bytes written to the file, newlines included.
     pub bytes: u64,
@@ -64,6 +65,7 @@ impl Counters {
 pub struct StatsHandle(Arc<Counters>);
 
 impl StatsHandle {
+    /// The counts now.
     pub fn get(&self) -> SinkStats {
         self.0.snapshot()
     }
@@ -103,6 +105,7 @@ impl Sink {
         self.local_addr
     }
 
+    /// A handle that reads the counts while [`Sink::serve`] runs.
     pub fn stats(&self) -> StatsHandle {
         StatsHandle(Arc::clone(&self.service.counters))
     }
@@ -222,7 +225,7 @@ mod tests {
     /// The sink in-process on a free port, a real tonic OTLP client, and the file read back.
     #[tokio::test]
     async fn exports_from_a_tonic_client_are_written_as_otlp_json_lines() {
-        let dir = std::env::temp_dir().join(format!("kvfleet-traces-sink-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("kvfleet-otel-sink-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let out = dir.join("spans.jsonl");
         let sink = Sink::bind("127.0.0.1:0".parse().unwrap(), &out, false).await.unwrap();
@@ -270,7 +273,7 @@ mod tests {
 
     #[tokio::test]
     async fn binding_a_taken_port_names_the_address() {
-        let dir = std::env::temp_dir().join(format!("kvfleet-traces-bind-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("kvfleet-otel-bind-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = taken.local_addr().unwrap();
