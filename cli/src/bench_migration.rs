@@ -150,7 +150,7 @@ impl SimSide {
     fn simulate(&self, prompt_tokens: u32, max_stages: u32) -> anyhow::Result<Simulated> {
         let migration = kvfleet_sim::config::MigrationConfig { max_stages, ..self.cfg.migration.clone() };
         // The worker's source holds the prompt and its first token's KV when it migrates.
-        let r = kvfleet_sim::migration::simulate_one(
+        let (r, report) = kvfleet_sim::migration::simulate_one(
             prompt_tokens + 1,
             self.cfg.link.clone(),
             migration.params(),
@@ -158,9 +158,10 @@ impl SimSide {
             self.timing.clone(),
         )?;
         Ok(Simulated {
-            total_ms: r.total_time.as_secs_f64() * 1e3,
-            downtime_ms: r.report.downtime.map_or(0.0, |d| d.as_secs_f64() * 1e3),
-            stages: r.report.stages.len(),
+            total_ms: r.transfer_s() * 1e3,
+            // The source's own downtime (to its `CommitReply`), as the workers measure it.
+            downtime_ms: report.downtime.map_or(0.0, |d| d.as_secs_f64() * 1e3),
+            stages: report.stages.len(),
             bytes: r.bytes,
             abort_reason: r.abort_reason().map(ToString::to_string),
         })

@@ -17,6 +17,7 @@ mod certs;
 mod plots;
 mod replay_cmd;
 mod report;
+mod serve;
 mod sim_live;
 mod status;
 mod traces;
@@ -47,6 +48,9 @@ enum Command {
     /// Start a local cluster (etcd if installed, two coordinators, N workers), replay a workload
     /// through it in real time, print the results, and shut everything down.
     Up(up::UpArgs),
+    /// Start a local cluster and keep it up for real clients: an OpenAI-compatible API on
+    /// 127.0.0.1:8000 (`--listen`) until Ctrl-C, which drains and stops every process.
+    Serve(serve::ServeArgs),
     /// Benchmarks that print figures (not tests).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -126,6 +130,7 @@ fn main() -> ExitCode {
         Command::Sim(args) => cmd_sim(args),
         Command::Bench(b) => bench::run(b),
         Command::Up(args) => up::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Certs(c) => certs::run(c),
         Command::Status(a) => status::run(a),
         Command::Traces(t) => traces::run(t),

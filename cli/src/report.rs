@@ -9,7 +9,8 @@
 //! | `results.json` | every [`RunResult`] (summary + tail bins; per-request data is in the CSVs) |
 //! | `summary.csv` | run identity, then [`RunSummary::csv_header`] columns |
 //! | `requests-<policy>-<rate>.csv` | one row per [`RequestRecord`], derived latencies in seconds |
-//! | `migrations-<policy>-<rate>.csv` | one row per [`MigrationRecord`], only when there were any |
+//! | `migrations-<policy>-<rate>.csv` | one row per [`MigrationRecord`], only when there were any (`aborted`: did not commit, refusals included) |
+//! | `live-migrations*.csv` | one row per [`MigrationRecord`] with its outcome, stages and downtime ([`LIVE_MIGRATIONS_HEADER`], [`live_migration_row`]), written by `crate::sim_live` and `kvfleet up` / `kvfleet replay` alike |
 //!
 //! Every file is a pure function of the runs (no timestamps, no hash-map order; per-request
 //! floats use a fixed `{:.6}`), so the same seed gives byte-identical outputs.
@@ -224,7 +225,32 @@ fn migration_row(m: &MigrationRecord) -> String {
         m.start.as_secs_f64(),
         m.end.as_secs_f64(),
         m.transfer_s(),
-        m.aborted
+        !m.committed()
+    )
+}
+
+/// The columns of `live-migrations*.csv`, the simulator's and the emulator's alike.
+pub const LIVE_MIGRATIONS_HEADER: &str =
+    "request,source,target,outcome,kv_tokens,stages,blocks,bytes,total_ms,downtime_ms,goodput_gbps,stage_bytes,abort_reason";
+
+/// One row of `live-migrations*.csv` ([`LIVE_MIGRATIONS_HEADER`]), without newline.
+pub fn live_migration_row(m: &MigrationRecord) -> String {
+    let stage_bytes: Vec<String> = m.stage_bytes.iter().map(u64::to_string).collect();
+    format!(
+        "{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},\"{}\"",
+        m.request.0,
+        m.from.0,
+        m.to.0,
+        m.outcome_name(),
+        m.kv_tokens(),
+        m.stages(),
+        m.blocks,
+        m.bytes,
+        m.transfer_s() * 1e3,
+        m.downtime.map_or(0.0, |d| d.as_secs_f64() * 1e3),
+        m.goodput_gbps(),
+        stage_bytes.join(";"),
+        m.abort_reason().map(|r| r.replace('"', "'")).unwrap_or_default(),
     )
 }
 
@@ -310,7 +336,9 @@ pub fn write_outputs(out_dir: &Path, runs: &[RunResult]) -> anyhow::Result<Vec<P
 #[cfg(test)]
 pub(crate) mod fixtures {
     use kvfleet_core::ids::{InstanceId, RequestId};
-    use kvfleet_core::metrics::{summarize, tail_ttft_by_reasoning_bin, MigrationRecord, RequestRecord, SloTargets};
+    use kvfleet_core::metrics::{
+        summarize, tail_ttft_by_reasoning_bin, MigrationOutcome, MigrationRecord, RequestRecord, SloTargets,
+    };
     use kvfleet_core::time::Timestamp;
     use kvfleet_sim::RunResult;
     use std::path::PathBuf;
@@ -385,9 +413,14 @@ pub(crate) mod fixtures {
                 from: InstanceId(0),
                 to: InstanceId(1),
                 bytes: 1 << 20,
+                outcome: if i == 1 {
+                    MigrationOutcome::Aborted("timed out".into())
+                } else {
+                    MigrationOutcome::Committed
+                },
                 start: t(i as f64),
                 end: t(i as f64 + 0.125),
-                aborted: i == 1,
+                ..Default::default()
             })
             .collect()
     }

@@ -1,10 +1,12 @@
 //! The live migrations of `kvfleet sim` runs, reported as `kvfleet up` reports the emulator's
 //! (`up/live.rs`): one line per run (committed / aborted / refused, stages, downtime and transfer
-//! time P50/P99) and `live-migrations-<stem>.csv` with the emulator's columns.
+//! time P50/P99) and `live-migrations-<stem>.csv`, written from the runs' [`MigrationRecord`]s
+//! by the emulator's writer ([`live_migration_row`]).
+//!
+//! [`MigrationRecord`]: kvfleet_core::metrics::MigrationRecord
 
-use crate::report::{rate_label, run_stems};
+use crate::report::{live_migration_row, rate_label, run_stems, LIVE_MIGRATIONS_HEADER};
 use anyhow::Context as _;
-use kvfleet_sim::migration::LiveMigrationRecord;
 use kvfleet_sim::RunResult;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -16,7 +18,7 @@ fn ms(v: Option<f64>) -> String {
 /// One line per run that migrated anything (empty when none did).
 pub fn table(runs: &[RunResult]) -> String {
     let mut out = String::new();
-    for run in runs.iter().filter(|r| !r.live_migrations.records.is_empty()) {
+    for run in runs.iter().filter(|r| !r.migrations.is_empty()) {
         if out.is_empty() {
             out.push_str("live migrations (virtual time, pipelined stop-and-copy over the [link] fabric):\n");
         }
@@ -43,44 +45,17 @@ pub fn table(runs: &[RunResult]) -> String {
     out
 }
 
-const HEADER: &str =
-    "request,source,target,outcome,kv_tokens,stages,blocks,bytes,total_ms,downtime_ms,goodput_gbps,stage_bytes,abort_reason";
-
-fn row(m: &LiveMigrationRecord) -> String {
-    let total_s = m.total_time.as_secs_f64();
-    // Stages whose blocks went on the wire (one can be begun, then fail reading its blocks).
-    let sent: Vec<_> = m.report.stages.iter().filter(|s| s.sent.is_some()).collect();
-    let stage_bytes: Vec<String> = sent.iter().map(|s| s.bytes.to_string()).collect();
-    let goodput = if m.committed() && total_s > 0.0 { m.bytes as f64 * 8.0 / total_s / 1e9 } else { 0.0 };
-    format!(
-        "{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},\"{}\"",
-        m.request.0,
-        m.from.0,
-        m.to.0,
-        m.outcome_name(),
-        m.kv_tokens_final.unwrap_or(m.kv_tokens_start),
-        sent.len(),
-        sent.iter().map(|s| s.blocks).sum::<u32>(),
-        m.bytes,
-        total_s * 1e3,
-        m.downtime.map_or(0.0, |d| d.as_secs_f64() * 1e3),
-        goodput,
-        stage_bytes.join(";"),
-        m.abort_reason().map(|r| r.to_string().replace('"', "'")).unwrap_or_default(),
-    )
-}
-
 /// `live-migrations-<stem>.csv` per run that migrated anything; returns the paths written.
 pub fn write_csvs(out_dir: &Path, runs: &[RunResult]) -> anyhow::Result<Vec<PathBuf>> {
     let mut written = Vec::new();
     for (run, stem) in runs.iter().zip(run_stems(runs)) {
-        if run.live_migrations.records.is_empty() {
+        if run.migrations.is_empty() {
             continue;
         }
         let path = out_dir.join(format!("live-migrations-{stem}.csv"));
-        let mut text = format!("{HEADER}\n");
-        for m in &run.live_migrations.records {
-            text.push_str(&row(m));
+        let mut text = format!("{LIVE_MIGRATIONS_HEADER}\n");
+        for m in &run.migrations {
+            text.push_str(&live_migration_row(m));
             text.push('\n');
         }
         std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
@@ -125,8 +100,8 @@ mod tests {
         assert_eq!(written, [tmp.0.join("live-migrations-pascal-2.csv")]);
         let csv = std::fs::read_to_string(&written[0]).unwrap();
         let rows: Vec<&str> = csv.lines().collect();
-        assert_eq!(rows[0], HEADER);
-        assert_eq!(rows.len() - 1, live.records.len());
+        assert_eq!(rows[0], LIVE_MIGRATIONS_HEADER);
+        assert_eq!(rows.len() - 1, runs[0].migrations.len());
         let committed = rows[1..].iter().filter(|r| r.split(',').nth(3) == Some("committed")).count();
         assert_eq!(committed as u64, live.committed);
         assert_eq!(table, super::table(&[run("pascal"), run("fcfs")]), "the same run prints the same");

@@ -62,7 +62,7 @@ pub fn run(cmd: TracesCommand) -> anyhow::Result<()> {
 }
 
 /// Completes on SIGINT or SIGTERM.
-async fn stop_signal() {
+pub(crate) async fn stop_signal() {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut s) => {

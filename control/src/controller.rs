@@ -95,10 +95,16 @@ pub enum Event {
         /// Whether the target holds it (the move committed).
         held: bool,
     },
-    /// The request's final record was stored (finished or rejected by its instance).
+    /// A final record for the request (finished or rejected by its instance), before it is
+    /// stored: `Ok` means it is the one to store and deliver. A record from an instance that no
+    /// longer owns the request (a paused worker's late copy of a request re-placed meanwhile, an
+    /// old incarnation's) is [`ControlError::NotOwner`]: the stored result is always the owner's.
     Finished {
         /// The request.
         request: RequestId,
+        /// The instance whose record it is; `None` for the driver's own (a placement it could not
+        /// complete).
+        from: Option<InstanceId>,
     },
     /// Time passed: charges no report covered expire.
     Tick,
@@ -190,6 +196,16 @@ pub enum ControlError {
     /// The request is unknown or already finished.
     #[error("request {0} is not in flight")]
     NotInFlight(RequestId),
+    /// A final record from an instance the request is not on (nor moving to).
+    #[error("request {request} finished on instance {from}, but it belongs to instance {owner}: a late copy, refused")]
+    NotOwner {
+        /// The request.
+        request: RequestId,
+        /// The instance the record came from.
+        from: InstanceId,
+        /// The instance that owns the request.
+        owner: InstanceId,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -387,7 +403,7 @@ impl Controller {
             Event::MigrationEnded { request, outcome } => self.on_migration_ended(request, outcome),
             Event::Lost { request } => self.on_lost(request),
             Event::Settled { request, held } => self.on_settled(request, held),
-            Event::Finished { request } => self.on_finished(request),
+            Event::Finished { request, from } => self.on_finished(request, from),
             Event::Tick => {
                 let ids: Vec<InstanceId> = self.instances.keys().copied().collect();
                 for id in ids {
@@ -734,10 +750,17 @@ impl Controller {
         Ok(())
     }
 
-    fn on_finished(&mut self, id: RequestId) -> Result<(), ControlError> {
+    fn on_finished(&mut self, id: RequestId, from: Option<InstanceId>) -> Result<(), ControlError> {
         let Some(o) = self.requests.get_mut(&id).filter(|o| o.unfinished()) else {
             return Err(ControlError::NotInFlight(id));
         };
+        if let Some(from) = from {
+            // During a move both ends may hold it: the target once it committed (its record can
+            // overtake the commit's reply), the source until then.
+            if from != o.instance && o.migrating_to != Some(from) {
+                return Err(ControlError::NotOwner { request: id, from, owner: o.instance });
+            }
+        }
         o.phase = OwnedPhase::Finished;
         self.stranded.remove(&id);
         let (on, moving_to) = (o.instance, o.migrating_to);

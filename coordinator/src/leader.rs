@@ -48,6 +48,9 @@ pub struct LeaderStats {
     pub replaced: AtomicU64,
     /// Token notifications a slow or gone client missed (its final record is never dropped).
     pub dropped_token_events: AtomicU64,
+    /// Final records refused because their instance no longer owned the request (a paused or
+    /// cut-off worker's late copy of a request re-placed meanwhile).
+    pub late_results: AtomicU64,
 }
 
 struct WorkerLink {
@@ -411,7 +414,7 @@ impl Leader {
             (to, PlacementNote::new(control.policy_name(), &loads, to))
         };
         if let Err(e) = self.persist_ownership(spec.id).await {
-            let _ = self.decide(Event::Finished { request: spec.id });
+            let _ = self.decide(Event::Finished { request: spec.id, from: None });
             return Err(e);
         }
         self.traces.open(&spec, false);
@@ -468,7 +471,7 @@ impl Leader {
                             ..RequestRecord::default()
                         };
                         tracing::warn!(request = spec.id.0, reason = %reply.reason, "request rejected by its worker");
-                        let _ = self.finish(rec).await;
+                        let _ = self.finish(rec, to).await;
                     }
                     return;
                 }
@@ -481,13 +484,23 @@ impl Leader {
         // The registry will evict a dead worker and re-place; nothing else to do here.
     }
 
-    /// Store a finished record, then tell the client. Idempotent.
-    async fn finish(&self, rec: RequestRecord) -> Result<(), LeaderError> {
-        self.persist(&keys::result(rec.id.0), &json(&rec)).await?;
-        let first = self.decide(Event::Finished { request: rec.id }).is_ok();
-        if first {
-            self.stats.finished.fetch_add(1, Ordering::Relaxed);
+    /// A worker's final record: stored, then told to the client, if it is the owner's first one.
+    /// A late copy (an instance that lost the request to a re-placement while it was paused or
+    /// cut off, an old incarnation) and a repeat are acknowledged and dropped, so the stored
+    /// result is always the one the client got.
+    async fn finish(&self, rec: RequestRecord, from: InstanceId) -> Result<(), LeaderError> {
+        match self.decide(Event::Finished { request: rec.id, from: Some(from) }) {
+            Ok(_) => {}
+            Err(e @ ControlError::NotOwner { .. }) => {
+                tracing::warn!(request = rec.id.0, instance = from.0, "{e}");
+                self.stats.late_results.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            // Stored already (a worker re-sends what a leader did not acknowledge).
+            Err(_) => return Ok(()),
         }
+        self.persist(&keys::result(rec.id.0), &json(&rec)).await?;
+        self.stats.finished.fetch_add(1, Ordering::Relaxed);
         self.traces.close(&rec);
         let tx = self.subscribers.lock().expect("subscribers lock").remove(&rec.id);
         if let Some(tx) = tx {
@@ -526,7 +539,9 @@ impl Leader {
                 after_seq = ev.seq;
                 let must_ack = match ev.event {
                     Some(v1::worker_event::Event::Tokens(t)) => {
-                        self.forward_tokens(t);
+                        if self.owns(RequestId(t.request_id), instance) {
+                            self.forward_tokens(t);
+                        }
                         false
                     }
                     Some(v1::worker_event::Event::Boundary(b)) => {
@@ -539,7 +554,7 @@ impl Leader {
                             tracing::debug!(request = r.id, "finished after a re-materialised migration");
                         }
                         rec.finished_on = rec.finished_on.or(Some(instance));
-                        if self.finish(rec).await.is_err() {
+                        if self.finish(rec, instance).await.is_err() {
                             return;
                         }
                         true
@@ -558,6 +573,12 @@ impl Leader {
             }
             tokio::time::sleep(backoff).await;
         }
+    }
+
+    /// Whether `instance` holds `request` as far as the cluster knows (its owner, or the target
+    /// of its move): another instance's tokens are a late copy's, never shown to the client.
+    fn owns(&self, request: RequestId, instance: InstanceId) -> bool {
+        self.control().ownership(request).is_some_and(|o| o.instance == instance || o.migrating_to == Some(instance))
     }
 
     fn forward_tokens(&self, t: v1::Tokens) {
@@ -706,7 +727,8 @@ impl Leader {
         dst: &WorkerClient<Channel>,
     ) -> Moved {
         let mut outcome = out.outcome();
-        if outcome == v1::MigrationOutcome::MigrationUnknown {
+        let in_doubt = outcome == v1::MigrationOutcome::MigrationUnknown;
+        if in_doubt {
             let held = settle_by_asking(id, Some(dst.clone()), Some(src.clone())).await;
             tracing::warn!(
                 request = id.0,
@@ -719,7 +741,14 @@ impl Leader {
                 if held { v1::MigrationOutcome::MigrationCommitted } else { v1::MigrationOutcome::MigrationAborted };
         }
         let refused = out.stats.as_ref().is_some_and(v1::MigrationStats::refused);
-        if let Some(stats) = out.stats {
+        if let Some(mut stats) = out.stats {
+            if in_doubt {
+                // The source logged "unknown"; the log says what the target answered.
+                stats.in_doubt = true;
+                if outcome == v1::MigrationOutcome::MigrationCommitted {
+                    stats.abort_reason.clear();
+                }
+            }
             self.migration_log.lock().expect("migration log lock").push(stats);
         }
         if outcome == v1::MigrationOutcome::MigrationCommitted {

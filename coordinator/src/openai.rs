@@ -179,7 +179,7 @@ async fn leader_or_unavailable(node: &Node) -> Result<Arc<Leader>, ApiError> {
 /// Prometheus metrics of this coordinator (`crate::metrics`).
 async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
     (
-        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(axum::http::header::CONTENT_TYPE, kvfleet_telemetry::prom::CONTENT_TYPE)],
         crate::metrics::render(&api.node).await,
     )
 }

@@ -30,6 +30,10 @@ pub enum LeaseStatus {
     Lost {
         /// Why it is considered lost.
         reason: String,
+        /// The store said the lease no longer exists (expired or revoked): everything held under
+        /// it is gone, and whoever watches those keys has seen them go. `false`: no refresh got
+        /// through within the TTL, so it may or may not have expired.
+        expired: bool,
     },
 }
 
@@ -56,11 +60,17 @@ impl LeaseKeeper {
         matches!(*self.status.borrow(), LeaseStatus::Lost { .. })
     }
 
+    /// Whether the lease was reported lost because the store said it no longer exists (see
+    /// [`LeaseStatus::Lost`]).
+    pub fn expired(&self) -> bool {
+        matches!(*self.status.borrow(), LeaseStatus::Lost { expired: true, .. })
+    }
+
     /// Resolves when the lease is lost, with the reason.
     pub async fn lost(&self) -> String {
         let mut rx = self.status.clone();
         loop {
-            if let LeaseStatus::Lost { reason } = &*rx.borrow_and_update() {
+            if let LeaseStatus::Lost { reason, .. } = &*rx.borrow_and_update() {
                 return reason.clone();
             }
             if rx.changed().await.is_err() {
@@ -82,43 +92,56 @@ impl Drop for LeaseKeeper {
 ///
 /// Transient errors are retried; the lease is reported lost when the store answers that it no
 /// longer exists, or when no refresh has succeeded for one TTL (measured from when the last
-/// successful refresh was *sent*, so the report comes no later than the store could expire it).
+/// successful refresh was *sent*) and one more bounded attempt fails.
 pub fn spawn_keep_alive(store: Arc<dyn MetaStore>, lease: LeaseId, ttl: Duration) -> LeaseKeeper {
     let (tx, status) = watch::channel(LeaseStatus::Alive);
     let task = tokio::spawn(async move {
-        let reason = keep_alive_loop(store.as_ref(), lease, ttl).await;
-        tracing::warn!(lease = %lease, store = store.store_kind(), %reason, "lease lost");
-        let _ = tx.send(LeaseStatus::Lost { reason });
+        let (reason, expired) = keep_alive_loop(store.as_ref(), lease, ttl).await;
+        tracing::warn!(lease = %lease, store = store.store_kind(), %reason, expired, "lease lost");
+        let _ = tx.send(LeaseStatus::Lost { reason, expired });
     });
     LeaseKeeper { lease, status, task }
 }
 
-/// Refreshes until the lease is lost; returns why.
-async fn keep_alive_loop(store: &dyn MetaStore, lease: LeaseId, ttl: Duration) -> String {
+/// Refreshes until the lease is lost; returns why, and whether the store said it expired.
+///
+/// A TTL that passed on this process's clock (a process stopped by SIGSTOP, a host that
+/// froze) is checked with the store once before it counts: a lease the store still holds is
+/// kept, one it no longer knows is reported expired.
+async fn keep_alive_loop(store: &dyn MetaStore, lease: LeaseId, ttl: Duration) -> (String, bool) {
     let mut last_ok_sent = Instant::now();
     let mut effective_ttl = ttl;
     loop {
         let sent = Instant::now();
         let expires = last_ok_sent + effective_ttl;
-        match tokio::time::timeout_at(expires, store.keep_alive(lease)).await {
-            Ok(Ok(granted)) => {
+        let outcome = match tokio::time::timeout_at(expires, store.keep_alive(lease)).await {
+            Ok(r) => r,
+            // Bounded by a quarter TTL: a holder that must stop acting once the store may have
+            // expired its lease (a leader) learns it at most that much later, and its writes are
+            // fenced by revision meanwhile.
+            Err(_) => match tokio::time::timeout(effective_ttl / 4, store.keep_alive(lease)).await {
+                // The clock ran out, the store did not: carry on.
+                Ok(Ok(granted)) => Ok(granted),
+                Ok(Err(e @ MetaError::LeaseNotFound(_))) => Err(e),
+                _ => return (format!("no successful refresh within the {effective_ttl:?} TTL (timed out)"), false),
+            },
+        };
+        match outcome {
+            Ok(granted) => {
                 last_ok_sent = sent;
                 effective_ttl = if granted.is_zero() { ttl } else { ttl.min(granted) };
                 tokio::time::sleep((effective_ttl / 3).max(MIN_REFRESH_INTERVAL)).await;
             }
-            Ok(Err(MetaError::LeaseNotFound(_))) => {
-                return format!("lease {lease} expired or was revoked");
+            Err(MetaError::LeaseNotFound(_)) => {
+                return (format!("lease {lease} expired or was revoked"), true);
             }
-            Ok(Err(e)) => {
+            Err(e) => {
                 let now = Instant::now();
                 if now >= expires {
-                    return format!("no successful refresh within the {effective_ttl:?} TTL: {e}");
+                    return (format!("no successful refresh within the {effective_ttl:?} TTL: {e}"), false);
                 }
                 tracing::warn!(lease = %lease, error = %e, "lease refresh failed; retrying");
                 tokio::time::sleep(RETRY_INTERVAL.min(expires - now)).await;
-            }
-            Err(_) => {
-                return format!("no successful refresh within the {effective_ttl:?} TTL (timed out)");
             }
         }
     }
@@ -142,6 +165,7 @@ mod tests {
         store.revoke(lease).await.unwrap();
         let reason = tokio::time::timeout(ttl * 4, keeper.lost()).await.expect("loss not reported");
         assert!(reason.contains("expired or was revoked"), "{reason}");
+        assert!(keeper.expired(), "the store said so: an expiry, not a guess");
     }
 
     #[tokio::test]

@@ -39,6 +39,8 @@ pub struct MemStore {
 
 struct Inner {
     state: Mutex<State>,
+    /// Reads still to fail ([`MemStore::fail_next_reads`]), as an etcd that dropped would.
+    failing_reads: std::sync::atomic::AtomicU32,
     /// The current revision, published after every change; campaigners and observers wait on it.
     changed: watch::Sender<i64>,
 }
@@ -93,7 +95,22 @@ impl MemStore {
             watchers: Vec::new(),
         };
         let (changed, _) = watch::channel(state.revision);
-        MemStore { inner: Arc::new(Inner { state: Mutex::new(state), changed }) }
+        MemStore { inner: Arc::new(Inner { state: Mutex::new(state), failing_reads: Default::default(), changed }) }
+    }
+
+    /// Make the next `n` reads (`get`, `get_prefix`) fail with a timeout, as an etcd that is
+    /// restarting would answer: for tests of what retries a blink of the store.
+    pub fn fail_next_reads(&self, n: u32) {
+        self.inner.failing_reads.store(n, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn read_fault(&self) -> Result<(), MetaError> {
+        use std::sync::atomic::Ordering;
+        let failing = self.inner.failing_reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        match failing {
+            Ok(_) => Err(MetaError::Timeout { op: "get", timeout_ms: 0 }),
+            Err(_) => Ok(()),
+        }
     }
 }
 
@@ -285,11 +302,15 @@ impl MetaStore for MemStore {
     }
 
     fn get<'a>(&'a self, key: &'a str) -> MetaFuture<'a, Option<KeyValue>> {
-        Box::pin(async move { Ok(self.inner.with_state(|s| s.kvs.get(key).cloned())) })
+        Box::pin(async move {
+            self.read_fault()?;
+            Ok(self.inner.with_state(|s| s.kvs.get(key).cloned()))
+        })
     }
 
     fn get_prefix<'a>(&'a self, prefix: &'a str) -> MetaFuture<'a, Listing> {
         Box::pin(async move {
+            self.read_fault()?;
             Ok(self.inner.with_state(|s| Listing {
                 kvs: s.prefix_iter(prefix).cloned().collect(),
                 revision: Revision(s.revision),

@@ -10,10 +10,10 @@
 //!   and a lenient line-by-line reader ([`parse_reader`], [`parse_file`]) that turns a file of
 //!   such lines (ours or a Collector's) into flat [`SpanRecord`]s; a malformed line becomes a
 //!   [`LineWarning`] naming its line number and the rest is read.
-//! - [`model`]: the spans joined into per-migration records ([`MigrationRecord`]: phases,
+//! - [`model`]: the spans joined into per-migration reconstructions ([`TracedMigration`]: phases,
 //!   bytes, downtime, goodput, completeness) and per-request timelines ([`RequestTimeline`]),
 //!   with P50/P90/P99 distributions per policy and per link ([`GroupStats`]).
-//! - [`stats`]: nearest-rank percentiles (the same definition as `kvfleet_core`'s metrics).
+//! - [`stats`]: [`stats::Percentiles`], P50/P90/P99 with `kvfleet_core`'s nearest-rank percentiles.
 //! - [`report`]: the summary table, `analysis.json`, `migrations.csv`, `requests.csv`.
 //! - [`plots`]: SVG plots (downtime vs sequence length, a Gantt chart of the slowest
 //!   migrations' stages, CDFs of downtime and total time).
@@ -32,7 +32,7 @@ pub mod stats;
 use std::path::PathBuf;
 
 pub use collect::{Sink, SinkStats};
-pub use model::{analyze, Analysis, GroupStats, MigrationRecord, Phase, RequestTimeline};
+pub use model::{analyze, Analysis, GroupStats, Phase, RequestTimeline, TracedMigration};
 pub use otlp_json::{parse_file, parse_reader, AttrValue, Attributes, LineWarning, ParsedTraces, SpanRecord};
 
 /// What can go wrong in this crate. Every variant names the file or address it is about.

@@ -1,4 +1,4 @@
-//! Spans joined into what an experimenter asks about: one [`MigrationRecord`] per `migration`
+//! Spans joined into what an experimenter asks about: one [`TracedMigration`] per `migration`
 //! span, one [`RequestTimeline`] per `request` span, and distributions per policy and per link
 //! (docs/tracing.md is the schema).
 //!
@@ -63,9 +63,11 @@ pub struct PhaseTimes {
     pub attach_ms: Option<f64>,
 }
 
-/// One migration: the source's `migration` span with its phases and the target's spans.
+/// One migration as reconstructed from its spans: the source's `migration` span with its phases
+/// and the target's spans. Not a measurement: the backends' own per-migration measurements are
+/// `kvfleet_core::metrics::MigrationRecord`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct MigrationRecord {
+pub struct TracedMigration {
     /// Trace id (hex) of the `migration` span.
     pub trace_id: String,
     /// Span id (hex) of the `migration` span.
@@ -158,19 +160,19 @@ pub struct RequestPhase {
 /// A migration of a request, as its timeline shows it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MigrationRef {
-    /// [`MigrationRecord::migration_id`].
+    /// [`TracedMigration::migration_id`].
     pub migration_id: String,
     /// Source instance.
     pub source: Option<i64>,
     /// Target instance.
     pub target: Option<i64>,
-    /// [`MigrationRecord::outcome`].
+    /// [`TracedMigration::outcome`].
     pub outcome: String,
     /// Start relative to the request span's start, milliseconds.
     pub offset_ms: f64,
-    /// [`MigrationRecord::total_ms`].
+    /// [`TracedMigration::total_ms`].
     pub total_ms: f64,
-    /// [`MigrationRecord::downtime_ms`].
+    /// [`TracedMigration::downtime_ms`].
     pub downtime_ms: Option<f64>,
 }
 
@@ -236,8 +238,8 @@ pub struct GroupStats {
 }
 
 impl GroupStats {
-    fn of<'a>(key: String, ms: impl IntoIterator<Item = &'a MigrationRecord>) -> GroupStats {
-        let ms: Vec<&MigrationRecord> = ms.into_iter().collect();
+    fn of<'a>(key: String, ms: impl IntoIterator<Item = &'a TracedMigration>) -> GroupStats {
+        let ms: Vec<&TracedMigration> = ms.into_iter().collect();
         let outcome = |o: &str| ms.iter().filter(|m| m.outcome == o).count();
         let (committed, aborted) = (outcome("committed"), outcome("aborted"));
         GroupStats {
@@ -265,7 +267,7 @@ pub struct Analysis {
     /// Distinct trace ids among them.
     pub traces: usize,
     /// By start time.
-    pub migrations: Vec<MigrationRecord>,
+    pub migrations: Vec<TracedMigration>,
     /// By start time.
     pub requests: Vec<RequestTimeline>,
     /// Every migration together.
@@ -280,8 +282,8 @@ pub struct Analysis {
 
 impl Analysis {
     /// The `n` migrations with the longest total time, slowest first.
-    pub fn slowest(&self, n: usize) -> Vec<&MigrationRecord> {
-        let mut v: Vec<&MigrationRecord> = self.migrations.iter().collect();
+    pub fn slowest(&self, n: usize) -> Vec<&TracedMigration> {
+        let mut v: Vec<&TracedMigration> = self.migrations.iter().collect();
         v.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms).then_with(|| a.migration_id.cmp(&b.migration_id)));
         v.truncate(n);
         v
@@ -380,7 +382,7 @@ fn phase(s: &SpanRecord, side: &'static str, origin_ns: u64) -> Phase {
     }
 }
 
-fn migration(ix: &Index, m: &SpanRecord) -> MigrationRecord {
+fn migration(ix: &Index, m: &SpanRecord) -> TracedMigration {
     let migration_id = m.attr_str("kvfleet.migration.id").unwrap_or(&m.span_id).to_string();
     let mut phases: Vec<Phase> = ix
         .children(m)
@@ -469,7 +471,7 @@ fn migration(ix: &Index, m: &SpanRecord) -> MigrationRecord {
         attach_ms: sum("attach"),
     };
     let request = ix.request_of(m);
-    MigrationRecord {
+    TracedMigration {
         trace_id: m.trace_id.clone(),
         span_id: m.span_id.clone(),
         request_id: m.attr_i64("kvfleet.request.id"),
@@ -502,8 +504,8 @@ fn migration(ix: &Index, m: &SpanRecord) -> MigrationRecord {
     }
 }
 
-/// `migrations`: those of this request (see [`MigrationRecord::request_span_id`]).
-fn request(ix: &Index, r: &SpanRecord, migrations: &[&MigrationRecord]) -> RequestTimeline {
+/// `migrations`: those of this request (see [`TracedMigration::request_span_id`]).
+fn request(ix: &Index, r: &SpanRecord, migrations: &[&TracedMigration]) -> RequestTimeline {
     let trace_requests = ix.requests_by_trace.get(r.trace_id.as_str()).map_or(&[][..], Vec::as_slice);
     let first_in_trace = trace_requests.first().is_some_and(|&i| ix.spans[i].span_id == r.span_id);
     // Phase spans belong to their parent request, or (parent lost) to the trace's first.
@@ -577,10 +579,10 @@ fn request(ix: &Index, r: &SpanRecord, migrations: &[&MigrationRecord]) -> Reque
 /// Joins `spans` (one file's, deduplicated) into migrations, requests and distributions.
 pub fn analyze(spans: &[SpanRecord]) -> Analysis {
     let ix = Index::new(spans);
-    let mut migrations: Vec<MigrationRecord> =
+    let mut migrations: Vec<TracedMigration> =
         spans.iter().filter(|s| s.name == "migration").map(|m| migration(&ix, m)).collect();
     migrations.sort_by(|a, b| a.start_ns.cmp(&b.start_ns).then_with(|| a.migration_id.cmp(&b.migration_id)));
-    let mut per_request: HashMap<(&str, &str), Vec<&MigrationRecord>> = HashMap::new();
+    let mut per_request: HashMap<(&str, &str), Vec<&TracedMigration>> = HashMap::new();
     for m in &migrations {
         if let Some(r) = &m.request_span_id {
             per_request.entry((&m.trace_id, r)).or_default().push(m);
@@ -596,8 +598,8 @@ pub fn analyze(spans: &[SpanRecord]) -> Analysis {
         .collect();
     requests.sort_by(|a, b| a.start_ns.cmp(&b.start_ns).then_with(|| a.request_id.cmp(&b.request_id)));
 
-    let group = |key: fn(&MigrationRecord) -> &str| -> Vec<GroupStats> {
-        let mut groups: BTreeMap<&str, Vec<&MigrationRecord>> = BTreeMap::new();
+    let group = |key: fn(&TracedMigration) -> &str| -> Vec<GroupStats> {
+        let mut groups: BTreeMap<&str, Vec<&TracedMigration>> = BTreeMap::new();
         for m in &migrations {
             groups.entry(key(m)).or_default().push(m);
         }

@@ -9,7 +9,7 @@ fn fixture() -> ParsedTraces {
     parse_reader(crate::otlp_json::tests::FIXTURE.as_bytes()).unwrap()
 }
 
-fn by_id<'a>(a: &'a Analysis, id: &str) -> &'a MigrationRecord {
+fn by_id<'a>(a: &'a Analysis, id: &str) -> &'a TracedMigration {
     a.migrations.iter().find(|m| m.migration_id == id).unwrap_or_else(|| panic!("no {id} in {:?}", a.migrations))
 }
 

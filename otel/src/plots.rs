@@ -10,7 +10,7 @@
 //! A plot without data is not written. Text is SVG `<text>` (no font files), as in
 //! cli/src/plots.rs.
 
-use crate::model::{Analysis, MigrationRecord};
+use crate::model::{Analysis, TracedMigration};
 use crate::TracesError;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -90,7 +90,7 @@ pub fn write_plots(dir: &Path, a: &Analysis, slowest: usize) -> Result<Vec<PathB
 }
 
 fn downtime_vs_tokens(path: &Path, a: &Analysis) -> Result<bool, TracesError> {
-    let points: Vec<(&MigrationRecord, f64, f64)> = a
+    let points: Vec<(&TracedMigration, f64, f64)> = a
         .migrations
         .iter()
         .filter_map(|m| Some((m, m.kv_tokens? as f64, m.downtime_ms?)))
@@ -149,7 +149,7 @@ fn lane(phase: &str, side: &str) -> (f64, f64) {
     }
 }
 
-fn gantt(path: &Path, slow: &[&MigrationRecord]) -> Result<bool, TracesError> {
+fn gantt(path: &Path, slow: &[&TracedMigration]) -> Result<bool, TracesError> {
     if slow.is_empty() {
         return Ok(false);
     }
@@ -237,7 +237,7 @@ fn thin(points: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
     (0..MAX_CDF_POINTS).map(|i| points[((i as f64) * (n - 1) as f64 / last).round() as usize]).collect()
 }
 
-fn cdf(path: &Path, a: &Analysis, what: &str, value: fn(&MigrationRecord) -> Option<f64>) -> Result<bool, TracesError> {
+fn cdf(path: &Path, a: &Analysis, what: &str, value: fn(&TracedMigration) -> Option<f64>) -> Result<bool, TracesError> {
     let series: Vec<Series> = policies(a)
         .into_iter()
         .filter_map(|(policy, color)| {

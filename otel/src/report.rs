@@ -1,6 +1,6 @@
 //! The analysis as text: the summary table, `analysis.json`, `migrations.csv`, `requests.csv`.
 
-use crate::model::{Analysis, GroupStats, MigrationRecord, RequestTimeline};
+use crate::model::{Analysis, GroupStats, RequestTimeline, TracedMigration};
 use crate::otlp_json::ParsedTraces;
 use crate::stats::Percentiles;
 use crate::TracesError;
@@ -179,7 +179,7 @@ fn csv_i(v: Option<i64>) -> String {
 }
 
 /// `migrations.csv`: one row per migration, by start time; empty cells are unknown values.
-pub fn migrations_csv(ms: &[MigrationRecord]) -> String {
+pub fn migrations_csv(ms: &[TracedMigration]) -> String {
     let mut out = String::from(
         "migration_id,trace_id,request_id,policy,link,source,target,outcome,complete,missing,kv_tokens,blocks,bytes,\
          stages,live_stages,total_ms,downtime_ms,goodput_gbps,prepare_ms,live_copy_ms,pause_ms,stop_copy_ms,commit_ms,\

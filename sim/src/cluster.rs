@@ -17,7 +17,7 @@
 //! an iteration ends join the next one (PASCAL Fig. 2's timelines assume so). Ties within a
 //! slice are broken by insertion order, so a seed gives byte-identical results.
 
-use crate::migration::{Engines, LiveMigration, LiveMigrationRecord, LiveMigrationSpec};
+use crate::migration::{Engines, LiveMigration, LiveMigrationSpec};
 use kvfleet_control::{Action, Controller, Event as Control, MoveOutcome};
 use kvfleet_core::engine::sched::build_scheduler;
 use kvfleet_core::engine::{Engine, EngineConfig, EngineEvent, EngineStats};
@@ -62,11 +62,8 @@ pub struct Progress {
 pub struct ClusterOutcome {
     /// One per workload request, sorted by id (rejected ones flagged).
     pub records: Vec<RequestRecord>,
-    /// Every live migration as the metrics summary counts it (refused ones as aborted), in the
-    /// order they ended.
+    /// Every live migration (outcome, stages, bytes, downtime), in the order they ended.
     pub migrations: Vec<MigrationRecord>,
-    /// The same migrations in full (outcome, stages, downtime).
-    pub live_migrations: Vec<LiveMigrationRecord>,
     /// Engine counters per instance, by instance number.
     pub instances: Vec<EngineStats>,
     /// Simulated events processed.
@@ -121,8 +118,8 @@ pub struct Cluster {
     /// Migrations in progress out of each instance (most iteration ends then skip the scan).
     migrating_out_of: Vec<u32>,
     /// Migrations that ended and that the controller has not heard of yet.
-    ended: Vec<LiveMigrationRecord>,
-    live_migrations: Vec<LiveMigrationRecord>,
+    ended: Vec<MigrationRecord>,
+    live_migrations: Vec<MigrationRecord>,
     touched: Vec<u32>,
 }
 
@@ -277,7 +274,9 @@ impl Cluster {
                         for ev in std::mem::take(&mut events_buf) {
                             match ev {
                                 EngineEvent::Finished(r) => {
-                                    let _ = self.control.handle(now, Control::Finished { request: r.id });
+                                    let _ = self
+                                        .control
+                                        .handle(now, Control::Finished { request: r.id, from: Some(InstanceId(i)) });
                                     records.push(*r);
                                 }
                                 EngineEvent::PhaseBoundary { request, kv_blocks } => {
@@ -346,8 +345,7 @@ impl Cluster {
         records.sort_by_key(|r| r.id);
         Ok(ClusterOutcome {
             records,
-            migrations: self.live_migrations.iter().map(LiveMigrationRecord::to_metrics).collect(),
-            live_migrations: self.live_migrations,
+            migrations: self.live_migrations,
             instances: self.engines.iter().map(|e| e.stats().clone()).collect(),
             events,
             end: last_event,
@@ -367,7 +365,7 @@ impl Cluster {
                         }
                         Err(_) => {
                             // Can never fit that instance: finished as rejected (not lost).
-                            let _ = self.control.handle(now, Control::Finished { request });
+                            let _ = self.control.handle(now, Control::Finished { request, from: Some(on) });
                             records.push(rejected(arrival, on));
                         }
                     }

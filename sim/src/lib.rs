@@ -52,11 +52,11 @@ pub struct RunResult {
     /// One record per finished request.
     #[serde(skip)]
     pub records: Vec<RequestRecord>,
-    /// One record per migration, as the metrics count them.
+    /// One record per migration, in the order they ended.
     #[serde(skip)]
     pub migrations: Vec<MigrationRecord>,
-    /// The same migrations as the live-migration protocol ran them (empty where the caller has
-    /// no such records).
+    /// Counts and distributions of the same migrations (all zero where the caller does not
+    /// compute them).
     pub live_migrations: LiveMigrations,
     /// Engine counters per instance.
     #[serde(skip)]
@@ -161,7 +161,7 @@ pub fn run_one_until(
         cfg.workload.seed,
     )
     .map_err(SimError::Setup)?;
-    let ClusterOutcome { records, migrations, live_migrations, instances, events, end } =
+    let ClusterOutcome { records, migrations, instances, events, end } =
         cluster.run_until(&requests, until.min(RUN_LIMIT), progress)?;
     let summary = summarize(&records, &migrations, &cfg.slo);
     let tail_ttft = tail_ttft_by_reasoning_bin(&records, 256);
@@ -174,8 +174,8 @@ pub fn run_one_until(
         summary,
         tail_ttft,
         records,
+        live_migrations: LiveMigrations::new(&migrations),
         migrations,
-        live_migrations: LiveMigrations::new(live_migrations),
         instances,
         events,
         sim_end_s: end.as_secs_f64(),

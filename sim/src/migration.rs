@@ -54,7 +54,7 @@
 //! decoding request between two idle instances, what `kvfleet bench migration` measures for real.
 
 use kvfleet_core::engine::{Engine, EngineError, MigratedRequest};
-use kvfleet_core::metrics::{Distribution, MigrationRecord};
+use kvfleet_core::metrics::{Distribution, MigrationOutcome, MigrationRecord};
 use kvfleet_core::{InstanceId, RequestId, TimeSpan, Timestamp};
 use kvfleet_netmodel::migration::wire::{frame::Body, BlockData, Frame};
 use kvfleet_netmodel::migration::{
@@ -159,86 +159,8 @@ pub enum StartError {
     NoKv(RequestId),
 }
 
-/// How one migration went, once both sides are done.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LiveMigrationRecord {
-    /// The migration's id.
-    pub id: MigrationId,
-    /// The migrated request.
-    pub request: RequestId,
-    /// Its source instance.
-    pub from: InstanceId,
-    /// Its target instance.
-    pub to: InstanceId,
-    /// `Committed` (the request runs on `to`) or `Aborted(reason)` (it stayed on `from`); a
-    /// refused `Prepare` is `Aborted(Refused)` ([`LiveMigrationRecord::refused`]). Never
-    /// `Unknown`: an in-doubt source is resolved from the target's outcome (`in_doubt`).
-    pub outcome: Outcome,
-    /// The source ended `Unknown` (its deadline passed between `Commit` and `CommitReply`).
-    pub in_doubt: bool,
-    /// The source's `start`.
-    pub start: Timestamp,
-    /// The source's `Done`.
-    pub end: Timestamp,
-    /// Block bytes put on the fabric, all stages (whole blocks).
-    pub bytes: u64,
-    /// Live copy stages run before the stop-and-copy.
-    pub live_stages: u32,
-    /// The request's KV tokens at `start`.
-    pub kv_tokens_start: u32,
-    /// Its KV tokens once paused (what the stop-and-copy completes); `None` if never paused.
-    pub kv_tokens_final: Option<u32>,
-    /// The request froze on the source, and ran again: attached on the target (committed) or
-    /// resumed on the source (aborted). `None` if it never froze.
-    pub paused_at: Option<Timestamp>,
-    /// When it ran again (see `paused_at`); `None` if it never froze.
-    pub resumed_at: Option<Timestamp>,
-    /// `paused_at → resumed_at`: what the request itself lost. (The source machine's own
-    /// `report.downtime` ends at the `CommitReply`, one latency later.)
-    pub downtime: Option<TimeSpan>,
-    /// `start → end`.
-    pub total_time: TimeSpan,
-    /// The source machine's report, its byte counts in real bytes.
-    pub report: MigrationReport,
-}
-
-impl LiveMigrationRecord {
-    /// Whether it committed (the request runs on `to`).
-    pub fn committed(&self) -> bool {
-        self.outcome == Outcome::Committed
-    }
-    /// The target declined the `Prepare` (no room): nothing was copied and the request never
-    /// paused. Not an abort of a running migration; the controller may try another target.
-    pub fn refused(&self) -> bool {
-        matches!(self.outcome, Outcome::Aborted(AbortReason::Refused(_)))
-    }
-    /// `committed`, `refused` or `aborted` (as the emulator names them).
-    pub fn outcome_name(&self) -> &'static str {
-        kvfleet_wire::outcome_name(self.committed(), self.refused())
-    }
-    /// Why it did not commit (`None` if it did).
-    pub fn abort_reason(&self) -> Option<&AbortReason> {
-        match &self.outcome {
-            Outcome::Aborted(r) | Outcome::Unknown(r) => Some(r),
-            Outcome::Committed => None,
-        }
-    }
-    /// The cluster's per-migration metrics row (refused ones count as aborted, as in the emulator).
-    pub fn to_metrics(&self) -> MigrationRecord {
-        MigrationRecord {
-            request: self.request,
-            from: self.from,
-            to: self.to,
-            bytes: self.bytes,
-            start: self.start,
-            end: self.end,
-            aborted: !self.committed(),
-        }
-    }
-}
-
 /// A run's live migrations: how they ended and what they cost, as the emulator's live-migration
-/// line reports them, with every record.
+/// line reports them (the records themselves are the run's [`MigrationRecord`]s).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct LiveMigrations {
     /// Migrations that committed.
@@ -261,31 +183,26 @@ pub struct LiveMigrations {
     pub transfer_p99_s: Option<f64>,
     /// Block bytes the committed migrations moved.
     pub bytes_committed: u64,
-    /// Every migration, in the order they ended.
-    #[serde(skip)]
-    pub records: Vec<LiveMigrationRecord>,
 }
 
 impl LiveMigrations {
-    /// Counts and distributions over `records` (kept, in their order).
-    pub fn new(records: Vec<LiveMigrationRecord>) -> LiveMigrations {
-        let ok: Vec<&LiveMigrationRecord> = records.iter().filter(|r| r.committed()).collect();
-        let secs = |d: TimeSpan| d.as_secs_f64();
-        let downtime = Distribution::new(ok.iter().filter_map(|r| r.downtime.map(secs)).collect());
-        let transfer = Distribution::new(ok.iter().map(|r| secs(r.total_time)).collect());
+    /// Counts and distributions over a run's migrations.
+    pub fn new(records: &[MigrationRecord]) -> LiveMigrations {
+        let ok: Vec<&MigrationRecord> = records.iter().filter(|r| r.committed()).collect();
+        let downtime = Distribution::new(ok.iter().filter_map(|r| r.downtime.map(TimeSpan::as_secs_f64)).collect());
+        let transfer = Distribution::new(ok.iter().map(|r| r.transfer_s()).collect());
         let refused = records.iter().filter(|r| r.refused()).count() as u64;
         LiveMigrations {
             committed: ok.len() as u64,
             aborted: records.len() as u64 - ok.len() as u64 - refused,
             refused,
             in_doubt: records.iter().filter(|r| r.in_doubt).count() as u64,
-            stages_avg: Distribution::new(ok.iter().map(|r| r.report.stages.len() as f64).collect()).mean(),
+            stages_avg: Distribution::new(ok.iter().map(|r| f64::from(r.stages())).collect()).mean(),
             downtime_p50_s: downtime.percentile(0.5),
             downtime_p99_s: downtime.percentile(0.99),
             transfer_p50_s: transfer.percentile(0.5),
             transfer_p99_s: transfer.percentile(0.99),
             bytes_committed: ok.iter().map(|r| r.bytes).sum(),
-            records,
         }
     }
 }
@@ -341,7 +258,7 @@ pub struct LiveMigration {
     in_doubt: bool,
     /// The source's settled outcome (engine calls done).
     outcome: Option<Outcome>,
-    record: Option<LiveMigrationRecord>,
+    record: Option<MigrationRecord>,
     stand_in: Payload,
     stand_in_checksum: u64,
 }
@@ -425,8 +342,14 @@ impl LiveMigration {
         self.spec.to
     }
     /// The record once both sides are done, once (the caller then drops the driver).
-    pub fn take_record(&mut self) -> Option<LiveMigrationRecord> {
+    pub fn take_record(&mut self) -> Option<MigrationRecord> {
         self.record.take()
+    }
+    /// The source machine's own report so far, its byte counts in real bytes: its stages with
+    /// their timestamps, and its `downtime`, which ends at the `CommitReply` as the emulator's
+    /// does (the record's ends when the request runs again, one latency earlier).
+    pub fn source_report(&self) -> MigrationReport {
+        in_real_bytes(self.source.report().clone(), self.block_bytes)
     }
 
     /// Fabric transfers started since the last call: map them to this migration, and re-arm the
@@ -751,28 +674,41 @@ impl LiveMigration {
         if !target_done {
             return;
         }
-        let report = in_real_bytes(self.source.report().clone(), self.block_bytes);
+        let report = self.source.report();
+        // The machines count one stand-in byte per block (module doc): back to real bytes.
+        let scale = self.block_bytes / STAND_IN_BLOCK_BYTES;
+        // Stages whose blocks went on the wire (one can be begun, then fail reading its blocks).
+        let sent: Vec<_> = report.stages.iter().filter(|s| s.sent.is_some()).collect();
         let start = report.started.unwrap_or(report.created);
         let end = report.finished_at.unwrap_or(start);
-        self.record = Some(LiveMigrationRecord {
-            id: self.spec.id,
+        self.record = Some(MigrationRecord {
             request: self.spec.request,
             from: self.spec.from,
             to: self.spec.to,
-            outcome,
+            outcome: measured(outcome),
             in_doubt: self.in_doubt,
+            bytes: report.bytes.saturating_mul(scale),
             start,
             end,
-            bytes: report.bytes,
             live_stages: report.live_stages(),
-            kv_tokens_start: report.kv_tokens_start,
+            stage_bytes: sent.iter().map(|s| s.bytes.saturating_mul(scale)).collect(),
+            blocks: sent.iter().map(|s| u64::from(s.blocks)).sum(),
+            kv_tokens_start: Some(report.kv_tokens_start),
             kv_tokens_final: report.kv_tokens_final,
             paused_at: self.paused_at,
             resumed_at: self.resumed_at,
             downtime: self.paused_at.zip(self.resumed_at).map(|(p, r)| r.saturating_since(p)),
-            total_time: end.saturating_since(start),
-            report,
         });
+    }
+}
+
+/// A settled outcome as the metrics name it: a refused `Prepare` is `Refused`, any other abort
+/// `Aborted` (never `Unknown`: the driver resolves an in-doubt source first).
+fn measured(outcome: Outcome) -> MigrationOutcome {
+    match outcome {
+        Outcome::Committed => MigrationOutcome::Committed,
+        Outcome::Aborted(r @ AbortReason::Refused(_)) => MigrationOutcome::Refused(r.to_string()),
+        Outcome::Aborted(r) | Outcome::Unknown(r) => MigrationOutcome::Aborted(r.to_string()),
     }
 }
 

@@ -10,11 +10,14 @@
 //!   to Unix time) rather than "now". The migration state machine is sans-IO and records when each
 //!   phase happened; its driver turns that report into spans after the fact, so the exported
 //!   phases are exactly the measurements the metrics use.
+//! - [`prom`]: the Prometheus `/metrics` page of the workers and coordinators (prometheus-client).
 //!
 //! Without an endpoint the global tracer is OpenTelemetry's no-op one: spans cost a few
 //! allocations, carry invalid contexts, and nothing is injected into requests.
 
 #![warn(missing_docs)]
+
+pub mod prom;
 
 use opentelemetry::propagation::{Extractor, Injector};
 use opentelemetry::trace::{Span as _, SpanContext, TraceContextExt, Tracer as _, TracerProvider as _};

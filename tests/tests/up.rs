@@ -135,3 +135,30 @@ fn up_with_etcd_survives_an_etcd_restart() {
     assert_each_request_once(&out, 30);
     assert_no_process_left(&out);
 }
+
+/// A worker stopped (SIGSTOP) longer than its registration lease has its requests re-placed; when
+/// it resumes, its late copies must not count: every request completes once and the result etcd
+/// stores is the one its client got (`kvfleet up` audits it and fails otherwise).
+#[test]
+fn up_with_etcd_a_paused_worker_s_late_copies_do_not_count() {
+    if !etcd_installed() {
+        eprintln!("skipping: etcd not installed (apt-get install etcd-server)");
+        return;
+    }
+    let tmp = TempDir::new("up-worker-pause");
+    let out = tmp.join("out");
+    let mut args = base_args(&out, 3, 30);
+    args.extend(["--pause-worker-after-s", "2", "--pause-worker-for-s", "6"].map(String::from));
+    let o = run_kvfleet(&args);
+    assert!(o.status.success(), "{}", describe(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("chaos: SIGSTOP worker-0") && stdout.contains("chaos: SIGCONT worker-0"), "{stdout}");
+    assert!(stdout.contains("etcd results: 30 match what the clients got, 0 differ, 0 missing"), "{stdout}");
+    // Resumed, it asked etcd, learnt its registration had expired and dropped its stale copies.
+    let log = std::fs::read_to_string(out.join("logs/worker-0.log")).expect("worker-0's log");
+    assert!(log.contains("registration expired"), "worker-0 did not notice its registration expired:\n{log}");
+    let s = summary(&out);
+    assert_eq!(s["requests_finished"], 30, "{s}");
+    assert_each_request_once(&out, 30);
+    assert_no_process_left(&out);
+}

@@ -64,6 +64,11 @@ pub(crate) enum Command {
     },
     /// Live migration (see [`live`]).
     Live(LiveCommand),
+    /// The registration expired in etcd: drop what runs here ([`Ledger::lapse`]); replies how
+    /// many requests were dropped.
+    Expired {
+        reply: oneshot::Sender<usize>,
+    },
     /// The registration was lost (`false`) or is held again: see [`Ledger::set_registered`].
     Registration {
         registered: bool,
@@ -403,6 +408,24 @@ impl Driver {
                     }
                 }
                 self.ledger.set_registered(registered);
+            }
+            Command::Expired { reply } => {
+                self.ledger.set_registered(false);
+                let dropped = self.ledger.lapse();
+                for &id in &dropped {
+                    if let Err(e) = self.engine.cancel(id) {
+                        tracing::error!(request = id.0, "dropping after the registration expired: {e}");
+                    }
+                    self.written.remove(&id);
+                }
+                if !dropped.is_empty() {
+                    tracing::warn!(
+                        count = dropped.len(),
+                        requests = ?dropped,
+                        "registration expired: dropped the requests running here (the coordinator re-places them)"
+                    );
+                }
+                let _ = reply.send(dropped.len());
             }
             Command::Shutdown { grace } => self.begin_stop(grace),
             #[cfg(test)]

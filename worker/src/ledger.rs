@@ -28,6 +28,7 @@
 //! | `Paused` | COMMIT reply lost | `InDoubt` | waits for the coordinator |
 //! | `InDoubt` | resolved held / not held | `Left` / `Running` | frees / resumes |
 //! | `Running`, `MovingOut` | finished | `Finished` | logs the record |
+//! | `Running` | registration expired | `Unseen` | cancels it (the coordinator re-placed it) |
 //!
 //! Beside the state, each entry records an inbound reservation (which migration's PREPARE was
 //! accepted: the blocks are that migration's alone), whether the coordinator settled the request
@@ -287,6 +288,26 @@ impl Ledger {
     /// rejected).
     pub fn set_registered(&mut self, registered: bool) {
         self.registered = registered;
+    }
+
+    /// The registration expired in etcd (the store said so, not a clock): the coordinator has
+    /// evicted this worker and re-places every request it held. The ones running here are
+    /// dropped, so that only the re-placed copy runs (a re-placement back here runs afresh);
+    /// moves under way end by their own protocol (the coordinator settles them with the target).
+    /// Returns the dropped requests, in id order, for the engine to cancel.
+    pub fn lapse(&mut self) -> Vec<RequestId> {
+        let mut dropped: Vec<RequestId> = self
+            .entries
+            .iter_mut()
+            .filter(|(_, e)| e.state == State::Running)
+            .map(|(&id, e)| {
+                e.state = State::Unseen;
+                id
+            })
+            .collect();
+        self.held -= dropped.len();
+        dropped.sort_unstable();
+        dropped
     }
 
     // ------------------------------------------------------------------------- arrivals

@@ -166,6 +166,10 @@ impl WorkerHandle {
             }
         });
     }
+    /// What the registration loop calls when etcd says the registration expired.
+    pub fn expiry(&self) -> Expiry {
+        Expiry { commands: self.commands.clone() }
+    }
     /// Timer lateness, engine, arena and log counters (None once the engine has stopped).
     pub async fn stats(&self) -> Option<DriverStats> {
         let (tx, rx) = oneshot::channel();
@@ -178,6 +182,25 @@ impl WorkerHandle {
             Some(done) => done.await.map_err(|_| WorkerError::DriverPanicked)?,
             None => Err(WorkerError::DriverPanicked),
         }
+    }
+}
+
+/// A way to tell the engine its registration expired in etcd: the coordinator has evicted this
+/// worker and re-places what it held, so the requests running here are dropped before the
+/// worker registers again (after that, a request re-placed here must not be the one dropped).
+#[derive(Clone, Debug)]
+pub struct Expiry {
+    commands: Sender<Command>,
+}
+
+impl Expiry {
+    /// Drop every request running here; returns how many (0 once the engine has stopped).
+    pub async fn drop_running(&self) -> usize {
+        let (tx, rx) = oneshot::channel();
+        if self.commands.send(Command::Expired { reply: tx }).is_err() {
+            return 0;
+        }
+        rx.await.unwrap_or(0)
     }
 }
 
@@ -330,7 +353,8 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
     Ok(WorkerHandle { info, local_addr, metrics_addr, shutdown, commands, identity, done: Some(done) })
 }
 
-/// `GET /metrics` on `addr`: each scrape asks the engine thread for its counters and load.
+/// `GET /metrics` on `addr` (axum, [`metrics::router`]): each scrape asks the engine thread for
+/// its counters and load.
 async fn serve_metrics(
     addr: SocketAddr,
     model: String,
@@ -339,18 +363,21 @@ async fn serve_metrics(
 ) -> Result<SocketAddr, WorkerError> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|cause| WorkerError::Bind { addr, cause })?;
     let bound = listener.local_addr().map_err(|cause| WorkerError::Bind { addr, cause })?;
+    let scrape = move || {
+        let (commands, model, migrator) = (commands.clone(), model.clone(), migrator.clone());
+        async move {
+            let (stats_tx, stats_rx) = oneshot::channel();
+            let (load_tx, load_rx) = oneshot::channel();
+            commands.send(driver::Command::Stats { reply: stats_tx }).ok()?;
+            commands.send(driver::Command::Load { reply: load_tx }).ok()?;
+            let (stats, load) = (stats_rx.await.ok()?, load_rx.await.ok()?);
+            let mig = migrator.map(|m| m.metrics()).unwrap_or_default();
+            Some(metrics::render(&model, &stats, &load, &mig))
+        }
+    };
     tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let (commands, model, migrator) = (commands.clone(), model.clone(), migrator.clone());
-            tokio::spawn(metrics::answer(stream, move || async move {
-                let (stats_tx, stats_rx) = oneshot::channel();
-                let (load_tx, load_rx) = oneshot::channel();
-                commands.send(driver::Command::Stats { reply: stats_tx }).ok()?;
-                commands.send(driver::Command::Load { reply: load_tx }).ok()?;
-                let (stats, load) = (stats_rx.await.ok()?, load_rx.await.ok()?);
-                let mig = migrator.map(|m| m.metrics()).unwrap_or_default();
-                Some(metrics::render(&model, &stats, &load, &mig))
-            }));
+        if let Err(e) = axum::serve(listener, metrics::router(scrape)).await {
+            tracing::warn!("the metrics server on {bound} stopped: {e}");
         }
     });
     tracing::info!("Prometheus metrics on http://{bound}/metrics");

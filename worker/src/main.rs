@@ -131,12 +131,12 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
     let mut registration = None;
     if let Some(store) = store {
         let rec = WorkerRecord::from(&info);
-        let (trigger, fatal) = (handle.shutdown_trigger(), fatal.clone());
+        let (trigger, fatal, expiry) = (handle.shutdown_trigger(), fatal.clone(), handle.expiry());
         // Not registered until the record is written; lapsed whenever the lease is lost.
         let (registered, follow) = tokio::sync::watch::channel(false);
         handle.follow_registration(follow);
         registration = Some(tokio::spawn(async move {
-            if let Err(e) = registration_loop(store, rec, ttl, claim, deregister_rx, registered).await {
+            if let Err(e) = registration_loop(store, rec, ttl, claim, deregister_rx, registered, Some(expiry)).await {
                 tracing::error!("{e}; stopping");
                 *fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
                 trigger.trigger();

@@ -11,15 +11,17 @@
 //! emulated (cluster-clock) ones.
 
 use crate::driver::DriverStats;
-use kvfleet_core::metrics::prom::{gauge, Histogram};
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::LoadReport;
-use std::fmt::Write as _;
+use kvfleet_telemetry::prom::{self, Exposition};
+use prometheus_client::metrics::histogram::Histogram;
+use std::future::Future;
 
 /// Per-token buckets (seconds), as vLLM's TPOT histogram.
 const TPOT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5];
 
-/// Per-request latency histograms, fed with every finished record.
+/// Per-request latency histograms, fed with every finished record. A clone shares the
+/// histograms (prometheus-client's are handles) and copies the counts.
 #[derive(Clone, Debug)]
 pub struct RequestMetrics {
     /// Arrival to first output token, seconds (emulated time).
@@ -39,10 +41,10 @@ pub struct RequestMetrics {
 impl Default for RequestMetrics {
     fn default() -> Self {
         RequestMetrics {
-            ttft: Histogram::latency(),
-            ttft_answer: Histogram::latency(),
-            tpot: Histogram::new(TPOT_BUCKETS),
-            e2e: Histogram::latency(),
+            ttft: prom::latency_histogram(),
+            ttft_answer: prom::latency_histogram(),
+            tpot: prom::histogram(TPOT_BUCKETS),
+            e2e: prom::latency_histogram(),
             finished: 0,
             rejected: 0,
         }
@@ -77,7 +79,8 @@ impl RequestMetrics {
     }
 }
 
-/// Live-migration counters of one worker (as source).
+/// Live-migration counters of one worker (as source). A clone shares the histograms and copies
+/// the counts.
 #[derive(Clone, Debug)]
 pub struct MigrationMetrics {
     /// Migrations that committed (the target owns the request).
@@ -104,169 +107,87 @@ impl Default for MigrationMetrics {
             refused: 0,
             unknown: 0,
             bytes: 0,
-            total: Histogram::latency(),
-            downtime: Histogram::latency(),
+            total: prom::latency_histogram(),
+            downtime: prom::latency_histogram(),
         }
     }
 }
 
-/// The whole exposition.
+/// The whole exposition (Prometheus text format 0.0.4, [`prom::CONTENT_TYPE`]).
 pub fn render(model: &str, stats: &DriverStats, load: &LoadReport, migrations: &MigrationMetrics) -> String {
-    let mut out = String::new();
-    let l = format!("model_name=\"{model}\"");
+    let mut page = Exposition::new(model);
     let running = load.reasoning_requests + load.answering_requests;
-    gauge(
-        &mut out,
-        "vllm:num_requests_running",
-        "Requests in execution batches or resident.",
-        "gauge",
-        &l,
-        running as f64,
-    );
-    gauge(
-        &mut out,
-        "vllm:num_requests_waiting",
-        "Requests waiting to be scheduled.",
-        "gauge",
-        &l,
-        load.waiting_requests as f64,
-    );
+    page.gauge("vllm:num_requests_running", "Requests in execution batches or resident.", running);
+    page.gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", load.waiting_requests);
     let gpu = if load.gpu_total_blocks > 0 { load.gpu_used_blocks as f64 / load.gpu_total_blocks as f64 } else { 0.0 };
-    gauge(&mut out, "vllm:gpu_cache_usage_perc", "GPU KV-cache usage (1 = full).", "gauge", &l, gpu);
-    gauge(&mut out, "vllm:num_preemptions_total", "Preemptions.", "counter", &l, stats.engine.preemptions as f64);
-    gauge(&mut out, "vllm:generation_tokens_total", "Generated tokens.", "counter", &l, stats.engine.tokens as f64);
-    let ok = format!("{l},finished_reason=\"stop\"");
-    gauge(
-        &mut out,
-        "vllm:request_success_total",
-        "Finished requests.",
-        "counter",
-        &ok,
-        stats.requests_metrics.finished as f64,
-    );
+    page.gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage (1 = full).", gpu);
+    page.counter("vllm:num_preemptions_total", "Preemptions.", stats.engine.preemptions);
+    page.counter("vllm:generation_tokens_total", "Generated tokens.", stats.engine.tokens);
     let r = &stats.requests_metrics;
-    r.ttft.render(&mut out, "vllm:time_to_first_token_seconds", "Arrival to first output token (emulated time).", &l);
-    r.tpot.render(&mut out, "vllm:time_per_output_token_seconds", "Per answer token after the first.", &l);
-    r.e2e.render(&mut out, "vllm:e2e_request_latency_seconds", "Arrival to last token.", &l);
-    r.ttft_answer.render(&mut out, "kvfleet_ttft_answer_seconds", "Arrival to first answer token (PASCAL TTFT).", &l);
-    gauge(
-        &mut out,
-        "kvfleet_requests_rejected_total",
-        "Requests that can never fit this instance.",
-        "counter",
-        &l,
-        r.rejected as f64,
-    );
-    gauge(
-        &mut out,
-        "kvfleet_engine_iterations_total",
-        "Engine iterations.",
-        "counter",
-        &l,
-        stats.engine.iterations as f64,
-    );
-    gauge(
-        &mut out,
-        "kvfleet_kv_cpu_used_blocks",
-        "CPU (offload) KV blocks in use.",
-        "gauge",
-        &l,
-        load.cpu_used_blocks as f64,
-    );
-    gauge(
-        &mut out,
+    page.counters("vllm:request_success_total", "Finished requests.", "finished_reason", &[("stop", r.finished)]);
+    page.histogram("vllm:time_to_first_token_seconds", "Arrival to first output token (emulated time).", &r.ttft);
+    page.histogram("vllm:time_per_output_token_seconds", "Per answer token after the first.", &r.tpot);
+    page.histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", &r.e2e);
+    page.histogram("kvfleet_ttft_answer_seconds", "Arrival to first answer token (PASCAL TTFT).", &r.ttft_answer);
+    page.counter("kvfleet_requests_rejected_total", "Requests that can never fit this instance.", r.rejected);
+    page.counter("kvfleet_engine_iterations_total", "Engine iterations.", stats.engine.iterations);
+    page.gauge("kvfleet_kv_cpu_used_blocks", "CPU (offload) KV blocks in use.", load.cpu_used_blocks);
+    page.counter(
         "kvfleet_kv_tokens_written_total",
         "Tokens whose KV was written to the arena.",
-        "counter",
-        &l,
-        stats.kv.tokens_written as f64,
+        stats.kv.tokens_written,
     );
-    gauge(
-        &mut out,
-        "kvfleet_kv_tokens_verified_total",
-        "Tokens checked against their content.",
-        "counter",
-        &l,
-        stats.kv.tokens_verified as f64,
-    );
-    gauge(
-        &mut out,
+    page.counter("kvfleet_kv_tokens_verified_total", "Tokens checked against their content.", stats.kv.tokens_verified);
+    page.counter(
         "kvfleet_kv_errors_total",
         "KV verification failures and arena errors (must stay 0).",
-        "counter",
-        &l,
-        stats.kv.errors as f64,
+        stats.kv.errors,
     );
     let lat = &stats.lateness;
-    let _ = writeln!(out, "# HELP kvfleet_timer_lateness_seconds Engine wake-up lateness behind the modelled iteration end.\n# TYPE kvfleet_timer_lateness_seconds summary");
-    for (q, v) in [("0.5", lat.p50_us), ("0.99", lat.p99_us), ("1", lat.max_us)] {
-        let _ = writeln!(out, "kvfleet_timer_lateness_seconds{{{l},quantile=\"{q}\"}} {}", v / 1e6);
-    }
-    let _ = writeln!(out, "kvfleet_timer_lateness_seconds_sum{{{l}}} {}", lat.mean_us * lat.samples as f64 / 1e6);
-    let _ = writeln!(out, "kvfleet_timer_lateness_seconds_count{{{l}}} {}", lat.samples);
+    page.summary(
+        "kvfleet_timer_lateness_seconds",
+        "Engine wake-up lateness behind the modelled iteration end.",
+        &[("0.5", lat.p50_us / 1e6), ("0.99", lat.p99_us / 1e6), ("1", lat.max_us / 1e6)],
+        lat.mean_us * lat.samples as f64 / 1e6,
+        lat.samples,
+    );
     let m = migrations;
-    let _ = writeln!(out, "# HELP kvfleet_migrations_total Live migrations out of this worker by outcome.\n# TYPE kvfleet_migrations_total counter");
-    for (outcome, n) in
-        [("committed", m.committed), ("aborted", m.aborted), ("refused", m.refused), ("unknown", m.unknown)]
-    {
-        let _ = writeln!(out, "kvfleet_migrations_total{{{l},outcome=\"{outcome}\"}} {n}");
-    }
-    gauge(
-        &mut out,
-        "kvfleet_migration_bytes_total",
-        "KV bytes sent by live migrations.",
-        "counter",
-        &l,
-        m.bytes as f64,
+    page.counters(
+        "kvfleet_migrations_total",
+        "Live migrations out of this worker by outcome.",
+        "outcome",
+        &[("committed", m.committed), ("aborted", m.aborted), ("refused", m.refused), ("unknown", m.unknown)],
     );
-    m.total.render(&mut out, "kvfleet_migration_duration_seconds", "Live migration start to settle (committed).", &l);
-    m.downtime.render(
-        &mut out,
-        "kvfleet_migration_downtime_seconds",
-        "Pause on the source to resume on the target.",
-        &l,
-    );
-    out
+    page.counter("kvfleet_migration_bytes_total", "KV bytes sent by live migrations.", m.bytes);
+    page.histogram("kvfleet_migration_duration_seconds", "Live migration start to settle (committed).", &m.total);
+    page.histogram("kvfleet_migration_downtime_seconds", "Pause on the source to resume on the target.", &m.downtime);
+    page.encode()
 }
 
-/// Answer one HTTP/1.x request on `stream`: `GET /metrics` → the exposition `body()`, anything
-/// else 404. Minimal by design (Prometheus scrapes one path); the connection closes after it.
-pub async fn answer<S, F, Fut>(mut stream: S, body: F)
+/// The `--metrics-listen` HTTP service: `GET /metrics` answers the page `scrape` renders (503
+/// when it has none: the worker is stopping), any other path 404. Every answer closes its
+/// connection (`Connection: close`): one scrape per connection is all Prometheus needs, and
+/// clients that read to the end of the stream keep working.
+pub fn router<F, Fut>(scrape: F) -> axum::Router
 where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-    F: FnOnce() -> Fut,
-    Fut: std::future::Future<Output = Option<String>>,
+    F: Fn() -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Option<String>> + Send + 'static,
 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut buf = vec![0u8; 4096];
-    let mut have = 0;
-    // Read until the end of the request head (or the buffer is full: a bad request).
-    while have < buf.len() {
-        match stream.read(&mut buf[have..]).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => have += n,
+    use axum::http::{header, StatusCode};
+    use axum::response::IntoResponse;
+    let page = move || {
+        let body = scrape();
+        async move {
+            let close = (header::CONNECTION, "close");
+            match body.await {
+                Some(b) => ([(header::CONTENT_TYPE, prom::CONTENT_TYPE), close], b).into_response(),
+                None => (StatusCode::SERVICE_UNAVAILABLE, [close], "the worker is stopping\n").into_response(),
+            }
         }
-        if buf[..have].windows(4).any(|w| w == b"\r\n\r\n") {
-            break;
-        }
-    }
-    let head = String::from_utf8_lossy(&buf[..have]);
-    let mut parts = head.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let (status, ctype, text) = if method == "GET" && (path == "/metrics" || path.starts_with("/metrics?")) {
-        match body().await {
-            Some(b) => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", b),
-            None => ("503 Service Unavailable", "text/plain", "the worker is stopping\n".to_string()),
-        }
-    } else {
-        ("404 Not Found", "text/plain", "only GET /metrics is served here\n".to_string())
     };
-    let reply = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
-        text.len()
-    );
-    let _ = stream.write_all(reply.as_bytes()).await;
-    let _ = stream.shutdown().await;
+    let not_found =
+        || async { (StatusCode::NOT_FOUND, [(header::CONNECTION, "close")], "only GET /metrics is served here\n") };
+    axum::Router::new().route("/metrics", axum::routing::get(page)).fallback(not_found)
 }
 
 #[cfg(test)]
@@ -274,11 +195,12 @@ mod tests {
     use super::*;
     use kvfleet_core::{RequestId, Timestamp};
 
-    #[test]
-    fn histograms_are_cumulative_and_records_feed_the_vllm_latencies() {
-        let mut m = RequestMetrics::default();
+    /// A worker that finished one request (TTFT 30 ms, first answer token at 2 s, done at 3 s,
+    /// 11 answer tokens), rejected one and committed one migration.
+    fn worker_page() -> String {
+        let mut stats = DriverStats::default();
         let s = |x: f64| Some(Timestamp((x * 1e9) as u64));
-        m.observe(&RequestRecord {
+        stats.requests_metrics.observe(&RequestRecord {
             id: RequestId(1),
             arrival: Timestamp(0),
             answer_tokens: 11,
@@ -287,30 +209,96 @@ mod tests {
             finish: s(3.0),
             ..RequestRecord::default()
         });
-        m.observe(&RequestRecord { rejected: true, ..RequestRecord::default() });
-        assert_eq!((m.finished, m.rejected), (1, 1));
-        let mut out = String::new();
-        m.ttft.render(&mut out, "t", "h", "model_name=\"x\"");
-        assert!(out.contains("t_bucket{model_name=\"x\",le=\"0.02\"} 0\n"), "{out}");
-        assert!(out.contains("t_bucket{model_name=\"x\",le=\"0.04\"} 1\n"), "{out}");
-        assert!(out.contains("t_bucket{model_name=\"x\",le=\"+Inf\"} 1\n"), "{out}");
-        assert!(out.contains("t_count{model_name=\"x\"} 1\n"));
-        assert_eq!(m.tpot.count(), 1, "(3.0 - 2.0) / 10 answer tokens after the first");
-        assert!((m.tpot.sum() - 0.1).abs() < 1e-9);
+        stats.requests_metrics.observe(&RequestRecord { rejected: true, ..RequestRecord::default() });
+        stats.engine.tokens = 90;
+        stats.lateness.samples = 4;
+        stats.lateness.mean_us = 250.0;
+        let load = LoadReport {
+            reasoning_requests: 1,
+            answering_requests: 1,
+            gpu_used_blocks: 1,
+            gpu_total_blocks: 4,
+            ..LoadReport::default()
+        };
+        let migrations = MigrationMetrics { committed: 1, bytes: 4096, ..MigrationMetrics::default() };
+        migrations.downtime.observe(0.007);
+        render("x", &stats, &load, &migrations)
+    }
+
+    #[test]
+    fn the_page_has_cumulative_vllm_histograms_gauges_and_counters_by_name() {
+        let out = worker_page();
+        let has = |line: &str| assert!(out.lines().any(|l| l == line), "no line {line:?} in:\n{out}");
+        // Histograms: HELP/TYPE, cumulative buckets, +Inf, sum and count.
+        has("# HELP vllm:time_to_first_token_seconds Arrival to first output token (emulated time).");
+        has("# TYPE vllm:time_to_first_token_seconds histogram");
+        has(r#"vllm:time_to_first_token_seconds_bucket{model_name="x",le="0.02"} 0"#);
+        has(r#"vllm:time_to_first_token_seconds_bucket{model_name="x",le="0.04"} 1"#);
+        has(r#"vllm:time_to_first_token_seconds_bucket{model_name="x",le="320"} 1"#);
+        has(r#"vllm:time_to_first_token_seconds_bucket{model_name="x",le="+Inf"} 1"#);
+        has(r#"vllm:time_to_first_token_seconds_count{model_name="x"} 1"#);
+        // TPOT: (3.0 - 2.0) / 10 answer tokens after the first.
+        has(r#"vllm:time_per_output_token_seconds_bucket{model_name="x",le="0.075"} 0"#);
+        has(r#"vllm:time_per_output_token_seconds_bucket{model_name="x",le="0.1"} 1"#);
+        has(r#"vllm:time_per_output_token_seconds_sum{model_name="x"} 0.1"#);
+        has(r#"kvfleet_migration_downtime_seconds_bucket{model_name="x",le="0.005"} 0"#);
+        has(r#"kvfleet_migration_downtime_seconds_bucket{model_name="x",le="0.01"} 1"#);
+        let buckets = out.lines().filter(|l| l.starts_with("vllm:e2e_request_latency_seconds_bucket")).count();
+        assert_eq!(buckets, prom::LATENCY_BUCKETS.len() + 1);
+        // Gauges and counters, the counters' HELP and TYPE named with `_total` as vLLM's.
+        has("# TYPE vllm:num_requests_running gauge");
+        has(r#"vllm:num_requests_running{model_name="x"} 2"#);
+        has(r#"vllm:gpu_cache_usage_perc{model_name="x"} 0.25"#);
+        has("# TYPE vllm:generation_tokens_total counter");
+        has(r#"vllm:generation_tokens_total{model_name="x"} 90"#);
+        has(r#"vllm:request_success_total{model_name="x",finished_reason="stop"} 1"#);
+        has(r#"kvfleet_requests_rejected_total{model_name="x"} 1"#);
+        has(r#"kvfleet_migrations_total{model_name="x",outcome="committed"} 1"#);
+        has(r#"kvfleet_migrations_total{model_name="x",outcome="unknown"} 0"#);
+        has(r#"kvfleet_migration_bytes_total{model_name="x"} 4096"#);
+        // The summary prometheus-client has no type for.
+        has("# TYPE kvfleet_timer_lateness_seconds summary");
+        has(r#"kvfleet_timer_lateness_seconds_sum{model_name="x"} 0.001"#);
+        has(r#"kvfleet_timer_lateness_seconds_count{model_name="x"} 4"#);
+    }
+
+    #[test]
+    fn a_clone_shares_the_histograms() {
+        let mut m = RequestMetrics::default();
+        let snapshot = m.clone();
+        m.observe(&RequestRecord { finish: Some(Timestamp(1_000_000_000)), ..RequestRecord::default() });
+        let mut page = Exposition::new("x");
+        page.histogram("e2e_seconds", "E2E.", &snapshot.e2e);
+        assert!(page.encode().contains("e2e_seconds_count{model_name=\"x\"} 1\n"));
+        assert_eq!((m.finished, snapshot.finished), (1, 0));
+    }
+
+    /// The answer to one raw HTTP/1.1 request, read until the server closes the connection.
+    async fn ask(addr: std::net::SocketAddr, request: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut reply = String::new();
+        let read = s.read_to_string(&mut reply);
+        tokio::time::timeout(std::time::Duration::from_secs(10), read).await.expect("the connection closes").unwrap();
+        reply
     }
 
     #[tokio::test]
     async fn http_answers_metrics_and_404s_the_rest() {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        for (req, want) in [("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", "200 OK"), ("GET / HTTP/1.1\r\n\r\n", "404")] {
-            let (mut client, server) = tokio::io::duplex(1 << 16);
-            let task = tokio::spawn(answer(server, || async { Some("vllm:num_requests_running 1\n".to_string()) }));
-            client.write_all(req.as_bytes()).await.unwrap();
-            let mut reply = String::new();
-            client.read_to_string(&mut reply).await.unwrap();
-            task.await.unwrap();
+        for (page, path, want) in
+            [(Some(worker_page()), "/metrics", "200 OK"), (None, "/metrics", "503"), (Some(String::new()), "/", "404")]
+        {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let app = router(move || std::future::ready(page.clone()));
+            let server = tokio::spawn(async move { axum::serve(listener, app).await });
+            let reply = ask(addr, &format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n")).await;
+            server.abort();
             assert!(reply.starts_with(&format!("HTTP/1.1 {want}")), "{reply}");
-            assert_eq!(reply.contains("vllm:num_requests_running"), want == "200 OK");
+            let ok = want == "200 OK";
+            assert_eq!(reply.contains("content-type: text/plain; version=0.0.4; charset=utf-8\r\n"), ok, "{reply}");
+            assert_eq!(reply.contains("\r\n\r\n# HELP vllm:num_requests_running "), ok, "{reply}");
         }
     }
 }

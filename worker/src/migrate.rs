@@ -678,5 +678,6 @@ pub fn stats_proto(r: &MigrationReport, source: u32, target: u32) -> v1::Migrati
             Some(Outcome::Aborted(e)) | Some(Outcome::Unknown(e)) => e.to_string(),
             _ => String::new(),
         },
+        in_doubt: matches!(r.outcome, Some(Outcome::Unknown(_))),
     }
 }

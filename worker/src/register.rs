@@ -20,6 +20,10 @@
 //! coordinator may evict this worker, re-place its requests and give its number to a newcomer,
 //! so the worker refuses requests arriving by migration until it is registered again (the
 //! [`ledger`](crate::ledger)); a COMMIT accepted then would leave the request where nobody looks.
+//! When etcd says the lease expired (not just this process's clock: a worker resumed after a
+//! SIGSTOP asks etcd first), the coordinator has seen the registration go and re-places what ran
+//! here, so the worker drops those copies ([`crate::Expiry`]) before it registers again. (The
+//! coordinator refuses a late copy's results anyway: only the owner's record is stored.)
 //!
 //! A model mismatch is final: the worker exits with the message naming both models.
 
@@ -46,15 +50,32 @@ pub enum RegisterError {
 /// module docs; [`crate::WorkerHandle::follow_registration`] hands it to the engine).
 pub type Registered = tokio::sync::watch::Sender<bool>;
 
-/// Read the cluster record (model check, epoch) from etcd before the engine starts.
+/// How long a worker keeps retrying its first reads of etcd before it gives up and exits.
+pub const FIRST_READ_PATIENCE: Duration = Duration::from_secs(60);
+
+/// Read the cluster record (model check, epoch) from etcd before the engine starts: waits for a
+/// coordinator to write it, and retries failed reads for up to [`FIRST_READ_PATIENCE`].
 pub async fn cluster_record(
     store: &dyn MetaStore,
     model: &str,
     kv_bytes_per_token: u64,
 ) -> Result<ClusterRecord, RegisterError> {
     let mut backoff = Duration::from_millis(100);
+    // etcd may blink (restart, leader election) just as a worker starts: retry reads for a while
+    // rather than exit.
+    let patience = tokio::time::Instant::now() + FIRST_READ_PATIENCE;
     loop {
-        if let Some(kv) = store.get(layout::CLUSTER).await? {
+        let read = match store.get(layout::CLUSTER).await {
+            Ok(read) => read,
+            Err(e) if tokio::time::Instant::now() < patience => {
+                tracing::warn!("reading the cluster record failed ({e}); retrying in {backoff:?}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if let Some(kv) = read {
             let rec: ClusterRecord = serde_json::from_slice(&kv.value)
                 .map_err(|e| RegisterError::Refused(format!("unreadable cluster record: {e}")))?;
             if rec.model.model != model || rec.model.kv_bytes_per_token != kv_bytes_per_token {
@@ -157,8 +178,9 @@ pub async fn registration_loop(
     claim: Option<InstanceClaim>,
     stop: tokio::sync::watch::Receiver<bool>,
     registered: Registered,
+    expiry: Option<crate::Expiry>,
 ) -> Result<(), RegisterError> {
-    let ended = keep_registered(store, rec, ttl, claim, stop, &registered).await;
+    let ended = keep_registered(store, rec, ttl, claim, stop, &registered, expiry).await;
     registered.send_replace(false);
     ended
 }
@@ -170,6 +192,7 @@ async fn keep_registered(
     claim: Option<InstanceClaim>,
     mut stop: tokio::sync::watch::Receiver<bool>,
     registered: &Registered,
+    expiry: Option<crate::Expiry>,
 ) -> Result<(), RegisterError> {
     let key = layout::worker(rec.instance);
     let value = serde_json::to_vec(&rec).expect("plain data");
@@ -209,7 +232,16 @@ async fn keep_registered(
                 tokio::select! {
                     reason = keeper.lost() => {
                         registered.send_replace(false);
-                        tracing::warn!("registration lease lost ({reason}); registering again");
+                        // etcd says it expired: the coordinator saw the registration go and
+                        // re-places what ran here. Drop those copies before registering again
+                        // (a request re-placed back here afterwards runs afresh).
+                        match (&expiry, keeper.expired()) {
+                            (Some(expiry), true) => {
+                                let dropped = expiry.drop_running().await;
+                                tracing::warn!("registration expired ({reason}): dropped {dropped} requests; registering again");
+                            }
+                            _ => tracing::warn!("registration lease lost ({reason}); registering again"),
+                        }
                     }
                     _ = stop_requested(&mut stop) => {
                         registered.send_replace(false);
@@ -276,7 +308,7 @@ pub async fn route_ip(targets: &[String]) -> Result<std::net::IpAddr, String> {
 /// Keep `rec` registered in etcd (under its own lease) for as long as the future runs.
 pub async fn etcd_loop(store: Arc<dyn MetaStore>, rec: WorkerRecord, ttl: Duration) {
     let (_never, stop) = tokio::sync::watch::channel(false);
-    if let Err(e) = registration_loop(store, rec, ttl, None, stop, Registered::new(false)).await {
+    if let Err(e) = registration_loop(store, rec, ttl, None, stop, Registered::new(false), None).await {
         tracing::error!("registration ended: {e}");
     }
 }
@@ -339,6 +371,24 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_first_read_outlasts_a_blink_of_etcd() {
+        let mem = MemStore::new();
+        let rec = ClusterRecord {
+            model: kvfleet_meta::layout::ClusterModel { model: "m".into(), kv_bytes_per_token: 2 },
+            epoch_unix_ns: 7,
+        };
+        mem.put(layout::CLUSTER, &serde_json::to_vec(&rec).unwrap()).await.unwrap();
+        // Three failed reads (an etcd restarting as the worker starts): it retries, then reads.
+        mem.fail_next_reads(3);
+        let got = cluster_record(&mem, "m", 2).await.expect("retried past the failures");
+        assert_eq!(got.epoch_unix_ns, 7);
+        mem.fail_next_reads(1);
+        assert!(mem.get(layout::CLUSTER).await.is_err(), "the fault is real");
+        let e = cluster_record(&mem, "other", 2).await.unwrap_err().to_string();
+        assert!(e.contains("serves model `other`"), "a wrong model is refused at once, not retried: {e}");
+    }
+
+    #[tokio::test]
     async fn auto_claims_take_the_lowest_free_number_and_skip_fixed_registrations() {
         let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
         let ttl = Duration::from_secs(5);
@@ -378,7 +428,7 @@ mod tests {
         assert_eq!(first.instance, 0);
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
         let (registered, status) = tokio::sync::watch::channel(false);
-        let reg = tokio::spawn(registration_loop(store.clone(), record(0), ttl, Some(first), stop, registered));
+        let reg = tokio::spawn(registration_loop(store.clone(), record(0), ttl, Some(first), stop, registered, None));
         // Registered under the claim's lease.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while store.get(&layout::worker(0)).await.unwrap().is_none() {
@@ -410,7 +460,7 @@ mod tests {
         let lease = claim.keeper.lease();
         let (_keep, stop) = tokio::sync::watch::channel(false);
         let (registered, status) = tokio::sync::watch::channel(false);
-        let reg = tokio::spawn(registration_loop(store.clone(), record(0), ttl, Some(claim), stop, registered));
+        let reg = tokio::spawn(registration_loop(store.clone(), record(0), ttl, Some(claim), stop, registered, None));
         tokio::time::sleep(Duration::from_millis(100)).await;
         store.revoke(lease).await.unwrap();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -437,7 +487,7 @@ mod tests {
         let (registered, status) = tokio::sync::watch::channel(true);
         let e = tokio::time::timeout(
             Duration::from_secs(5),
-            registration_loop(store.clone(), record(0), ttl, Some(claim), stop, registered),
+            registration_loop(store.clone(), record(0), ttl, Some(claim), stop, registered, None),
         )
         .await
         .expect("the loop gives up")
@@ -548,7 +598,7 @@ mod tests {
         let ttl = Duration::from_millis(600);
         let (_keep, stop) = tokio::sync::watch::channel(false);
         let (registered, mut status) = tokio::sync::watch::channel(false);
-        let reg = tokio::spawn(registration_loop(store.clone(), record(3), ttl, None, stop, registered));
+        let reg = tokio::spawn(registration_loop(store.clone(), record(3), ttl, None, stop, registered, None));
         tokio::time::timeout(Duration::from_secs(5), status.wait_for(|r| *r)).await.unwrap().unwrap();
         cut.cut.store(true, std::sync::atomic::Ordering::SeqCst);
         let cut_at = tokio::time::Instant::now();

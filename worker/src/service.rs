@@ -139,7 +139,9 @@ fn driver_status(e: DriverError) -> Status {
         DriverError::Engine(E::TooLarge { .. } | E::NoRoom { .. }) => Status::resource_exhausted(e.to_string()),
         DriverError::Engine(E::NoAnswer { .. }) => Status::invalid_argument(e.to_string()),
         DriverError::Engine(E::IterationInFlight) => Status::unavailable(e.to_string()),
-        DriverError::Engine(E::Duplicate(_) | E::NotMigrating(_)) => Status::failed_precondition(e.to_string()),
+        DriverError::Engine(E::Duplicate(_) | E::NotMigrating(_) | E::Migrating(_)) => {
+            Status::failed_precondition(e.to_string())
+        }
         DriverError::KvCorrupt { .. } | DriverError::Serialize { .. } | DriverError::Arena(_) => {
             Status::internal(e.to_string())
         }

@@ -3,19 +3,21 @@
 //! through the leader in real time, prints the same table and files as `kvfleet sim`, and then
 //! shuts everything down, leaving no process behind.
 
+mod audit;
+pub mod cluster;
 pub(crate) mod live;
 pub mod procs;
 pub mod replay;
 mod scrape;
 
 use crate::{report, say, InputError};
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::Args;
+use cluster::{Cluster, ClusterSpec, Started};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvfleet_core::metrics::{summarize, tail_ttft_by_reasoning_bin};
 use kvfleet_sim::config::{resolve_policy, SimConfig};
-use procs::{find_etcd, free_port, sibling_binary, EtcdSpec, Proc};
-use replay::{replay, schedule, GiveUp, LeaderFinder, ReplayStats};
+use replay::{replay, schedule, GiveUp, ReplayStats};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -82,6 +84,14 @@ pub struct UpArgs {
     /// Fault injection: kill -9 worker 0 this many seconds into the replay.
     #[arg(long)]
     kill_worker_after_s: Option<f64>,
+    /// Fault injection: SIGSTOP worker 0 this many seconds into the replay and SIGCONT it
+    /// `--pause-worker-for-s` later (longer than its registration lease: its requests are
+    /// re-placed, and its late copies must not count).
+    #[arg(long)]
+    pause_worker_after_s: Option<f64>,
+    /// How long `--pause-worker-after-s` keeps worker 0 stopped, seconds.
+    #[arg(long, default_value_t = 5.0)]
+    pause_worker_for_s: f64,
     /// Fault injection: kill -9 etcd this many seconds into the replay and restart it (same data)
     /// two seconds later.
     #[arg(long)]
@@ -108,72 +118,6 @@ pub struct UpArgs {
     /// No progress bar.
     #[arg(short, long)]
     quiet: bool,
-}
-
-/// The cluster's PKI for this run: a CA (fresh in `OUT/pki`, or the operator's) and a certificate
-/// per process; `None` with `--plaintext`.
-struct Pki {
-    ca: kvfleet_pki::ClusterCa,
-    dir: PathBuf,
-}
-
-impl Pki {
-    fn new(args: &UpArgs) -> anyhow::Result<Option<Pki>> {
-        if args.plaintext {
-            say!("{}", kvfleet_pki::PLAINTEXT_WARNING);
-            return Ok(None);
-        }
-        let dir = args.out.join("pki");
-        let _ = std::fs::remove_dir_all(&dir);
-        let ca = match &args.ca_dir {
-            Some(d) => kvfleet_pki::ClusterCa::load(d).map_err(|e| InputError(format!("--ca-dir: {e}")))?,
-            None => {
-                let ca = kvfleet_pki::ClusterCa::generate("kvfleet up")?;
-                ca.save(&dir)?;
-                ca
-            }
-        };
-        // Only the CA certificate is needed beside the node certificates (not the operator's key).
-        std::fs::create_dir_all(&dir)?;
-        std::fs::write(dir.join(kvfleet_pki::CA_CERT_FILE), ca.cert_pem())?;
-        Ok(Some(Pki { ca, dir }))
-    }
-
-    /// Issue `stem`'s certificate into the PKI directory; the child's TLS flags.
-    fn issue(pki: Option<&Pki>, role: kvfleet_pki::Role, stem: &str) -> anyhow::Result<Vec<String>> {
-        let Some(pki) = pki else { return Ok(vec!["--plaintext".into()]) };
-        let files = kvfleet_pki::IdentityFiles::in_dir(&pki.dir, stem);
-        pki.ca.issue(role, stem, &[])?.save(&files)?;
-        Ok(kvfleet_pki::TlsArgs::files(&files).to_args())
-    }
-}
-
-struct Cluster {
-    etcd: Option<(Proc, String)>,
-    etcd_spec: Option<EtcdSpec>,
-    coordinators: Vec<Proc>,
-    workers: Vec<Proc>,
-    /// The built-in trace sink (`kvfleet traces collect`).
-    sink: Option<Proc>,
-}
-
-impl Cluster {
-    /// Stop workers first (they drain), then coordinators, then the trace sink (after everyone
-    /// flushed their spans into it), then etcd. Every child is reaped.
-    fn shutdown(&mut self) -> Vec<String> {
-        let mut report = Vec::new();
-        // Ten seconds each: a process flushes its last spans as it stops; on a loaded host that
-        // can take longer than its own shutdown.
-        for p in self.workers.iter_mut().chain(self.coordinators.iter_mut()).chain(self.sink.iter_mut()) {
-            let s = p.stop(Duration::from_secs(10));
-            report.push(format!("{}: {s}", p.name));
-        }
-        if let Some((p, _)) = self.etcd.as_mut() {
-            let s = p.stop(Duration::from_secs(5));
-            report.push(format!("etcd: {s}"));
-        }
-        report
-    }
 }
 
 pub fn run(args: UpArgs) -> anyhow::Result<()> {
@@ -219,198 +163,33 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     }
     let mut requests =
         kvfleet_core::workload::generate(&workload, &base_dir).map_err(|e| InputError(format!("workload: {e}")))?;
-    let coordinator_bin = sibling_binary("kvfleet-coordinator")?;
-    let worker_bin = sibling_binary("kvfleet-worker")?;
-    let logs = args.out.join("logs");
-    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let epoch_unix_ns = replay::unix_now_ns();
-    let mut cluster =
-        Cluster { etcd: None, etcd_spec: None, coordinators: Vec::new(), workers: Vec::new(), sink: None };
+    let mut cluster = Cluster::default();
     let result = (|| -> anyhow::Result<()> {
-        // The control plane's certificates (mutual TLS), then etcd or the embedded store.
-        let pki = Pki::new(&args)?;
-        let client_tls = match &pki {
-            Some(p) => {
-                Pki::issue(Some(p), kvfleet_pki::Role::Client, "client")?;
-                say!(
-                    "pki         {} (mutual TLS; CA {})",
-                    p.dir.display(),
-                    if args.ca_dir.is_some() { "supplied" } else { "generated" }
-                );
-                Some(kvfleet_pki::NodeIdentity::load(&kvfleet_pki::IdentityFiles::in_dir(&p.dir, "client"))?)
-            }
-            None => None,
+        let spec = ClusterSpec {
+            cfg: &cfg,
+            intra: &intra,
+            instance_policy: &instance_policy,
+            out: &args.out,
+            coordinators: args.coordinators,
+            no_etcd: args.no_etcd,
+            plaintext: args.plaintext,
+            ca_dir: args.ca_dir.as_deref(),
+            otlp_endpoint: args.otlp_endpoint.as_deref(),
+            no_traces: args.no_traces,
+            kv_memory: &args.kv_memory,
+            cpu_memory: &args.cpu_memory,
+            kv_fill: &args.kv_fill,
+            link_gbps: args.link_gbps,
+            link_latency_us: args.link_latency_us,
+            no_prefault: args.no_prefault,
+            http_listen: None,
+            epoch_unix_ns,
+            own_groups: false,
         };
-        let etcd = if args.no_etcd { None } else { find_etcd() };
-        let n_coord = if etcd.is_some() { args.coordinators.max(1) } else { 1 };
-        if let Some(bin) = etcd {
-            let dir = args.out.join("etcd");
-            std::fs::create_dir_all(&dir)?;
-            let _ = std::fs::remove_dir_all(dir.join("etcd-data"));
-            let spec = EtcdSpec::new(&bin, &dir)?;
-            cluster.etcd = Some((spec.start()?, spec.url()));
-            cluster.etcd_spec = Some(spec);
-            say!("etcd        {}", cluster.etcd.as_ref().map_or("", |e| e.1.as_str()));
-        } else {
-            say!(
-                "etcd        not used ({}): one coordinator with an embedded store",
-                if args.no_etcd { "--no-etcd" } else { "not installed" }
-            );
-        }
-        let etcd_url = cluster.etcd.as_ref().map(|e| e.1.clone());
-        // Spans: to the operator's backend, or to a sink of our own.
-        let otlp = if args.no_traces {
-            None
-        } else if let Some(url) = &args.otlp_endpoint {
-            say!("traces      exported to {url}");
-            Some(url.clone())
-        } else {
-            let exe = std::env::current_exe().context("locating the kvfleet binary")?;
-            let file = args.out.join("traces.jsonl");
-            let _ = std::fs::remove_file(&file);
-            let a = ["traces", "collect", "--listen", "127.0.0.1:0", "--out"].map(String::from);
-            let mut a = a.to_vec();
-            a.push(file.display().to_string());
-            let p = Proc::spawn("trace-sink", &exe, &a, &logs.join("trace-sink.log"), Some(Duration::from_secs(30)))?;
-            let url = format!("http://{}", p.addr()?);
-            say!("traces      {url} -> {} (pid {})", file.display(), p.pid());
-            cluster.sink = Some(p);
-            Some(url)
-        };
-        let otlp_args: Vec<String> = otlp.iter().flat_map(|u| ["--otlp-endpoint".to_string(), u.clone()]).collect();
-        let mut metric_pages = Vec::new();
-        for i in 0..n_coord {
-            let mut a = vec![
-                "--policy".to_string(),
-                instance_policy.clone(),
-                "--model".into(),
-                cfg.cluster.model.clone(),
-                "--headroom-blocks".into(),
-                cfg.scheduler.instance.headroom_blocks.to_string(),
-                "--epoch-unix-ns".into(),
-                epoch_unix_ns.to_string(),
-            ];
-            if let Some(u) = &etcd_url {
-                a.extend(["--etcd".into(), u.clone()]);
-            }
-            a.extend(otlp_args.iter().cloned());
-            // Its /metrics (and the OpenAI API) on a loopback port, scraped at the end.
-            let http = format!("127.0.0.1:{}", free_port()?);
-            a.extend(["--http-listen".into(), http.clone()]);
-            metric_pages.push((format!("coordinator-{i}"), http));
-            a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Coordinator, &format!("coordinator-{i}"))?);
-            let p = Proc::spawn(
-                &format!("coordinator-{i}"),
-                &coordinator_bin,
-                &a,
-                &logs.join(format!("coordinator-{i}.log")),
-                Some(Duration::from_secs(30)),
-            )?;
-            say!("coordinator {} (pid {})", p.addr()?, p.pid());
-            cluster.coordinators.push(p);
-        }
-        let coord_addrs: Vec<String> = cluster.coordinators.iter().filter_map(|p| p.addr.clone()).collect();
-        let finder = LeaderFinder::new(coord_addrs.clone(), client_tls.clone());
-        let (_, status) = rt.block_on(finder.leader(Duration::from_secs(30))).context("waiting for a leader")?;
-        say!("leader      {} (store: {})", status.leader, status.store);
-        for i in 0..cfg.cluster.instances {
-            let mut a = vec![
-                "--instance".to_string(),
-                i.to_string(),
-                "--model".into(),
-                cfg.cluster.model.clone(),
-                "--gpu".into(),
-                cfg.cluster.gpu.clone(),
-                "--timing".into(),
-                cfg.cluster.timing.clone(),
-                "--scheduler".into(),
-                intra.clone(),
-                "--quantum".into(),
-                cfg.scheduler.intra.quantum_tokens.to_string(),
-                "--demotion-tokens".into(),
-                cfg.scheduler.intra.demotion_tokens.to_string(),
-                "--tpot-ms".into(),
-                (cfg.slo.tpot_s * 1e3).to_string(),
-                "--block-size".into(),
-                cfg.cluster.block_size.to_string(),
-                "--max-num-seqs".into(),
-                cfg.cluster.max_num_seqs.to_string(),
-                "--kv-memory".into(),
-                args.kv_memory.clone(),
-                "--cpu-memory".into(),
-                args.cpu_memory.clone(),
-                "--kv-fill".into(),
-                args.kv_fill.clone(),
-                "--epoch-unix-ns".into(),
-                epoch_unix_ns.to_string(),
-                "--load-interval-ms".into(),
-                "20".into(),
-                // The live-migration knobs of the config's `[migration]`, as the simulator uses them.
-                "--stop-copy-blocks".into(),
-                cfg.migration.stop_copy_blocks.to_string(),
-                "--stop-copy-ms".into(),
-                cfg.migration.stop_copy_ms.to_string(),
-                "--max-stages".into(),
-                cfg.migration.max_stages.to_string(),
-                "--migration-timeout-ms".into(),
-                (cfg.migration.timeout_ms.round() as u64).to_string(),
-            ];
-            if let Some(gbps) = args.link_gbps {
-                a.extend(["--link-gbps".into(), gbps.to_string()]);
-            }
-            if args.link_latency_us > 0.0 {
-                a.extend(["--link-latency-us".into(), args.link_latency_us.to_string()]);
-            }
-            if !args.no_prefault {
-                a.push("--prefault".into());
-            }
-            a.extend(otlp_args.iter().cloned());
-            let metrics_addr = format!("127.0.0.1:{}", free_port()?);
-            a.extend(["--metrics-listen".into(), metrics_addr.clone()]);
-            metric_pages.push((format!("worker-{i}"), metrics_addr));
-            a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Worker, &format!("worker-{i}"))?);
-            match &etcd_url {
-                Some(u) => a.extend(["--etcd".into(), u.clone()]),
-                None => a.extend(["--coordinator".into(), coord_addrs.join(",")]),
-            }
-            let p = Proc::spawn(
-                &format!("worker-{i}"),
-                &worker_bin,
-                &a,
-                &logs.join(format!("worker-{i}.log")),
-                Some(Duration::from_secs(30)),
-            )?;
-            cluster.workers.push(p);
-        }
-        // All workers registered and visible to the leader.
-        let want = cfg.cluster.instances as usize;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let (_, s) = rt.block_on(finder.leader(Duration::from_secs(10)))?;
-            let alive = s.instances.iter().filter(|i| i.alive).count();
-            if alive >= want {
-                break;
-            }
-            if Instant::now() > deadline {
-                bail!("only {alive} of {want} workers registered within 30 s; see {}", logs.display());
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        say!("workers     {want} registered ({} scheduler, {} KV arena each)", intra, args.kv_memory);
-        // Every child's pid, so callers (and tests) can check that none outlives `kvfleet up`.
-        let pids: Vec<String> = cluster
-            .etcd
-            .iter()
-            .map(|e| &e.0)
-            .chain(&cluster.coordinators)
-            .chain(&cluster.workers)
-            .chain(&cluster.sink)
-            .map(|p| format!("{} {}", p.pid(), p.name))
-            .collect();
-        std::fs::write(args.out.join("pids.txt"), pids.join("\n") + "\n")?;
-
+        let Started { finder, metric_pages, etcd_url, logs } = cluster::start(&spec, &rt, &mut cluster)?;
         // Replay.
         schedule(&mut requests, epoch_unix_ns, Duration::from_millis(300));
         let total = requests.len() as u64;
@@ -437,6 +216,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             let mut chaos_worker = args.kill_worker_after_s.map(|s| started + Duration::from_secs_f64(s));
             let mut chaos_etcd = args.restart_etcd_after_s.map(|s| started + Duration::from_secs_f64(s));
             let mut etcd_back_at: Option<Instant> = None;
+            let mut pause_worker = args.pause_worker_after_s.map(|s| started + Duration::from_secs_f64(s));
+            let mut resume_worker: Option<Instant> = None;
             while !replay_task.is_finished() {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let (finished, tokens) = (stats.finished.load(Ordering::Relaxed), stats.tokens.load(Ordering::Relaxed));
@@ -492,12 +273,34 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                         }
                     }
                 }
+                if pause_worker.is_some_and(|t| Instant::now() >= t) {
+                    pause_worker = None;
+                    if let Some(p) = cluster.workers.first() {
+                        bar.suspend(|| {
+                            say!("chaos: SIGSTOP worker-0 (pid {}) for {} s", p.pid(), args.pause_worker_for_s)
+                        });
+                        p.signal("STOP");
+                        resume_worker = Some(Instant::now() + Duration::from_secs_f64(args.pause_worker_for_s));
+                    }
+                }
+                if resume_worker.is_some_and(|t| Instant::now() >= t) {
+                    resume_worker = None;
+                    if let Some(p) = cluster.workers.first() {
+                        bar.suspend(|| say!("chaos: SIGCONT worker-0 (pid {})", p.pid()));
+                        p.signal("CONT");
+                    }
+                }
                 if chaos_worker.is_some_and(|t| Instant::now() >= t) {
                     chaos_worker = None;
                     if let Some(p) = cluster.workers.first_mut() {
                         bar.suspend(|| say!("chaos: kill -9 worker-0 (pid {})", p.pid()));
                         p.kill9();
                     }
+                }
+            }
+            if resume_worker.is_some() {
+                if let Some(p) = cluster.workers.first() {
+                    p.signal("CONT");
                 }
             }
             replay_task.await.unwrap_or_default()
@@ -530,10 +333,13 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             sim_end_s: wall,
         };
         say!("{}", report::summary_table(std::slice::from_ref(&run)));
+        let rejected = ok.iter().filter(|r| r.rejected).count();
         say!(
-            "{} of {} requests finished ({} failed) in {:.1} s; {} migrated at </think>; {} resumed after a leader change; {} client retries",
-            ok.len(),
+            "{} of {} requests finished, {} rejected (never fit an instance), {} failed, in {:.1} s; {} migrated at </think>; \
+             {} resumed after a leader change; {} client retries",
+            ok.len() - rejected,
             total,
+            rejected,
             failed.len(),
             wall,
             migrated,
@@ -554,6 +360,23 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             std::fs::write(args.out.join("failed.txt"), failed.join("\n") + "\n")?;
             say!("  (all {} failures in {})", failed.len(), args.out.join("failed.txt").display());
         }
+        // The cluster's own record of the run must be what the clients got.
+        let audited = match &etcd_url {
+            Some(url) => match rt.block_on(audit::audit(url, &ok)) {
+                Ok(a) => {
+                    say!("{}", a.line());
+                    for d in a.differ.iter().take(5) {
+                        say!("  differs: {d}");
+                    }
+                    Some(a)
+                }
+                Err(e) => {
+                    say!("etcd results: not audited ({e:#})");
+                    None
+                }
+            },
+            None => None,
+        };
         let mut written = report::write_outputs(&args.out, std::slice::from_ref(&run))?;
         written.extend(crate::plots::write_plots(&args.out, std::slice::from_ref(&run))?);
         say!("wrote {} files to {} (process logs in {})", written.len(), args.out.display(), logs.display());
@@ -564,6 +387,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         ids.dedup();
         if ids.len() != ok.len() {
             bail!("duplicate records: a request completed more than once");
+        }
+        if let Some(a) = audited.filter(|a| !a.clean()) {
+            bail!("{}: etcd does not hold what the clients got", a.line());
         }
         Ok(())
     })();

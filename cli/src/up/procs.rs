@@ -29,8 +29,26 @@ impl Proc {
         log: &Path,
         wait_addr: Option<Duration>,
     ) -> anyhow::Result<Proc> {
+        Self::spawn_with(name, program, args, log, wait_addr, false)
+    }
+
+    /// [`Proc::spawn`]; with `own_group`, the child gets a process group of its own, so a Ctrl-C
+    /// at the terminal reaches only the parent, which then stops the children in order.
+    pub fn spawn_with(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        log: &Path,
+        wait_addr: Option<Duration>,
+        own_group: bool,
+    ) -> anyhow::Result<Proc> {
+        use std::os::unix::process::CommandExt as _;
         let log_file = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
-        let mut child = Command::new(program)
+        let mut command = Command::new(program);
+        if own_group {
+            command.process_group(0);
+        }
+        let mut child = command
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -99,6 +117,11 @@ impl Proc {
         self.child.wait().map(|s| format!("{s} (killed after {grace:?})")).unwrap_or_else(|e| e.to_string())
     }
 
+    /// Send a signal by name (`STOP`, `CONT`, …) without waiting for anything.
+    pub fn signal(&self, name: &str) {
+        let _ = Command::new("kill").arg(format!("-{name}")).arg(self.child.id().to_string()).status();
+    }
+
     /// SIGKILL now (fault injection).
     pub fn kill9(&mut self) {
         let _ = self.child.kill();
@@ -146,6 +169,8 @@ pub struct EtcdSpec {
     pub dir: PathBuf,
     pub client_port: u16,
     pub peer_port: u16,
+    /// Start it in a process group of its own (see [`Proc::spawn_with`]).
+    pub own_group: bool,
 }
 
 impl EtcdSpec {
@@ -156,6 +181,7 @@ impl EtcdSpec {
             dir: dir.to_path_buf(),
             client_port: free_port()?,
             peer_port: free_port()?,
+            own_group: false,
         })
     }
 
@@ -190,6 +216,6 @@ impl EtcdSpec {
             .open(&log)
             .with_context(|| format!("opening {}", log.display()))?;
         drop(log_file);
-        Proc::spawn("etcd", &self.bin, &args, &log, None)
+        Proc::spawn_with("etcd", &self.bin, &args, &log, None, self.own_group)
     }
 }

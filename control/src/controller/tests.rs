@@ -177,13 +177,38 @@ fn boundary_migrates_to_fewest_reasoning_and_charges_the_target() {
         .unwrap();
     assert_eq!(c.ownership(RequestId(7)).unwrap().instance, InstanceId(1));
     assert_eq!(c.ownership(RequestId(7)).unwrap().migrations, 1);
-    c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(7) }).unwrap();
+    c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(7), from: Some(InstanceId(1)) }).unwrap();
     assert_eq!(
-        c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(7) }),
+        c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(7), from: Some(InstanceId(1)) }),
         Err(ControlError::NotInFlight(RequestId(7))),
         "a duplicate finish report is refused"
     );
     assert_eq!(c.in_flight(), 0);
+}
+
+#[test]
+fn only_the_owner_s_final_record_counts() {
+    let mut c = ctl("pascal", 3);
+    for i in 0..3 {
+        c.handle(Timestamp::ZERO, Event::Load(load(i, 10, if i == 1 { 0 } else { 4 }))).unwrap();
+    }
+    let at = place(&mut c, spec(7, 10));
+    let late = |c: &mut Controller, from: u32| {
+        c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(7), from: Some(InstanceId(from)) })
+    };
+    let stranger = (0..3).find(|&i| i != at.0 && i != 1).unwrap();
+    // Moving `at` → 1: the target's record may overtake the commit's reply; a third instance's
+    // (a paused worker's copy of a request re-placed since) is refused and changes nothing.
+    c.handle(Timestamp::ZERO, Event::Boundary { request: RequestId(7), instance: at, kv_blocks: 1 }).unwrap();
+    assert!(matches!(c.poll_action(), Some(Action::Migrate { to: InstanceId(1), .. })));
+    assert_eq!(
+        late(&mut c, stranger),
+        Err(ControlError::NotOwner { request: RequestId(7), from: InstanceId(stranger), owner: at })
+    );
+    assert_eq!(c.ownership(RequestId(7)).unwrap().phase, OwnedPhase::Migrating, "still in flight");
+    late(&mut c, 1).unwrap();
+    assert_eq!(c.ownership(RequestId(7)).unwrap().phase, OwnedPhase::Finished);
+    assert_eq!(late(&mut c, at.0), Err(ControlError::NotInFlight(RequestId(7))), "and only once");
 }
 
 #[test]
@@ -195,7 +220,7 @@ fn stale_boundaries_never_move_a_request() {
     let wrong = InstanceId(1 - at.0);
     let boundary = |instance| Event::Boundary { request: RequestId(7), instance, kv_blocks: 1 };
     assert!(c.decide(Timestamp::ZERO, boundary(wrong)).unwrap().is_empty(), "from an instance that does not own it");
-    c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(7) }).unwrap();
+    c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(7), from: None }).unwrap();
     assert!(c.decide(Timestamp::ZERO, boundary(at)).unwrap().is_empty(), "for a finished request");
     assert_eq!(c.ownership(RequestId(7)).unwrap().phase, OwnedPhase::Finished, "stays finished");
     assert!(c.decide(Timestamp::ZERO, boundary(at)).is_ok(), "unknown requests are ignored, not errors");
@@ -209,7 +234,7 @@ fn a_request_that_finishes_during_its_move_stays_finished() {
     let at = place(&mut c, spec(8, 10));
     c.handle(Timestamp::ZERO, Event::Boundary { request: RequestId(8), instance: at, kv_blocks: 1 }).unwrap();
     assert!(matches!(c.poll_action(), Some(Action::Migrate { .. })));
-    c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(8) }).unwrap();
+    c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(8), from: None }).unwrap();
     c.handle(Timestamp::ZERO, Event::MigrationEnded { request: RequestId(8), outcome: MoveOutcome::Aborted }).unwrap();
     assert_eq!(c.ownership(RequestId(8)).unwrap().phase, OwnedPhase::Finished);
     assert_eq!(c.in_flight(), 0);
@@ -246,7 +271,7 @@ fn events_for_unknown_requests_are_errors_that_change_nothing() {
     for ev in [
         Event::MigrationEnded { request: RequestId(5), outcome: MoveOutcome::Committed },
         Event::Lost { request: RequestId(5) },
-        Event::Finished { request: RequestId(5) },
+        Event::Finished { request: RequestId(5), from: None },
     ] {
         assert_eq!(c.handle(Timestamp::ZERO, ev), Err(ControlError::NotInFlight(RequestId(5))));
     }
@@ -259,7 +284,7 @@ fn forgetting_finished_requests_keeps_only_those_in_flight() {
     let mut c = Controller::new(build_policy("least-kv", &PolicyParams::default()).unwrap(), SimRng::seed_from_u64(0));
     c.handle(Timestamp::ZERO, joined(0)).unwrap();
     place(&mut c, spec(1, 10));
-    c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(1) }).unwrap();
+    c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(1), from: None }).unwrap();
     assert!(c.requests().is_empty());
 }
 

@@ -93,6 +93,9 @@ pub enum EngineError {
     /// The call needs a request frozen by [`Engine::begin_migration_out`], and this one is not.
     #[error("{0} is not migrating out")]
     NotMigrating(RequestId),
+    /// The request is frozen for a migration out; only the migration may end it.
+    #[error("{0} is frozen for a migration out")]
+    Migrating(RequestId),
     /// The call is only allowed between iterations, and one is in flight.
     #[error("an iteration is in flight; call between iterations")]
     IterationInFlight,
@@ -769,6 +772,24 @@ impl Engine {
             awaiting_after_reasoning: req.awaiting_after_reasoning,
             demoted: req.sched.demoted,
         })
+    }
+
+    /// Drop a request that is not to run here after all: its instance lost it to a re-placement
+    /// (a registration that expired) or its client went away. Its KV is freed at once and it
+    /// produces nothing more, not even a final record. Allowed while an iteration is in flight
+    /// (the iteration simply ends without its token); a request frozen for a migration is the
+    /// migration's to end ([`EngineError::Migrating`]).
+    pub fn cancel(&mut self, request: RequestId) -> Result<(), EngineError> {
+        let slot = *self.index.get(&request).ok_or(EngineError::Unknown(request))?;
+        if self.req(slot).residence == Residence::MigratingOut {
+            return Err(EngineError::Migrating(request));
+        }
+        self.active.retain(|&s| s != slot);
+        self.batch.retain(|e| e.slot != slot);
+        self.remove(slot);
+        self.kv.free_request(request);
+        self.dirty = true;
+        Ok(())
     }
 
     /// Whether the request is frozen by [`Engine::begin_migration_out`].

@@ -241,6 +241,44 @@ fn migration_moves_state_and_abort_keeps_request() {
     assert_eq!(r.finish, Some(Timestamp(6 * UNIT)));
 }
 
+/// A cancelled request is gone at once, mid-iteration too: its KV freed, no token and no record
+/// from it, the others unaffected; a request frozen for a migration is the migration's.
+#[test]
+fn a_cancelled_request_frees_its_kv_and_never_finishes() {
+    let mut e = engine("fcfs", 64, 64, 500);
+    let mut ev = Vec::new();
+    e.submit(Timestamp(0), spec(1, 0, 40, 2, 3)).unwrap();
+    e.submit(Timestamp(0), spec(2, 0, 20, 2, 3)).unwrap();
+    e.step(Timestamp(0), &mut ev);
+    let both = e.kv().used(Tier::Gpu);
+    // An iteration is in flight: cancel anyway.
+    e.cancel(RequestId(1)).unwrap();
+    assert!(e.kv().used(Tier::Gpu) < both && e.kv().table(RequestId(1)).is_none(), "its blocks are free");
+    assert!(!e.contains(RequestId(1)));
+    e.check_invariants().unwrap();
+    assert_eq!(e.cancel(RequestId(1)), Err(EngineError::Unknown(RequestId(1))));
+    let mut t = Timestamp(UNIT);
+    let mut finished = Vec::new();
+    while !e.is_empty() {
+        e.complete_iteration(t, &mut ev);
+        e.plan_iteration(t);
+        e.check_invariants().unwrap();
+        t += TimeSpan(UNIT);
+    }
+    for x in ev.drain(..) {
+        if let EngineEvent::Finished(r) = x {
+            finished.push(r.id);
+        }
+    }
+    assert_eq!(finished, vec![RequestId(2)], "only the other one finishes");
+    assert_eq!(e.kv().used(Tier::Gpu), 0);
+    e.submit(t, spec(3, 0, 20, 2, 3)).unwrap();
+    e.step(t, &mut ev);
+    e.complete_iteration(t + TimeSpan(UNIT), &mut ev);
+    e.begin_migration_out(RequestId(3)).unwrap();
+    assert_eq!(e.cancel(RequestId(3)), Err(EngineError::Migrating(RequestId(3))));
+}
+
 /// A target without GPU room receives into its CPU pool; the request attaches offloaded and is
 /// reloaded when it runs, as a re-materialising attach would place it.
 #[test]

@@ -4,7 +4,7 @@
 //! | file | what lives there |
 //! |---|---|
 //! | [`record`] | [`RequestRecord`], every timestamp of one request (filled by the engine) |
-//! | [`migration`] | [`MigrationRecord`], one KV-cache transfer at a phase boundary |
+//! | [`migration`] | [`MigrationRecord`], one KV-cache migration at a phase boundary as either backend measured it ([`MigrationOutcome`]) |
 //! | [`percentile`] | nearest-rank percentiles (`P_q = x[ceil(q·n) − 1]`) and [`Distribution`] |
 //! | [`summary`] | [`SloTargets`] and [`summarize`] → [`RunSummary`] (one JSON object / CSV row per run) |
 //! | [`tail`] | tail TTFT per 256-token reasoning bin (Fig. 10) and the TTFT CDF |
@@ -13,12 +13,11 @@
 
 pub mod migration;
 pub mod percentile;
-pub mod prom;
 pub mod record;
 pub mod summary;
 pub mod tail;
 
-pub use migration::MigrationRecord;
+pub use migration::{MigrationOutcome, MigrationRecord};
 pub use percentile::{nearest_rank, Distribution};
 pub use record::RequestRecord;
 pub use summary::{summarize, RunSummary, SloTargets};

@@ -121,13 +121,14 @@ pub struct RunSummary {
 
     /// KV-cache migrations logged, aborted ones included.
     pub migrations_total: u64,
-    /// Migrations abandoned (the request stayed on its source).
+    /// Migrations that did not commit (the request stayed on its source): aborted ones and
+    /// those the target refused.
     pub migrations_aborted: u64,
     /// Bytes of every migration, aborted ones included (what they sent before aborting).
     pub migration_bytes_total: u64,
-    /// Median `end − start` of completed (not aborted) migrations.
+    /// Median `end − start` of committed migrations.
     pub migration_transfer_p50_s: Option<f64>,
-    /// P99 transfer time of completed migrations.
+    /// P99 transfer time of committed migrations.
     pub migration_transfer_p99_s: Option<f64>,
 
     /// The targets this summary was computed against, so a CSV row stands on its own:
@@ -288,7 +289,7 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
     let per_s = |count: u64| makespan_s.filter(|&m| m > 0.0).map(|m| count as f64 / m);
 
     let transfers =
-        Distribution::new(migrations.iter().filter(|m| !m.aborted).map(MigrationRecord::transfer_s).collect());
+        Distribution::new(migrations.iter().filter(|m| m.committed()).map(MigrationRecord::transfer_s).collect());
 
     RunSummary {
         requests_total: records.len() as u64,
@@ -321,7 +322,7 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
         throughput_requests_per_s: per_s(finished),
         preemptions_total: preemptions,
         migrations_total: migrations.len() as u64,
-        migrations_aborted: migrations.iter().filter(|m| m.aborted).count() as u64,
+        migrations_aborted: migrations.iter().filter(|m| !m.committed()).count() as u64,
         migration_bytes_total: migrations.iter().map(|m| m.bytes).sum(),
         migration_transfer_p50_s: transfers.percentile(0.5),
         migration_transfer_p99_s: transfers.percentile(0.99),
@@ -335,6 +336,7 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
 mod tests {
     use super::*;
     use crate::ids::{InstanceId, RequestId};
+    use crate::metrics::MigrationOutcome;
 
     fn t(s: f64) -> Timestamp {
         Timestamp::from_secs_f64(s)
@@ -402,16 +404,24 @@ mod tests {
     }
 
     fn hand_migrations() -> Vec<MigrationRecord> {
-        let m = |id, bytes, start, end, aborted| MigrationRecord {
+        let m = |id, bytes, start, end, outcome| MigrationRecord {
             request: RequestId(id),
             from: InstanceId(0),
             to: InstanceId(1),
+            outcome,
             bytes,
             start: t(start),
             end: t(end),
-            aborted,
+            ..Default::default()
         };
-        vec![m(0, 1000, 2.0, 2.1, false), m(1, 500, 5.0, 5.4, true), m(4, 2000, 6.0, 6.3, false)]
+        let (ok, aborted) = (MigrationOutcome::Committed, MigrationOutcome::Aborted("timed out".into()));
+        vec![
+            m(0, 1000, 2.0, 2.1, ok.clone()),
+            m(1, 500, 5.0, 5.4, aborted),
+            m(4, 2000, 6.0, 6.3, ok),
+            // A refusal: nothing sent; counted among the aborted ones, not in the transfer times.
+            m(5, 0, 7.0, 7.0, MigrationOutcome::Refused("refused by the target: no room".into())),
+        ]
     }
 
     #[test]
@@ -451,7 +461,7 @@ mod tests {
             ("makespan", s.makespan_s, 7.6),
             ("tok_per_s", s.throughput_output_tokens_per_s, 417.0 / 7.6),
             ("req_per_s", s.throughput_requests_per_s, 3.0 / 7.6),
-            // Completed transfers {0.1, 0.3}.
+            // Committed transfers {0.1, 0.3}.
             ("mig_p50", s.migration_transfer_p50_s, 0.1),
             ("mig_p99", s.migration_transfer_p99_s, 0.3),
         ];
@@ -459,7 +469,9 @@ mod tests {
             assert!(close(*got, *want), "{name}: got {got:?}, want {want}");
         }
         assert_eq!(s.preemptions_total, 3);
-        assert_eq!((s.migrations_total, s.migrations_aborted, s.migration_bytes_total), (3, 1, 3500));
+        // The refusal counts as aborted, as the summary always counted every migration that did
+        // not commit.
+        assert_eq!((s.migrations_total, s.migrations_aborted, s.migration_bytes_total), (4, 2, 3500));
     }
 
     #[test]

@@ -3,13 +3,13 @@
 //! between two otherwise idle instances, the simulator's side of `kvfleet bench migration`; the
 //! unit tests build their scenarios (a full target, timeouts, running on afterwards) on [`EnginePair`].
 
-use super::{Engines, LiveMigration, LiveMigrationRecord, LiveMigrationSpec, StartError};
+use super::{Engines, LiveMigration, LiveMigrationSpec, StartError};
 use kvfleet_core::engine::sched::{build_scheduler, SchedulerParams};
 use kvfleet_core::engine::{Engine, EngineConfig, EngineError, EngineEvent};
-use kvfleet_core::metrics::RequestRecord;
+use kvfleet_core::metrics::{MigrationRecord, RequestRecord};
 use kvfleet_core::timing::TimingModel;
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, Timestamp};
-use kvfleet_netmodel::migration::{MigrationId, MigrationParams};
+use kvfleet_netmodel::migration::{MigrationId, MigrationParams, MigrationReport};
 use kvfleet_netmodel::{Fabric, LinkError, LinkParams};
 use std::sync::Arc;
 
@@ -114,7 +114,17 @@ impl EnginePair {
 
     /// Migrate `request` from [`SOURCE`] to [`TARGET`] with `params`, started now (between two
     /// iterations of the source), as the cluster's event loop does; returns its record.
-    pub fn migrate(&mut self, request: RequestId, params: MigrationParams) -> Result<LiveMigrationRecord, PairError> {
+    pub fn migrate(&mut self, request: RequestId, params: MigrationParams) -> Result<MigrationRecord, PairError> {
+        self.migrate_reported(request, params).map(|(record, _)| record)
+    }
+
+    /// [`EnginePair::migrate`], returning the source machine's own report beside the record
+    /// ([`LiveMigration::source_report`]).
+    pub fn migrate_reported(
+        &mut self,
+        request: RequestId,
+        params: MigrationParams,
+    ) -> Result<(MigrationRecord, MigrationReport), PairError> {
         let spec = LiveMigrationSpec::new(MigrationId(1), request, SOURCE, TARGET, params);
         let mut m = LiveMigration::start(self.now, spec, both(&mut self.engines), &mut self.fabric)?;
         self.plan_and_check()?;
@@ -122,7 +132,7 @@ impl EnginePair {
             // One migration: every transfer on the fabric is its own, nothing to map.
             m.take_new_transfers();
             if let Some(record) = m.take_record() {
-                return Ok(record);
+                return Ok((record, m.source_report()));
             }
             let wakes = self.engines.iter().map(Engine::next_wake);
             let next = wakes.chain([self.fabric.next_completion(), m.next_timeout()]).flatten().min();
@@ -190,7 +200,8 @@ fn both(engines: &mut [Engine]) -> Engines<'_> {
 
 /// Migrate one request holding `kv_tokens` tokens of KV, decoding meanwhile, between two
 /// otherwise idle `engine`s over a fabric of `link`, and return its record (total time, downtime,
-/// stages, bytes). The request is a prompt of `kv_tokens - 1` tokens whose prefill produced the
+/// stages, bytes) and the source machine's own report (stage times, and the downtime as the
+/// emulator's source measures it). The request is a prompt of `kv_tokens - 1` tokens whose prefill produced the
 /// first of [`SIMULATED_DECODE_TOKENS`] reasoning tokens; the migration starts right after that
 /// iteration. `max_batched_tokens` is raised to fit the prompt in one iteration (as
 /// `kvfleet bench migration` sizes its workers); `gpu_blocks` must hold the request on both sides.
@@ -200,7 +211,7 @@ pub fn simulate_one(
     params: MigrationParams,
     engine: &EngineConfig,
     timing: Arc<dyn TimingModel>,
-) -> Result<LiveMigrationRecord, PairError> {
+) -> Result<(MigrationRecord, MigrationReport), PairError> {
     let request = RequestId(1);
     let cfg = EngineConfig { max_batched_tokens: engine.max_batched_tokens.max(kv_tokens), ..engine.clone() };
     let mut pair = EnginePair::new(cfg.clone(), cfg, timing, link)?;
@@ -212,5 +223,5 @@ pub fn simulate_one(
         answer_tokens: 1,
     };
     pair.place(SOURCE, spec)?;
-    pair.migrate(request, params)
+    pair.migrate_reported(request, params)
 }

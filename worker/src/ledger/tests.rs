@@ -98,6 +98,25 @@ fn a_target_that_finished_the_request_answers_held() {
 }
 
 #[test]
+fn an_expired_registration_drops_what_runs_here_and_a_re_placement_runs_afresh() {
+    let mut l = running();
+    let other = RequestId(8);
+    assert_eq!(l.submit(other), Admission::Run { release: None });
+    l.started(other).unwrap();
+    l.begin_out(other, M1).unwrap();
+    let done = RequestId(9);
+    assert_eq!(l.submit(done), Admission::Run { release: None });
+    l.started(done).unwrap();
+    l.finished(done).unwrap();
+    assert_eq!(l.held(), 2);
+    assert_eq!(l.lapse(), vec![R], "only what runs: a move under way ends by its protocol");
+    assert_eq!((l.state(R), l.held()), (State::Unseen, 1));
+    assert_eq!(l.state(done), State::Finished, "a finished request stays answered");
+    assert_eq!(l.submit(R), Admission::Run { release: None }, "re-placed back here: runs afresh");
+    assert!(l.lapse().is_empty() || l.state(R) == State::Unseen);
+}
+
+#[test]
 fn a_lapsed_registration_refuses_arrivals_by_migration_but_not_submits() {
     let mut l = Ledger::new();
     l.prepare(R, M1).unwrap();

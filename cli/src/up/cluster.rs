@@ -1,0 +1,338 @@
+//! Starting a local cluster on loopback, shared by `kvfleet up` (which then replays a workload)
+//! and `kvfleet serve` (which keeps it up for real clients): certificates, etcd (or the embedded
+//! store), the trace sink, coordinators and workers, each a child process that no error or panic
+//! leaves behind.
+
+use super::procs::{find_etcd, free_port, sibling_binary, EtcdSpec, Proc};
+use super::replay::LeaderFinder;
+use crate::{say, InputError};
+use anyhow::{bail, Context};
+use kvfleet_sim::config::SimConfig;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// What to start.
+pub struct ClusterSpec<'a> {
+    /// The experiment config: model, GPU, timing, scheduler knobs, `[migration]`, instances.
+    pub cfg: &'a SimConfig,
+    /// Intra-instance scheduler name (resolved from the policy).
+    pub intra: &'a str,
+    /// Instance-level policy name (resolved from the policy).
+    pub instance_policy: &'a str,
+    /// Output directory: logs, PKI, etcd data, traces.
+    pub out: &'a Path,
+    /// Coordinators to start when etcd is available.
+    pub coordinators: u32,
+    /// Do not use etcd even if installed.
+    pub no_etcd: bool,
+    /// No certificates (local debugging only).
+    pub plaintext: bool,
+    /// Issue certificates from this CA instead of a fresh one.
+    pub ca_dir: Option<&'a Path>,
+    /// Send spans to this OTLP endpoint instead of the built-in sink.
+    pub otlp_endpoint: Option<&'a str>,
+    /// Export no spans.
+    pub no_traces: bool,
+    /// Each worker's GPU KV arena (`--kv-memory`).
+    pub kv_memory: &'a str,
+    /// Each worker's CPU offload arena (`--cpu-memory`).
+    pub cpu_memory: &'a str,
+    /// KV content written per token (`full` or `stamp`).
+    pub kv_fill: &'a str,
+    /// Shape migration links to this rate, Gbit/s.
+    pub link_gbps: Option<f64>,
+    /// Added one-way latency on migration links, µs.
+    pub link_latency_us: f64,
+    /// Do not pre-fault the KV arenas.
+    pub no_prefault: bool,
+    /// The first coordinator's HTTP address (OpenAI API, `/metrics`); others get free ports.
+    pub http_listen: Option<&'a str>,
+    /// The cluster clock's origin, Unix ns.
+    pub epoch_unix_ns: u64,
+    /// Children in process groups of their own (`kvfleet serve` stops them itself on Ctrl-C).
+    pub own_groups: bool,
+}
+
+/// A started cluster's handles.
+pub struct Started {
+    /// Finds the leader among the coordinators (for replays and status).
+    pub finder: LeaderFinder,
+    /// `(name, HTTP address)` of every process's `/metrics`.
+    pub metric_pages: Vec<(String, String)>,
+    /// etcd's client URL (`None`: embedded store).
+    pub etcd_url: Option<String>,
+    /// Where the processes' logs are.
+    pub logs: PathBuf,
+}
+
+/// The cluster's PKI for this run: a CA (fresh in `OUT/pki`, or the operator's) and a certificate
+/// per process; `None` with `--plaintext`.
+pub struct Pki {
+    ca: kvfleet_pki::ClusterCa,
+    dir: PathBuf,
+}
+
+impl Pki {
+    fn new(args: &ClusterSpec) -> anyhow::Result<Option<Pki>> {
+        if args.plaintext {
+            say!("{}", kvfleet_pki::PLAINTEXT_WARNING);
+            return Ok(None);
+        }
+        let dir = args.out.join("pki");
+        let _ = std::fs::remove_dir_all(&dir);
+        let ca = match &args.ca_dir {
+            Some(d) => kvfleet_pki::ClusterCa::load(d).map_err(|e| InputError(format!("--ca-dir: {e}")))?,
+            None => {
+                let ca = kvfleet_pki::ClusterCa::generate("kvfleet up")?;
+                ca.save(&dir)?;
+                ca
+            }
+        };
+        // Only the CA certificate is needed beside the node certificates (not the operator's key).
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join(kvfleet_pki::CA_CERT_FILE), ca.cert_pem())?;
+        Ok(Some(Pki { ca, dir }))
+    }
+
+    /// Issue `stem`'s certificate into the PKI directory; the child's TLS flags.
+    fn issue(pki: Option<&Pki>, role: kvfleet_pki::Role, stem: &str) -> anyhow::Result<Vec<String>> {
+        let Some(pki) = pki else { return Ok(vec!["--plaintext".into()]) };
+        let files = kvfleet_pki::IdentityFiles::in_dir(&pki.dir, stem);
+        pki.ca.issue(role, stem, &[])?.save(&files)?;
+        Ok(kvfleet_pki::TlsArgs::files(&files).to_args())
+    }
+}
+
+/// Every process of a local cluster, stopped (and reaped) by [`Cluster::shutdown`] or on drop.
+#[derive(Default)]
+pub struct Cluster {
+    /// etcd and its client URL (`None`: the coordinator's embedded store).
+    pub etcd: Option<(Proc, String)>,
+    /// How to start etcd again on the same data (fault injection).
+    pub etcd_spec: Option<EtcdSpec>,
+    /// Coordinator processes.
+    pub coordinators: Vec<Proc>,
+    /// Worker processes, instance 0 first.
+    pub workers: Vec<Proc>,
+    /// The built-in trace sink (`kvfleet traces collect`).
+    pub sink: Option<Proc>,
+}
+
+impl Cluster {
+    /// Stop workers first (they drain), then coordinators, then the trace sink (after everyone
+    /// flushed their spans into it), then etcd. Every child is reaped.
+    pub fn shutdown(&mut self) -> Vec<String> {
+        let mut report = Vec::new();
+        // Ten seconds each: a process flushes its last spans as it stops; on a loaded host that
+        // can take longer than its own shutdown.
+        for p in self.workers.iter_mut().chain(self.coordinators.iter_mut()).chain(self.sink.iter_mut()) {
+            let s = p.stop(Duration::from_secs(10));
+            report.push(format!("{}: {s}", p.name));
+        }
+        if let Some((p, _)) = self.etcd.as_mut() {
+            let s = p.stop(Duration::from_secs(5));
+            report.push(format!("etcd: {s}"));
+        }
+        report
+    }
+}
+
+/// Start everything `args` asks for into `cluster` (which stops what was started when dropped,
+/// also after an error), and wait until every worker is registered with the leader.
+pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Cluster) -> anyhow::Result<Started> {
+    let coordinator_bin = sibling_binary("kvfleet-coordinator")?;
+    let worker_bin = sibling_binary("kvfleet-worker")?;
+    let logs = args.out.join("logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let epoch_unix_ns = args.epoch_unix_ns;
+    // The control plane's certificates (mutual TLS), then etcd or the embedded store.
+    let pki = Pki::new(args)?;
+    let client_tls = match &pki {
+        Some(p) => {
+            Pki::issue(Some(p), kvfleet_pki::Role::Client, "client")?;
+            say!(
+                "pki         {} (mutual TLS; CA {})",
+                p.dir.display(),
+                if args.ca_dir.is_some() { "supplied" } else { "generated" }
+            );
+            Some(kvfleet_pki::NodeIdentity::load(&kvfleet_pki::IdentityFiles::in_dir(&p.dir, "client"))?)
+        }
+        None => None,
+    };
+    let etcd = if args.no_etcd { None } else { find_etcd() };
+    let n_coord = if etcd.is_some() { args.coordinators.max(1) } else { 1 };
+    if let Some(bin) = etcd {
+        let dir = args.out.join("etcd");
+        std::fs::create_dir_all(&dir)?;
+        let _ = std::fs::remove_dir_all(dir.join("etcd-data"));
+        let spec = EtcdSpec { own_group: args.own_groups, ..EtcdSpec::new(&bin, &dir)? };
+        cluster.etcd = Some((spec.start()?, spec.url()));
+        cluster.etcd_spec = Some(spec);
+        say!("etcd        {}", cluster.etcd.as_ref().map_or("", |e| e.1.as_str()));
+    } else {
+        say!(
+            "etcd        not used ({}): one coordinator with an embedded store",
+            if args.no_etcd { "--no-etcd" } else { "not installed" }
+        );
+    }
+    let etcd_url = cluster.etcd.as_ref().map(|e| e.1.clone());
+    // Spans: to the operator's backend, or to a sink of our own.
+    let otlp = if args.no_traces {
+        None
+    } else if let Some(url) = args.otlp_endpoint {
+        say!("traces      exported to {url}");
+        Some(url.to_string())
+    } else {
+        let exe = std::env::current_exe().context("locating the kvfleet binary")?;
+        let file = args.out.join("traces.jsonl");
+        let _ = std::fs::remove_file(&file);
+        let a = ["traces", "collect", "--listen", "127.0.0.1:0", "--out"].map(String::from);
+        let mut a = a.to_vec();
+        a.push(file.display().to_string());
+        let sink_log = logs.join("trace-sink.log");
+        let p = Proc::spawn_with("trace-sink", &exe, &a, &sink_log, Some(Duration::from_secs(30)), args.own_groups)?;
+        let url = format!("http://{}", p.addr()?);
+        say!("traces      {url} -> {} (pid {})", file.display(), p.pid());
+        cluster.sink = Some(p);
+        Some(url)
+    };
+    let otlp_args: Vec<String> = otlp.iter().flat_map(|u| ["--otlp-endpoint".to_string(), u.clone()]).collect();
+    let mut metric_pages = Vec::new();
+    for i in 0..n_coord {
+        let mut a = vec![
+            "--policy".to_string(),
+            args.instance_policy.to_string(),
+            "--model".into(),
+            args.cfg.cluster.model.clone(),
+            "--headroom-blocks".into(),
+            args.cfg.scheduler.instance.headroom_blocks.to_string(),
+            "--epoch-unix-ns".into(),
+            epoch_unix_ns.to_string(),
+        ];
+        if let Some(u) = &etcd_url {
+            a.extend(["--etcd".into(), u.clone()]);
+        }
+        a.extend(otlp_args.iter().cloned());
+        // Its /metrics and the OpenAI API: where asked (the first coordinator), else a free
+        // loopback port (scraped at the end).
+        let http = match (i, args.http_listen) {
+            (0, Some(addr)) => addr.to_string(),
+            _ => format!("127.0.0.1:{}", free_port()?),
+        };
+        a.extend(["--http-listen".into(), http.clone()]);
+        metric_pages.push((format!("coordinator-{i}"), http));
+        a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Coordinator, &format!("coordinator-{i}"))?);
+        let p = Proc::spawn_with(
+            &format!("coordinator-{i}"),
+            &coordinator_bin,
+            &a,
+            &logs.join(format!("coordinator-{i}.log")),
+            Some(Duration::from_secs(30)),
+            args.own_groups,
+        )?;
+        say!("coordinator {} (pid {})", p.addr()?, p.pid());
+        cluster.coordinators.push(p);
+    }
+    let coord_addrs: Vec<String> = cluster.coordinators.iter().filter_map(|p| p.addr.clone()).collect();
+    let finder = LeaderFinder::new(coord_addrs.clone(), client_tls.clone());
+    let (_, status) = rt.block_on(finder.leader(Duration::from_secs(30))).context("waiting for a leader")?;
+    say!("leader      {} (store: {})", status.leader, status.store);
+    for i in 0..args.cfg.cluster.instances {
+        let mut a = vec![
+            "--instance".to_string(),
+            i.to_string(),
+            "--model".into(),
+            args.cfg.cluster.model.clone(),
+            "--gpu".into(),
+            args.cfg.cluster.gpu.clone(),
+            "--timing".into(),
+            args.cfg.cluster.timing.clone(),
+            "--scheduler".into(),
+            args.intra.to_string(),
+            "--quantum".into(),
+            args.cfg.scheduler.intra.quantum_tokens.to_string(),
+            "--demotion-tokens".into(),
+            args.cfg.scheduler.intra.demotion_tokens.to_string(),
+            "--tpot-ms".into(),
+            (args.cfg.slo.tpot_s * 1e3).to_string(),
+            "--block-size".into(),
+            args.cfg.cluster.block_size.to_string(),
+            "--max-num-seqs".into(),
+            args.cfg.cluster.max_num_seqs.to_string(),
+            "--kv-memory".into(),
+            args.kv_memory.to_string(),
+            "--cpu-memory".into(),
+            args.cpu_memory.to_string(),
+            "--kv-fill".into(),
+            args.kv_fill.to_string(),
+            "--epoch-unix-ns".into(),
+            epoch_unix_ns.to_string(),
+            "--load-interval-ms".into(),
+            "20".into(),
+            // The live-migration knobs of the config's `[migration]`, as the simulator uses them.
+            "--stop-copy-blocks".into(),
+            args.cfg.migration.stop_copy_blocks.to_string(),
+            "--stop-copy-ms".into(),
+            args.cfg.migration.stop_copy_ms.to_string(),
+            "--max-stages".into(),
+            args.cfg.migration.max_stages.to_string(),
+            "--migration-timeout-ms".into(),
+            (args.cfg.migration.timeout_ms.round() as u64).to_string(),
+        ];
+        if let Some(gbps) = args.link_gbps {
+            a.extend(["--link-gbps".into(), gbps.to_string()]);
+        }
+        if args.link_latency_us > 0.0 {
+            a.extend(["--link-latency-us".into(), args.link_latency_us.to_string()]);
+        }
+        if !args.no_prefault {
+            a.push("--prefault".into());
+        }
+        a.extend(otlp_args.iter().cloned());
+        let metrics_addr = format!("127.0.0.1:{}", free_port()?);
+        a.extend(["--metrics-listen".into(), metrics_addr.clone()]);
+        metric_pages.push((format!("worker-{i}"), metrics_addr));
+        a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Worker, &format!("worker-{i}"))?);
+        match &etcd_url {
+            Some(u) => a.extend(["--etcd".into(), u.clone()]),
+            None => a.extend(["--coordinator".into(), coord_addrs.join(",")]),
+        }
+        let p = Proc::spawn_with(
+            &format!("worker-{i}"),
+            &worker_bin,
+            &a,
+            &logs.join(format!("worker-{i}.log")),
+            Some(Duration::from_secs(30)),
+            args.own_groups,
+        )?;
+        cluster.workers.push(p);
+    }
+    // All workers registered and visible to the leader.
+    let want = args.cfg.cluster.instances as usize;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, s) = rt.block_on(finder.leader(Duration::from_secs(10)))?;
+        let alive = s.instances.iter().filter(|i| i.alive).count();
+        if alive >= want {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("only {alive} of {want} workers registered within 30 s; see {}", logs.display());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    say!("workers     {want} registered ({} scheduler, {} KV arena each)", args.intra, args.kv_memory);
+    // Every child's pid, so callers (and tests) can check that none outlives `kvfleet up`.
+    let pids: Vec<String> = cluster
+        .etcd
+        .iter()
+        .map(|e| &e.0)
+        .chain(&cluster.coordinators)
+        .chain(&cluster.workers)
+        .chain(&cluster.sink)
+        .map(|p| format!("{} {}", p.pid(), p.name))
+        .collect();
+    std::fs::write(args.out.join("pids.txt"), pids.join("\n") + "\n")?;
+
+    Ok(Started { finder, metric_pages, etcd_url, logs })
+}
