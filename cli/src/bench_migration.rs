@@ -186,7 +186,8 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
         ca.issue(Role::Worker, stem, &[])?.save(&files)?;
         Ok(TlsArgs::files(&files).to_args())
     };
-    let client = ca.issue(Role::Client, "bench", &[])?;
+    // The bench orders migrations as a coordinator would.
+    let client = ca.issue(Role::Coordinator, "bench", &[])?;
     let me = std::env::current_exe()?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
 

@@ -32,8 +32,9 @@ pub struct IssueArgs {
     /// The CA directory (`ca.pem`, `ca.key`).
     #[arg(long, default_value = "pki")]
     ca_dir: PathBuf,
-    /// The process's role.
-    #[arg(long, value_parser = ["coordinator", "worker", "client"])]
+    /// The process's role: `coordinator`, `worker`, `client` (submit, read) or `operator`
+    /// (status, drain, shut down). Servers check it per RPC; the KV port takes workers only.
+    #[arg(long, value_parser = ["coordinator", "worker", "client", "operator"])]
     role: String,
     /// The process's name (in the certificate subject), e.g. `worker-3`.
     #[arg(long)]
@@ -60,11 +61,7 @@ pub fn run(cmd: CertsCommand) -> anyhow::Result<()> {
         }
         CertsCommand::Issue(a) => {
             let ca = ClusterCa::load(&a.ca_dir).map_err(|e| InputError(format!("--ca-dir: {e}")))?;
-            let role = match a.role.as_str() {
-                "coordinator" => Role::Coordinator,
-                "worker" => Role::Worker,
-                _ => Role::Client,
-            };
+            let role = Role::parse(&a.role).expect("clap checked the role");
             let files = IdentityFiles::in_dir(&a.out, "node");
             ca.issue(role, &a.name, &a.hosts)?.save(&files)?;
             say!(

@@ -9,6 +9,7 @@ use kvfleet_core::{InstanceId, RequestId};
 pub use kvfleet_meta::layout::ClusterModel;
 use kvfleet_meta::layout::{self as keys, ClusterRecord, WorkerRecord};
 use kvfleet_meta::{spawn_keep_alive, EventKind, LeaseId, MetaStore};
+use kvfleet_pki::Role;
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::coordinator_server::{Coordinator, CoordinatorServer};
 use std::collections::HashMap;
@@ -297,12 +298,17 @@ impl CoordinatorService {
     }
 }
 
+/// Who may submit requests and follow them: clients, operators' tools, and coordinators (a
+/// standby forwarding). Workers may not (a worker certificate is for the KV port and `Register`).
+const SUBMITTERS: &[Role] = &[Role::Client, Role::Operator, Role::Coordinator];
+
 #[tonic::async_trait]
 impl Coordinator for CoordinatorService {
     type SubmitStream = EventStream;
     type ResumeStream = EventStream;
 
     async fn submit(&self, req: Request<v1::ClientSubmit>) -> Result<Response<EventStream>, Status> {
+        kvfleet_pki::authorize(&req, SUBMITTERS, "Coordinator/Submit")?;
         let spec = kvfleet_proto::require_spec(req.get_ref().spec.as_ref())?;
         let leader = self.leader_or_redirect().await?;
         let (tx, rx): (ClientTx, _) = mpsc::channel(1024);
@@ -311,6 +317,7 @@ impl Coordinator for CoordinatorService {
     }
 
     async fn resume(&self, req: Request<v1::ResumeRequest>) -> Result<Response<EventStream>, Status> {
+        kvfleet_pki::authorize(&req, SUBMITTERS, "Coordinator/Resume")?;
         let leader = self.leader_or_redirect().await?;
         let (tx, rx): (ClientTx, _) = mpsc::channel(1024);
         leader.resume(RequestId(req.get_ref().request_id), tx).await?;
@@ -332,6 +339,7 @@ impl Coordinator for CoordinatorService {
     }
 
     async fn register(&self, req: Request<v1::WorkerInfo>) -> Result<Response<v1::RegisterReply>, Status> {
+        kvfleet_pki::authorize(&req, &[Role::Worker], "Coordinator/Register")?;
         self.leader_or_redirect().await?;
         Ok(Response::new(self.node.register(req.into_inner()).await?))
     }

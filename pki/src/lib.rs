@@ -82,24 +82,62 @@ pub enum PkiError {
     Incomplete(&'static str),
 }
 
-/// The role a certificate is issued for (recorded in its subject; see [`NodeIdentity::role_of`]).
+/// The role a certificate is issued for, recorded as its subject's organizational unit
+/// ([`role_of`]); the servers check it per RPC ([`authorize`]) and on the KV port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
-    /// The coordinator (leader or standby).
+    /// The coordinator (leader or standby): places requests, orders migrations, drains workers.
     Coordinator,
-    /// A worker hosting engine instances.
+    /// A worker hosting engine instances; the only role the KV (QUIC) port accepts.
     Worker,
-    /// A client submitting requests (e.g. the CLI or a load generator).
+    /// A client submitting requests and reading results (the CLI's replay, a load generator).
     Client,
+    /// An operator's tool: reads status, drains and shuts down workers, submits.
+    Operator,
 }
 
 impl Role {
-    /// The role's name as written in certificate subjects (`coordinator`, `worker`, `client`).
+    /// Every role, in the order `kvfleet certs` lists them.
+    pub const ALL: [Role; 4] = [Role::Coordinator, Role::Worker, Role::Client, Role::Operator];
+
+    /// The role's name as written in certificate subjects (`coordinator`, `worker`, `client`,
+    /// `operator`).
     pub fn as_str(self) -> &'static str {
         match self {
             Role::Coordinator => "coordinator",
             Role::Worker => "worker",
             Role::Client => "client",
+            Role::Operator => "operator",
+        }
+    }
+
+    /// The role named `name` (as [`Role::as_str`] writes it).
+    pub fn parse(name: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+}
+
+/// The role a DER certificate was issued for (its subject's organizational unit), if any.
+pub fn role_of(cert_der: &[u8]) -> Option<Role> {
+    let (_, cert) = x509_parser::parse_x509_certificate(cert_der).ok()?;
+    let ou = cert.subject().iter_organizational_unit().next()?.as_str().ok()?;
+    Role::parse(ou)
+}
+
+/// Refuses (`PERMISSION_DENIED`, naming what is needed) an RPC whose caller's certificate is not
+/// one of `allowed`. A server without TLS (`--plaintext`) has no certificates to check and lets
+/// every call through: plaintext is for local debugging only.
+pub fn authorize<T>(request: &tonic::Request<T>, allowed: &[Role], rpc: &str) -> Result<(), tonic::Status> {
+    let Some(certs) = request.peer_certs() else { return Ok(()) };
+    match certs.first().and_then(|c| role_of(c.as_ref())) {
+        Some(role) if allowed.contains(&role) => Ok(()),
+        got => {
+            let want: Vec<&str> = allowed.iter().map(|r| r.as_str()).collect();
+            Err(tonic::Status::permission_denied(format!(
+                "{rpc} needs a {} certificate; the caller's is {}",
+                want.join(" or "),
+                got.map_or("without a kvfleet role".to_string(), |r| format!("a {} certificate", r.as_str()))
+            )))
         }
     }
 }

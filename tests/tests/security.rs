@@ -1,7 +1,8 @@
 //! The control plane's mutual TLS, end to end with the real binaries: a coordinator and a worker
 //! started with cluster certificates serve their members, and a process without a cluster
 //! certificate (none, a self-made one, or one from another CA) cannot register a worker, submit a
-//! request or read results — neither through the coordinator nor directly at the worker.
+//! request or read results — neither through the coordinator nor directly at the worker — and a
+//! member's certificate only does what its role may (a client cannot stop a worker).
 
 use kvfleet_pki::{ClusterCa, IdentityFiles, NodeIdentity, Role, TlsArgs};
 use kvfleet_proto::v1;
@@ -141,6 +142,40 @@ fn only_cluster_members_register_submit_or_read() {
         );
         let e = c.resume(v1::ResumeRequest { request_id: 2 }).await.map(|_| ()).expect_err("request 2 never existed");
         assert_eq!(e.code(), tonic::Code::NotFound, "{e}");
+
+        // Members in the wrong role are refused by the application, naming what is needed: a
+        // client may not stop a worker, drain it or order its migrations; a worker may not submit.
+        let mut w = WorkerClient::new(member_channel(&worker_addr, &member));
+        let e = w.shutdown(v1::ShutdownRequest {}).await.expect_err("a client may not shut a worker down");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+        assert!(
+            e.message().contains(
+                "Worker/Shutdown needs a coordinator or operator certificate; the caller's is a client certificate"
+            ),
+            "{e}"
+        );
+        let e = w.drain(v1::DrainRequest {}).await.expect_err("nor drain it");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+        let moving = v1::MigrateOutRequest { request_id: 1, ..Default::default() };
+        let e = w.migrate_out(moving).await.expect_err("nor order a migration");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+        let e = w.submit(v1::SubmitRequest { spec: Some(spec(5)) }).await.expect_err("nor submit past the leader");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+        let as_worker = NodeIdentity::load(&IdentityFiles::in_dir(&pki, "worker")).unwrap();
+        let mut cw = CoordinatorClient::new(member_channel(&coordinator_addr, &as_worker));
+        let e =
+            cw.submit(v1::ClientSubmit { spec: Some(spec(4)) }).await.map(|_| ()).expect_err("a worker may not submit");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+        // The worker still serves: the shutdown was refused, not performed.
+        let s = c.status(v1::StatusRequest {}).await.expect("member status").into_inner();
+        assert!(s.instances.iter().any(|i| i.alive), "the worker is still registered: {s:?}");
+        let mut stream =
+            c.submit(v1::ClientSubmit { spec: Some(spec(6)) }).await.expect("a client submits").into_inner();
+        let mut done = false;
+        while let Some(ev) = stream.message().await.expect("stream") {
+            done |= matches!(ev.event, Some(v1::client_event::Event::Finished(_)));
+        }
+        assert!(done, "the worker ran request 6 after the refused shutdown");
     });
     drop(worker);
     drop(coordinator);

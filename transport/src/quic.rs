@@ -13,6 +13,7 @@
 //! measurements and which knobs mattered are in [`crate::bench`].
 
 use crate::{BoxFuture, ConnectionPool, KvConnection, KvStream, KvTransport, TransportError};
+use kvfleet_pki::Role;
 use kvfleet_pki::{NodeIdentity, CLUSTER_SERVER_NAME};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use std::net::SocketAddr;
@@ -367,6 +368,15 @@ async fn accept_loop(endpoint: quinn::Endpoint, tx: mpsc::Sender<Arc<QuicConnect
             let peer = incoming.remote_address();
             match incoming.await {
                 Ok(conn) => {
+                    // Mutual TLS proved the peer is the cluster's; only a worker may move KV.
+                    if let Some(role) = peer_role(&conn).filter(|r| *r != Role::Worker) {
+                        warn!(%peer, role = role.as_str(), "refused a QUIC connection: the KV port takes worker certificates only");
+                        conn.close(
+                            quinn::VarInt::from_u32(KV_ROLE_REFUSED),
+                            b"the KV port takes worker certificates only",
+                        );
+                        return;
+                    }
                     debug!(%peer, "QUIC connection accepted");
                     // Nobody accepting any more: the connection is dropped (closed).
                     let _ = tx.send(Arc::new(QuicConnection { peer, conn, _thread: thread })).await;
@@ -375,6 +385,16 @@ async fn accept_loop(endpoint: quinn::Endpoint, tx: mpsc::Sender<Arc<QuicConnect
             }
         });
     }
+}
+
+/// QUIC application close code for a peer whose certificate is not a worker's.
+pub const KV_ROLE_REFUSED: u32 = 0x4b56;
+
+/// The role in the peer's certificate (`None` without one, or without a kvfleet role: only
+/// possible when the server does not ask for client certificates).
+fn peer_role(conn: &quinn::Connection) -> Option<Role> {
+    let certs = conn.peer_identity()?.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>().ok()?;
+    Some(certs.first().and_then(|c| kvfleet_pki::role_of(c.as_ref())).unwrap_or(Role::Client))
 }
 
 /// The largest UDP payload there is (IPv4's 16-bit length less the IP and UDP headers); also the

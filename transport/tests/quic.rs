@@ -38,6 +38,45 @@ async fn round_trip_is_byte_exact() {
     echo_round_trip(a.as_ref(), b.local_addr()).await;
 }
 
+/// Only workers move KV: a cluster member with another role (a client's, a coordinator's
+/// certificate) completes the TLS handshake but is closed before it can open a stream, and the
+/// server never hands its connection to the migration code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_port_takes_worker_certificates_only() {
+    let (ca, _a, b) = pair();
+    let accepted = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let counter = accepted.clone();
+    let server = b.clone();
+    let _srv = tokio::spawn(async move {
+        while let Ok(_conn) = server.accept().await {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    for role in [Role::Client, Role::Coordinator, Role::Operator] {
+        let id = ca.issue(role, "not-a-worker", &[]).unwrap();
+        let c = QuicTransport::bind(loopback(), &id, QuicTuning::default()).unwrap();
+        let tried = tokio::time::timeout(Duration::from_secs(5), async {
+            let conn = c.connect(b.local_addr()).await.map_err(|e| e.to_string())?;
+            let (w, _r) = conn.open_stream().await.map_err(|e| e.to_string())?;
+            let mut w = FrameWriter::new(w);
+            let frame = common::TestFrame { seq: 1, data: vec![7u8; 1 << 20].into() };
+            w.send(&frame).await.map_err(|e| e.to_string())?;
+            w.finish().await.map_err(|e| e.to_string())?;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            conn.open_stream().await.map(|_| ()).map_err(|e| e.to_string())
+        })
+        .await;
+        assert!(!matches!(tried, Ok(Ok(()))), "a {} certificate moved KV: {tried:?}", role.as_str());
+    }
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 0, "no such connection reached accept");
+    // A worker's is served as before.
+    let w = QuicTransport::bind(loopback(), &identity(&ca, "2"), QuicTuning::default()).unwrap();
+    let conn = w.connect(b.local_addr()).await.expect("a worker connects");
+    conn.open_stream().await.expect("and opens a stream");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_streams_arrive_intact() {
     let (_ca, a, b) = pair();

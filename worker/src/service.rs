@@ -11,6 +11,7 @@ use crate::migrate::{stats_proto, Migrator};
 use kvfleet_core::engine::MigratedRequest;
 use kvfleet_core::RequestId;
 use kvfleet_netmodel::migration::Outcome;
+use kvfleet_pki::Role;
 use kvfleet_proto::v1::worker_server::Worker;
 use kvfleet_proto::{require_spec, v1, MAX_TOKENS_PER_REQUEST};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -188,6 +189,7 @@ impl Worker for WorkerService {
     }
 
     async fn submit(&self, request: Request<v1::SubmitRequest>) -> Result<Response<v1::SubmitReply>, Status> {
+        kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/Submit")?;
         let spec = require_spec(request.get_ref().spec.as_ref())?;
         let outcome = self.ask(|reply| Command::Submit { spec, reply }).await?;
         let reply = match outcome {
@@ -203,12 +205,14 @@ impl Worker for WorkerService {
     type EventsStream = ReceiverStream<Result<v1::WorkerEvent, Status>>;
 
     async fn events(&self, request: Request<v1::EventsRequest>) -> Result<Response<Self::EventsStream>, Status> {
+        kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/Events")?;
         let (tx, rx) = mpsc::channel(EVENTS_BATCH);
         tokio::spawn(stream_events(self.log.clone(), request.get_ref().after_seq, tx));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
     async fn ack(&self, request: Request<v1::AckRequest>) -> Result<Response<v1::AckReply>, Status> {
+        kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/Ack")?;
         self.log.ack(request.get_ref().up_to_seq);
         Ok(Response::new(v1::AckReply {}))
     }
@@ -227,6 +231,7 @@ impl Worker for WorkerService {
         &self,
         request: Request<v1::MigrateOutRequest>,
     ) -> Result<Response<v1::MigrateOutReply>, Status> {
+        kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/MigrateOut")?;
         let (id, target) = (RequestId(request.get_ref().request_id), request.get_ref().target);
         let kv_address = &request.get_ref().target_kv_address;
         if !kv_address.is_empty() {
@@ -272,6 +277,7 @@ impl Worker for WorkerService {
         &self,
         request: Request<v1::ResolveMigrationRequest>,
     ) -> Result<Response<v1::ResolveMigrationReply>, Status> {
+        kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/ResolveMigration")?;
         let id = RequestId(request.get_ref().request_id);
         let m = self.migrator()?;
         let held = match request.get_ref().committed {
@@ -289,6 +295,7 @@ impl Worker for WorkerService {
     }
 
     async fn attach(&self, request: Request<v1::AttachRequest>) -> Result<Response<v1::AttachReply>, Status> {
+        kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/Attach")?;
         let m = parse_state(&request.get_ref().state)?;
         let rematerialized = request.get_ref().kv_rematerialized;
         let id = m.spec.id;
@@ -299,12 +306,14 @@ impl Worker for WorkerService {
         Ok(Response::new(v1::AttachReply {}))
     }
 
-    async fn drain(&self, _: Request<v1::DrainRequest>) -> Result<Response<v1::DrainReply>, Status> {
+    async fn drain(&self, request: Request<v1::DrainRequest>) -> Result<Response<v1::DrainReply>, Status> {
+        kvfleet_pki::authorize(&request, &[Role::Coordinator, Role::Operator], "Worker/Drain")?;
         let remaining = self.ask(|reply| Command::Drain { reply }).await?;
         Ok(Response::new(v1::DrainReply { remaining }))
     }
 
-    async fn shutdown(&self, _: Request<v1::ShutdownRequest>) -> Result<Response<v1::ShutdownReply>, Status> {
+    async fn shutdown(&self, request: Request<v1::ShutdownRequest>) -> Result<Response<v1::ShutdownReply>, Status> {
+        kvfleet_pki::authorize(&request, &[Role::Coordinator, Role::Operator], "Worker/Shutdown")?;
         tracing::info!("shutdown requested over gRPC");
         self.shutdown.trigger();
         Ok(Response::new(v1::ShutdownReply {}))

@@ -50,7 +50,7 @@ impl TestPki {
     }
 
     pub fn client(&self) -> kvfleet_pki::NodeIdentity {
-        self.ca.issue(kvfleet_pki::Role::Client, "test-client", &[]).unwrap()
+        self.ca.issue(kvfleet_pki::Role::Coordinator, "test-coordinator", &[]).unwrap()
     }
 }
 
