@@ -8,8 +8,11 @@ Run by `tests/tests/openai.rs` against a real coordinator and worker:
 For chat and completions, streaming and not, each request asks for R reasoning and A answer
 tokens (`extra_body` kvfleet_* fields); the script checks that the responses parse, that R
 reasoning and A answer tokens arrive (one chunk each when streaming), and that `usage` reports
-completion_tokens == R + A with reasoning_tokens == R. Exits 0 when all pass, 1 otherwise.
-Needs `pip install openai`.
+completion_tokens == R + A with reasoning_tokens == R. A token limit bounds reasoning + answer
+together (OpenAI's `max_completion_tokens` semantics): a limit below R + A cuts the output to the
+limit with finish_reason "length". With `--api-key KEY` (a coordinator started with that key) it
+also checks that a wrong key and no key get OpenAI's 401 errors. Exits 0 when all pass, 1
+otherwise. Needs `pip install openai`.
 """
 
 import argparse
@@ -119,17 +122,62 @@ def completion_stream(client, model, r, a):
 
 
 def completion_whole(client, model, r, a):
-    # The answer is asked longer than max_tokens: cut to it, finish_reason "length".
+    # max_tokens counts reasoning + answer; the answer is asked longer than what the limit leaves
+    # after reasoning: cut to it, finish_reason "length".
     resp = client.completions.create(
         model=model,
         prompt="The quick brown fox",
-        max_tokens=a,
+        max_tokens=r + a,
         extra_body={"kvfleet_reasoning_tokens": r, "kvfleet_answer_tokens": a + 5},
     )
     choice = resp.choices[0]
     check(len(choice.text.split()) == a, f"completion: text has {len(choice.text.split())} tokens, want {a}")
     check(choice.finish_reason == "length", f"completion: finish_reason {choice.finish_reason!r}")
     check_usage(resp.usage, r, a, "completion")
+
+
+def chat_limit_inside_reasoning(client, model, r, a):
+    # max_completion_tokens below the reasoning length: the output is exactly the limit, all but
+    # its last token reasoning (kvfleet keeps one answer token), finish_reason "length".
+    limit = max(r // 2, 2)
+    resp = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "think hard"}],
+        max_completion_tokens=limit,
+        extra_body={"kvfleet_reasoning_tokens": r, "kvfleet_answer_tokens": a},
+    )
+    check(resp.choices[0].finish_reason == "length", f"chat limit: finish_reason {resp.choices[0].finish_reason!r}")
+    check(len(resp.choices[0].message.content.split()) == 1, "chat limit: one answer token")
+    check_usage(resp.usage, limit - 1, 1, "chat limit")
+
+
+def authentication(base_url, model, key):
+    """A wrong key and no key: OpenAI's 401 errors; the right key (the main client) works."""
+    wrong = openai.OpenAI(base_url=base_url, api_key=key + "-wrong", max_retries=0, timeout=60)
+    try:
+        wrong.models.list()
+    except openai.AuthenticationError as e:
+        check(e.status_code == 401, f"wrong key: status {e.status_code}")
+        check(e.code == "invalid_api_key", f"wrong key: code {e.code!r}")
+        check(e.type == "invalid_request_error", f"wrong key: type {e.type!r}")
+        check("Incorrect API key provided" in e.message, f"wrong key: message {e.message!r}")
+        check(key not in e.message, f"wrong key: the message shows the key unmasked: {e.message!r}")
+    else:
+        raise AssertionError("wrong key: no error")
+    # The client refuses to run without a key: build one, then omit its Authorization header.
+    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=60)
+    try:
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "x"}],
+            extra_headers={"Authorization": openai.Omit()},
+        )
+    except openai.AuthenticationError as e:
+        check(e.status_code == 401, f"no key: status {e.status_code}")
+        check(e.code is None, f"no key: code {e.code!r}")
+        check("You didn't provide an API key" in e.message, f"no key: message {e.message!r}")
+    else:
+        raise AssertionError("no key: no error")
 
 
 def errors(client, model):
@@ -153,8 +201,9 @@ def main():
     ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
     ap.add_argument("--reasoning", type=int, default=12)
     ap.add_argument("--answer", type=int, default=8)
+    ap.add_argument("--api-key", default=None, help="the key the server requires (default: none)")
     args = ap.parse_args()
-    client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key or "unused", max_retries=0, timeout=120)
     models = client.models.list().data
     check(len(models) == 1, f"models: {models}")
     model = models[0].id
@@ -167,6 +216,11 @@ def main():
     print("ok completion stream")
     completion_whole(client, model, r, a)
     print("ok completion (max_tokens cut, finish_reason length)")
+    chat_limit_inside_reasoning(client, model, r, a)
+    print("ok chat (max_completion_tokens inside reasoning, finish_reason length)")
+    if args.api_key:
+        authentication(args.base_url, model, args.api_key)
+        print("ok authentication (wrong key and no key: 401)")
     errors(client, model)
     print("ok errors")
     print(f"openai {openai.__version__}: all checks passed")

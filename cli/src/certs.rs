@@ -34,7 +34,9 @@ pub struct IssueArgs {
     ca_dir: PathBuf,
     /// The process's role: `coordinator`, `worker`, `client` (submit, read) or `operator`
     /// (status, drain, shut down). Servers check it per RPC; the KV port takes workers only.
-    #[arg(long, value_parser = ["coordinator", "worker", "client", "operator"])]
+    /// `service`: a certificate with no kvfleet role, for etcd (`--cert-file`); name the hosts
+    /// clients reach it at with `--host`.
+    #[arg(long, value_parser = ["coordinator", "worker", "client", "operator", "service"])]
     role: String,
     /// The process's name (in the certificate subject), e.g. `worker-3`.
     #[arg(long)]
@@ -61,8 +63,18 @@ pub fn run(cmd: CertsCommand) -> anyhow::Result<()> {
         }
         CertsCommand::Issue(a) => {
             let ca = ClusterCa::load(&a.ca_dir).map_err(|e| InputError(format!("--ca-dir: {e}")))?;
-            let role = Role::parse(&a.role).expect("clap checked the role");
             let files = IdentityFiles::in_dir(&a.out, "node");
+            if a.role == "service" {
+                ca.issue_service(&a.name, &a.hosts)?.save(&files)?;
+                let d = a.out.display();
+                say!(
+                    "service certificate for {} written to {d} (etcd: --cert-file {d}/node.pem --key-file \
+                     {d}/node.key --trusted-ca-file {d}/ca.pem --client-cert-auth)",
+                    a.name
+                );
+                return Ok(());
+            }
+            let role = Role::parse(&a.role).expect("clap checked the role");
             ca.issue(role, &a.name, &a.hosts)?.save(&files)?;
             say!(
                 "{} certificate for {} written to {} (use --tls-dir {})",

@@ -4,6 +4,10 @@
 //! runs until Ctrl-C or SIGTERM; then it stops the workers (they drain), the coordinator, the
 //! sink and etcd, in that order, leaving no process behind.
 //!
+//! With `--api-key KEY` (or `KVFLEET_API_KEY`), the API's `/v1/*` routes require
+//! `Authorization: Bearer KEY`; the key reaches the coordinator in its environment, not its argv,
+//! and the printed `curl` and `clients` lines carry it.
+//!
 //! One coordinator: the API is the leader's (a standby answers 503), so `serve` runs the leader
 //! only. Failover experiments are `kvfleet up`'s (`--kill-leader-after-s`).
 
@@ -24,6 +28,11 @@ pub struct ServeArgs {
     /// Where the OpenAI-compatible API (and the coordinator's `/metrics`) listens.
     #[arg(long, default_value = "127.0.0.1:8000")]
     listen: String,
+    /// Require `Authorization: Bearer KEY` on the API's `/v1/*` routes (401 otherwise, as OpenAI
+    /// answers; `/health` and `/metrics` stay open). Handed to the coordinator in its environment,
+    /// not its argv. Prefer the environment variable: a flag shows in `ps`. Default: no key.
+    #[arg(long, env = "KVFLEET_API_KEY", hide_env_values = true, value_name = "KEY", value_parser = api_key)]
+    api_key: Option<String>,
     /// Number of worker processes (default: `cluster.instances` of the config).
     #[arg(long)]
     workers: Option<u32>,
@@ -51,6 +60,26 @@ pub struct ServeArgs {
     /// Logs, certificates, etcd data and traces.
     #[arg(short, long, default_value = "results/serve")]
     out: PathBuf,
+}
+
+/// An API key as the coordinator accepts it: at least one visible ASCII character.
+fn api_key(key: &str) -> Result<String, String> {
+    if key.is_empty() {
+        return Err("the API key is empty (unset it to serve without authentication)".into());
+    }
+    if !key.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("an API key must be visible ASCII characters (no spaces or control characters)".into());
+    }
+    Ok(key.to_string())
+}
+
+/// `s` as one POSIX shell word: unchanged when it is plain, else single-quoted.
+fn shell_word(s: &str) -> String {
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.,:/=+@%".contains(&b)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
 }
 
 /// Run `kvfleet serve` until Ctrl-C / SIGTERM.
@@ -93,6 +122,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         link_latency_us: 0.0,
         no_prefault: false,
         http_listen: Some(&listen_text),
+        api_key: args.api_key.as_deref(),
         epoch_unix_ns: crate::up::replay::unix_now_ns(),
         own_groups: true,
     };
@@ -109,11 +139,27 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             cfg.cluster.gpu,
             cfg.scheduler.policy
         );
+        let auth_header = match &args.api_key {
+            Some(key) => format!(" -H {}", shell_word(&format!("Authorization: Bearer {key}"))),
+            None => String::new(),
+        };
         say!(
-            "  try       curl {base}/chat/completions -H 'Content-Type: application/json' \
-             -d '{{\"model\":\"{model}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}],\"max_tokens\":16}}'"
+            "  try       curl {base}/chat/completions -H 'Content-Type: application/json'{auth_header} \
+             -d '{{\"model\":\"{model}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}],\
+             \"kvfleet_reasoning_tokens\":8,\"max_tokens\":24}}'"
         );
-        say!("  clients   OPENAI_BASE_URL={base} OPENAI_API_KEY=unused (openai, aiperf, vLLM's benchmark_serving)");
+        say!(
+            "  clients   OPENAI_BASE_URL={base} OPENAI_API_KEY={} (openai, aiperf, vLLM's benchmark_serving)",
+            args.api_key.as_deref().map_or("unused".to_string(), shell_word)
+        );
+        say!(
+            "  auth      {}",
+            if args.api_key.is_some() {
+                "/v1/* needs Authorization: Bearer <the key>; /health and /metrics are open"
+            } else {
+                "none: any client that reaches the port may use it (--api-key or KVFLEET_API_KEY to require a key)"
+            }
+        );
         let workers: Vec<&str> =
             metric_pages.iter().filter(|(n, _)| n.starts_with("worker")).map(|(_, a)| a.as_str()).collect();
         say!(

@@ -60,8 +60,16 @@ pub enum Event {
         /// The instance.
         instance: InstanceId,
     },
-    /// An instance published its load.
+    /// An instance published its load (an instance that was [`Event::Silent`] is heard again).
     Load(LoadReport),
+    /// Nothing has been heard from a joined instance for a while (its reports stopped, its RPCs
+    /// fail: stopped, partitioned, or registered at an address nobody can reach). It looked
+    /// idle, so it would draw every placement; until it reports again no request is placed on it
+    /// and no move goes to it. What it holds stays: [`Event::Left`] re-places that.
+    Silent {
+        /// The instance.
+        instance: InstanceId,
+    },
     /// A client submitted a request.
     Arrival(RequestSpec),
     /// A request produced its last reasoning token on `instance`.
@@ -235,7 +243,9 @@ struct Instance {
     base: LoadReport,
     charges: Vec<Charge>,
     alive: bool,
-    /// Position in `Controller::live` while alive.
+    /// Not heard from lately ([`Event::Silent`]): out of `live` until its next report.
+    silent: bool,
+    /// Position in `Controller::live` while alive and not silent.
     live_slot: Option<usize>,
 }
 
@@ -395,6 +405,10 @@ impl Controller {
                 self.on_load(load);
                 Ok(())
             }
+            Event::Silent { instance } => {
+                self.on_silent(instance);
+                Ok(())
+            }
             Event::Arrival(spec) => self.on_arrival(spec),
             Event::Boundary { request, instance, kv_blocks } => {
                 self.on_boundary(request, instance, kv_blocks);
@@ -437,17 +451,15 @@ impl Controller {
             base: LoadReport { instance, answering_slo_ok: true, ..LoadReport::default() },
             charges: Vec::new(),
             alive: false,
+            silent: false,
             live_slot: None,
         });
         inst.address = address;
         if !inst.alive {
             inst.alive = true;
+            inst.silent = false;
             self.rebuild_live();
-            for id in std::mem::take(&mut self.stranded) {
-                if self.requests.get(&id).is_some_and(Ownership::unfinished) {
-                    self.replace(id);
-                }
-            }
+            self.retry_stranded();
         }
         Ok(())
     }
@@ -499,7 +511,7 @@ impl Controller {
         self.live.clear();
         for inst in self.instances.values_mut() {
             inst.live_slot = None;
-            if inst.alive {
+            if inst.alive && !inst.silent {
                 inst.live_slot = Some(self.live.len());
                 self.live.push(inst.published());
             }
@@ -525,7 +537,29 @@ impl Controller {
         let admitted = load.admitted;
         inst.base = load;
         inst.charges.retain(|c| c.covered_at > admitted && now.saturating_since(c.at) < CHARGE_TTL);
-        self.republish(id);
+        if std::mem::take(&mut inst.silent) {
+            tracing::info!(instance = id.0, "instance heard again: placements resume");
+            self.rebuild_live();
+            self.retry_stranded();
+        } else {
+            self.republish(id);
+        }
+    }
+
+    fn on_silent(&mut self, id: InstanceId) {
+        let Some(inst) = self.instances.get_mut(&id).filter(|i| i.alive && !i.silent) else { return };
+        inst.silent = true;
+        tracing::warn!(instance = id.0, "instance silent: no placement or move goes to it until it reports again");
+        self.rebuild_live();
+    }
+
+    /// Re-placements that found no instance to go to, tried again (one joined, or was heard again).
+    fn retry_stranded(&mut self) {
+        for id in std::mem::take(&mut self.stranded) {
+            if self.requests.get(&id).is_some_and(Ownership::unfinished) {
+                self.replace(id);
+            }
+        }
     }
 
     fn expire_charges(&mut self, id: InstanceId) {

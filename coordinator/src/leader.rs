@@ -61,7 +61,24 @@ struct WorkerLink {
     /// The process this link follows: another under the same number means this one is gone.
     incarnation: u64,
     address: String,
+    /// Its model, as registered (to rejoin it after [`Leader::watch_silence`] gave it up).
+    model: String,
+    kv_bytes_per_token: u64,
+    /// When the pump last heard from it, ms on the leader's clock ([`Leader::ms_now`]).
+    heard_ms: Arc<AtomicU64>,
+    /// Marked [`Event::Silent`] (no placement goes to it until it reports again).
+    silent: bool,
+    /// Given up ([`Event::Left`]) while still registered: its requests were re-placed.
+    abandoned: bool,
 }
+
+/// How long a worker may go unheard (no event, not even a load heartbeat) before no placement
+/// goes to it: its reports come every load interval (100 ms by default) while it runs.
+pub const SILENT_AFTER: Duration = Duration::from_secs(2);
+/// How long a worker may stay unheard while its registration holds (alive to etcd, unreachable
+/// from here) before its requests are re-placed elsewhere. A worker that is merely stopped loses
+/// its registration first (2 s lease) and is evicted then.
+pub const ABANDON_AFTER: Duration = Duration::from_secs(10);
 
 /// The elected coordinator's side of the cluster: drives the [`Controller`], holds a link (RPC
 /// client and event pump) per registered worker, and persists ownership fenced on its leader key.
@@ -82,6 +99,10 @@ pub struct Leader {
     /// Open `request` spans; their contexts travel with `Submit` and `MigrateOut`.
     traces: RequestTraces,
     epoch_unix_ns: u64,
+    /// Origin of [`Leader::ms_now`].
+    started: std::time::Instant,
+    /// [`SILENT_AFTER`] and [`ABANDON_AFTER`] (shorter in tests).
+    silence: Mutex<(Duration, Duration)>,
 }
 
 /// Why the leader could not carry out a client's or a worker's request.
@@ -153,7 +174,94 @@ impl Leader {
             migration_log: Mutex::new(Vec::new()),
             traces,
             epoch_unix_ns,
+            started: std::time::Instant::now(),
+            silence: Mutex::new((SILENT_AFTER, ABANDON_AFTER)),
         })
+    }
+
+    /// Other silence bounds than [`SILENT_AFTER`] / [`ABANDON_AFTER`] (tests), before
+    /// [`Leader::watch_silence`] starts.
+    pub fn set_silence(&self, silent_after: Duration, abandon_after: Duration) {
+        *self.silence.lock().expect("silence lock") = (silent_after, abandon_after);
+    }
+
+    /// Milliseconds since this leader started (when a worker was last heard).
+    fn ms_now(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// [`Leader::execute`] and the moves it starts, in a task of their own (a submit to an
+    /// unreachable worker retries for seconds; the caller must not wait on it).
+    fn execute_in_background(self: &Arc<Self>, actions: Vec<Action>) {
+        if actions.is_empty() {
+            return;
+        }
+        let leader = self.clone();
+        tokio::spawn(async move {
+            let moves = leader.execute(actions).await;
+            leader.spawn_moves(moves);
+        });
+    }
+
+    /// Marks workers not heard from for [`SILENT_AFTER`] [`Event::Silent`] (no placement goes to
+    /// a worker that looks idle only because it cannot answer), and re-places the requests of
+    /// one still unheard after [`ABANDON_AFTER`] while its registration holds (registered, but
+    /// unreachable from here). One heard again is back in the choice with its next report (and
+    /// rejoins if it was given up). Runs until the leader is deposed or stopped.
+    pub async fn watch_silence(self: Arc<Self>) {
+        let (quiet_bound, abandon_bound) = *self.silence.lock().expect("silence lock");
+        let (silent_after, abandon_after) = (quiet_bound.as_millis() as u64, abandon_bound.as_millis() as u64);
+        let mut tick = tokio::time::interval((quiet_bound / 8).max(Duration::from_millis(10)));
+        loop {
+            tick.tick().await;
+            if self.is_deposed() {
+                return;
+            }
+            let now = self.ms_now();
+            let (mut silent, mut abandon, mut rejoin) = (Vec::new(), Vec::new(), Vec::new());
+            for (&id, l) in self.links.lock().expect("links lock").iter_mut() {
+                let quiet = now.saturating_sub(l.heard_ms.load(Ordering::Relaxed));
+                if quiet < silent_after {
+                    if std::mem::take(&mut l.abandoned) {
+                        rejoin.push(Event::Joined {
+                            instance: id,
+                            address: l.address.clone(),
+                            model: l.model.clone(),
+                            kv_bytes_per_token: l.kv_bytes_per_token,
+                        });
+                    }
+                    l.silent = false;
+                    continue;
+                }
+                if !l.silent {
+                    l.silent = true;
+                    silent.push(id);
+                }
+                if quiet >= abandon_after && !l.abandoned {
+                    l.abandoned = true;
+                    abandon.push(id);
+                }
+            }
+            for id in silent {
+                tracing::warn!(instance = id.0, "worker silent (no event for {quiet_bound:?}): placing nothing on it");
+                let _ = self.decide(Event::Silent { instance: id });
+            }
+            for id in abandon {
+                let actions = self.decide(Event::Left { instance: id }).unwrap_or_default();
+                tracing::warn!(
+                    instance = id.0,
+                    orphans = actions.len(),
+                    "worker unreachable for {abandon_bound:?} while registered: re-placing its requests"
+                );
+                self.execute_in_background(actions);
+            }
+            for joined in rejoin {
+                tracing::info!(?joined, "worker reachable again: it rejoins");
+                if let Ok(actions) = self.decide(joined) {
+                    self.execute_in_background(actions);
+                }
+            }
+        }
     }
 
     /// Now on the cluster clock (for span times of decisions made here).
@@ -285,13 +393,19 @@ impl Leader {
         }));
         let channel = (self.connector)(&rec.address)?;
         let client = WorkerClient::new(channel).max_decoding_message_size(64 << 20);
-        let pump = tokio::spawn(self.clone().pump(id, client.clone()));
+        let heard_ms = Arc::new(AtomicU64::new(self.ms_now()));
+        let pump = tokio::spawn(self.clone().pump(id, client.clone(), heard_ms.clone()));
         let link = WorkerLink {
             client,
             pump,
             kv_address: rec.kv_address.clone(),
             incarnation: rec.incarnation,
             address: rec.address.clone(),
+            model: rec.model.clone(),
+            kv_bytes_per_token: rec.kv_bytes_per_token,
+            heard_ms,
+            silent: false,
+            abandoned: false,
         };
         links.insert(id, link);
         tracing::info!(instance = id.0, address = %rec.address, incarnation = rec.incarnation, "worker joined");
@@ -510,7 +624,7 @@ impl Leader {
     }
 
     /// Follow one worker's event log for as long as it is registered.
-    async fn pump(self: Arc<Self>, instance: InstanceId, mut client: WorkerClient<Channel>) {
+    async fn pump(self: Arc<Self>, instance: InstanceId, mut client: WorkerClient<Channel>, heard_ms: Arc<AtomicU64>) {
         let mut after_seq = 0u64;
         let mut backoff = Duration::from_millis(50);
         loop {
@@ -536,6 +650,7 @@ impl Leader {
                     Ok(Some(ev)) => ev,
                     Ok(None) | Err(_) => break,
                 };
+                heard_ms.store(self.ms_now(), Ordering::Relaxed);
                 after_seq = ev.seq;
                 let must_ack = match ev.event {
                     Some(v1::worker_event::Event::Tokens(t)) => {
@@ -1002,6 +1117,51 @@ mod tests {
             assert_eq!(on, (0..8).collect::<Vec<_>>(), "{policy}: one request per idle worker");
             leader.stop();
         }
+    }
+
+    /// Two registered workers nobody can reach; instance 1 is kept "heard" (as its event pump
+    /// would be), instance 0 goes quiet. Silent, 0 draws no placement; given up, its request
+    /// moves to 1; heard again, it rejoins.
+    #[tokio::test]
+    async fn a_silent_worker_draws_no_placement_and_its_requests_move_after_the_bound() {
+        let leader = leader_with_unserved_workers("least-kv", 2).await;
+        leader.set_silence(Duration::from_millis(200), Duration::from_millis(800));
+        let heard = |i: u32| leader.links.lock().unwrap().get(&InstanceId(i)).unwrap().heard_ms.clone();
+        let (h0, h1) = (heard(0), heard(1));
+        let keep = {
+            let (leader, h1) = (leader.clone(), h1.clone());
+            tokio::spawn(async move {
+                loop {
+                    h1.store(leader.ms_now(), Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+        };
+        let placed = |leader: Arc<Leader>, id: u64| async move {
+            let (tx, mut rx) = mpsc::channel(16);
+            leader.submit(spec(id, 100), tx).await.expect("placed");
+            match rx.recv().await.expect("an event").expect("not an error").event {
+                Some(v1::client_event::Event::AcceptedOn(i)) => i,
+                other => panic!("expected the placement, got {other:?}"),
+            }
+        };
+        assert_eq!(placed(leader.clone(), 1).await, 0, "both idle: the lowest id");
+        let watch = tokio::spawn(leader.clone().watch_silence());
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        for id in 2..5 {
+            assert_eq!(placed(leader.clone(), id).await, 1, "request {id}: not on the silent worker");
+        }
+        assert_eq!(leader.control().ownership(RequestId(1)).unwrap().instance, InstanceId(0), "not moved yet");
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let o = leader.control().ownership(RequestId(1)).cloned().unwrap();
+        assert_eq!((o.instance, o.replaced), (InstanceId(1), 1), "given up: its request moved on");
+        assert!(!leader.control().is_live(InstanceId(0)));
+        h0.store(leader.ms_now(), Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(leader.control().is_live(InstanceId(0)), "heard again: it rejoined");
+        keep.abort();
+        watch.abort();
+        leader.stop();
     }
 
     #[tokio::test]

@@ -52,10 +52,15 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Also serve the OpenAI-compatible HTTP API here (port 0: any free port; printed as
-    /// `http on ADDR`). Plain HTTP without authentication: bind it to loopback or put a TLS
-    /// proxy in front. Default: not served.
+    /// `http on ADDR`). Plain HTTP: bind it to loopback or put a TLS proxy in front. Default:
+    /// not served.
     #[arg(long)]
     http_listen: Option<String>,
+    /// Require `Authorization: Bearer KEY` on the HTTP API's `/v1/*` routes (401 otherwise, as
+    /// OpenAI answers; `/health` and `/metrics` stay open). Prefer the environment variable: a
+    /// flag shows in `ps`. Default: no authentication.
+    #[arg(long, env = "KVFLEET_API_KEY", hide_env_values = true, value_name = "KEY")]
+    api_key: Option<kvfleet_coordinator::openai::ApiKey>,
 }
 
 #[tokio::main]
@@ -100,6 +105,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             let l =
                 tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding --http-listen {addr}"))?;
             println!("http on {}", l.local_addr()?);
+            tracing::info!(api_key_required = args.api_key.is_some(), "serving the OpenAI-compatible HTTP API");
             Some(l)
         }
         None => None,
@@ -130,9 +136,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let _ = rx.wait_for(|stop| *stop).await;
     };
     if let Some(l) = http_listener {
-        let (node, stop) = (node.clone(), stopped(stop_rx.clone()));
+        let (node, stop, key) = (node.clone(), stopped(stop_rx.clone()), args.api_key.clone());
         tokio::spawn(async move {
-            if let Err(e) = kvfleet_coordinator::openai::serve_http(node, l, stop).await {
+            if let Err(e) = kvfleet_coordinator::openai::serve_http(node, l, key, stop).await {
                 tracing::error!("the OpenAI HTTP API stopped: {e}");
             }
         });

@@ -166,6 +166,7 @@ impl Node {
             admit(&leader, &kv.value).await;
         }
         *self.leader.write().await = Some(leader.clone());
+        let silence = tokio::spawn(leader.clone().watch_silence());
         // Where a move was left open, first learn which copy lives, then re-submit to the owner.
         let inherited_moves = leader.settle_inherited_moves().await;
         leader.resubmit_unfinished().await;
@@ -205,6 +206,7 @@ impl Node {
                 }
             }
         };
+        silence.abort();
         leader.stop();
         *self.leader.write().await = None;
         let _ = self.store.resign(&fence).await;

@@ -1,12 +1,13 @@
 //! The OpenAI-compatible HTTP front door (axum): OpenAI clients and benchmark tools drive the
 //! emulated cluster without glue. Served by `kvfleet-coordinator --http-listen ADDR` next to gRPC.
 //!
-//! | route | answer |
-//! |---|---|
-//! | `GET /health` | `{"status":"ok","leader":bool,"workers":n,"model":…}` (`workers`: live instances, leader only) |
-//! | `GET /v1/models` | the one model the cluster serves, in OpenAI's list format |
-//! | `POST /v1/chat/completions` | chat completion; `stream: true` → server-sent events |
-//! | `POST /v1/completions` | text completion; `stream: true` → server-sent events |
+//! | route | answer | needs the API key (when one is set) |
+//! |---|---|---|
+//! | `GET /health` | `{"status":"ok","leader":bool,"workers":n,"model":…}` (`workers`: live instances, leader only) | no |
+//! | `GET /metrics` | the coordinator's Prometheus metrics ([`crate::metrics`]) | no |
+//! | `GET /v1/models` | the one model the cluster serves, in OpenAI's list format | yes |
+//! | `POST /v1/chat/completions` | chat completion; `stream: true` → server-sent events | yes |
+//! | `POST /v1/completions` | text completion; `stream: true` → server-sent events | yes |
 //!
 //! **Emulated tokens.** Each request becomes one cluster request (`RequestSpec`) placed by the
 //! leader's policy. Token *text* is synthetic (one word per token from a fixed list), but their
@@ -23,29 +24,55 @@
 //! - `kvfleet_prompt_tokens` (≥ 1): default, a rough count of the input text (whitespace-separated
 //!   words × 1.3, at least 1; token-id prompts count their ids);
 //! - `kvfleet_reasoning_tokens` (≥ 0): default [`DEFAULT_REASONING_TOKENS`];
-//! - `kvfleet_answer_tokens` (≥ 1): default `max_completion_tokens`, else `max_tokens`, else
-//!   [`DEFAULT_ANSWER_TOKENS`]. A token limit below it cuts the answer: `finish_reason: "length"`.
-//!   (Limits apply to answer tokens only.)
+//! - `kvfleet_answer_tokens` (≥ 1): default what the token limit leaves after reasoning, else
+//!   (no limit) [`DEFAULT_ANSWER_TOKENS`].
+//!
+//! **Token limits**, as OpenAI counts them ([`apply_limit`]): `max_completion_tokens` (or its
+//! legacy alias `max_tokens`; the former wins when both are given) bounds reasoning **plus**
+//! answer tokens, `usage.completion_tokens`. The `kvfleet_*` lengths are what the emulated model
+//! would generate; the limit then cuts generation where the total reaches it:
+//!
+//! | request (R reasoning, A answer, limit L) | reasoning, answer emulated | `finish_reason` |
+//! |---|---|---|
+//! | R + A ≤ L | R, A | `stop` |
+//! | R < L < R + A | R, L − R | `length` |
+//! | R ≥ L (the limit falls inside reasoning) | L − 1, 1 | `length` |
+//! | no `kvfleet_answer_tokens`, R < L | R, L − R (the output is exactly L tokens) | `stop` |
+//! | no `kvfleet_answer_tokens`, R ≥ L | L − 1, 1 | `length` |
+//!
+//! OpenAI returns an empty answer when the limit is reached during reasoning; an emulated request
+//! needs at least one answer token, so the limit's last token is always an answer token (the
+//! closest faithful rule: the total, `usage.completion_tokens`, still equals the limit).
+//! `usage.completion_tokens` is always reasoning + answer actually produced.
 //!
 //! Other OpenAI fields (temperature, stop, tools, …) are accepted and ignored; `n` must be 1.
 //!
-//! **Errors** are OpenAI-style `{"error":{"message","type","param","code"}}`: 400 for malformed
+//! **Errors** are OpenAI-style `{"error":{"message","type","param","code"}}`: 401 without the
+//! right API key (OpenAI's own bodies, see below), 400 for malformed
 //! JSON or a bad field (named in `param`), 404 `model_not_found` for a model other than the
 //! served one (the cluster serves exactly one model, so a wrong name is a client mistake),
 //! 413 for a body over [`MAX_BODY_BYTES`], 503 on a standby coordinator (naming the leader's
 //! address when known) or with no workers registered.
 //!
-//! **Security.** This is plain HTTP without authentication — OpenAI clients do not speak the
-//! cluster's mutual TLS. Bind `--http-listen` to loopback, or put a TLS-terminating,
-//! authenticating proxy in front. It is off unless `--http-listen` is given.
+//! **Security.** This is plain HTTP — OpenAI clients do not speak the cluster's mutual TLS. It
+//! is off unless `--http-listen` is given. With `--api-key KEY` (or `KVFLEET_API_KEY`), every
+//! `/v1/*` route needs `Authorization: Bearer KEY`, as OpenAI's API does; a missing key gets 401
+//! with OpenAI's `"You didn't provide an API key. …"` (`code: null`), a wrong one 401 with
+//! `"Incorrect API key provided: <the key, mostly masked>. …"` (`code: "invalid_api_key"`);
+//! keys are compared in constant time. `/health` and `/metrics` stay open (probes and scrapers
+//! carry no key; they show liveness and counters, never request contents, and accept no work).
+//! The key crosses the network in clear text: bind `--http-listen` to loopback, or put a
+//! TLS-terminating proxy in front.
 
+mod auth;
 mod chunks;
 mod request;
 
+pub use auth::{check as check_api_key, mask_key, ApiKey, MISSING_KEY_MESSAGE};
 pub use chunks::{full_response, token_text, ResponseMeta, TokenTracker, Usage};
 pub use request::{
-    parse_request, ApiError, CompletionRequest, Endpoint, DEFAULT_ANSWER_TOKENS, DEFAULT_REASONING_TOKENS,
-    MAX_TOKENS_PER_FIELD,
+    apply_limit, parse_request, ApiError, CompletionRequest, Endpoint, Lengths, DEFAULT_ANSWER_TOKENS,
+    DEFAULT_REASONING_TOKENS, MAX_TOKENS_PER_FIELD,
 };
 
 use crate::leader::{ClientTx, Leader, LeaderError};
@@ -79,7 +106,8 @@ pub const HTTP_REQUEST_ID_BIT: u64 = 1 << 62;
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let json = [(axum::http::header::CONTENT_TYPE, "application/json")];
+        (self.status, json, self.body_text()).into_response()
     }
 }
 
@@ -131,10 +159,10 @@ struct Api {
     ids: RequestIds,
 }
 
-/// The API's routes, serving `node`.
-pub fn router(node: Arc<Node>) -> Router {
+/// The API's routes, serving `node`; with `api_key`, `/v1/*` needs `Authorization: Bearer KEY`.
+pub fn router(node: Arc<Node>, api_key: Option<ApiKey>) -> Router {
     let api = Arc::new(Api { node, ids: RequestIds::random() });
-    Router::new()
+    let routes = Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
@@ -142,16 +170,18 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/completions", post(completions))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(api)
+        .with_state(api);
+    auth::guard(routes, api_key)
 }
 
-/// Serve the API on `listener` until `shutdown` resolves.
+/// Serve the API on `listener` until `shutdown` resolves (`api_key`: see [`router`]).
 pub async fn serve_http(
     node: Arc<Node>,
     listener: tokio::net::TcpListener,
+    api_key: Option<ApiKey>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(node)).with_graceful_shutdown(shutdown).await
+    axum::serve(listener, router(node, api_key)).with_graceful_shutdown(shutdown).await
 }
 
 fn unix_now_ns() -> u64 {
@@ -360,7 +390,7 @@ async fn stream_events(
         }
     };
     // Headers are sent: report the failure in the stream, as OpenAI does.
-    let _ = out.send(data(&error.body())).await;
+    let _ = out.send(Ok(Event::default().data(error.body_text()))).await;
 }
 
 #[cfg(test)]
@@ -386,5 +416,12 @@ mod tests {
             e.body(),
             json!({"error": {"message": "no leader", "type": "service_unavailable", "param": null, "code": "service_unavailable"}})
         );
+        assert_eq!(
+            e.body_text(),
+            r#"{"error":{"message":"no leader","type":"service_unavailable","param":null,"code":"service_unavailable"}}"#,
+            "OpenAI's field order"
+        );
+        let e = ApiError::invalid("n", "bad");
+        assert_eq!(serde_json::from_str::<Value>(&e.body_text()).unwrap(), e.body());
     }
 }

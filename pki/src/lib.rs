@@ -222,6 +222,19 @@ impl ClusterCa {
     /// A certificate for one process: subject `kvfleet <role> <name>`, SANs the cluster name,
     /// `localhost`, `127.0.0.1` and `hosts` (names or IP addresses).
     pub fn issue(&self, role: Role, name: &str, hosts: &[String]) -> Result<NodeIdentity, PkiError> {
+        self.issue_as(Some(role), name, hosts)
+    }
+
+    /// A certificate for a service the cluster runs beside its own processes (its etcd): subject
+    /// `kvfleet service <name>`, the same SANs and extended key usages as [`ClusterCa::issue`]
+    /// (server and client authentication: etcd also presents its server certificate as a client
+    /// to its own gRPC gateway), but **no role**, so the kvfleet servers' role checks
+    /// ([`authorize`], the KV port) refuse it: the service's key opens no kvfleet RPC.
+    pub fn issue_service(&self, name: &str, hosts: &[String]) -> Result<NodeIdentity, PkiError> {
+        self.issue_as(None, name, hosts)
+    }
+
+    fn issue_as(&self, role: Option<Role>, name: &str, hosts: &[String]) -> Result<NodeIdentity, PkiError> {
         let mut sans = vec![CLUSTER_SERVER_NAME.to_string(), "localhost".to_string(), "127.0.0.1".to_string()];
         for h in hosts {
             if !sans.contains(h) {
@@ -230,8 +243,11 @@ impl ClusterCa {
         }
         let key = generate("node key", KeyPair::generate())?;
         let mut params = generate("node certificate parameters", CertificateParams::new(sans))?;
-        params.distinguished_name.push(DnType::CommonName, format!("kvfleet {} {name}", role.as_str()));
-        params.distinguished_name.push(DnType::OrganizationalUnitName, role.as_str());
+        let kind = role.map_or("service", Role::as_str);
+        params.distinguished_name.push(DnType::CommonName, format!("kvfleet {kind} {name}"));
+        if let Some(role) = role {
+            params.distinguished_name.push(DnType::OrganizationalUnitName, role.as_str());
+        }
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages =
             vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
@@ -461,11 +477,23 @@ pub fn scheme(tls: Option<&NodeIdentity>) -> &'static str {
 #[cfg(test)]
 mod tests;
 
+/// How often a channel from [`endpoint`] pings its peer.
+pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(1000);
+/// How long a ping may go unanswered before the connection (and its streams) is dropped.
+pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(2000);
+
 /// A gRPC endpoint for `addr` (`host:port`): `https` with mutual TLS when `tls` is given,
 /// plain `http` otherwise.
 pub fn endpoint(addr: &str, tls: Option<&NodeIdentity>) -> Result<tonic::transport::Endpoint, String> {
+    // HTTP/2 pings, also on idle connections: a peer that stopped (SIGSTOP, a frozen host) still
+    // has its kernel ACK our TCP segments, so without them a stream from it just goes quiet and
+    // its reader waits for as long as the pause lasts. Unanswered pings end the connection, its
+    // streams fail, and callers move on (a client to the next leader) within about a second.
     let ep = tonic::transport::Endpoint::from_shared(format!("{}://{addr}", scheme(tls)))
-        .map_err(|e| format!("bad address {addr}: {e}"))?;
+        .map_err(|e| format!("bad address {addr}: {e}"))?
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true);
     match tls {
         Some(id) => ep.tls_config(id.tonic_client()).map_err(|e| format!("TLS for {addr}: {e}")),
         None => Ok(ep),

@@ -48,6 +48,26 @@ fn cluster_members_complete_a_mutual_handshake() {
 }
 
 #[test]
+fn a_service_certificate_has_no_role_and_serves_on_loopback() {
+    let ca = ClusterCa::generate("test").unwrap();
+    let etcd = ca.issue_service("etcd", &[]).unwrap();
+    let der = certs(&etcd.cert_pem, "etcd").unwrap().remove(0);
+    // No role: the kvfleet servers' role checks refuse it.
+    assert_eq!(role_of(der.as_ref()), None);
+    let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).unwrap();
+    // Both EKUs: etcd needs serverAuth to serve and clientAuth for its own gateway.
+    let eku = cert.extended_key_usage().unwrap().unwrap().value;
+    assert!(eku.server_auth && eku.client_auth);
+    let sans = &cert.subject_alternative_name().unwrap().unwrap().value.general_names;
+    use x509_parser::extensions::GeneralName;
+    assert!(sans.contains(&GeneralName::IPAddress(&[127, 0, 0, 1])), "{sans:?}");
+    assert!(sans.contains(&GeneralName::DNSName("localhost")), "{sans:?}");
+    // A cluster member completes a mutual handshake with it.
+    let member = ca.issue(Role::Coordinator, "0", &[]).unwrap();
+    handshake(member.rustls_client().unwrap(), etcd.rustls_server().unwrap()).unwrap();
+}
+
+#[test]
 fn a_certificate_from_another_ca_is_refused_both_ways() {
     let ca = ClusterCa::generate("ours").unwrap();
     let other = ClusterCa::generate("theirs").unwrap();

@@ -1,6 +1,8 @@
 //! The coordinator's OpenAI-compatible HTTP API, end to end: a real coordinator (embedded store,
 //! `--http-listen`) and a real worker; the official `openai` Python client streams and
-//! non-streams against it, and raw HTTP checks the wire format and the error objects.
+//! non-streams against it, and raw HTTP checks the wire format and the error objects, token
+//! limits (`max_completion_tokens` bounds reasoning + answer), and the optional API key
+//! (`--api-key`: 401 with OpenAI's error bodies on `/v1/*`).
 
 use kvfleet_tests::TempDir;
 use serde_json::Value;
@@ -24,13 +26,15 @@ struct Cluster {
 
 impl Cluster {
     fn start(tag: &str) -> Cluster {
+        Cluster::start_with(tag, &[])
+    }
+
+    /// A cluster whose coordinator also gets `coordinator_args` (e.g. `--api-key KEY`).
+    fn start_with(tag: &str, coordinator_args: &[&str]) -> Cluster {
         let tmp = TempDir::new(tag);
-        let coordinator = Proc::spawn(
-            "kvfleet-coordinator",
-            &["--plaintext", "--http-listen", "127.0.0.1:0", "--worker-ttl-ms", "60000"],
-            &tmp.join("coordinator.log"),
-            2,
-        );
+        let mut args = vec!["--plaintext", "--http-listen", "127.0.0.1:0", "--worker-ttl-ms", "60000"];
+        args.extend_from_slice(coordinator_args);
+        let coordinator = Proc::spawn("kvfleet-coordinator", &args, &tmp.join("coordinator.log"), 2);
         assert!(coordinator.lines[0].starts_with("listening on "), "{:?}", coordinator.lines);
         let grpc = coordinator.addr("listening on ");
         let http = coordinator.addr("http on ");
@@ -72,11 +76,22 @@ impl Cluster {
 
 /// One HTTP/1.1 request on a fresh connection: (status, body), chunked bodies decoded.
 fn try_http(addr: &str, method: &str, path: &str, body: Option<&[u8]>) -> std::io::Result<(u16, String)> {
+    try_http_with(addr, method, path, "", body)
+}
+
+/// [`try_http`] with extra header lines (`headers`: each ending in `\r\n`).
+fn try_http_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: Option<&[u8]>,
+) -> std::io::Result<(u16, String)> {
     let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(60)))?;
     let body = body.unwrap_or_default();
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes())?;
@@ -92,6 +107,13 @@ fn try_http(addr: &str, method: &str, path: &str, body: Option<&[u8]>) -> std::i
 
 fn http(addr: &str, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
     try_http(addr, method, path, body.map(str::as_bytes)).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+/// [`http`] with `Authorization: {auth}` when `auth` is given.
+fn http_auth(addr: &str, method: &str, path: &str, auth: Option<&str>, body: Option<&str>) -> (u16, String) {
+    let headers = auth.map(|a| format!("Authorization: {a}\r\n")).unwrap_or_default();
+    try_http_with(addr, method, path, &headers, body.map(str::as_bytes))
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
 }
 
 /// Decode an HTTP/1.1 chunked body.
@@ -121,6 +143,22 @@ fn python_openai() -> Result<(), String> {
     }
 }
 
+/// Run `openai_client.py` against `cluster` (plus `extra` arguments); its stdout.
+fn run_python_client(cluster: &Cluster, extra: &[&str]) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("openai_client.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .args(["--base-url", &format!("http://{}/v1", cluster.http), "--reasoning", "12", "--answer", "8"])
+        .args(extra)
+        .output()
+        .expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "openai_client.py failed:\n--- stdout\n{stdout}--- stderr\n{stderr}");
+    assert!(stdout.contains("all checks passed"), "{stdout}");
+    stdout
+}
+
 #[test]
 fn the_official_openai_client_streams_emulated_token_counts() {
     if let Err(why) = python_openai() {
@@ -128,25 +166,112 @@ fn the_official_openai_client_streams_emulated_token_counts() {
         return;
     }
     let cluster = Cluster::start("openai-python");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("openai_client.py");
-    let out = Command::new("python3")
-        .arg(&script)
-        .args(["--base-url", &format!("http://{}/v1", cluster.http), "--reasoning", "12", "--answer", "8"])
-        .output()
-        .expect("run python3");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "openai_client.py failed:\n--- stdout\n{stdout}--- stderr\n{stderr}");
-    assert!(stdout.contains("all checks passed"), "{stdout}");
+    println!("{}", run_python_client(&cluster, &[]));
+}
+
+#[test]
+fn the_official_openai_client_authenticates_with_the_api_key() {
+    if let Err(why) = python_openai() {
+        println!("SKIPPED: the official `openai` Python package is not importable ({why}); `pip install openai`");
+        return;
+    }
+    let key = "sk-kvfleet-python-0123456789";
+    let cluster = Cluster::start_with("openai-python-key", &["--api-key", key]);
+    let stdout = run_python_client(&cluster, &["--api-key", key]);
+    assert!(stdout.contains("ok authentication"), "{stdout}");
     println!("{stdout}");
+}
+
+#[test]
+fn openai_api_key_guards_v1_routes_with_openai_error_bodies_and_limits_count_reasoning() {
+    let key = "kvfleet-test-key-0123456789";
+    let cluster = Cluster::start_with("openai-key", &["--api-key", key]);
+    let addr = &cluster.http;
+    let bearer = format!("Bearer {key}");
+    let right = Some(bearer.as_str());
+    let chat = |extra: &str| {
+        format!(r#"{{"model":"r1-distill-qwen-32b","messages":[{{"role":"user","content":"x"}}]{extra}}}"#)
+    };
+
+    // A wrong key: 401 with OpenAI's body, the key mostly masked (4 of 27 characters shown).
+    let wrong = "kvfleet-test-key-0123456780";
+    let (status, body) =
+        http_auth(addr, "POST", "/v1/chat/completions", Some(&format!("Bearer {wrong}")), Some(&chat("")));
+    assert_eq!(status, 401, "{body}");
+    let masked = format!("kvfl{}6780", "*".repeat(19));
+    let want = format!(
+        r#"{{"error":{{"message":"Incorrect API key provided: {masked}. You can find your API key at https://platform.openai.com/account/api-keys.","type":"invalid_request_error","param":null,"code":"invalid_api_key"}}}}"#
+    );
+    assert_eq!(body, want, "byte for byte OpenAI's body");
+    // No key (no header, or another scheme): OpenAI's "You didn't provide an API key", code null.
+    let missing = String::from(
+        r#"{"error":{"message":"You didn't provide an API key. You need to provide your API key in an Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or as the password field (with blank username) if you're accessing the API from your browser and are prompted for a username. You can obtain an API key from https://platform.openai.com/account/api-keys.","type":"invalid_request_error","param":null,"code":null}}"#,
+    );
+    for (method, path, auth, body) in [
+        ("POST", "/v1/chat/completions", None, Some(chat(""))),
+        ("GET", "/v1/models", None, None),
+        ("POST", "/v1/completions", Some(format!("Basic {key}")), Some("{}".to_string())),
+        ("GET", "/v1/no-such-route", None, None),
+    ] {
+        let (status, reply) = http_auth(addr, method, path, auth.as_deref(), body.as_deref());
+        assert_eq!(status, 401, "{method} {path} {auth:?}: {reply}");
+        assert_eq!(reply, missing, "{method} {path} {auth:?}");
+    }
+    // /health and /metrics stay open.
+    assert_eq!(http(addr, "GET", "/health", None).0, 200);
+    assert_eq!(http(addr, "GET", "/metrics", None).0, 200);
+
+    // The right key: served.
+    let (status, body) = http_auth(addr, "GET", "/v1/models", right, None);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(json(&body)["data"][0]["id"], "r1-distill-qwen-32b");
+
+    // max_completion_tokens bounds reasoning + answer: 5 + 3 asked, limit 6 → 5 + 1, "length".
+    let req = chat(r#","kvfleet_reasoning_tokens":5,"kvfleet_answer_tokens":3,"max_completion_tokens":6"#);
+    let (status, body) = http_auth(addr, "POST", "/v1/chat/completions", right, Some(&req));
+    assert_eq!(status, 200, "{body}");
+    let v = json(&body);
+    assert_eq!(v["usage"]["completion_tokens"], 6, "{body}");
+    assert_eq!(v["usage"]["completion_tokens_details"]["reasoning_tokens"], 5, "{body}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{body}");
+    assert_eq!(v["choices"][0]["message"]["content"].as_str().map(|t| t.split_whitespace().count()), Some(1));
+    // Streamed, the limit inside reasoning (legacy max_tokens): 3 tokens, the last one an answer.
+    let req = chat(
+        r#","stream":true,"stream_options":{"include_usage":true},"kvfleet_reasoning_tokens":5,"kvfleet_answer_tokens":3,"max_tokens":3"#,
+    );
+    let (status, body) = http_auth(addr, "POST", "/v1/chat/completions", right, Some(&req));
+    assert_eq!(status, 200, "{body}");
+    let events: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{body}");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| json(e)).collect();
+    let field = |c: &Value, f: &str| c["choices"][0]["delta"].get(f).is_some();
+    let kinds: String = chunks
+        .iter()
+        .filter(|c| field(c, "reasoning_content") || field(c, "content"))
+        .map(|c| if field(c, "reasoning_content") { 'r' } else { 'a' })
+        .collect();
+    assert_eq!(kinds, "rra", "{body}");
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length", "{body}");
+    assert_eq!(chunks[chunks.len() - 1]["usage"]["completion_tokens"], 3, "{body}");
+    // Within the limit: untouched, "stop".
+    let req = r#"{"model":"r1-distill-qwen-32b","prompt":"a","kvfleet_reasoning_tokens":2,"kvfleet_answer_tokens":4,"max_tokens":6}"#;
+    let (status, body) = http_auth(addr, "POST", "/v1/completions", right, Some(req));
+    assert_eq!(status, 200, "{body}");
+    let v = json(&body);
+    assert_eq!(
+        (v["usage"]["completion_tokens"].as_u64(), v["choices"][0]["finish_reason"].as_str()),
+        (Some(6), Some("stop"))
+    );
 }
 
 #[test]
 fn openai_raw_http_streams_sse_chunks_and_rejects_bad_input() {
     let cluster = Cluster::start("openai-raw");
     let addr = &cluster.http;
+    // No API key configured: /v1 answers without an Authorization header, and with any.
     let (status, body) = http(addr, "GET", "/v1/models", None);
     assert_eq!(status, 200, "{body}");
+    assert_eq!(http_auth(addr, "GET", "/v1/models", Some("Bearer anything"), None).0, 200);
     let model = json(&body)["data"][0]["id"].as_str().expect("a model id").to_string();
     assert_eq!(model, "r1-distill-qwen-32b");
 
@@ -268,4 +393,83 @@ fn oversized(addr: &str, len: usize) -> (u16, String) {
     let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
     let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
     (status, body.to_string())
+}
+
+/// `kvfleet serve --api-key KEY`: the coordinator gets the key in its environment (not its
+/// argv, where `ps` shows it), `/v1` needs it, and the printed `curl` and `clients` lines carry it.
+#[test]
+fn kvfleet_serve_hands_its_api_key_to_the_coordinator_by_environment() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+
+    /// Stops `kvfleet serve` (SIGINT; it stops its children) when the test ends, passed or not.
+    struct Serve(std::process::Child);
+    impl Drop for Serve {
+        fn drop(&mut self) {
+            let _ = Command::new("kill").arg("-INT").arg(self.0.id().to_string()).status();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.0.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    let tmp = TempDir::new("serve-key");
+    let out = tmp.join("out");
+    let listen = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let key = "sk-serve-key-0123456789";
+    let mut child = Command::new(kvfleet_tests::kvfleet_bin())
+        .args(["serve", "--listen", &listen, "--workers", "1", "--kv-memory", "64MiB", "--cpu-memory", "64MiB"])
+        .args(["--kv-fill", "stamp", "--no-traces", "--no-etcd", "--plaintext", "--api-key", key])
+        .args(["--out", out.to_str().unwrap()])
+        .env_remove("KVFLEET_API_KEY")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start kvfleet serve");
+    let stdout = child.stdout.take().unwrap();
+    let _serve = Serve(child);
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut said = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !said.iter().any(|l: &String| l.contains("Ctrl-C to stop")) {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(l) => said.push(l),
+            Err(_) => panic!("kvfleet serve did not come up within 90 s; it said:\n{}", said.join("\n")),
+        }
+    }
+    let text = said.join("\n");
+    let line = |prefix: &str| {
+        said.iter().find(|l| l.trim_start().starts_with(prefix)).unwrap_or_else(|| panic!("no {prefix} line:\n{text}"))
+    };
+    assert!(line("try ").contains(&format!("-H 'Authorization: Bearer {key}'")), "{text}");
+    assert!(line("clients ").contains(&format!("OPENAI_API_KEY={key} ")), "{text}");
+
+    // The coordinator: the key in its environment, not in its command line.
+    let pids = std::fs::read_to_string(out.join("pids.txt")).expect("pids.txt written");
+    let pid = pids.lines().find(|l| l.ends_with(" coordinator-0")).and_then(|l| l.split_whitespace().next());
+    let pid = pid.unwrap_or_else(|| panic!("no coordinator in pids.txt:\n{pids}"));
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("the coordinator's cmdline");
+    assert!(!String::from_utf8_lossy(&cmdline).contains(key), "the key is in the coordinator's argv");
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).expect("the coordinator's environment");
+    let var = format!("KVFLEET_API_KEY={key}");
+    assert!(environ.split(|b| *b == 0).any(|v| v == var.as_bytes()), "KVFLEET_API_KEY not in its environment");
+
+    // And the API needs it.
+    assert_eq!(http(&listen, "GET", "/v1/models", None).0, 401);
+    assert_eq!(http_auth(&listen, "GET", "/v1/models", Some("Bearer nope-nope"), None).0, 401);
+    let (status, body) = http_auth(&listen, "GET", "/v1/models", Some(&format!("Bearer {key}")), None);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(http(&listen, "GET", "/health", None).0, 200);
 }

@@ -36,10 +36,11 @@ impl Audit {
     }
 }
 
-/// Reads every client's request back from etcd at `url` (plain HTTP: `kvfleet up`'s own etcd)
-/// and compares where and when it finished.
-pub async fn audit(url: &str, records: &[RequestRecord]) -> anyhow::Result<Audit> {
-    let opts = EtcdOptions { connect_timeout: Duration::from_secs(5), ..EtcdOptions::default() };
+/// Reads every client's request back from etcd at `url` (`kvfleet up`'s own etcd, connected to
+/// with `etcd`: mutual TLS with the CLI's cluster certificate, or plain with `--plaintext`) and
+/// compares where and when it finished.
+pub async fn audit(url: &str, etcd: &EtcdOptions, records: &[RequestRecord]) -> anyhow::Result<Audit> {
+    let opts = EtcdOptions { connect_timeout: Duration::from_secs(5), ..etcd.clone() };
     let store = EtcdStore::connect(&[url.to_string()], &opts).await?;
     let mut audit = Audit::default();
     for client in records {

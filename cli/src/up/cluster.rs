@@ -3,7 +3,7 @@
 //! store), the trace sink, coordinators and workers, each a child process that no error or panic
 //! leaves behind.
 
-use super::procs::{find_etcd, free_port, sibling_binary, EtcdSpec, Proc};
+use super::procs::{find_etcd, free_port, sibling_binary, EtcdSpec, EtcdTlsFiles, Proc};
 use super::replay::LeaderFinder;
 use crate::{say, InputError};
 use anyhow::{bail, Context};
@@ -47,6 +47,9 @@ pub struct ClusterSpec<'a> {
     pub no_prefault: bool,
     /// The first coordinator's HTTP address (OpenAI API, `/metrics`); others get free ports.
     pub http_listen: Option<&'a str>,
+    /// The key every coordinator's `/v1/*` HTTP routes require (passed as `KVFLEET_API_KEY`, not
+    /// in argv); `None`: none (an inherited `KVFLEET_API_KEY` is removed).
+    pub api_key: Option<&'a str>,
     /// The cluster clock's origin, Unix ns.
     pub epoch_unix_ns: u64,
     /// Children in process groups of their own (`kvfleet serve` stops them itself on Ctrl-C).
@@ -61,6 +64,9 @@ pub struct Started {
     pub metric_pages: Vec<(String, String)>,
     /// etcd's client URL (`None`: embedded store).
     pub etcd_url: Option<String>,
+    /// How to connect to that etcd: mutual TLS with the CLI's own cluster certificate (`client`),
+    /// or none with `--plaintext`.
+    pub etcd_options: kvfleet_meta::EtcdOptions,
     /// Where the processes' logs are.
     pub logs: PathBuf,
 }
@@ -100,6 +106,45 @@ impl Pki {
         let files = kvfleet_pki::IdentityFiles::in_dir(&pki.dir, stem);
         pki.ca.issue(role, stem, &[])?.save(&files)?;
         Ok(kvfleet_pki::TlsArgs::files(&files).to_args())
+    }
+
+    /// etcd's own certificate (`etcd.pem`/`etcd.key`, a service certificate with no kvfleet
+    /// role) and the CA it trusts for clients and peers.
+    fn etcd_server(&self) -> anyhow::Result<EtcdTlsFiles> {
+        let files = kvfleet_pki::IdentityFiles::in_dir(&self.dir, "etcd");
+        self.ca.issue_service("etcd", &[])?.save(&files)?;
+        Ok(EtcdTlsFiles { ca: files.ca, cert: files.cert, key: files.key })
+    }
+
+    /// The etcd flags of the process whose certificate is `stem` (issued by [`Pki::issue`]): it
+    /// is also its etcd client certificate (node certificates carry the clientAuth EKU that
+    /// etcd's `--client-cert-auth` requires). None with `--plaintext`.
+    fn etcd_client_args(pki: Option<&Pki>, stem: &str) -> Vec<String> {
+        let Some(pki) = pki else { return Vec::new() };
+        let files = kvfleet_pki::IdentityFiles::in_dir(&pki.dir, stem);
+        let path = |p: PathBuf| p.display().to_string();
+        vec![
+            "--etcd-ca".into(),
+            path(files.ca),
+            "--etcd-cert".into(),
+            path(files.cert),
+            "--etcd-key".into(),
+            path(files.key),
+        ]
+    }
+
+    /// How the CLI itself (the audit) connects to etcd, as the `stem` process.
+    fn etcd_options(pki: Option<&Pki>, stem: &str) -> kvfleet_meta::EtcdOptions {
+        let tls = pki.map(|pki| {
+            let files = kvfleet_pki::IdentityFiles::in_dir(&pki.dir, stem);
+            kvfleet_meta::EtcdTls {
+                ca_cert_pem: Some(files.ca),
+                client_cert_pem: Some(files.cert),
+                client_key_pem: Some(files.key),
+                domain_name: None,
+            }
+        });
+        kvfleet_meta::EtcdOptions { tls, ..kvfleet_meta::EtcdOptions::default() }
     }
 }
 
@@ -165,10 +210,14 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         let dir = args.out.join("etcd");
         std::fs::create_dir_all(&dir)?;
         let _ = std::fs::remove_dir_all(dir.join("etcd-data"));
-        let spec = EtcdSpec { own_group: args.own_groups, ..EtcdSpec::new(&bin, &dir)? };
+        // Mutual TLS from the cluster CA: etcd refuses clients (and peers) without a cluster
+        // certificate; plain http only with --plaintext.
+        let tls = pki.as_ref().map(Pki::etcd_server).transpose()?;
+        let spec = EtcdSpec { own_group: args.own_groups, tls, ..EtcdSpec::new(&bin, &dir)? };
         cluster.etcd = Some((spec.start()?, spec.url()));
+        let auth = if spec.tls.is_some() { "client-certificate TLS" } else { "plain http, no auth" };
         cluster.etcd_spec = Some(spec);
-        say!("etcd        {}", cluster.etcd.as_ref().map_or("", |e| e.1.as_str()));
+        say!("etcd        {} ({auth})", cluster.etcd.as_ref().map_or("", |e| e.1.as_str()));
     } else {
         say!(
             "etcd        not used ({}): one coordinator with an embedded store",
@@ -211,6 +260,7 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         ];
         if let Some(u) = &etcd_url {
             a.extend(["--etcd".into(), u.clone()]);
+            a.extend(Pki::etcd_client_args(pki.as_ref(), &format!("coordinator-{i}")));
         }
         a.extend(otlp_args.iter().cloned());
         // Its /metrics and the OpenAI API: where asked (the first coordinator), else a free
@@ -222,10 +272,11 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         a.extend(["--http-listen".into(), http.clone()]);
         metric_pages.push((format!("coordinator-{i}"), http));
         a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Coordinator, &format!("coordinator-{i}"))?);
-        let p = Proc::spawn_with(
+        let p = Proc::spawn_with_env(
             &format!("coordinator-{i}"),
             &coordinator_bin,
             &a,
+            &[("KVFLEET_API_KEY", args.api_key)],
             &logs.join(format!("coordinator-{i}.log")),
             Some(Duration::from_secs(30)),
             args.own_groups,
@@ -294,7 +345,10 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         metric_pages.push((format!("worker-{i}"), metrics_addr));
         a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Worker, &format!("worker-{i}"))?);
         match &etcd_url {
-            Some(u) => a.extend(["--etcd".into(), u.clone()]),
+            Some(u) => {
+                a.extend(["--etcd".into(), u.clone()]);
+                a.extend(Pki::etcd_client_args(pki.as_ref(), &format!("worker-{i}")));
+            }
             None => a.extend(["--coordinator".into(), coord_addrs.join(",")]),
         }
         let p = Proc::spawn_with(
@@ -334,5 +388,6 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         .collect();
     std::fs::write(args.out.join("pids.txt"), pids.join("\n") + "\n")?;
 
-    Ok(Started { finder, metric_pages, etcd_url, logs })
+    let etcd_options = Pki::etcd_options(pki.as_ref(), "client");
+    Ok(Started { finder, metric_pages, etcd_url, etcd_options, logs })
 }

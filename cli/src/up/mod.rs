@@ -4,6 +4,7 @@
 //! shuts everything down, leaving no process behind.
 
 mod audit;
+mod chaos;
 pub mod cluster;
 pub(crate) mod live;
 pub mod procs;
@@ -85,13 +86,29 @@ pub struct UpArgs {
     #[arg(long)]
     kill_worker_after_s: Option<f64>,
     /// Fault injection: SIGSTOP worker 0 this many seconds into the replay and SIGCONT it
-    /// `--pause-worker-for-s` later (longer than its registration lease: its requests are
-    /// re-placed, and its late copies must not count).
+    /// `--pause-for-s` later (longer than its registration lease: its requests are re-placed,
+    /// and its late copies must not count).
     #[arg(long)]
     pause_worker_after_s: Option<f64>,
-    /// How long `--pause-worker-after-s` keeps worker 0 stopped, seconds.
+    /// Fault injection: SIGSTOP the leader coordinator this many seconds into the replay and
+    /// SIGCONT it `--pause-for-s` later (a standby takes over; its clients must move too).
+    #[arg(long)]
+    pause_leader_after_s: Option<f64>,
+    /// How long `--pause-worker-after-s` / `--pause-leader-after-s` keep a process stopped, s.
     #[arg(long, default_value_t = 5.0)]
-    pause_worker_for_s: f64,
+    pause_for_s: f64,
+    /// Chaos: a random schedule of faults drawn from this seed (kill -9 and SIGSTOP of the
+    /// leader and of workers, workers restarted at once under their number, etcd killed and
+    /// restarted); the run then checks every request completed exactly once and etcd holds
+    /// what the clients got, and prints a chaos table. Same seed, same schedule.
+    #[arg(long, value_name = "SEED")]
+    chaos: Option<u64>,
+    /// Faults in the `--chaos` schedule.
+    #[arg(long, default_value_t = 6)]
+    chaos_faults: usize,
+    /// The `--chaos` faults fall within this many seconds of the replay's start.
+    #[arg(long, default_value_t = 30.0)]
+    chaos_span_s: f64,
     /// Fault injection: kill -9 etcd this many seconds into the replay and restart it (same data)
     /// two seconds later.
     #[arg(long)]
@@ -186,10 +203,31 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             link_latency_us: args.link_latency_us,
             no_prefault: args.no_prefault,
             http_listen: None,
+            api_key: None,
             epoch_unix_ns,
             own_groups: false,
         };
-        let Started { finder, metric_pages, etcd_url, logs } = cluster::start(&spec, &rt, &mut cluster)?;
+        // Faults: the single ones asked for, and a seeded schedule.
+        let mut faults: Vec<chaos::Scheduled> = [
+            (args.kill_leader_after_s, chaos::Fault::KillLeader),
+            (args.kill_worker_after_s, chaos::Fault::KillWorker(0)),
+            (args.restart_etcd_after_s, chaos::Fault::RestartEtcd),
+            (args.pause_worker_after_s, chaos::Fault::PauseWorker(0, args.pause_for_s)),
+            (args.pause_leader_after_s, chaos::Fault::PauseLeader(args.pause_for_s)),
+        ]
+        .into_iter()
+        .filter_map(|(at, fault)| at.map(|at_s| chaos::Scheduled { at_s, fault }))
+        .collect();
+        if let Some(seed) = args.chaos {
+            let etcd = !args.no_etcd && procs::find_etcd().is_some();
+            let workers = cfg.cluster.instances as usize;
+            faults.extend(chaos::random_schedule(seed, args.chaos_faults, args.chaos_span_s, workers, etcd));
+            say!("chaos       seed {seed}: {} faults within {} s", args.chaos_faults, args.chaos_span_s);
+            for f in &faults {
+                say!("            {:>5.1} s  {}", f.at_s, f.fault);
+            }
+        }
+        let Started { finder, metric_pages, etcd_url, etcd_options, logs } = cluster::start(&spec, &rt, &mut cluster)?;
         // Replay.
         schedule(&mut requests, epoch_unix_ns, Duration::from_millis(300));
         let total = requests.len() as u64;
@@ -200,10 +238,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 .expect("static template"),
         );
         let started = Instant::now();
-        let mut failover_ms: Option<u128> = None;
         let give_up = GiveUp::default();
         let mut stall = StallWatch::new(Duration::from_secs_f64(args.stall_timeout_s));
-        let records = rt.block_on(async {
+        let (records, chaos_log) = rt.block_on(async {
             let replay_task = tokio::spawn(replay(
                 finder.clone(),
                 requests.clone(),
@@ -212,12 +249,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 Duration::from_secs(30),
                 give_up.clone(),
             ));
-            let mut chaos_leader = args.kill_leader_after_s.map(|s| started + Duration::from_secs_f64(s));
-            let mut chaos_worker = args.kill_worker_after_s.map(|s| started + Duration::from_secs_f64(s));
-            let mut chaos_etcd = args.restart_etcd_after_s.map(|s| started + Duration::from_secs_f64(s));
-            let mut etcd_back_at: Option<Instant> = None;
-            let mut pause_worker = args.pause_worker_after_s.map(|s| started + Duration::from_secs_f64(s));
-            let mut resume_worker: Option<Instant> = None;
+            let mut chaos = chaos::Chaos::new(faults.clone());
             while !replay_task.is_finished() {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let (finished, tokens) = (stats.finished.load(Ordering::Relaxed), stats.tokens.load(Ordering::Relaxed));
@@ -228,82 +260,10 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                     bar.suspend(|| say!("stalled: {why} (--stall-timeout-s); giving up on the unfinished requests"));
                     give_up.give_up(why);
                 }
-                if chaos_leader.is_some_and(|t| Instant::now() >= t) {
-                    chaos_leader = None;
-                    if let Ok((_, s)) = finder.leader(Duration::from_secs(5)).await {
-                        if let Some(p) =
-                            cluster.coordinators.iter_mut().find(|p| p.addr.as_deref() == Some(s.leader.as_str()))
-                        {
-                            bar.suspend(|| say!("chaos: kill -9 leader {} (pid {})", s.leader, p.pid()));
-                            p.kill9();
-                            let killed_at = Instant::now();
-                            // Failover time: until another coordinator answers as leader.
-                            let deadline = killed_at + Duration::from_secs(30);
-                            while Instant::now() < deadline {
-                                if let Ok((_, s2)) = finder.leader(Duration::from_millis(200)).await {
-                                    if s2.leader != s.leader {
-                                        let ms = killed_at.elapsed().as_millis();
-                                        bar.suspend(|| say!("failover: new leader {} after {ms} ms", s2.leader));
-                                        failover_ms = Some(ms);
-                                        break;
-                                    }
-                                }
-                                tokio::time::sleep(Duration::from_millis(20)).await;
-                            }
-                        }
-                    }
-                }
-                if chaos_etcd.is_some_and(|t| Instant::now() >= t) {
-                    chaos_etcd = None;
-                    if let Some((p, _)) = cluster.etcd.as_mut() {
-                        bar.suspend(|| say!("chaos: kill -9 etcd (pid {})", p.pid()));
-                        p.kill9();
-                        etcd_back_at = Some(Instant::now() + Duration::from_secs(2));
-                    }
-                }
-                if etcd_back_at.is_some_and(|t| Instant::now() >= t) {
-                    etcd_back_at = None;
-                    if let (Some(spec), Some(slot)) = (cluster.etcd_spec.as_ref(), cluster.etcd.as_mut()) {
-                        match spec.start() {
-                            Ok(p) => {
-                                bar.suspend(|| say!("chaos: etcd restarted (pid {})", p.pid()));
-                                slot.0 = p;
-                            }
-                            Err(e) => bar.suspend(|| say!("chaos: etcd restart failed: {e:#}")),
-                        }
-                    }
-                }
-                if pause_worker.is_some_and(|t| Instant::now() >= t) {
-                    pause_worker = None;
-                    if let Some(p) = cluster.workers.first() {
-                        bar.suspend(|| {
-                            say!("chaos: SIGSTOP worker-0 (pid {}) for {} s", p.pid(), args.pause_worker_for_s)
-                        });
-                        p.signal("STOP");
-                        resume_worker = Some(Instant::now() + Duration::from_secs_f64(args.pause_worker_for_s));
-                    }
-                }
-                if resume_worker.is_some_and(|t| Instant::now() >= t) {
-                    resume_worker = None;
-                    if let Some(p) = cluster.workers.first() {
-                        bar.suspend(|| say!("chaos: SIGCONT worker-0 (pid {})", p.pid()));
-                        p.signal("CONT");
-                    }
-                }
-                if chaos_worker.is_some_and(|t| Instant::now() >= t) {
-                    chaos_worker = None;
-                    if let Some(p) = cluster.workers.first_mut() {
-                        bar.suspend(|| say!("chaos: kill -9 worker-0 (pid {})", p.pid()));
-                        p.kill9();
-                    }
-                }
+                chaos.step(&mut cluster, &finder, &bar).await;
             }
-            if resume_worker.is_some() {
-                if let Some(p) = cluster.workers.first() {
-                    p.signal("CONT");
-                }
-            }
-            replay_task.await.unwrap_or_default()
+            chaos.finish();
+            (replay_task.await.unwrap_or_default(), chaos.log)
         });
         bar.finish_and_clear();
         let wall = started.elapsed().as_secs_f64();
@@ -350,8 +310,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         if !live_log.is_empty() {
             live::write_csv(&args.out.join("live-migrations.csv"), &live_log)?;
         }
-        if let Some(ms) = failover_ms {
-            say!("leader failover took {ms} ms (kill -9 → a new leader answering)");
+        for ms in &chaos_log.failovers_ms {
+            say!("leader failover took {ms} ms (the leader killed or stopped → a new leader answering)");
         }
         for e in failed.iter().take(5) {
             say!("  failed: {e}");
@@ -362,7 +322,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         }
         // The cluster's own record of the run must be what the clients got.
         let audited = match &etcd_url {
-            Some(url) => match rt.block_on(audit::audit(url, &ok)) {
+            Some(url) => match rt.block_on(audit::audit(url, &etcd_options, &ok)) {
                 Ok(a) => {
                     say!("{}", a.line());
                     for d in a.differ.iter().take(5) {
@@ -377,6 +337,11 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             },
             None => None,
         };
+        if let Some(seed) = args.chaos {
+            let report = chaos::report(seed, &chaos_log, total, &ok, &failed, audited.as_ref(), &run.migrations);
+            say!("{}", report.table().trim_end());
+            std::fs::write(args.out.join("chaos.json"), serde_json::to_string_pretty(&report)? + "\n")?;
+        }
         let mut written = report::write_outputs(&args.out, std::slice::from_ref(&run))?;
         written.extend(crate::plots::write_plots(&args.out, std::slice::from_ref(&run))?);
         say!("wrote {} files to {} (process logs in {})", written.len(), args.out.display(), logs.display());

@@ -10,12 +10,31 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+/// Send signal `name` (`STOP`, `CONT`, …) to process `pid`.
+pub fn signal_pid(pid: u32, name: &str) {
+    let _ = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status();
+}
+
 /// A child process we own.
 pub struct Proc {
     pub name: String,
     child: Child,
     /// The address it printed (`listening on ADDR`), if it prints one.
     pub addr: Option<String>,
+    /// How it was started, to start it again ([`Proc::restart`]).
+    launch: Launch,
+    /// Times it was restarted.
+    pub restarts: u32,
+}
+
+/// A process's command line, environment and log, as [`Proc::spawn_with_env`] got them.
+#[derive(Clone)]
+struct Launch {
+    program: std::path::PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, Option<String>)>,
+    log: std::path::PathBuf,
+    own_group: bool,
 }
 
 impl Proc {
@@ -42,11 +61,32 @@ impl Proc {
         wait_addr: Option<Duration>,
         own_group: bool,
     ) -> anyhow::Result<Proc> {
+        Self::spawn_with_env(name, program, args, &[], log, wait_addr, own_group)
+    }
+
+    /// [`Proc::spawn_with`], with environment changes: `(NAME, Some(value))` sets a variable,
+    /// `(NAME, None)` removes an inherited one (secrets travel here rather than in argv, where
+    /// `ps` shows them).
+    pub fn spawn_with_env(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(&str, Option<&str>)],
+        log: &Path,
+        wait_addr: Option<Duration>,
+        own_group: bool,
+    ) -> anyhow::Result<Proc> {
         use std::os::unix::process::CommandExt as _;
         let log_file = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
         let mut command = Command::new(program);
         if own_group {
             command.process_group(0);
+        }
+        for (var, value) in env {
+            match value {
+                Some(v) => command.env(var, v),
+                None => command.env_remove(var),
+            };
         }
         let mut child = command
             .args(args)
@@ -64,7 +104,14 @@ impl Proc {
                 }
             }
         });
-        let mut proc = Proc { name: name.to_string(), child, addr: None };
+        let launch = Launch {
+            program: program.to_path_buf(),
+            args: args.to_vec(),
+            env: env.iter().map(|(k, v)| (k.to_string(), v.map(str::to_string))).collect(),
+            log: log.to_path_buf(),
+            own_group,
+        };
+        let mut proc = Proc { name: name.to_string(), child, addr: None, launch, restarts: 0 };
         if let Some(limit) = wait_addr {
             let deadline = Instant::now() + limit;
             loop {
@@ -90,6 +137,32 @@ impl Proc {
             }
         }
         Ok(proc)
+    }
+
+    /// kill -9 it (if it still runs) and start it again with the same command line, listening
+    /// on the address it had (so peers and `--coordinators` lists still find it), without
+    /// waiting for it to be ready; its output goes to `<log>.restart<N>.log`.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill9();
+        let mut launch = self.launch.clone();
+        if let Some(addr) = &self.addr {
+            if !launch.args.iter().any(|a| a == "--listen") {
+                launch.args.extend(["--listen".to_string(), addr.clone()]);
+            }
+        }
+        self.restarts += 1;
+        let log = launch.log.with_extension(format!("restart{}.log", self.restarts));
+        let env: Vec<(&str, Option<&str>)> = launch.env.iter().map(|(k, v)| (k.as_str(), v.as_deref())).collect();
+        // Not waiting for it to be ready (it may wait for etcd, itself being restarted): it
+        // listens where it did, so its address stays known.
+        let mut fresh =
+            Proc::spawn_with_env(&self.name, &launch.program, &launch.args, &env, &log, None, launch.own_group)?;
+        fresh.addr = self.addr.clone();
+        fresh.restarts = self.restarts;
+        fresh.launch = Launch { log: self.launch.log.clone(), ..launch };
+        // The old process (killed and reaped above) drops here.
+        std::mem::swap(self, &mut fresh);
+        Ok(())
     }
 
     pub fn addr(&self) -> anyhow::Result<&str> {
@@ -119,7 +192,7 @@ impl Proc {
 
     /// Send a signal by name (`STOP`, `CONT`, …) without waiting for anything.
     pub fn signal(&self, name: &str) {
-        let _ = Command::new("kill").arg(format!("-{name}")).arg(self.child.id().to_string()).status();
+        signal_pid(self.child.id(), name);
     }
 
     /// SIGKILL now (fault injection).
@@ -163,7 +236,26 @@ pub fn find_etcd() -> Option<PathBuf> {
         .and_then(|paths| std::env::split_paths(&paths).map(|d| d.join("etcd")).find(|p| p.is_file()))
 }
 
+/// etcd's TLS material: its own certificate from the cluster CA and that CA as its only trust
+/// root, for clients and peers alike.
+#[derive(Clone, Debug)]
+pub struct EtcdTlsFiles {
+    /// The cluster CA certificate (`--trusted-ca-file`, `--peer-trusted-ca-file`).
+    pub ca: PathBuf,
+    /// etcd's certificate (`--cert-file`, `--peer-cert-file`): SANs `127.0.0.1` and `localhost`,
+    /// server and client authentication.
+    pub cert: PathBuf,
+    /// Its key (`--key-file`, `--peer-key-file`).
+    pub key: PathBuf,
+}
+
 /// A private single-member etcd on loopback, data in `dir`; restartable on the same ports.
+///
+/// With [`EtcdSpec::tls`] it serves clients over `https` only and requires a client certificate
+/// from the cluster CA (`--client-cert-auth`); the peer port uses the same certificate with
+/// `--peer-client-cert-auth` (a single member has no peers, but the port still answers: the
+/// lease renewal and membership handlers must not be open to anyone on the host). Without it
+/// (`--plaintext`), both are plain `http` on loopback.
 pub struct EtcdSpec {
     pub bin: PathBuf,
     pub dir: PathBuf,
@@ -171,10 +263,12 @@ pub struct EtcdSpec {
     pub peer_port: u16,
     /// Start it in a process group of its own (see [`Proc::spawn_with`]).
     pub own_group: bool,
+    /// Mutual TLS on the client and peer URLs (`None`: plain http, `--plaintext`).
+    pub tls: Option<EtcdTlsFiles>,
 }
 
 impl EtcdSpec {
-    /// Pick free ports for a new etcd.
+    /// Pick free ports for a new etcd (plain http until `tls` is set).
     pub fn new(bin: &Path, dir: &Path) -> anyhow::Result<EtcdSpec> {
         Ok(EtcdSpec {
             bin: bin.to_path_buf(),
@@ -182,18 +276,28 @@ impl EtcdSpec {
             client_port: free_port()?,
             peer_port: free_port()?,
             own_group: false,
+            tls: None,
         })
     }
 
-    pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+    fn scheme(&self) -> &'static str {
+        if self.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        }
     }
 
-    /// Start (or restart: same ports, same data directory) the etcd process.
-    pub fn start(&self) -> anyhow::Result<Proc> {
+    /// The client URL (`https://127.0.0.1:PORT` with TLS).
+    pub fn url(&self) -> String {
+        format!("{}://127.0.0.1:{}", self.scheme(), self.client_port)
+    }
+
+    /// The command line (the same for the first start and every restart).
+    pub fn args(&self) -> Vec<String> {
         let url = self.url();
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let args: Vec<String> = vec![
+        let peer = format!("{}://127.0.0.1:{}", self.scheme(), self.peer_port);
+        let mut args: Vec<String> = vec![
             "--name".into(),
             "kvfleet-up".into(),
             "--data-dir".into(),
@@ -209,6 +313,31 @@ impl EtcdSpec {
             "--initial-cluster".into(),
             format!("kvfleet-up={peer}"),
         ];
+        if let Some(tls) = &self.tls {
+            let path = |p: &PathBuf| p.display().to_string();
+            args.extend([
+                "--cert-file".into(),
+                path(&tls.cert),
+                "--key-file".into(),
+                path(&tls.key),
+                "--trusted-ca-file".into(),
+                path(&tls.ca),
+                "--client-cert-auth".into(),
+                "--peer-cert-file".into(),
+                path(&tls.cert),
+                "--peer-key-file".into(),
+                path(&tls.key),
+                "--peer-trusted-ca-file".into(),
+                path(&tls.ca),
+                "--peer-client-cert-auth".into(),
+            ]);
+        }
+        args
+    }
+
+    /// Start (or restart: same ports, same data directory, same certificates) the etcd process.
+    pub fn start(&self) -> anyhow::Result<Proc> {
+        let args = self.args();
         let log = self.dir.join("etcd.log");
         let log_file = std::fs::OpenOptions::new()
             .create(true)

@@ -211,6 +211,36 @@ fn only_the_owner_s_final_record_counts() {
     assert_eq!(late(&mut c, at.0), Err(ControlError::NotInFlight(RequestId(7))), "and only once");
 }
 
+/// A silent instance (reports stopped: paused, partitioned, unreachable) looks idle, so without
+/// the mark it would draw every placement; marked, it draws none and is no move's target, keeps
+/// what it holds, and is back in the choice with its next report.
+#[test]
+fn a_silent_instance_draws_no_placement_until_it_reports_again() {
+    let mut c = ctl("least-kv", 2);
+    c.handle(Timestamp::ZERO, Event::Load(load(1, 50, 0))).unwrap();
+    let held = place(&mut c, spec(1, 10));
+    assert_eq!(held, InstanceId(0), "idle instance 0 draws it");
+    c.handle(Timestamp::ZERO, Event::Silent { instance: InstanceId(0) }).unwrap();
+    for id in 2..6 {
+        assert_eq!(place(&mut c, spec(id, 10)), InstanceId(1), "request {id}: not on the silent instance");
+    }
+    assert_eq!(c.ownership(RequestId(1)).unwrap().instance, InstanceId(0), "what it holds stays");
+    assert!(c.loads().iter().all(|l| l.instance != InstanceId(0)), "out of the policies' view");
+    // Its report brings it back (and it is idle again: the next placement is its).
+    c.handle(Timestamp::ZERO, Event::Load(load(0, 0, 0))).unwrap();
+    assert_eq!(place(&mut c, spec(6, 10)), InstanceId(0));
+    // Every instance silent: a re-placement waits (stranded) until one is heard again.
+    c.handle(Timestamp::ZERO, Event::Silent { instance: InstanceId(0) }).unwrap();
+    c.handle(Timestamp::ZERO, Event::Silent { instance: InstanceId(1) }).unwrap();
+    let none = c.decide(Timestamp::ZERO, Event::Lost { request: RequestId(6) }).unwrap();
+    assert!(matches!(none.as_slice(), [Action::Reject { request: RequestId(6), .. }]), "{none:?}");
+    let back = c.decide(Timestamp::ZERO, Event::Load(load(1, 50, 0))).unwrap();
+    assert!(
+        matches!(back.as_slice(), [Action::Place { request: RequestId(6), on: InstanceId(1), .. }]),
+        "the stranded request goes to the first instance heard again: {back:?}"
+    );
+}
+
 #[test]
 fn stale_boundaries_never_move_a_request() {
     let mut c = ctl("pascal", 2);

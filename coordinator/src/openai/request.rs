@@ -35,16 +35,19 @@ pub struct CompletionRequest {
     pub include_usage: bool,
     /// Prompt length in tokens: `kvfleet_prompt_tokens`, else estimated from the text.
     pub prompt_tokens: u32,
-    /// Reasoning tokens to emulate before `</think>` (`kvfleet_reasoning_tokens`, default 256).
+    /// Reasoning tokens to emulate before `</think>` (`kvfleet_reasoning_tokens`, default 256),
+    /// after the token limit ([`apply_limit`]).
     pub reasoning_tokens: u32,
-    /// Answer tokens to emulate (`kvfleet_answer_tokens`, capped by the token limit; default 128).
+    /// Answer tokens to emulate (`kvfleet_answer_tokens`, default: what the token limit leaves,
+    /// else 128), after the token limit ([`apply_limit`]).
     pub answer_tokens: u32,
-    /// The answer was cut to `max_tokens`/`max_completion_tokens`: `finish_reason` is `length`.
+    /// `max_completion_tokens`/`max_tokens` cut the output (reasoning + answer): `finish_reason`
+    /// is `length`.
     pub capped: bool,
 }
 
 impl CompletionRequest {
-    /// `"length"` when a token limit cut the answer, else `"stop"`.
+    /// `"length"` when a token limit cut the output, else `"stop"`.
     pub fn finish_reason(&self) -> &'static str {
         if self.capped {
             "length"
@@ -115,6 +118,25 @@ impl ApiError {
             }
         })
     }
+
+    /// The JSON body as sent: [`ApiError::body`] with its fields in OpenAI's order (`message`,
+    /// `type`, `param`, `code`), byte for byte what OpenAI sends.
+    pub fn body_text(&self) -> String {
+        #[derive(serde::Serialize)]
+        struct Body<'a> {
+            error: Fields<'a>,
+        }
+        #[derive(serde::Serialize)]
+        struct Fields<'a> {
+            message: &'a str,
+            #[serde(rename = "type")]
+            kind: &'a str,
+            param: Option<&'a str>,
+            code: Option<&'a str>,
+        }
+        let error = Fields { message: &self.message, kind: self.kind, param: self.param.as_deref(), code: self.code };
+        serde_json::to_string(&Body { error }).expect("strings and nulls always serialize")
+    }
 }
 
 /// Parse and validate a request body for `endpoint`; `served_model` is the only model accepted.
@@ -168,12 +190,7 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8], served_model: &str) -> Res
         Some(l) => Some(l),
         None => length(&obj, "max_tokens", 1)?,
     };
-    let (answer_tokens, capped) = match (requested_answer, limit) {
-        (Some(a), Some(l)) if a > l => (l, true),
-        (Some(a), _) => (a, false),
-        (None, Some(l)) => (l, false),
-        (None, None) => (DEFAULT_ANSWER_TOKENS, false),
-    };
+    let Lengths { reasoning_tokens, answer_tokens, capped } = apply_limit(reasoning_tokens, requested_answer, limit);
     Ok(CompletionRequest {
         endpoint,
         model,
@@ -184,6 +201,46 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8], served_model: &str) -> Res
         answer_tokens,
         capped,
     })
+}
+
+/// Output lengths of one request after its token limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lengths {
+    /// Reasoning tokens to emulate.
+    pub reasoning_tokens: u32,
+    /// Answer tokens to emulate (always ≥ 1).
+    pub answer_tokens: u32,
+    /// The limit cut reasoning or answer below the emulation's lengths: `finish_reason: "length"`.
+    pub capped: bool,
+}
+
+/// OpenAI's token limit (`max_completion_tokens`, or its legacy alias `max_tokens`) bounds
+/// reasoning **plus** answer tokens: generation stops when their sum reaches `limit`. The
+/// emulation's lengths are `reasoning` and `answer` (`None`: no answer length asked for); a
+/// limit of 0 (refused by [`parse_request`]) counts as 1.
+///
+/// - No limit: `reasoning` and `answer` (default [`DEFAULT_ANSWER_TOKENS`]) as they are.
+/// - A limit and an answer length: when `reasoning + answer > limit` generation is cut at the
+///   limit: reasoning keeps `min(reasoning, limit − 1)` tokens, the answer gets the rest
+///   (`limit − reasoning`), and `capped` is set. OpenAI would return an empty answer when the
+///   limit falls inside reasoning; the emulated engine needs ≥ 1 answer token, so the limit's
+///   last token is always an answer token.
+/// - A limit and no answer length: the answer fills the limit (`limit − reasoning`, the output
+///   is exactly `limit` tokens, as benchmark clients that set `max_tokens` to the output length
+///   they want expect); `capped` only when reasoning alone reaches the limit (then cut as above).
+pub fn apply_limit(reasoning: u32, answer: Option<u32>, limit: Option<u32>) -> Lengths {
+    let Some(limit) = limit.map(|l| l.max(1)) else {
+        return Lengths {
+            reasoning_tokens: reasoning,
+            answer_tokens: answer.unwrap_or(DEFAULT_ANSWER_TOKENS).max(1),
+            capped: false,
+        };
+    };
+    let reasoning_tokens = reasoning.min(limit - 1);
+    let room = limit - reasoning_tokens;
+    let answer_tokens = answer.map_or(room, |a| a.clamp(1, room));
+    let capped = reasoning_tokens < reasoning || answer.is_some_and(|a| a > answer_tokens);
+    Lengths { reasoning_tokens, answer_tokens, capped }
 }
 
 fn missing(param: &str) -> ApiError {
@@ -324,9 +381,50 @@ mod tests {
         assert_eq!((r.prompt_tokens, r.reasoning_tokens, r.answer_tokens), (500, 0, 30));
         assert!(r.stream && r.include_usage && r.capped);
         assert_eq!(r.finish_reason(), "length");
-        // max_completion_tokens wins over max_tokens and, alone, sets the answer length uncapped.
+        // max_completion_tokens wins over max_tokens and, alone, fills the limit after the
+        // (default) reasoning: here reasoning alone reaches it, so it is cut.
         let r = chat(r#"{"model":"r1-distill-qwen-32b","messages":[{"role":"user","content":"x"}],"max_tokens":9,"max_completion_tokens":7}"#).unwrap();
-        assert_eq!((r.answer_tokens, r.capped), (7, false));
+        assert_eq!((r.reasoning_tokens, r.answer_tokens, r.capped), (6, 1, true));
+        let r = chat(r#"{"model":"r1-distill-qwen-32b","messages":[{"role":"user","content":"x"}],"kvfleet_reasoning_tokens":5,"max_tokens":9}"#).unwrap();
+        assert_eq!((r.reasoning_tokens, r.answer_tokens, r.capped), (5, 4, false));
+    }
+
+    #[test]
+    fn the_token_limit_bounds_reasoning_plus_answer() {
+        let l = |reasoning, answer, limit| {
+            let x = apply_limit(reasoning, answer, limit);
+            (x.reasoning_tokens, x.answer_tokens, x.capped)
+        };
+        // No limit: the emulation's lengths.
+        assert_eq!(l(10, Some(5), None), (10, 5, false));
+        assert_eq!(l(10, None, None), (10, DEFAULT_ANSWER_TOKENS, false));
+        // Within the limit: untouched, not cut (also exactly at it).
+        assert_eq!(l(10, Some(5), Some(15)), (10, 5, false));
+        assert_eq!(l(10, Some(5), Some(100)), (10, 5, false));
+        // Over it: the answer is cut first (reasoning comes first in time) ...
+        assert_eq!(l(10, Some(5), Some(12)), (10, 2, true));
+        // ... and reasoning too when it alone reaches the limit; one answer token always remains.
+        assert_eq!(l(10, Some(5), Some(10)), (9, 1, true));
+        assert_eq!(l(10, Some(5), Some(3)), (2, 1, true));
+        assert_eq!(l(10, Some(5), Some(1)), (0, 1, true));
+        assert_eq!(l(0, Some(5), Some(1)), (0, 1, true));
+        // No answer length: the answer fills the limit; cut only when reasoning reaches it.
+        assert_eq!(l(10, None, Some(16)), (10, 6, false));
+        assert_eq!(l(10, None, Some(11)), (10, 1, false));
+        assert_eq!(l(10, None, Some(10)), (9, 1, true));
+        // The output never exceeds the limit, and equals it whenever anything was cut.
+        for reasoning in 0..12 {
+            for answer in [None, Some(1), Some(4), Some(9)] {
+                for limit in 1..25 {
+                    let x = apply_limit(reasoning, answer, Some(limit));
+                    let total = x.reasoning_tokens + x.answer_tokens;
+                    assert!(total <= limit && x.answer_tokens >= 1, "{reasoning} {answer:?} {limit}: {x:?}");
+                    if x.capped || answer.is_none() {
+                        assert_eq!(total, limit, "{reasoning} {answer:?} {limit}: {x:?}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

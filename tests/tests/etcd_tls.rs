@@ -1,0 +1,196 @@
+//! The etcd of `kvfleet up` / `kvfleet serve` runs with client-certificate TLS from the cluster
+//! CA: a client without a cluster certificate (plain http, TLS without a certificate, or a
+//! certificate from another CA) can neither read nor write the cluster's state; a cluster
+//! certificate can. `--plaintext` keeps etcd on plain http.
+
+use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
+use kvfleet_meta::{layout, EtcdOptions, EtcdStore, EtcdTls, MetaStore};
+use kvfleet_pki::{ClusterCa, IdentityFiles, Role};
+use kvfleet_tests::{kvfleet_bin, TempDir};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+fn etcd_installed() -> bool {
+    std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("etcd").is_file()))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A running `kvfleet serve`; stopped with SIGINT (then SIGKILL) when dropped, so its drop
+/// guards stop its children even when the test fails.
+struct Serve {
+    child: std::process::Child,
+    /// What it printed up to "Ctrl-C to stop".
+    said: Vec<String>,
+}
+
+impl Serve {
+    fn start(out: &Path, extra: &[&str]) -> Serve {
+        let listen = format!("127.0.0.1:{}", free_port());
+        let mut child = Command::new(kvfleet_bin())
+            .args(["serve", "--listen", &listen, "--workers", "1", "--kv-memory", "64MiB", "--cpu-memory", "64MiB"])
+            .args(["--kv-fill", "stamp", "--no-traces", "--out", out.to_str().unwrap()])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start kvfleet serve");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut serve = Serve { child, said: Vec::new() };
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while !serve.said.iter().any(|l| l.contains("Ctrl-C to stop")) {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(l) => serve.said.push(l),
+                Err(_) => panic!(
+                    "kvfleet serve did not come up within 90 s; it said:\n{}\nlogs in {}",
+                    serve.said.join("\n"),
+                    out.display()
+                ),
+            }
+        }
+        serve
+    }
+
+    /// The URL of its `etcd        URL (...)` line.
+    fn etcd_url(&self) -> String {
+        self.said
+            .iter()
+            .find_map(|l| l.strip_prefix("etcd ").map(|rest| rest.split_whitespace().next().unwrap_or("").to_string()))
+            .unwrap_or_else(|| panic!("no etcd line in:\n{}", self.said.join("\n")))
+    }
+
+    fn stop(mut self) {
+        Command::new("kill").arg("-INT").arg(self.child.id().to_string()).status().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "kvfleet serve did not stop within 60 s of SIGINT");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(status.success(), "kvfleet serve exited with {status}");
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill").arg("-INT").arg(self.child.id().to_string()).status();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A read and a write with a raw etcd client: both must be refused. Returns what each got.
+async fn refused(what: &str, endpoint: &str, options: Option<ConnectOptions>) -> String {
+    let bound = Duration::from_secs(5);
+    let client = match tokio::time::timeout(bound, Client::connect([endpoint], options)).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return format!("{what}: connect refused ({e})"),
+        Err(_) => return format!("{what}: connect timed out"),
+    };
+    let mut kv = client.kv_client();
+    let read = tokio::time::timeout(bound, kv.get(layout::CLUSTER, None)).await;
+    assert!(!matches!(read, Ok(Ok(_))), "{what}: read {} succeeded", layout::CLUSTER);
+    let write = tokio::time::timeout(bound, kv.put(layout::worker(99), "fake worker", None)).await;
+    assert!(!matches!(write, Ok(Ok(_))), "{what}: write {} succeeded", layout::worker(99));
+    format!("{what}: read {read:?}, write {write:?}")
+}
+
+#[test]
+fn etcd_refuses_clients_without_a_cluster_certificate() {
+    if !etcd_installed() {
+        println!("SKIPPED: etcd not installed (apt-get install etcd-server)");
+        return;
+    }
+    let tmp = TempDir::new("etcd-tls");
+    let out = tmp.join("out");
+    let serve = Serve::start(&out, &[]);
+    let url = serve.etcd_url();
+    let port = url.strip_prefix("https://127.0.0.1:").unwrap_or_else(|| panic!("etcd serves https: {url}"));
+    let pki = out.join("pki");
+    let client = IdentityFiles::in_dir(&pki, "client");
+    let ca_pem = std::fs::read(&client.ca).unwrap();
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        // Plain http against the TLS port.
+        let plain_url = format!("http://127.0.0.1:{port}");
+        let err = EtcdStore::connect(std::slice::from_ref(&plain_url), &EtcdOptions::default()).await.err();
+        assert!(err.is_some(), "plain http connected");
+        println!("{}", refused("plain http", &plain_url, None).await);
+
+        // TLS that trusts the cluster CA but presents no certificate.
+        let anonymous = EtcdOptions {
+            tls: Some(EtcdTls { ca_cert_pem: Some(client.ca.clone()), ..EtcdTls::default() }),
+            ..EtcdOptions::default()
+        };
+        let err = EtcdStore::connect(std::slice::from_ref(&url), &anonymous).await.err();
+        assert!(err.is_some(), "TLS without a client certificate connected");
+        let tls_only = TlsOptions::new().ca_certificate(Certificate::from_pem(ca_pem.clone()));
+        println!("{}", refused("no certificate", &url, Some(ConnectOptions::new().with_tls(tls_only))).await);
+
+        // A certificate from another CA (with a kvfleet role, trusting our CA).
+        let outsider = ClusterCa::generate("someone else").unwrap().issue(Role::Coordinator, "intruder", &[]).unwrap();
+        let foreign = TlsOptions::new()
+            .ca_certificate(Certificate::from_pem(ca_pem.clone()))
+            .identity(Identity::from_pem(outsider.cert_pem, outsider.key_pem));
+        println!("{}", refused("foreign certificate", &url, Some(ConnectOptions::new().with_tls(foreign))).await);
+
+        // A cluster certificate: reads the cluster's state; the refused write did not land.
+        let member = EtcdOptions {
+            tls: Some(EtcdTls {
+                ca_cert_pem: Some(client.ca.clone()),
+                client_cert_pem: Some(client.cert.clone()),
+                client_key_pem: Some(client.key.clone()),
+                domain_name: None,
+            }),
+            ..EtcdOptions::default()
+        };
+        let store = EtcdStore::connect(std::slice::from_ref(&url), &member).await.expect("a cluster certificate");
+        assert!(store.get(layout::CLUSTER).await.unwrap().is_some(), "{} is there", layout::CLUSTER);
+        assert!(store.get(&layout::worker(0)).await.unwrap().is_some(), "worker 0 registered through TLS");
+        assert!(store.get(&layout::worker(99)).await.unwrap().is_none(), "the refused write did not land");
+    });
+    serve.stop();
+}
+
+#[test]
+fn plaintext_keeps_etcd_on_plain_http() {
+    if !etcd_installed() {
+        println!("SKIPPED: etcd not installed (apt-get install etcd-server)");
+        return;
+    }
+    let tmp = TempDir::new("etcd-plain");
+    let out = tmp.join("out");
+    let serve = Serve::start(&out, &["--plaintext"]);
+    let url = serve.etcd_url();
+    assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let store = EtcdStore::connect(std::slice::from_ref(&url), &EtcdOptions::default()).await.unwrap();
+        assert!(store.get(layout::CLUSTER).await.unwrap().is_some());
+    });
+    serve.stop();
+}
