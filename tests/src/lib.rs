@@ -188,6 +188,99 @@ pub fn requests_csv(dir: &Path) -> PathBuf {
         .unwrap_or_else(|| panic!("no requests-*.csv in {}", dir.display()))
 }
 
+/// A running `kvfleet serve` (on a free loopback port, with its output under `out`), up once it
+/// printed "Ctrl-C to stop". Dropped, it gets SIGINT (then SIGKILL after 30 s), so its children
+/// are stopped even when a test fails.
+pub struct Serve {
+    child: Option<std::process::Child>,
+    /// Where its OpenAI API listens (`127.0.0.1:PORT`).
+    pub listen: String,
+    /// What it printed up to "Ctrl-C to stop".
+    pub said: Vec<String>,
+    stderr: PathBuf,
+}
+
+impl Serve {
+    /// `kvfleet serve --listen <free port> --out out <args…>`, with `env_remove` variables
+    /// removed from its environment; waits up to 90 s for it to come up.
+    pub fn start(out: &Path, args: &[&str], env_remove: &[&str]) -> Serve {
+        use std::io::{BufRead, BufReader};
+        let listen = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+        std::fs::create_dir_all(out).unwrap();
+        let stderr = out.with_extension("serve-stderr.log");
+        let mut command = Command::new(kvfleet_bin());
+        command.args(["serve", "--listen", &listen, "--out", out.to_str().expect("utf-8 path")]).args(args);
+        for var in env_remove {
+            command.env_remove(var);
+        }
+        let mut child = command
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).expect("stderr log"))
+            .spawn()
+            .expect("start kvfleet serve");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut serve = Serve { child: Some(child), listen, said: Vec::new(), stderr };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+        while !serve.said.iter().any(|l| l.contains("Ctrl-C to stop")) {
+            match rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) {
+                Ok(l) => serve.said.push(l),
+                Err(_) => panic!(
+                    "kvfleet serve did not come up within 90 s; it said:\n{}\nstderr:\n{}",
+                    serve.said.join("\n"),
+                    std::fs::read_to_string(&serve.stderr).unwrap_or_default()
+                ),
+            }
+        }
+        serve
+    }
+
+    /// The first printed line starting (after indentation) with `prefix`.
+    pub fn line(&self, prefix: &str) -> &str {
+        self.said
+            .iter()
+            .find(|l| l.trim_start().starts_with(prefix))
+            .unwrap_or_else(|| panic!("no `{prefix}` line in:\n{}", self.said.join("\n")))
+    }
+
+    /// Ctrl-C (SIGINT) and wait up to 60 s: its exit status and everything it wrote to stderr.
+    pub fn stop(mut self) -> (std::process::ExitStatus, String) {
+        let mut child = self.child.take().expect("running");
+        Command::new("kill").arg("-INT").arg(child.id().to_string()).status().expect("kill -INT");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let status = loop {
+            if let Some(s) = child.try_wait().expect("wait") {
+                break s;
+            }
+            assert!(std::time::Instant::now() < deadline, "kvfleet serve did not stop within 60 s of SIGINT");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        (status, std::fs::read_to_string(&self.stderr).unwrap_or_default())
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let Some(child) = self.child.as_mut() else { return };
+        let _ = Command::new("kill").arg("-INT").arg(child.id().to_string()).status();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

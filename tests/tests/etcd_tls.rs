@@ -6,100 +6,31 @@
 use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
 use kvfleet_meta::{layout, EtcdOptions, EtcdStore, EtcdTls, MetaStore};
 use kvfleet_pki::{ClusterCa, IdentityFiles, Role};
-use kvfleet_tests::{kvfleet_bin, TempDir};
-use std::io::{BufRead, BufReader};
+use kvfleet_tests::{Serve, TempDir};
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn etcd_installed() -> bool {
     std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("etcd").is_file()))
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// `kvfleet serve` with one small worker, up.
+fn serve(out: &Path, extra: &[&str]) -> Serve {
+    let mut args =
+        vec!["--workers", "1", "--kv-memory", "64MiB", "--cpu-memory", "64MiB", "--kv-fill", "stamp", "--no-traces"];
+    args.extend(extra);
+    Serve::start(out, &args, &[])
 }
 
-/// A running `kvfleet serve`; stopped with SIGINT (then SIGKILL) when dropped, so its drop
-/// guards stop its children even when the test fails.
-struct Serve {
-    child: std::process::Child,
-    /// What it printed up to "Ctrl-C to stop".
-    said: Vec<String>,
+/// The URL of its `etcd        URL (...)` line.
+fn etcd_url(serve: &Serve) -> String {
+    serve.line("etcd ").strip_prefix("etcd").unwrap_or("").split_whitespace().next().unwrap_or("").to_string()
 }
 
-impl Serve {
-    fn start(out: &Path, extra: &[&str]) -> Serve {
-        let listen = format!("127.0.0.1:{}", free_port());
-        let mut child = Command::new(kvfleet_bin())
-            .args(["serve", "--listen", &listen, "--workers", "1", "--kv-memory", "64MiB", "--cpu-memory", "64MiB"])
-            .args(["--kv-fill", "stamp", "--no-traces", "--out", out.to_str().unwrap()])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start kvfleet serve");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel::<String>();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let mut serve = Serve { child, said: Vec::new() };
-        let deadline = Instant::now() + Duration::from_secs(90);
-        while !serve.said.iter().any(|l| l.contains("Ctrl-C to stop")) {
-            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(l) => serve.said.push(l),
-                Err(_) => panic!(
-                    "kvfleet serve did not come up within 90 s; it said:\n{}\nlogs in {}",
-                    serve.said.join("\n"),
-                    out.display()
-                ),
-            }
-        }
-        serve
-    }
-
-    /// The URL of its `etcd        URL (...)` line.
-    fn etcd_url(&self) -> String {
-        self.said
-            .iter()
-            .find_map(|l| l.strip_prefix("etcd ").map(|rest| rest.split_whitespace().next().unwrap_or("").to_string()))
-            .unwrap_or_else(|| panic!("no etcd line in:\n{}", self.said.join("\n")))
-    }
-
-    fn stop(mut self) {
-        Command::new("kill").arg("-INT").arg(self.child.id().to_string()).status().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let status = loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(Instant::now() < deadline, "kvfleet serve did not stop within 60 s of SIGINT");
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        assert!(status.success(), "kvfleet serve exited with {status}");
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = Command::new("kill").arg("-INT").arg(self.child.id().to_string()).status();
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = self.child.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+/// Ctrl-C, and it stopped cleanly.
+fn stop(serve: Serve) {
+    let (status, err) = serve.stop();
+    assert!(status.success(), "kvfleet serve exited with {status}:\n{err}");
 }
 
 /// A read and a write with a raw etcd client: both must be refused. Returns what each got.
@@ -126,8 +57,8 @@ fn etcd_refuses_clients_without_a_cluster_certificate() {
     }
     let tmp = TempDir::new("etcd-tls");
     let out = tmp.join("out");
-    let serve = Serve::start(&out, &[]);
-    let url = serve.etcd_url();
+    let serve = serve(&out, &[]);
+    let url = etcd_url(&serve);
     let port = url.strip_prefix("https://127.0.0.1:").unwrap_or_else(|| panic!("etcd serves https: {url}"));
     let pki = out.join("pki");
     let client = IdentityFiles::in_dir(&pki, "client");
@@ -173,7 +104,7 @@ fn etcd_refuses_clients_without_a_cluster_certificate() {
         assert!(store.get(&layout::worker(0)).await.unwrap().is_some(), "worker 0 registered through TLS");
         assert!(store.get(&layout::worker(99)).await.unwrap().is_none(), "the refused write did not land");
     });
-    serve.stop();
+    stop(serve);
 }
 
 #[test]
@@ -184,13 +115,13 @@ fn plaintext_keeps_etcd_on_plain_http() {
     }
     let tmp = TempDir::new("etcd-plain");
     let out = tmp.join("out");
-    let serve = Serve::start(&out, &["--plaintext"]);
-    let url = serve.etcd_url();
+    let serve = serve(&out, &["--plaintext"]);
+    let url = etcd_url(&serve);
     assert!(url.starts_with("http://127.0.0.1:"), "{url}");
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
         let store = EtcdStore::connect(std::slice::from_ref(&url), &EtcdOptions::default()).await.unwrap();
         assert!(store.get(layout::CLUSTER).await.unwrap().is_some());
     });
-    serve.stop();
+    stop(serve);
 }

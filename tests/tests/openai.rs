@@ -399,62 +399,32 @@ fn oversized(addr: &str, len: usize) -> (u16, String) {
 /// argv, where `ps` shows it), `/v1` needs it, and the printed `curl` and `clients` lines carry it.
 #[test]
 fn kvfleet_serve_hands_its_api_key_to_the_coordinator_by_environment() {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
-
-    /// Stops `kvfleet serve` (SIGINT; it stops its children) when the test ends, passed or not.
-    struct Serve(std::process::Child);
-    impl Drop for Serve {
-        fn drop(&mut self) {
-            let _ = Command::new("kill").arg("-INT").arg(self.0.id().to_string()).status();
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = self.0.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-
     let tmp = TempDir::new("serve-key");
     let out = tmp.join("out");
-    let listen = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
     let key = "sk-serve-key-0123456789";
-    let mut child = Command::new(kvfleet_tests::kvfleet_bin())
-        .args(["serve", "--listen", &listen, "--workers", "1", "--kv-memory", "64MiB", "--cpu-memory", "64MiB"])
-        .args(["--kv-fill", "stamp", "--no-traces", "--no-etcd", "--plaintext", "--api-key", key])
-        .args(["--out", out.to_str().unwrap()])
-        .env_remove("KVFLEET_API_KEY")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start kvfleet serve");
-    let stdout = child.stdout.take().unwrap();
-    let _serve = Serve(child);
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut said = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while !said.iter().any(|l: &String| l.contains("Ctrl-C to stop")) {
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(l) => said.push(l),
-            Err(_) => panic!("kvfleet serve did not come up within 90 s; it said:\n{}", said.join("\n")),
-        }
-    }
-    let text = said.join("\n");
-    let line = |prefix: &str| {
-        said.iter().find(|l| l.trim_start().starts_with(prefix)).unwrap_or_else(|| panic!("no {prefix} line:\n{text}"))
-    };
-    assert!(line("try ").contains(&format!("-H 'Authorization: Bearer {key}'")), "{text}");
-    assert!(line("clients ").contains(&format!("OPENAI_API_KEY={key} ")), "{text}");
+    let serve = kvfleet_tests::Serve::start(
+        &out,
+        &[
+            "--workers",
+            "1",
+            "--kv-memory",
+            "64MiB",
+            "--cpu-memory",
+            "64MiB",
+            "--kv-fill",
+            "stamp",
+            "--no-traces",
+            "--no-etcd",
+            "--plaintext",
+            "--api-key",
+            key,
+        ],
+        &["KVFLEET_API_KEY"],
+    );
+    let text = serve.said.join("\n");
+    assert!(serve.line("try ").contains(&format!("-H 'Authorization: Bearer {key}'")), "{text}");
+    assert!(serve.line("clients ").contains(&format!("OPENAI_API_KEY={key} ")), "{text}");
+    let listen = serve.listen.clone();
 
     // The coordinator: the key in its environment, not in its command line.
     let pids = std::fs::read_to_string(out.join("pids.txt")).expect("pids.txt written");

@@ -2,34 +2,9 @@
 //! for real clients; the official `openai` Python client streams against it; Ctrl-C (SIGINT)
 //! drains and stops every process it started.
 
-use kvfleet_tests::{kvfleet_bin, TempDir};
-use std::io::{BufRead, BufReader};
+use kvfleet_tests::{Serve, TempDir};
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
-
-/// Kills `kvfleet serve` (and so, through its drop guards, its children) if the test fails early.
-struct Serve(std::process::Child);
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = Command::new("kill").arg("-INT").arg(self.0.id().to_string()).status();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+use std::process::Command;
 
 fn alive(pid: &str) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
@@ -40,40 +15,19 @@ fn alive(pid: &str) -> bool {
 fn serve_keeps_an_openai_endpoint_up_until_ctrl_c_and_leaves_no_process() {
     let tmp = TempDir::new("serve");
     let out = tmp.join("out");
-    let listen = format!("127.0.0.1:{}", free_port());
-    let mut child = Command::new(kvfleet_bin())
-        .args(["serve", "--listen", &listen, "--workers", "2", "--kv-memory", "256MiB", "--cpu-memory", "256MiB"])
-        .args(["--kv-fill", "stamp", "--no-traces", "--out", out.to_str().unwrap()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start kvfleet serve");
-    let stdout = child.stdout.take().unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let mut serve = Serve(child);
-    let (tx, rx) = mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let stderr_lines =
-        std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).collect::<Vec<_>>());
+    let serve = Serve::start(
+        &out,
+        &["--workers", "2", "--kv-memory", "256MiB", "--cpu-memory", "256MiB", "--kv-fill", "stamp", "--no-traces"],
+        &[],
+    );
     // Up: it says where and how, then waits.
-    let mut said = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while !said.iter().any(|l: &String| l.contains("Ctrl-C to stop")) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(l) => said.push(l),
-            Err(_) => panic!("kvfleet serve did not come up within 90 s; it said:\n{}", said.join("\n")),
-        }
-    }
-    let text = said.join("\n");
-    let base = format!("http://{listen}/v1");
+    let text = serve.said.join("\n");
+    let base = format!("http://{}/v1", serve.listen);
     assert!(text.contains(&format!("endpoint at {base}")), "{text}");
-    assert!(text.contains("curl ") && text.contains("r1-distill-qwen-32b"), "a curl line naming the model:\n{text}");
+    assert!(
+        serve.line("try ").contains("curl ") && text.contains("r1-distill-qwen-32b"),
+        "a curl line naming the model:\n{text}"
+    );
 
     // The official client, streaming and not, against it (skipped where `openai` is missing).
     let python = Command::new("python3").args(["-c", "import openai"]).output();
@@ -92,16 +46,7 @@ fn serve_keeps_an_openai_endpoint_up_until_ctrl_c_and_leaves_no_process() {
 
     // Ctrl-C: everything drains and stops.
     let pids = std::fs::read_to_string(out.join("pids.txt")).expect("pids.txt written");
-    Command::new("kill").arg("-INT").arg(serve.0.id().to_string()).status().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(s) = serve.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "kvfleet serve did not stop within 60 s of SIGINT");
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let err = stderr_lines.join().unwrap().join("\n");
+    let (status, err) = serve.stop();
     assert!(status.success(), "kvfleet serve exited with {status}:\n{err}");
     assert!(err.contains("stopped worker-0: exit status: 0"), "workers drained and exited cleanly:\n{err}");
     for line in pids.lines() {
