@@ -463,9 +463,13 @@ impl Leader {
                     tracing::error!(request = request.0, "re-placing failed: {e}");
                     return;
                 }
+                // The ownership is stored; the submit (retried for seconds when the worker is slow
+                // or gone) runs aside, so a worker leaving with hundreds of requests does not hold
+                // up the registry watch that re-places them.
                 let spec = self.control().ownership(request).map(|o| o.spec.clone());
                 if let Some(spec) = spec {
-                    self.submit_to_worker(on, &spec).await;
+                    let leader = self.clone();
+                    tokio::spawn(async move { leader.submit_to_worker(on, &spec).await });
                 }
             }
             Action::Reject { request, reason } => {
@@ -896,6 +900,8 @@ impl Leader {
             requests_in_flight: control.in_flight() as u64,
             requests_finished: self.stats.finished.load(Ordering::Relaxed),
             migrations: self.stats.migrations.load(Ordering::Relaxed),
+            migrations_failed: self.stats.migration_failures.load(Ordering::Relaxed),
+            late_results: self.stats.late_results.load(Ordering::Relaxed),
             store: self.store.store_kind().to_string(),
             migration_log: self.migration_log.lock().expect("migration log lock").clone(),
         }

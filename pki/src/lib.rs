@@ -479,8 +479,9 @@ mod tests;
 
 /// How often a channel from [`endpoint`] pings its peer.
 pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(1000);
-/// How long a ping may go unanswered before the connection (and its streams) is dropped.
-pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(2000);
+/// How long a ping may go unanswered before the connection (and its streams) is dropped: long
+/// enough that a peer merely slowed by a loaded host (2 cores, a build running) is not cut off.
+pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(4000);
 
 /// A gRPC endpoint for `addr` (`host:port`): `https` with mutual TLS when `tls` is given,
 /// plain `http` otherwise.

@@ -200,26 +200,47 @@ fn up_with_etcd_moves_the_clients_of_a_paused_leader() {
 }
 
 /// `--chaos SEED`: a seeded schedule of leader kills and pauses, worker kills, pauses and
-/// restarts, and an etcd restart; the cluster must complete every request exactly once with
-/// etcd holding what the clients got, and say so in its chaos table and `chaos.json`.
-#[test]
-fn up_with_etcd_survives_a_seeded_chaos_schedule() {
+/// restarts, and etcd restarts; the cluster must complete every request exactly once with etcd
+/// holding what the clients got, and say so in its chaos table and `chaos.json`.
+fn survives_chaos(seed: u64) {
     if !etcd_installed() {
         eprintln!("skipping: etcd not installed (apt-get install etcd-server)");
         return;
     }
-    let tmp = TempDir::new("up-chaos");
+    let tmp = TempDir::new(&format!("up-chaos-{seed}"));
     let out = tmp.join("out");
     let mut args = base_args(&out, 3, 30);
-    args.extend(["--chaos", "11", "--chaos-faults", "4", "--chaos-span-s", "6"].map(String::from));
+    args.extend([
+        "--chaos".to_string(),
+        seed.to_string(),
+        "--chaos-faults".into(),
+        "4".into(),
+        "--chaos-span-s".into(),
+        "6".into(),
+    ]);
     let o = run_kvfleet(&args);
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", describe(&o));
-    assert!(stdout.contains("chaos (seed 11, 4 faults): survived"), "{stdout}");
+    assert!(stdout.contains(&format!("chaos (seed {seed}, 4 faults): survived")), "{stdout}");
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("chaos.json")).expect("chaos.json")).unwrap();
     assert_eq!((report["completed_once"].as_u64(), report["executed_twice"].as_u64()), (Some(30), Some(0)), "{report}");
     assert_eq!(report["lost"], 0, "{report}");
     assert_each_request_once(&out, 30);
     assert_no_process_left(&out);
+}
+
+#[test]
+fn up_with_etcd_survives_chaos_seed_11() {
+    survives_chaos(11);
+}
+
+#[test]
+fn up_with_etcd_survives_chaos_seed_12() {
+    survives_chaos(12);
+}
+
+#[test]
+fn up_with_etcd_survives_chaos_seed_13() {
+    survives_chaos(13);
 }

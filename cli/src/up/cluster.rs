@@ -182,6 +182,30 @@ impl Cluster {
     }
 }
 
+/// A line saying so when the workers' real KV arenas hold fewer (or more) blocks than the config
+/// sizes an instance at: the emulator runs the arena's capacity, the simulator the config's.
+fn capacity_note(args: &ClusterSpec) -> anyhow::Result<Option<String>> {
+    let bytes =
+        kvfleet_worker::options::parse_bytes(args.kv_memory).map_err(|e| InputError(format!("--kv-memory {e}")))?;
+    let (model, gpu) = args.cfg.specs().map_err(|e| InputError(e.to_string()))?;
+    let config = args.cfg.engine_config(&model, &gpu).map_err(|e| InputError(e.to_string()))?;
+    let block = config.block_bytes();
+    let arena_blocks = bytes / block.max(1);
+    let config_blocks = u64::from(config.gpu_blocks);
+    if arena_blocks.abs_diff(config_blocks) * 100 <= config_blocks {
+        return Ok(None);
+    }
+    Ok(Some(format!(
+        "capacity    each worker's KV arena (--kv-memory {}) holds {arena_blocks} blocks of {:.1} MiB, but the \
+         config sizes an instance at {config_blocks} ({:.1} GB): the emulator runs the arena's capacity, {:.0} % of \
+         the config's (match them with --kv-memory or [cluster] kv_cache_gb, as `kvfleet bench parity` does)",
+        args.kv_memory,
+        block as f64 / (1 << 20) as f64,
+        (config_blocks * block) as f64 / 1e9,
+        arena_blocks as f64 * 100.0 / config_blocks as f64
+    )))
+}
+
 /// Start everything `args` asks for into `cluster` (which stops what was started when dropped,
 /// also after an error), and wait until every worker is registered with the leader.
 pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Cluster) -> anyhow::Result<Started> {
@@ -190,6 +214,9 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
     let logs = args.out.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let epoch_unix_ns = args.epoch_unix_ns;
+    if let Some(note) = capacity_note(args)? {
+        say!("{note}");
+    }
     // The control plane's certificates (mutual TLS), then etcd or the embedded store.
     let pki = Pki::new(args)?;
     let client_tls = match &pki {

@@ -250,8 +250,19 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 give_up.clone(),
             ));
             let mut chaos = chaos::Chaos::new(faults.clone());
+            // SIGINT / SIGTERM end the replay (its requests reported unfinished) and the run then
+            // stops every process it started, instead of leaving them behind.
+            let mut interrupted = Box::pin(crate::traces::stop_signal());
+            let mut stopping = false;
             while !replay_task.is_finished() {
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                    () = &mut interrupted, if !stopping => {
+                        stopping = true;
+                        bar.suspend(|| say!("interrupted: stopping the replay and every process"));
+                        give_up.give_up("interrupted (SIGINT or SIGTERM)");
+                    }
+                }
                 let (finished, tokens) = (stats.finished.load(Ordering::Relaxed), stats.tokens.load(Ordering::Relaxed));
                 bar.set_position(finished);
                 bar.set_message(format!("({tokens} tokens streamed)"));

@@ -98,10 +98,10 @@ impl Proc {
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = mpsc::channel::<String>();
         std::thread::spawn(move || {
+            // Drain to the end even once nobody reads the lines: a closed pipe would fail the
+            // child's next write to stdout (a restarted worker exits on that EPIPE).
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
+                let _ = tx.send(line);
             }
         });
         let launch = Launch {

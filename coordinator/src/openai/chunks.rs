@@ -190,15 +190,23 @@ pub fn usage_chunk(meta: &ResponseMeta, usage: Usage) -> Value {
     chunk
 }
 
-/// What the emulation measured, as the `kvfleet` field of non-streamed responses.
+/// What the emulation measured, as the `kvfleet` field of non-streamed responses. The names mean
+/// what they mean in `results.json` and the CSVs: `ttft_s` is PASCAL's TTFT, arrival → first
+/// *answer* token; `ttfat_s` is end of reasoning → first answer token; `first_token_s` is
+/// arrival → first output token of any kind (what an OpenAI client's own TTFT measures).
 pub fn kvfleet_extension(rec: &v1::RequestRecord) -> Value {
     let since_arrival = |t: Option<u64>| t.map(|t| t.saturating_sub(rec.arrival_ns) as f64 / 1e9);
+    let ttfat = match (rec.reasoning_end_ns, rec.first_answer_token_ns) {
+        (Some(end), Some(first)) => Some(first.saturating_sub(end) as f64 / 1e9),
+        _ => None,
+    };
     json!({
         "request_id": rec.id,
         "placed_on": rec.placed_on,
         "finished_on": rec.finished_on,
-        "ttft_s": since_arrival(rec.first_token_ns),
-        "ttfat_s": since_arrival(rec.first_answer_token_ns),
+        "first_token_s": since_arrival(rec.first_token_ns),
+        "ttft_s": since_arrival(rec.first_answer_token_ns),
+        "ttfat_s": ttfat,
         "e2e_s": since_arrival(rec.finish_ns),
         "qoe": rec.qoe,
         "preemptions": rec.preemptions,
@@ -262,6 +270,8 @@ mod tests {
             reasoning_tokens: 3,
             answer_tokens: 2,
             first_token_ns: Some(1_500_000_000),
+            reasoning_end_ns: Some(1_700_000_000),
+            first_answer_token_ns: Some(1_800_000_000),
             ..Default::default()
         }
     }
@@ -331,7 +341,11 @@ mod tests {
         assert_eq!(msg["content"].as_str().unwrap().split_whitespace().count(), 2);
         assert_eq!(chat["choices"][0]["finish_reason"], "stop");
         assert_eq!(chat["usage"]["completion_tokens"], 5);
-        assert_eq!(chat["kvfleet"]["ttft_s"], 0.5);
+        // One meaning per name, as in results.json: TTFT to the first answer token, TTFAT from
+        // the end of reasoning, and the first token of any kind apart.
+        assert_eq!(chat["kvfleet"]["first_token_s"], 0.5);
+        assert_eq!(chat["kvfleet"]["ttft_s"], 0.8);
+        assert!((chat["kvfleet"]["ttfat_s"].as_f64().unwrap() - 0.1).abs() < 1e-9);
         let c = full_response(
             &ResponseMeta::new(Endpoint::Completions, 7, 5, "m"),
             &req(Endpoint::Completions, true),
