@@ -42,15 +42,8 @@ pub struct ServeArgs {
     /// Do not use etcd even if installed (the coordinator's embedded store).
     #[arg(long)]
     no_etcd: bool,
-    /// Real KV arena per worker (GPU pool).
-    #[arg(long, default_value = "1GiB")]
-    kv_memory: String,
-    /// CPU offload arena per worker.
-    #[arg(long, default_value = "1GiB")]
-    cpu_memory: String,
-    /// KV content written per token: `full` or `stamp` (first 64 bytes).
-    #[arg(long, default_value = "full")]
-    kv_fill: String,
+    #[command(flatten)]
+    arena: crate::up::cluster::ArenaArgs,
     /// INSECURE: the control plane in plain text (no certificates; local debugging only).
     #[arg(long)]
     plaintext: bool,
@@ -115,9 +108,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         ca_dir: None,
         otlp_endpoint: None,
         no_traces: args.no_traces,
-        kv_memory: &args.kv_memory,
-        cpu_memory: &args.cpu_memory,
-        kv_fill: &args.kv_fill,
+        kv_memory: &args.arena.kv_memory,
+        cpu_memory: &args.arena.cpu_memory,
+        kv_fill: &args.arena.kv_fill,
         link_gbps: None,
         link_latency_us: 0.0,
         no_prefault: false,

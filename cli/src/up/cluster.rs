@@ -11,6 +11,21 @@ use kvfleet_sim::config::SimConfig;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+/// Each worker's real memory, as `kvfleet up` and `kvfleet serve` take it.
+#[derive(clap::Args)]
+pub struct ArenaArgs {
+    /// Real KV arena per worker (GPU pool), e.g. 1GiB. Capacity is scaled to the host; the per-token
+    /// size is the model's.
+    #[arg(long, default_value = "1GiB")]
+    pub kv_memory: String,
+    /// CPU offload arena per worker.
+    #[arg(long, default_value = "1GiB")]
+    pub cpu_memory: String,
+    /// KV content written per token: `full` (every byte) or `stamp` (first 64 bytes).
+    #[arg(long, default_value = "full")]
+    pub kv_fill: String,
+}
+
 /// What to start.
 pub struct ClusterSpec<'a> {
     /// The experiment config: model, GPU, timing, scheduler knobs, `[migration]`, instances.

@@ -54,16 +54,8 @@ pub struct UpArgs {
     /// Workload seed.
     #[arg(long)]
     seed: Option<u64>,
-    /// Real KV arena per worker (GPU pool), e.g. 1GiB. Capacity is scaled to the host; the per-token
-    /// size is the model's.
-    #[arg(long, default_value = "1GiB")]
-    kv_memory: String,
-    /// CPU offload arena per worker.
-    #[arg(long, default_value = "1GiB")]
-    cpu_memory: String,
-    /// KV content written per token: `full` (every byte) or `stamp` (first 64 bytes).
-    #[arg(long, default_value = "full")]
-    kv_fill: String,
+    #[command(flatten)]
+    arena: cluster::ArenaArgs,
     /// Shape every worker's outgoing migration links to this rate (Gbit/s), to emulate a fabric
     /// slower than this host's loopback (e.g. the config's `[link] bandwidth_gbps`, as
     /// `kvfleet bench parity` does). Default: unshaped.
@@ -196,9 +188,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             ca_dir: args.ca_dir.as_deref(),
             otlp_endpoint: args.otlp_endpoint.as_deref(),
             no_traces: args.no_traces,
-            kv_memory: &args.kv_memory,
-            cpu_memory: &args.cpu_memory,
-            kv_fill: &args.kv_fill,
+            kv_memory: &args.arena.kv_memory,
+            cpu_memory: &args.arena.cpu_memory,
+            kv_fill: &args.arena.kv_fill,
             link_gbps: args.link_gbps,
             link_latency_us: args.link_latency_us,
             no_prefault: args.no_prefault,
