@@ -188,6 +188,17 @@ pub fn requests_csv(dir: &Path) -> PathBuf {
         .unwrap_or_else(|| panic!("no requests-*.csv in {}", dir.display()))
 }
 
+/// Whether an `etcd` binary is on `PATH` (tests that need one skip, saying so, without it).
+pub fn etcd_installed() -> bool {
+    std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("etcd").is_file()))
+}
+
+/// Whether process `pid` is still running (a zombie, exited but not reaped, counts as gone).
+pub fn process_alive(pid: &str) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default().contains(") Z ")
+}
+
 /// A running `kvfleet serve` (on a free loopback port, with its output under `out`), up once it
 /// printed "Ctrl-C to stop". Dropped, it gets SIGINT (then SIGKILL after 30 s), so its children
 /// are stopped even when a test fails.

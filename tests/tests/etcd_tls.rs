@@ -6,13 +6,9 @@
 use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
 use kvfleet_meta::{layout, EtcdOptions, EtcdStore, EtcdTls, MetaStore};
 use kvfleet_pki::{ClusterCa, IdentityFiles, Role};
-use kvfleet_tests::{Serve, TempDir};
+use kvfleet_tests::{etcd_installed, Serve, TempDir};
 use std::path::Path;
 use std::time::Duration;
-
-fn etcd_installed() -> bool {
-    std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("etcd").is_file()))
-}
 
 /// `kvfleet serve` with one small worker, up.
 fn serve(out: &Path, extra: &[&str]) -> Serve {

@@ -6,11 +6,6 @@ use kvfleet_tests::{Serve, TempDir};
 use std::path::Path;
 use std::process::Command;
 
-fn alive(pid: &str) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default().contains(") Z ")
-}
-
 #[test]
 fn serve_keeps_an_openai_endpoint_up_until_ctrl_c_and_leaves_no_process() {
     let tmp = TempDir::new("serve");
@@ -51,6 +46,6 @@ fn serve_keeps_an_openai_endpoint_up_until_ctrl_c_and_leaves_no_process() {
     assert!(err.contains("stopped worker-0: exit status: 0"), "workers drained and exited cleanly:\n{err}");
     for line in pids.lines() {
         let pid = line.split_whitespace().next().unwrap();
-        assert!(!alive(pid), "process left behind: {line}");
+        assert!(!kvfleet_tests::process_alive(pid), "process left behind: {line}");
     }
 }

@@ -2,14 +2,10 @@
 //! collect` sink and analyses them; the analysis must hold every migration the workers counted,
 //! each with all its phases on both sides, and the downtimes the workers measured themselves.
 
-use kvfleet_tests::{describe, run_kvfleet, TempDir};
+use kvfleet_tests::{describe, etcd_installed, run_kvfleet, TempDir};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
-
-fn etcd_installed() -> bool {
-    std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("etcd").is_file()))
-}
 
 /// The workers' own counters (from `OUT/metrics/worker-N.prom`), by worker instance.
 #[derive(Debug, Default, Clone, Copy)]

@@ -3,12 +3,8 @@
 //! Every test checks that every submitted request completed exactly once and that no process
 //! outlives the command (the pids `kvfleet up` wrote are all gone).
 
-use kvfleet_tests::{describe, run_kvfleet, TempDir};
+use kvfleet_tests::{describe, etcd_installed, process_alive, run_kvfleet, TempDir};
 use std::path::Path;
-
-fn etcd_installed() -> bool {
-    std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("etcd").is_file()))
-}
 
 /// Small, fast cluster arguments shared by the tests.
 fn base_args(out: &Path, workers: u32, requests: u32) -> Vec<String> {
@@ -55,9 +51,7 @@ fn assert_no_process_left(out: &Path) {
     let pids = std::fs::read_to_string(out.join("pids.txt")).expect("pids.txt written");
     for line in pids.lines() {
         let pid = line.split_whitespace().next().expect("pid");
-        let alive = std::path::Path::new(&format!("/proc/{pid}")).exists()
-            && !std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default().contains(") Z ");
-        assert!(!alive, "process left behind: {line}");
+        assert!(!process_alive(pid), "process left behind: {line}");
     }
 }
 
