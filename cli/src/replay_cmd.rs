@@ -13,7 +13,7 @@ use crate::up::{live, DEFAULT_CONFIG};
 use crate::{report, say, InputError};
 use anyhow::{bail, Context};
 use clap::Args;
-use kvfleet_core::metrics::{summarize, tail_ttft_by_reasoning_bin, RequestRecord};
+use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::{RequestId, RequestSpec, Timestamp};
 use kvfleet_sim::config::{resolve_policy, SimConfig};
 use std::io::IsTerminal;
@@ -248,21 +248,19 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let end = rt.block_on(finder.leader(Duration::from_secs(10))).map(|(_, s)| s).ok();
     let live_log = end.as_ref().map(|s| s.migration_log.clone()).unwrap_or_default();
     let migrations = live::records(&live_log);
-    let run = kvfleet_sim::RunResult {
-        policy: cfg.scheduler.policy.clone(),
-        intra,
-        instance_policy,
-        rate: args.rate.or_else(|| kvfleet_sim::arrival_rate(&workload.arrivals)),
-        timing: cfg.cluster.timing.clone(),
-        summary: summarize(&ok, &migrations, &cfg.slo),
-        tail_ttft: tail_ttft_by_reasoning_bin(&ok, 256),
-        records: ok.clone(),
+    let run = kvfleet_sim::RunResult::new(
+        kvfleet_sim::RunIdentity {
+            policy: cfg.scheduler.policy.clone(),
+            intra,
+            instance_policy,
+            rate: args.rate.or_else(|| kvfleet_sim::arrival_rate(&workload.arrivals)),
+            timing: cfg.cluster.timing.clone(),
+        },
+        ok.clone(),
         migrations,
-        live_migrations: Default::default(),
-        instances: Vec::new(),
-        events: 0,
-        sim_end_s: wall,
-    };
+        &cfg.slo,
+        wall,
+    );
     say!("{}", report::summary_table(std::slice::from_ref(&run)));
     say!(
         "{} of {total} requests completed exactly once ({} failed, {} rejected, {} duplicated, {} stale) in {wall:.1} s; {} migrated at </think>; {} resumed after a leader change; {} client retries",

@@ -336,11 +336,9 @@ pub fn write_outputs(out_dir: &Path, runs: &[RunResult]) -> anyhow::Result<Vec<P
 #[cfg(test)]
 pub(crate) mod fixtures {
     use kvfleet_core::ids::{InstanceId, RequestId};
-    use kvfleet_core::metrics::{
-        summarize, tail_ttft_by_reasoning_bin, MigrationOutcome, MigrationRecord, RequestRecord, SloTargets,
-    };
+    use kvfleet_core::metrics::{MigrationOutcome, MigrationRecord, RequestRecord, SloTargets};
     use kvfleet_core::time::Timestamp;
-    use kvfleet_sim::RunResult;
+    use kvfleet_sim::{RunIdentity, RunResult};
     use std::path::PathBuf;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -387,23 +385,14 @@ pub(crate) mod fixtures {
         records: Vec<RequestRecord>,
         migrations: Vec<MigrationRecord>,
     ) -> RunResult {
-        let summary = summarize(&records, &migrations, &SloTargets::default());
-        let tail_ttft = tail_ttft_by_reasoning_bin(&records, 256);
-        RunResult {
+        let id = RunIdentity {
             policy: policy.to_string(),
             intra: "pascal".to_string(),
             instance_policy: "least-kv".to_string(),
             rate,
             timing: "analytic".to_string(),
-            summary,
-            tail_ttft,
-            records,
-            migrations,
-            live_migrations: Default::default(),
-            instances: Vec::new(),
-            events: 1234,
-            sim_end_s: 42.0,
-        }
+        };
+        RunResult::new(id, records, migrations, &SloTargets::default(), 42.0).with_engine_counters(Vec::new(), 1234)
     }
 
     pub fn migrations(n: u64) -> Vec<MigrationRecord> {

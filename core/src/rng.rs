@@ -1,13 +1,21 @@
-//! A small seeded random number generator with the distributions the workloads need.
+//! The seeded random number generator the workloads and policies draw from.
 //!
-//! We carry our own (xoshiro256++ seeded through splitmix64) rather than `rand` so that a seed
-//! gives byte-identical runs forever: results must not change when a dependency changes its
-//! algorithms. Randomness is always passed in; nothing in `core` seeds from the environment.
+//! A [`SimRng`] is a PCG-64 generator (`rand_pcg`, whose output the `rand` project keeps
+//! value-stable) sampled through `rand_distr`'s distributions. Both crates are pinned to exact
+//! versions in `core/Cargo.toml`, and `draws_are_pinned` below fails if an update changes a single
+//! value, so a seed gives the same workload across dependency updates. Randomness is always passed
+//! in; nothing in `core` seeds from the environment.
 
-/// Seeded PRNG (xoshiro256++). Cheap to clone; `fork` derives independent streams.
+use rand::RngExt;
+use rand_distr::{Distribution, Exp, Gamma, LogNormal, StandardNormal, Weibull};
+use rand_pcg::Pcg64;
+
+/// Seeded generator. Cheap to clone; [`SimRng::fork`] derives independent streams.
 #[derive(Clone, Debug)]
 pub struct SimRng {
-    s: [u64; 4],
+    /// What `fork` derives child streams from (not advanced by draws).
+    key: u64,
+    gen: Pcg64,
 }
 
 fn splitmix64(state: &mut u64) -> u64 {
@@ -19,105 +27,92 @@ fn splitmix64(state: &mut u64) -> u64 {
 }
 
 impl SimRng {
-    /// A generator whose whole stream is determined by `seed` (expanded through splitmix64).
+    /// A generator whose whole stream is determined by `seed`.
     pub fn seed_from_u64(seed: u64) -> Self {
-        let mut sm = seed;
-        let s = [splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm)];
-        SimRng { s }
+        SimRng::keyed(seed, 0)
     }
 
-    /// An independent stream for a named purpose (e.g. arrivals vs lengths), so adding draws to
-    /// one stream never shifts another.
+    fn keyed(key: u64, stream: u64) -> Self {
+        let mut sm = key;
+        let state = (u128::from(splitmix64(&mut sm)) << 64) | u128::from(splitmix64(&mut sm));
+        SimRng { key, gen: Pcg64::new(state, u128::from(stream)) }
+    }
+
+    /// An independent stream for a named purpose (e.g. arrivals vs lengths). It depends on the
+    /// seed and `stream` only, not on what was drawn so far, so adding draws to one stream never
+    /// shifts another.
     pub fn fork(&self, stream: u64) -> SimRng {
-        let mut sm = self.s[0] ^ self.s[3].rotate_left(17) ^ stream.wrapping_mul(0xD6E8_FEB8_6659_FD93);
-        SimRng { s: [splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm)] }
+        let mut sm = self.key ^ stream.wrapping_mul(0xD6E8_FEB8_6659_FD93);
+        SimRng::keyed(splitmix64(&mut sm), stream)
     }
 
     /// The next 64 uniformly random bits.
     pub fn next_u64(&mut self) -> u64 {
-        let result = self.s[0].wrapping_add(self.s[3]).rotate_left(23).wrapping_add(self.s[0]);
-        let t = self.s[1] << 17;
-        self.s[2] ^= self.s[0];
-        self.s[3] ^= self.s[1];
-        self.s[1] ^= self.s[2];
-        self.s[0] ^= self.s[3];
-        self.s[2] ^= t;
-        self.s[3] = self.s[3].rotate_left(45);
-        result
+        rand::Rng::next_u64(&mut self.gen)
     }
 
-    /// Uniform in [0, 1) with 53 bits of precision.
+    /// Uniform in [0, 1).
     pub fn f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+        self.gen.random::<f64>()
     }
 
-    /// Uniform in (0, 1]: safe to take the log of.
-    pub fn f64_open0(&mut self) -> f64 {
-        1.0 - self.f64()
-    }
-
-    /// Uniform integer in [0, n). `n` must be > 0.
+    /// Uniform integer in [0, n); 0 when `n` is 0.
     pub fn below(&mut self, n: u64) -> u64 {
-        assert!(n > 0, "SimRng::below(0)");
-        // Lemire's multiply-shift with rejection: unbiased.
-        let mut m = (self.next_u64() as u128) * (n as u128);
-        if (m as u64) < n {
-            let threshold = n.wrapping_neg() % n;
-            while (m as u64) < threshold {
-                m = (self.next_u64() as u128) * (n as u128);
-            }
+        if n == 0 {
+            return 0;
         }
-        (m >> 64) as u64
+        self.gen.random_range(0..n)
+    }
+
+    /// Draws from `dist`, or NaN when its parameters were outside its domain (callers validate
+    /// parameters first; NaN then surfaces in their range checks instead of a panic here).
+    fn draw<D: Distribution<f64>, E>(&mut self, dist: Result<D, E>) -> f64 {
+        dist.map_or(f64::NAN, |d| d.sample(&mut self.gen))
     }
 
     /// Exponential with the given rate (mean 1/rate).
     pub fn exponential(&mut self, rate: f64) -> f64 {
-        -self.f64_open0().ln() / rate
+        self.draw(Exp::new(rate))
     }
 
-    /// Standard normal (Box–Muller, one draw per call for reproducibility of call counts).
+    /// Standard normal.
     pub fn standard_normal(&mut self) -> f64 {
-        let u1 = self.f64_open0();
-        let u2 = self.f64();
-        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+        StandardNormal.sample(&mut self.gen)
     }
 
     /// Log-normal with the given median and sigma of the underlying normal.
     pub fn lognormal(&mut self, median: f64, sigma: f64) -> f64 {
-        median * (sigma * self.standard_normal()).exp()
+        self.draw(LogNormal::new(median.ln(), sigma))
     }
 
-    /// Gamma(shape k, scale θ), Marsaglia–Tsang; shape < 1 via the boost `U^(1/k)`.
+    /// Gamma(shape k, scale θ).
     pub fn gamma(&mut self, shape: f64, scale: f64) -> f64 {
-        if shape < 1.0 {
-            let u = self.f64_open0();
-            return self.gamma(shape + 1.0, scale) * u.powf(1.0 / shape);
-        }
-        let d = shape - 1.0 / 3.0;
-        let c = 1.0 / (9.0 * d).sqrt();
-        loop {
-            let x = self.standard_normal();
-            let v = 1.0 + c * x;
-            if v <= 0.0 {
-                continue;
-            }
-            let v = v * v * v;
-            let u = self.f64_open0();
-            if u.ln() < 0.5 * x * x + d - d * v + d * v.ln() {
-                return d * v * scale;
-            }
-        }
+        self.draw(Gamma::new(shape, scale))
     }
 
-    /// Weibull(shape c, scale λ) by inversion.
+    /// Weibull(shape c, scale λ).
     pub fn weibull(&mut self, shape: f64, scale: f64) -> f64 {
-        scale * (-self.f64_open0().ln()).powf(1.0 / shape)
+        self.draw(Weibull::new(scale, shape))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What `draws_are_pinned` draws from seed 42 (integers as f64).
+    const PINNED: [f64; 10] = [
+        1.0775687241422088e19,
+        0.03580916461845218,
+        571.0,
+        0.35170328351924923,
+        0.10330583777965587,
+        2996.632918863891,
+        0.3544173544160939,
+        0.9409247108686777,
+        2.9586998774682423,
+        1.396496804620993e19,
+    ];
 
     fn mean(xs: &[f64]) -> f64 {
         xs.iter().sum::<f64>() / xs.len() as f64
@@ -133,6 +128,51 @@ mod tests {
         let mut f1 = a.fork(1);
         let mut f2 = a.fork(2);
         assert_ne!(f1.next_u64(), f2.next_u64());
+        assert_ne!(SimRng::seed_from_u64(8).next_u64(), SimRng::seed_from_u64(7).next_u64());
+    }
+
+    #[test]
+    fn a_fork_does_not_depend_on_draws_from_its_parent() {
+        let fresh = SimRng::seed_from_u64(7);
+        let mut used = SimRng::seed_from_u64(7);
+        for _ in 0..100 {
+            used.f64();
+        }
+        assert_eq!(fresh.fork(3).next_u64(), used.fork(3).next_u64());
+    }
+
+    /// The first draws of seed 42, one per method. A change of generator, of a distribution's
+    /// algorithm or of the seeding changes every workload a seed names: this test makes such a
+    /// change a deliberate one (update the values and regenerate the results in `docs/results/`).
+    #[test]
+    fn draws_are_pinned() {
+        let mut r = SimRng::seed_from_u64(42);
+        let got = [
+            r.next_u64() as f64,
+            r.f64(),
+            r.below(1000) as f64,
+            r.exponential(2.0),
+            r.standard_normal(),
+            r.lognormal(600.0, 1.0),
+            r.gamma(0.5, 2.0),
+            r.gamma(3.0, 0.5),
+            r.weibull(1.5, 3.0),
+            r.fork(9).next_u64() as f64,
+        ];
+        let pinned: [f64; 10] = PINNED;
+        for (i, (g, p)) in got.iter().zip(pinned).enumerate() {
+            assert_eq!(g.to_bits(), p.to_bits(), "draw {i}: got {g:?}, pinned {p:?} (all: {got:?})");
+        }
+    }
+
+    #[test]
+    fn parameters_outside_a_domain_give_nan_not_a_panic() {
+        let mut r = SimRng::seed_from_u64(1);
+        assert!(r.exponential(-1.0).is_nan());
+        assert!(r.gamma(0.0, 1.0).is_nan());
+        assert!(r.lognormal(600.0, f64::NAN).is_nan());
+        assert!(r.weibull(-1.0, 1.0).is_nan());
+        assert_eq!(r.below(0), 0);
     }
 
     #[test]

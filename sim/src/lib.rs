@@ -6,8 +6,7 @@
 //!
 //! - [`config`]: the experiment TOML (`SimConfig`), presets, instance sizing, validation;
 //! - [`cluster`]: the event loop;
-//! - [`migration`]: one live KV migration (the netmodel protocol machines) over the fabric, and a
-//!   run's [`LiveMigrations`];
+//! - [`migration`]: one live KV migration (the netmodel protocol machines) over the fabric;
 //! - [`run_one`]: one (policy, rate) point of a config (`kvfleet sim` runs a sweep's points in
 //!   parallel).
 
@@ -19,53 +18,13 @@ pub mod migration;
 
 use cluster::{Cluster, ClusterOutcome, Progress};
 use config::{resolve_policy, ConfigError, SimConfig};
-use kvfleet_core::engine::EngineStats;
-use kvfleet_core::metrics::{
-    summarize, tail_ttft_by_reasoning_bin, MigrationRecord, RequestRecord, RunSummary, TailBin,
-};
+pub use kvfleet_core::metrics::{LiveMigrations, RunIdentity, RunResult};
 use kvfleet_core::policy::registry::build_policy;
 use kvfleet_core::time::{Timestamp, RUN_LIMIT};
 use kvfleet_core::timing::TimingModel;
 use kvfleet_core::workload::{generate, ArrivalConfig};
-pub use migration::LiveMigrations;
-use serde::Serialize;
 use std::path::Path;
 use std::sync::Arc;
-
-/// One finished run: inputs that identify it, per-request data, and the summary.
-#[derive(Debug, Serialize)]
-pub struct RunResult {
-    /// The policy as asked for: a preset name or `INTRA+INSTANCE`.
-    pub policy: String,
-    /// The intra-instance scheduler it resolved to.
-    pub intra: String,
-    /// The instance (placement and migration) policy it resolved to.
-    pub instance_policy: String,
-    /// The arrival rate this run used (req/s), when the workload has one.
-    pub rate: Option<f64>,
-    /// Name of the timing model used.
-    pub timing: String,
-    /// Latency, throughput, SLO and migration summary of the run.
-    pub summary: RunSummary,
-    /// Tail TTFT per reasoning-length bin of 256 tokens.
-    pub tail_ttft: Vec<TailBin>,
-    /// One record per finished request.
-    #[serde(skip)]
-    pub records: Vec<RequestRecord>,
-    /// One record per migration, in the order they ended.
-    #[serde(skip)]
-    pub migrations: Vec<MigrationRecord>,
-    /// Counts and distributions of the same migrations (all zero where the caller does not
-    /// compute them).
-    pub live_migrations: LiveMigrations,
-    /// Engine counters per instance.
-    #[serde(skip)]
-    pub instances: Vec<EngineStats>,
-    /// Simulated events processed (for the events/s benchmark).
-    pub events: u64,
-    /// Virtual time at which the last event happened, seconds.
-    pub sim_end_s: f64,
-}
 
 /// Why a run could not be set up or did not finish.
 #[derive(Debug, thiserror::Error)]
@@ -163,21 +122,12 @@ pub fn run_one_until(
     .map_err(SimError::Setup)?;
     let ClusterOutcome { records, migrations, instances, events, end } =
         cluster.run_until(&requests, until.min(RUN_LIMIT), progress)?;
-    let summary = summarize(&records, &migrations, &cfg.slo);
-    let tail_ttft = tail_ttft_by_reasoning_bin(&records, 256);
-    Ok(RunResult {
+    let id = RunIdentity {
         policy: policy.to_string(),
         intra,
         instance_policy: inst,
         rate: rate.or_else(|| arrival_rate(&cfg.workload.arrivals)),
         timing: timing.name().to_string(),
-        summary,
-        tail_ttft,
-        records,
-        live_migrations: LiveMigrations::new(&migrations),
-        migrations,
-        instances,
-        events,
-        sim_end_s: end.as_secs_f64(),
-    })
+    };
+    Ok(RunResult::new(id, records, migrations, &cfg.slo, end.as_secs_f64()).with_engine_counters(instances, events))
 }

@@ -54,8 +54,8 @@
 //! decoding request between two idle instances, what `kvfleet bench migration` measures for real.
 
 use kvfleet_core::engine::{Engine, EngineError, MigratedRequest};
-use kvfleet_core::metrics::{Distribution, MigrationOutcome, MigrationRecord};
-use kvfleet_core::{InstanceId, RequestId, TimeSpan, Timestamp};
+use kvfleet_core::metrics::{MigrationOutcome, MigrationRecord};
+use kvfleet_core::{InstanceId, RequestId, Timestamp};
 use kvfleet_netmodel::migration::wire::{frame::Body, BlockData, Frame};
 use kvfleet_netmodel::migration::{
     block_tokens, checksum, AbortReason, MigrationId, MigrationParams, MigrationPhase, MigrationReport, Outcome,
@@ -63,7 +63,6 @@ use kvfleet_netmodel::migration::{
 };
 use kvfleet_netmodel::{Fabric, Payload, TransferId};
 use prost::Message as _;
-use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
@@ -157,54 +156,6 @@ pub enum StartError {
     /// The request holds no KV on the source (not prefilled yet, or preempted and dropped).
     #[error("{0} holds no KV on the source (not prefilled yet, or preempted and dropped)")]
     NoKv(RequestId),
-}
-
-/// A run's live migrations: how they ended and what they cost, as the emulator's live-migration
-/// line reports them (the records themselves are the run's [`MigrationRecord`]s).
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct LiveMigrations {
-    /// Migrations that committed.
-    pub committed: u64,
-    /// Ended without committing, the request staying at its source (refused ones not counted).
-    pub aborted: u64,
-    /// The target declined the `Prepare` (no room); the controller may have tried another.
-    pub refused: u64,
-    /// The source's deadline passed between `Commit` and `CommitReply`; settled by the target.
-    pub in_doubt: u64,
-    /// Copy stages per committed migration, the stop-and-copy one included (as the emulator counts).
-    pub stages_avg: Option<f64>,
-    /// Committed migrations: pause → the request runs on the target.
-    pub downtime_p50_s: Option<f64>,
-    /// P99 of the same downtime, seconds.
-    pub downtime_p99_s: Option<f64>,
-    /// Committed migrations: start (`Prepare` sent) → the source learns of the commit.
-    pub transfer_p50_s: Option<f64>,
-    /// P99 of the same transfer time, seconds.
-    pub transfer_p99_s: Option<f64>,
-    /// Block bytes the committed migrations moved.
-    pub bytes_committed: u64,
-}
-
-impl LiveMigrations {
-    /// Counts and distributions over a run's migrations.
-    pub fn new(records: &[MigrationRecord]) -> LiveMigrations {
-        let ok: Vec<&MigrationRecord> = records.iter().filter(|r| r.committed()).collect();
-        let downtime = Distribution::new(ok.iter().filter_map(|r| r.downtime.map(TimeSpan::as_secs_f64)).collect());
-        let transfer = Distribution::new(ok.iter().map(|r| r.transfer_s()).collect());
-        let refused = records.iter().filter(|r| r.refused()).count() as u64;
-        LiveMigrations {
-            committed: ok.len() as u64,
-            aborted: records.len() as u64 - ok.len() as u64 - refused,
-            refused,
-            in_doubt: records.iter().filter(|r| r.in_doubt).count() as u64,
-            stages_avg: Distribution::new(ok.iter().map(|r| f64::from(r.stages())).collect()).mean(),
-            downtime_p50_s: downtime.percentile(0.5),
-            downtime_p99_s: downtime.percentile(0.99),
-            transfer_p50_s: transfer.percentile(0.5),
-            transfer_p99_s: transfer.percentile(0.99),
-            bytes_committed: ok.iter().map(|r| r.bytes).sum(),
-        }
-    }
 }
 
 /// What a transfer in flight carries.

@@ -16,7 +16,6 @@ use anyhow::bail;
 use clap::Args;
 use cluster::{Cluster, ClusterSpec, Started};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvfleet_core::metrics::{summarize, tail_ttft_by_reasoning_bin};
 use kvfleet_sim::config::{resolve_policy, SimConfig};
 use replay::{replay, schedule, GiveUp, ReplayStats};
 use std::path::{Path, PathBuf};
@@ -277,24 +276,20 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         let migrations = live::records(&live_log);
         // What each worker counted itself, before it stops.
         scrape::save_all(&args.out.join("metrics"), &metric_pages)?;
-        let summary = summarize(&ok, &migrations, &cfg.slo);
-        let tail_ttft = tail_ttft_by_reasoning_bin(&ok, 256);
         let migrated = ok.iter().filter(|r| r.migrations > 0).count();
-        let run = kvfleet_sim::RunResult {
-            policy: cfg.scheduler.policy.clone(),
-            intra: intra.clone(),
-            instance_policy: instance_policy.clone(),
-            rate: rate.or_else(|| kvfleet_sim::arrival_rate(&workload.arrivals)),
-            timing: cfg.cluster.timing.clone(),
-            summary,
-            tail_ttft,
-            records: ok.clone(),
+        let run = kvfleet_sim::RunResult::new(
+            kvfleet_sim::RunIdentity {
+                policy: cfg.scheduler.policy.clone(),
+                intra: intra.clone(),
+                instance_policy: instance_policy.clone(),
+                rate: rate.or_else(|| kvfleet_sim::arrival_rate(&workload.arrivals)),
+                timing: cfg.cluster.timing.clone(),
+            },
+            ok.clone(),
             migrations,
-            live_migrations: Default::default(),
-            instances: Vec::new(),
-            events: 0,
-            sim_end_s: wall,
-        };
+            &cfg.slo,
+            wall,
+        );
         say!("{}", report::summary_table(std::slice::from_ref(&run)));
         let rejected = ok.iter().filter(|r| r.rejected).count();
         say!(

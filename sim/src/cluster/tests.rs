@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::config::{resolve_policy, SimConfig};
-use crate::migration::LiveMigrations;
+use kvfleet_core::metrics::LiveMigrations;
 use kvfleet_core::policy::registry::build_policy;
 use kvfleet_core::policy::{LoadReport, PhaseChange, PhaseDecision};
 use kvfleet_core::TimeSpan;

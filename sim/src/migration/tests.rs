@@ -7,7 +7,7 @@ use kvfleet_core::engine::EngineConfig;
 use kvfleet_core::kv::Tier;
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::timing::FixedTiming;
-use kvfleet_core::RequestSpec;
+use kvfleet_core::{RequestSpec, TimeSpan};
 use kvfleet_netmodel::LinkParams;
 use std::sync::Arc;
 

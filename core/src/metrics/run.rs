@@ -1,0 +1,150 @@
+//! One finished run, as both backends report it: the simulator (virtual time) and the emulator
+//! (real processes, wall-clock time) build the same [`RunResult`] from their per-request and
+//! per-migration records through [`RunResult::new`], so summaries, tail bins and migration
+//! statistics are computed in one place.
+
+use super::{
+    summarize, tail_ttft_by_reasoning_bin, Distribution, MigrationRecord, RequestRecord, RunSummary, SloTargets,
+    TailBin,
+};
+use crate::engine::EngineStats;
+use crate::time::TimeSpan;
+use serde::Serialize;
+
+/// The reasoning-length bin width of a run's tail-TTFT table (tokens; PASCAL Fig. 10).
+pub const TAIL_BIN_TOKENS: u32 = 256;
+
+/// What identifies a run: the policy asked for and what it resolved to, the rate, the timing.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct RunIdentity {
+    /// The policy as asked for: a preset name or `INTRA+INSTANCE`.
+    pub policy: String,
+    /// The intra-instance scheduler it resolved to.
+    pub intra: String,
+    /// The instance (placement and migration) policy it resolved to.
+    pub instance_policy: String,
+    /// The arrival rate this run used (req/s), when the workload has one.
+    pub rate: Option<f64>,
+    /// Name of the timing model used.
+    pub timing: String,
+}
+
+/// One finished run: inputs that identify it, per-request data, and the summary.
+#[derive(Debug, Serialize)]
+pub struct RunResult {
+    /// The policy as asked for: a preset name or `INTRA+INSTANCE`.
+    pub policy: String,
+    /// The intra-instance scheduler it resolved to.
+    pub intra: String,
+    /// The instance (placement and migration) policy it resolved to.
+    pub instance_policy: String,
+    /// The arrival rate this run used (req/s), when the workload has one.
+    pub rate: Option<f64>,
+    /// Name of the timing model used.
+    pub timing: String,
+    /// Latency, throughput, SLO and migration summary of the run.
+    pub summary: RunSummary,
+    /// Tail TTFT per reasoning-length bin of [`TAIL_BIN_TOKENS`] tokens.
+    pub tail_ttft: Vec<TailBin>,
+    /// One record per finished request.
+    #[serde(skip)]
+    pub records: Vec<RequestRecord>,
+    /// One record per migration, in the order they ended.
+    #[serde(skip)]
+    pub migrations: Vec<MigrationRecord>,
+    /// Counts and distributions of the same migrations.
+    pub live_migrations: LiveMigrations,
+    /// Engine counters per instance (the simulator's; empty where the backend does not collect
+    /// them).
+    #[serde(skip)]
+    pub instances: Vec<EngineStats>,
+    /// Simulated events processed (the simulator's, for the events/s benchmark; 0 otherwise).
+    pub events: u64,
+    /// How long the run lasted, seconds: virtual time of the last event in the simulator,
+    /// wall-clock time from the first submit to the last answer in the emulator.
+    pub span_s: f64,
+}
+
+impl RunResult {
+    /// A run's result from its records: the summary against `slo`, the tail bins and the
+    /// migration statistics are derived here, the same way for every backend.
+    pub fn new(
+        id: RunIdentity,
+        records: Vec<RequestRecord>,
+        migrations: Vec<MigrationRecord>,
+        slo: &SloTargets,
+        span_s: f64,
+    ) -> RunResult {
+        let RunIdentity { policy, intra, instance_policy, rate, timing } = id;
+        RunResult {
+            policy,
+            intra,
+            instance_policy,
+            rate,
+            timing,
+            summary: summarize(&records, &migrations, slo),
+            tail_ttft: tail_ttft_by_reasoning_bin(&records, TAIL_BIN_TOKENS),
+            live_migrations: LiveMigrations::new(&migrations),
+            records,
+            migrations,
+            instances: Vec::new(),
+            events: 0,
+            span_s,
+        }
+    }
+
+    /// With the simulator's per-instance engine counters and event count.
+    pub fn with_engine_counters(mut self, instances: Vec<EngineStats>, events: u64) -> RunResult {
+        self.instances = instances;
+        self.events = events;
+        self
+    }
+}
+
+/// A run's live migrations: how they ended and what they cost (the records themselves are the
+/// run's [`MigrationRecord`]s).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct LiveMigrations {
+    /// Migrations that committed.
+    pub committed: u64,
+    /// Ended without committing, the request staying at its source (refused ones not counted).
+    pub aborted: u64,
+    /// The target declined the `Prepare` (no room); the controller may have tried another.
+    pub refused: u64,
+    /// The source's deadline passed between `Commit` and `CommitReply`; settled by the target.
+    pub in_doubt: u64,
+    /// Copy stages per committed migration, the stop-and-copy one included.
+    pub stages_avg: Option<f64>,
+    /// Committed migrations: pause → the request runs on the target.
+    pub downtime_p50_s: Option<f64>,
+    /// P99 of the same downtime, seconds.
+    pub downtime_p99_s: Option<f64>,
+    /// Committed migrations: start (`Prepare` sent) → the source learns of the commit.
+    pub transfer_p50_s: Option<f64>,
+    /// P99 of the same transfer time, seconds.
+    pub transfer_p99_s: Option<f64>,
+    /// Block bytes the committed migrations moved.
+    pub bytes_committed: u64,
+}
+
+impl LiveMigrations {
+    /// Counts and distributions over a run's migrations.
+    pub fn new(records: &[MigrationRecord]) -> LiveMigrations {
+        let ok: Vec<&MigrationRecord> = records.iter().filter(|r| r.committed()).collect();
+        let downtime = Distribution::new(ok.iter().filter_map(|r| r.downtime.map(TimeSpan::as_secs_f64)).collect());
+        let transfer = Distribution::new(ok.iter().map(|r| r.transfer_s()).collect());
+        let refused = records.iter().filter(|r| r.refused()).count() as u64;
+        LiveMigrations {
+            committed: ok.len() as u64,
+            aborted: records.len() as u64 - ok.len() as u64 - refused,
+            refused,
+            in_doubt: records.iter().filter(|r| r.in_doubt).count() as u64,
+            stages_avg: Distribution::new(ok.iter().map(|r| f64::from(r.stages())).collect()).mean(),
+            downtime_p50_s: downtime.percentile(0.5),
+            downtime_p99_s: downtime.percentile(0.99),
+            transfer_p50_s: transfer.percentile(0.5),
+            transfer_p99_s: transfer.percentile(0.99),
+            bytes_committed: ok.iter().map(|r| r.bytes).sum(),
+        }
+    }
+}
