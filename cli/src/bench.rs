@@ -123,7 +123,13 @@ fn bench_sim(b: SimBench) -> anyhow::Result<()> {
         b.policy,
         b.azure_trace.as_ref().map_or("ServeGen DeepSeek-R1".to_string(), |p| p.display().to_string())
     );
-    let results = crate::run_parallel(&cfg, &[(b.policy.clone(), None)], &base, Some(1), false)?;
+    let results = crate::run_parallel(
+        &cfg,
+        &[kvfleet_sim::config::RunPoint { policy: b.policy.clone(), rate: None, seed: cfg.workload.seed }],
+        &base,
+        Some(1),
+        false,
+    )?;
     let wall = t0.elapsed().as_secs_f64();
     let r = &results[0];
     let tokens: u64 = r.instances.iter().map(|s| s.tokens).sum();

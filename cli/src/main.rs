@@ -14,6 +14,7 @@ mod bench;
 mod bench_migration;
 mod bench_parity;
 mod certs;
+mod comparison;
 mod plots;
 mod replay_cmd;
 mod report;
@@ -26,6 +27,7 @@ mod up;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
+use kvfleet_sim::config::RunPoint;
 use kvfleet_sim::config::SimConfig;
 use kvfleet_sim::{run_one, RunResult, SimError};
 use std::path::{Path, PathBuf};
@@ -81,9 +83,21 @@ pub struct SimArgs {
     /// Override the workload seed.
     #[arg(long)]
     seed: Option<u64>,
+    /// Runs per policy and rate, with seeds seed, seed + 1, …: the comparison table then gives
+    /// each figure's mean and range over the seeds. Overrides `[sweep].seeds`.
+    #[arg(long)]
+    seeds: Option<u32>,
     /// Override the number of requests in the workload.
     #[arg(long)]
     requests: Option<u64>,
+    /// Print the rate at which the config's steady-state KV demand meets the cluster's KV
+    /// capacity, and how it was found, then exit.
+    #[arg(long)]
+    capacity: bool,
+    /// Sweep rates at these multiples of the capacity rate (e.g. 0.85,0.95,1,1.05,1.1) instead
+    /// of `[sweep].rates`.
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
+    around_capacity: Vec<f64>,
     /// Directory for results.json, summary.csv, per-request CSVs and plots.
     #[arg(short, long, default_value = "results/sim")]
     out: PathBuf,
@@ -150,22 +164,33 @@ fn main() -> ExitCode {
     }
 }
 
+/// What the command line overrides in a config.
+#[derive(Default)]
+pub struct Overrides<'a> {
+    /// Policies replacing `[sweep].policies` (or the one policy).
+    pub policies: &'a [String],
+    /// Rates replacing `[sweep].rates`.
+    pub rates: &'a [f64],
+    /// The workload seed.
+    pub seed: Option<u64>,
+    /// Seeds per point (`[sweep].seeds`).
+    pub seeds: Option<u32>,
+    /// Requests in the workload.
+    pub requests: Option<u64>,
+}
+
 /// Load a config, apply command-line overrides, and validate: every failure is an input error.
-pub fn load_config(
-    path: &Path,
-    policies: &[String],
-    rates: &[f64],
-    seed: Option<u64>,
-    requests: Option<u64>,
-) -> anyhow::Result<SimConfig> {
+pub fn load_config(path: &Path, o: &Overrides) -> anyhow::Result<SimConfig> {
     let mut cfg = SimConfig::load(path).map_err(|e| InputError(e.to_string()))?;
-    if let Some(s) = seed {
+    if let Some(s) = o.seed {
         cfg.workload.seed = s;
     }
-    if let Some(n) = requests {
+    if let Some(n) = o.requests {
         cfg.workload.num_requests = Some(n);
     }
-    if !policies.is_empty() || !rates.is_empty() {
+    let (policies, rates) = (o.policies, o.rates);
+    let seeds = o.seeds.or(cfg.sweep.as_ref().map(|s| s.seeds)).unwrap_or(1);
+    if !policies.is_empty() || !rates.is_empty() || seeds != 1 {
         let base_rates = cfg.sweep.as_ref().map(|s| s.rates.clone());
         let base_policies = cfg.sweep.as_ref().map(|s| s.policies.clone());
         let policies = if policies.is_empty() {
@@ -173,23 +198,31 @@ pub fn load_config(
         } else {
             policies.to_vec()
         };
+        let sweep = |policies, rates| Some(kvfleet_sim::config::SweepConfig { policies, rates, seeds });
         match (rates.is_empty(), base_rates) {
-            (false, _) => cfg.sweep = Some(kvfleet_sim::config::SweepConfig { policies, rates: rates.to_vec() }),
-            (true, Some(r)) => cfg.sweep = Some(kvfleet_sim::config::SweepConfig { policies, rates: r }),
+            (false, _) => cfg.sweep = sweep(policies, rates.to_vec()),
+            (true, Some(r)) => cfg.sweep = sweep(policies, r),
             (true, None) => {
                 cfg.scheduler.policy = policies[0].clone();
-                // Several policies on the workload's own arrivals (a trace, or the configured rate).
-                cfg.sweep =
-                    (policies.len() > 1).then(|| kvfleet_sim::config::SweepConfig { policies, rates: Vec::new() });
+                // Several policies (or seeds) on the workload's own arrivals (a trace, or the
+                // configured rate).
+                cfg.sweep = (policies.len() > 1 || seeds != 1).then(|| sweep(policies, Vec::new())).flatten();
             }
         }
     }
-    cfg.validate().map_err(|e| InputError(e.to_string()))?;
+    cfg.validate().map_err(|e| InputError(e.to_string().replace("`sweep.seeds`", "`--seeds` / `sweep.seeds`")))?;
     Ok(cfg)
 }
 
 fn cmd_sim(args: SimArgs) -> anyhow::Result<()> {
-    let cfg = load_config(&args.config, &args.policies, &args.rates, args.seed, args.requests)?;
+    let overrides = Overrides {
+        policies: &args.policies,
+        rates: &args.rates,
+        seed: args.seed,
+        seeds: args.seeds,
+        requests: args.requests,
+    };
+    let cfg = load_config(&args.config, &overrides)?;
     let base_dir = args.config.parent().map(Path::to_path_buf).unwrap_or_default();
     // Fail on workload/timing input errors before starting threads and progress bars.
     kvfleet_core::workload::generate(&cfg.workload, &base_dir).map_err(|e| InputError(format!("workload: {e}")))?;
@@ -216,17 +249,25 @@ fn cmd_sim(args: SimArgs) -> anyhow::Result<()> {
     );
     let mut written = report::write_outputs(&args.out, &results)?;
     written.extend(sim_live::write_csvs(&args.out, &results)?);
+    if let Some(c) = comparison::compare(&results, cfg.scheduler.intra.demotion_tokens) {
+        let text = comparison::render(&c);
+        say!("{}", text.trim_end());
+        written.extend(comparison::write(&args.out, &c, &text)?);
+    }
     if !args.no_plots {
-        written.extend(plots::write_plots(&args.out, &results)?);
+        // The plots show the first seed's runs (a prefix: seeds are the outermost loop); the
+        // comparison gives every figure's range over the seeds.
+        let first_seed = results.iter().take_while(|r| r.seed == results[0].seed).count();
+        written.extend(plots::write_plots(&args.out, &results[..first_seed])?);
     }
     say!("wrote {} files to {}", written.len(), args.out.display());
     Ok(())
 }
 
-/// Run every (policy, rate) point on up to `jobs` threads; results come back in `runs` order.
+/// Run every (policy, rate, seed) point on up to `jobs` threads; results come back in `runs` order.
 pub fn run_parallel(
     cfg: &SimConfig,
-    runs: &[(String, Option<f64>)],
+    runs: &[RunPoint],
     base_dir: &Path,
     jobs: Option<usize>,
     quiet: bool,
@@ -250,9 +291,9 @@ pub fn run_parallel(
         for _ in 0..jobs {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::SeqCst) as usize;
-                let Some((policy, rate)) = runs.get(i) else { break };
+                let Some(RunPoint { policy, rate, seed }) = runs.get(i) else { break };
                 let mut last = 0u64;
-                let res = run_one(cfg, policy, *rate, base_dir, |p| {
+                let res = run_one(&cfg.with_seed(*seed), policy, *rate, base_dir, |p| {
                     let f = p.finished as u64;
                     finished_total.fetch_add(f - last, Ordering::Relaxed);
                     last = f;
@@ -268,9 +309,9 @@ pub fn run_parallel(
     for (i, slot) in slots.into_inner().expect("threads joined").into_iter().enumerate() {
         let res = slot.with_context(|| format!("run {i} did not complete"))?;
         // Every SimError comes from the config or the workload (a bug panics instead).
-        let (policy, rate) = &runs[i];
+        let RunPoint { policy, rate, seed } = &runs[i];
         let at = rate.map_or("the workload's arrivals".into(), |r| format!("{r} req/s"));
-        out.push(res.map_err(|e| InputError(format!("run {policy} @ {at}: {e}")))?);
+        out.push(res.map_err(|e| InputError(format!("run {policy} @ {at} (seed {seed}): {e}")))?);
     }
     Ok(out)
 }

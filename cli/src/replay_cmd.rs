@@ -255,6 +255,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             instance_policy,
             rate: args.rate.or_else(|| kvfleet_sim::arrival_rate(&workload.arrivals)),
             timing: cfg.cluster.timing.clone(),
+            seed: cfg.workload.seed,
         },
         ok.clone(),
         migrations,

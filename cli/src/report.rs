@@ -83,10 +83,10 @@ fn opt(v: Option<f64>, decimals: usize) -> String {
 }
 
 /// The cells of one run's row, in [`COLUMNS`] order.
-fn row_cells(run: &RunResult) -> Vec<String> {
+fn row_cells(run: &RunResult, seeds: bool) -> Vec<String> {
     let s = &run.summary;
     vec![
-        run.policy.clone(),
+        if seeds { format!("{} s{}", run.policy, run.seed) } else { run.policy.clone() },
         opt(run.rate, 2),
         format!("{}/{}", s.requests_finished, s.requests_total),
         opt(s.ttft_p50_s, 3),
@@ -114,13 +114,15 @@ fn fit(text: &str, width: usize) -> String {
     cut
 }
 
-/// A fixed-width table, one row per run: policy, rate, finished/total, TTFT p50/p99, the worst
+/// A fixed-width table, one row per run: policy (with ` s<seed>` when the runs use several
+/// seeds), rate, finished/total, TTFT p50/p99, the worst
 /// tail-bin TTFT, TTFAT p99, TPOT p50, E2E p50, blocking p99, SLO violation %, output
 /// throughput, migrations (count, P99 transfer) and preemptions. Missing values print as `-`.
 /// Columns size to their content; the policy column is shortened (ending in `~`) when the table
 /// would otherwise exceed 160 columns.
 pub fn summary_table(runs: &[RunResult]) -> String {
-    let rows: Vec<Vec<String>> = runs.iter().map(row_cells).collect();
+    let seeds = several_seeds(runs);
+    let rows: Vec<Vec<String>> = runs.iter().map(|r| row_cells(r, seeds)).collect();
     let mut widths: Vec<usize> = COLUMNS.iter().map(|(name, unit, _)| name.len().max(unit.len())).collect();
     for row in &rows {
         for (w, cell) in widths.iter_mut().zip(row) {
@@ -268,13 +270,23 @@ fn write_csv(path: &Path, header: &str, rows: impl Iterator<Item = String>) -> a
     write_all().with_context(|| format!("writing {}", path.display()))
 }
 
-/// Unique `<policy>-<rate>` stems, one per run in order; a repeated (policy, rate) pair gets
-/// `-2`, `-3`, … so no run overwrites another's files.
+/// Whether the runs use more than one workload seed.
+pub fn several_seeds(runs: &[RunResult]) -> bool {
+    runs.iter().any(|r| r.seed != runs[0].seed)
+}
+
+/// Unique `<policy>-<rate>` stems (`<policy>-<rate>-seed<seed>` when the runs use several
+/// seeds), one per run in order; a repeated one gets `-2`, `-3`, … so no run overwrites another's
+/// files.
 pub fn run_stems(runs: &[RunResult]) -> Vec<String> {
     let mut seen = BTreeSet::new();
+    let seeds = several_seeds(runs);
     runs.iter()
         .map(|run| {
-            let base = format!("{}-{}", file_safe(&run.policy), file_safe(&rate_label(run.rate)));
+            let mut base = format!("{}-{}", file_safe(&run.policy), file_safe(&rate_label(run.rate)));
+            if seeds {
+                base.push_str(&format!("-seed{}", run.seed));
+            }
             let mut stem = base.clone();
             let mut k = 1;
             while !seen.insert(stem.clone()) {
@@ -300,15 +312,16 @@ pub fn write_outputs(out_dir: &Path, runs: &[RunResult]) -> anyhow::Result<Vec<P
     written.push(json_path);
 
     let summary_path = out_dir.join("summary.csv");
-    let header = format!("policy,intra,instance_policy,rate,timing,{}", RunSummary::csv_header());
+    let header = format!("policy,intra,instance_policy,rate,seed,timing,{}", RunSummary::csv_header());
     let rows = runs.iter().map(|run| {
         format!(
-            "{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{}",
             csv_field(&run.policy),
             csv_field(&run.intra),
             csv_field(&run.instance_policy),
             // Shortest round-trip, like the summary's own cells.
             run.rate.map(|r| r.to_string()).unwrap_or_default(),
+            run.seed,
             csv_field(&run.timing),
             run.summary.csv_row()
         )
@@ -391,6 +404,7 @@ pub(crate) mod fixtures {
             instance_policy: "least-kv".to_string(),
             rate,
             timing: "analytic".to_string(),
+            seed: 42,
         };
         RunResult::new(id, records, migrations, &SloTargets::default(), 42.0).with_engine_counters(Vec::new(), 1234)
     }
@@ -534,7 +548,7 @@ mod tests {
         let lines: Vec<&str> = summary.lines().collect();
         assert_eq!(lines.len(), 1 + runs.len());
         let header: Vec<&str> = lines[0].split(',').collect();
-        assert_eq!(&header[..6], ["policy", "intra", "instance_policy", "rate", "timing", "requests_total"]);
+        assert_eq!(&header[..7], ["policy", "intra", "instance_policy", "rate", "seed", "timing", "requests_total"]);
         let p99 = header.iter().position(|h| *h == "ttft_p99_s").expect("ttft_p99_s column");
         for (line, run) in lines[1..].iter().zip(&runs) {
             let cells: Vec<&str> = line.split(',').collect();

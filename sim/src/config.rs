@@ -206,6 +206,27 @@ pub struct SweepConfig {
     /// workload's own arrivals (e.g. a trace) for every policy.
     #[serde(default)]
     pub rates: Vec<f64>,
+    /// Seeds per (policy, rate) point: the workload's seed, seed + 1, … (1: one run per point).
+    #[serde(default = "one_seed")]
+    pub seeds: u32,
+}
+
+fn one_seed() -> u32 {
+    1
+}
+
+/// Most seeds per point a sweep may ask for.
+pub const MAX_SEEDS: u32 = 1000;
+
+/// One run of a config: a policy at a rate (or the workload's own arrivals) with one seed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunPoint {
+    /// Preset name or `INTRA+INSTANCE`.
+    pub policy: String,
+    /// Arrival rate replacing the workload's, req/s.
+    pub rate: Option<f64>,
+    /// The workload seed.
+    pub seed: u64,
 }
 
 /// The presets of PASCAL §V: (name, intra-instance scheduler, instance-level policy).
@@ -325,6 +346,12 @@ impl SimConfig {
                 return Err(ConfigError::Invalid("`sweep.policies` must not be empty".into()));
             }
             policies.extend(&sweep.policies);
+            if !(1..=MAX_SEEDS).contains(&sweep.seeds) {
+                return Err(ConfigError::Invalid(format!(
+                    "`sweep.seeds` must be 1 to {MAX_SEEDS} (runs per policy and rate), got {}",
+                    sweep.seeds
+                )));
+            }
             for &r in &sweep.rates {
                 if !(r.is_finite() && r > 0.0) {
                     return Err(ConfigError::Invalid(format!("`sweep.rates` must be positive request rates, got {r}")));
@@ -403,13 +430,36 @@ impl SimConfig {
         })
     }
 
-    /// The runs this config asks for: (policy, rate) pairs, in sweep order.
-    pub fn runs(&self) -> Vec<(String, Option<f64>)> {
+    /// The runs this config asks for, in sweep order: seeds outermost, then rates, then policies.
+    pub fn runs(&self) -> Vec<RunPoint> {
+        let base = self.workload.seed;
+        let point = |policy: &String, rate: Option<f64>, k: u32| RunPoint {
+            policy: policy.clone(),
+            rate,
+            seed: base.wrapping_add(u64::from(k)),
+        };
         match &self.sweep {
-            None => vec![(self.scheduler.policy.clone(), None)],
-            Some(s) if s.rates.is_empty() => s.policies.iter().map(|p| (p.clone(), None)).collect(),
-            Some(s) => s.rates.iter().flat_map(|&r| s.policies.iter().map(move |p| (p.clone(), Some(r)))).collect(),
+            None => vec![point(&self.scheduler.policy, None, 0)],
+            Some(s) => {
+                let rates: Vec<Option<f64>> =
+                    if s.rates.is_empty() { vec![None] } else { s.rates.iter().map(|&r| Some(r)).collect() };
+                (0..s.seeds.max(1))
+                    .flat_map(|k| {
+                        rates
+                            .iter()
+                            .flat_map(move |&r| s.policies.iter().map(move |p| point(p, r, k)))
+                            .collect::<Vec<_>>()
+                    })
+                    .collect()
+            }
         }
+    }
+
+    /// This config with the workload seed `seed` (one point of a multi-seed sweep).
+    pub fn with_seed(&self, seed: u64) -> SimConfig {
+        let mut cfg = self.clone();
+        cfg.workload.seed = seed;
+        cfg
     }
 }
 
@@ -441,6 +491,8 @@ mod tests {
             ("[cluster]\nmodel = \"gpt-9\"", "cluster.model"),
             ("[cluster]\nbogus = 1", "unknown field `bogus`"),
             ("[sweep]\npolicies = [\"pascal\"]\nrates = [-1.0]", "sweep.rates"),
+            ("[sweep]\npolicies = [\"pascal\"]\nseeds = 0", "sweep.seeds"),
+            ("[sweep]\npolicies = [\"pascal\"]\nseeds = 1001", "sweep.seeds"),
             ("[cluster]\nmodel = \"r1-distill-qwen-32b\"\ngpu = \"v100-32gb\"", "leaves no KV memory"),
             ("[migration]\ntimeout_ms = 0", "migration.timeout_ms"),
             ("[migration]\ntimeout_ms = 1e-9", "migration.timeout_ms"),

@@ -128,6 +128,7 @@ pub fn run_one_until(
         instance_policy: inst,
         rate: rate.or_else(|| arrival_rate(&cfg.workload.arrivals)),
         timing: timing.name().to_string(),
+        seed: cfg.workload.seed,
     };
     Ok(RunResult::new(id, records, migrations, &cfg.slo, end.as_secs_f64()).with_engine_counters(instances, events))
 }

@@ -163,8 +163,16 @@ fn load_and_run(dir: &Path, case: &Case) -> Result<(), String> {
         std::fs::write(dir.join(name), text).unwrap();
     }
     let cfg = SimConfig::load(&dir.join("c.toml")).map_err(|e| e.to_string())?;
-    for (policy, rate) in cfg.runs() {
-        run_one_until(&cfg, &policy, rate, dir, Timestamp::from_secs_f64(1.0), |_| {}).map_err(|e| e.to_string())?;
+    for point in cfg.runs() {
+        run_one_until(
+            &cfg.with_seed(point.seed),
+            &point.policy,
+            point.rate,
+            dir,
+            Timestamp::from_secs_f64(1.0),
+            |_| {},
+        )
+        .map_err(|e| e.to_string())?;
     }
     Ok(())
 }

@@ -118,6 +118,18 @@ const BAD_INPUTS: &[BadInput] = &[
         args: &[],
         mentions: &["sweep.rates", "-1"],
     },
+    BadInput {
+        name: "zero seeds",
+        config: Some(OK_WORKLOAD),
+        args: &["--seeds", "0"],
+        mentions: &["--seeds", "got 0"],
+    },
+    BadInput {
+        name: "zero seeds in sweep",
+        config: Some("[sweep]\npolicies = [\"pascal\"]\nseeds = 0\n"),
+        args: &[],
+        mentions: &["sweep.seeds", "got 0"],
+    },
     BadInput { name: "missing config file", config: None, args: &[], mentions: &["cannot read config", "absent.toml"] },
     BadInput {
         name: "missing trace file",
@@ -348,7 +360,10 @@ fn small_sweep_writes_every_output_and_finishes_every_request() {
 
     // summary.csv: a header and one row per (policy, rate), rates outermost as in the config.
     let summary = Csv::read(&out_dir.join("summary.csv"));
-    assert_eq!(&summary.header[..6], ["policy", "intra", "instance_policy", "rate", "timing", "requests_total"]);
+    assert_eq!(
+        &summary.header[..7],
+        ["policy", "intra", "instance_policy", "rate", "seed", "timing", "requests_total"]
+    );
     let points: Vec<(&str, &str)> = summary.column("policy").into_iter().zip(summary.column("rate")).collect();
     assert_eq!(points, [("pascal", "1"), ("fcfs", "1"), ("pascal", "2.5"), ("fcfs", "2.5")]);
     assert_eq!(summary.column("instance_policy"), ["pascal", "least-kv", "pascal", "least-kv"]);
@@ -396,6 +411,39 @@ fn small_sweep_writes_every_output_and_finishes_every_request() {
         assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"), "{name} is not an SVG document");
         assert!(text.contains("pascal") && text.contains("fcfs"), "{name} lacks a legend entry per policy");
     }
+}
+
+#[test]
+fn seeds_run_every_point_per_seed_and_compare_the_policies_over_them() {
+    let tmp = TempDir::new("seeds");
+    let out_dir = tmp.join("out");
+    let config = fixture("small-sweep.toml");
+    let out = sim(&["--config", path_str(&config), "--out", path_str(&out_dir), "-q", "--rate", "2.5", "--seeds", "3"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("6 run(s)"), "{stdout}");
+    let summary = Csv::read(&out_dir.join("summary.csv"));
+    let base: u64 = summary.counts("seed")[0];
+    // Seeds outermost, then the sweep's policies.
+    assert_eq!(summary.counts("seed"), [base, base, base + 1, base + 1, base + 2, base + 2]);
+    let files = read_dir_files(&out_dir);
+    for seed in base..base + 3 {
+        assert!(files.contains_key(&format!("requests-pascal-2.5-seed{seed}.csv")), "{:?}", files.keys());
+    }
+    // pascal against fcfs at 2.5 req/s over the three seeds, in the text, JSON and CSV.
+    let json: serde_json::Value = serde_json::from_slice(&files["comparison.json"]).expect("comparison.json parses");
+    assert_eq!(json["subject"], "pascal");
+    assert_eq!(json["seeds"], 3);
+    let row = &json["tail"][0];
+    assert_eq!((row["baseline"].as_str(), row["seeds"].as_u64()), (Some("fcfs"), Some(3)));
+    let (min, mean, max) = (
+        row["max_reduction"]["min"].as_f64(),
+        row["max_reduction"]["mean"].as_f64(),
+        row["max_reduction"]["max"].as_f64(),
+    );
+    assert!(min <= mean && mean <= max && min.is_some(), "{row}");
+    let text = String::from_utf8_lossy(&files["comparison.txt"]);
+    assert!(text.contains("over 3 seeds") && stdout.contains("over 3 seeds"), "{text}");
+    assert_eq!(String::from_utf8_lossy(&files["comparison.csv"]).lines().count(), 2);
 }
 
 // ---------------------------------------------------------------------------------------------

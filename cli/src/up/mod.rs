@@ -284,6 +284,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 instance_policy: instance_policy.clone(),
                 rate: rate.or_else(|| kvfleet_sim::arrival_rate(&workload.arrivals)),
                 timing: cfg.cluster.timing.clone(),
+                seed: cfg.workload.seed,
             },
             ok.clone(),
             migrations,

@@ -4,6 +4,7 @@
 //! | file | what lives there |
 //! |---|---|
 //! | [`record`] | [`RequestRecord`], every timestamp of one request (filled by the engine) |
+//! | [`compare`] | [`compare_tails`]: a policy's binned tail TTFT against a baseline's, scored as PASCAL §V does; [`SeedRange`] |
 //! | [`migration`] | [`MigrationRecord`], one KV-cache migration at a phase boundary as either backend measured it ([`MigrationOutcome`]) |
 //! | [`percentile`] | nearest-rank percentiles (`P_q = x[ceil(q·n) − 1]`) and [`Distribution`] |
 //! | [`summary`] | [`SloTargets`] and [`summarize`] → [`RunSummary`] (one JSON object / CSV row per run) |
@@ -12,6 +13,7 @@
 //!
 //! The per-request QoE itself is computed while the request runs, by [`crate::pacer::TokenPacer`].
 
+pub mod compare;
 pub mod migration;
 pub mod percentile;
 pub mod record;
@@ -19,6 +21,7 @@ pub mod run;
 pub mod summary;
 pub mod tail;
 
+pub use compare::{compare_tails, BinChange, SeedRange, TailComparison, MIN_TRUSTED_SAMPLES};
 pub use migration::{MigrationOutcome, MigrationRecord};
 pub use percentile::{nearest_rank, Distribution};
 pub use record::RequestRecord;

@@ -27,6 +27,8 @@ pub struct RunIdentity {
     pub rate: Option<f64>,
     /// Name of the timing model used.
     pub timing: String,
+    /// The workload seed.
+    pub seed: u64,
 }
 
 /// One finished run: inputs that identify it, per-request data, and the summary.
@@ -42,6 +44,8 @@ pub struct RunResult {
     pub rate: Option<f64>,
     /// Name of the timing model used.
     pub timing: String,
+    /// The workload seed.
+    pub seed: u64,
     /// Latency, throughput, SLO and migration summary of the run.
     pub summary: RunSummary,
     /// Tail TTFT per reasoning-length bin of [`TAIL_BIN_TOKENS`] tokens.
@@ -75,13 +79,14 @@ impl RunResult {
         slo: &SloTargets,
         span_s: f64,
     ) -> RunResult {
-        let RunIdentity { policy, intra, instance_policy, rate, timing } = id;
+        let RunIdentity { policy, intra, instance_policy, rate, timing, seed } = id;
         RunResult {
             policy,
             intra,
             instance_policy,
             rate,
             timing,
+            seed,
             summary: summarize(&records, &migrations, slo),
             tail_ttft: tail_ttft_by_reasoning_bin(&records, TAIL_BIN_TOKENS),
             live_migrations: LiveMigrations::new(&migrations),
