@@ -262,6 +262,8 @@ impl Instance {
                 ChargeKind::MoveIn => l.gpu_used_blocks = l.gpu_used_blocks.saturating_add(c.blocks),
             }
             if c.kind == ChargeKind::Reasoning {
+                // PASCAL's high queue takes these blocks before any answering request.
+                l.reasoning_demand_blocks = l.reasoning_demand_blocks.saturating_add(c.blocks);
                 l.reasoning_requests += 1;
             } else {
                 l.answering_requests += 1;

@@ -5,6 +5,7 @@ use anyhow::Context;
 use clap::Parser;
 use kvfleet_coordinator::node::ClusterModel;
 use kvfleet_coordinator::node::{serve, Node, NodeOptions};
+use kvfleet_core::policy::pascal::TieBreak;
 use kvfleet_core::policy::registry::PolicyParams;
 use kvfleet_core::spec::ModelSpec;
 use kvfleet_meta::{MemStore, MetaStore};
@@ -36,6 +37,14 @@ struct Args {
     /// Adaptive migration headroom, KV blocks.
     #[arg(long, default_value_t = 16)]
     headroom_blocks: u32,
+    /// Fidelity switch: PASCAL's "sufficient memory" counts free GPU blocks less the reasoning
+    /// requests waiting for them.
+    #[arg(long)]
+    demand_aware_memory: bool,
+    /// How Alg. 2 breaks ties on r_i: `lowest-id` (the paper names no rule) or `most-free-gpu`
+    /// (an extension).
+    #[arg(long, default_value = "lowest-id", value_parser = ["lowest-id", "most-free-gpu"])]
+    alg2_tie_break: String,
     /// Model the cluster serves (built-in name or TOML path); workers must match it.
     #[arg(long, default_value = "r1-distill-qwen-32b")]
     model: String,
@@ -113,7 +122,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let opts = NodeOptions {
         advertise: advertise.clone(),
         policy: args.policy.clone(),
-        policy_params: PolicyParams { headroom_blocks: args.headroom_blocks },
+        policy_params: PolicyParams {
+            headroom_blocks: args.headroom_blocks,
+            demand_aware_memory: args.demand_aware_memory,
+            alg2_tie_break: if args.alg2_tie_break == "most-free-gpu" {
+                TieBreak::MostFreeGpu
+            } else {
+                TieBreak::LowestId
+            },
+        },
         model: ClusterModel { model: spec.name.clone(), kv_bytes_per_token: spec.kv_bytes_per_token() },
         lease_ttl: Duration::from_millis(args.lease_ttl_ms),
         worker_ttl: Duration::from_millis(args.worker_ttl_ms),

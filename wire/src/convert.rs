@@ -66,6 +66,7 @@ impl From<&LoadReport> for v1::LoadReport {
             block_tokens: l.block_tokens,
             waiting_blocks: l.waiting_blocks,
             admitted: l.admitted,
+            reasoning_demand_blocks: l.reasoning_demand_blocks,
         }
     }
 }
@@ -86,6 +87,7 @@ impl From<&v1::LoadReport> for LoadReport {
             block_tokens: l.block_tokens,
             waiting_blocks: l.waiting_blocks,
             admitted: l.admitted,
+            reasoning_demand_blocks: l.reasoning_demand_blocks,
         }
     }
 }

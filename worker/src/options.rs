@@ -2,7 +2,7 @@
 //! instance: model/GPU specs → KV bytes per token → block counts of the scaled-down arena.
 
 use crate::arena::{ArenaLayout, KvFill};
-use kvfleet_core::engine::sched::{DemotionBasis, SchedulerParams};
+use kvfleet_core::engine::sched::{DemotionBasis, SchedulerParams, WaitingAdmission};
 use kvfleet_core::engine::{sizing, EngineConfig};
 use kvfleet_core::spec::{GpuSpec, ModelSpec};
 use kvfleet_core::TimeSpan;
@@ -54,6 +54,18 @@ pub struct WorkerOptions {
     /// `pascal`: what `--demotion-tokens` counts: `reasoning` tokens generated or `kv` footprint.
     #[arg(long, default_value = "reasoning", value_parser = ["reasoning", "kv"])]
     pub demotion_basis: String,
+    /// Fidelity switch: a request between `</think>` and its first answer token keeps its GPU
+    /// blocks against waiting requests (default: it may be preempted for them).
+    #[arg(long)]
+    pub boundary_hold: bool,
+    /// Fidelity switch: `preempt` (waiting requests fit by priority and may preempt resident
+    /// ones) or `free-memory` (vLLM: waiting requests only into free memory).
+    #[arg(long, default_value = "preempt", value_parser = ["preempt", "free-memory"])]
+    pub admission: String,
+    /// Fidelity switch: t_i also fails while an answering request has waited longer than this
+    /// many seconds after `</think>` for its first answer token (default: token pacers only).
+    #[arg(long)]
+    pub ttfat_starvation_s: Option<f64>,
     /// Token pacer pace: the user's expected time per output token, in ms.
     #[arg(long, default_value_t = 100.0)]
     pub tpot_ms: f64,
@@ -233,8 +245,20 @@ impl WorkerOptions {
             "kv" => DemotionBasis::Kv,
             other => return Err(invalid("demotion-basis", format!("`{other}` is not `reasoning` or `kv`"))),
         };
-        let scheduler =
-            SchedulerParams { quantum_tokens: self.quantum, demotion_tokens: self.demotion_tokens, demotion_basis };
+        let admission = match self.admission.as_str() {
+            "preempt" => WaitingAdmission::Preempt,
+            "free-memory" => WaitingAdmission::FreeMemory,
+            other => return Err(invalid("admission", format!("`{other}` is not `preempt` or `free-memory`"))),
+        };
+        let scheduler = SchedulerParams {
+            quantum_tokens: self.quantum,
+            demotion_tokens: self.demotion_tokens,
+            demotion_basis,
+            boundary_hold: self.boundary_hold,
+            admission,
+            ttfat_starvation_s: self.ttfat_starvation_s,
+        };
+        scheduler.switches().map_err(|e| invalid("ttfat-starvation-s", e.to_string()))?;
         let engine = EngineConfig {
             block_size: self.block_size,
             gpu_blocks,
@@ -394,6 +418,8 @@ mod tests {
             (&["--block-size", "0"], "--block-size"),
             (&["--tpot-ms=-1"], "--tpot-ms"),
             (&["--load-interval-ms", "0"], "--load-interval-ms"),
+            (&["--ttfat-starvation-s=-1"], "--ttfat-starvation-s"),
+            (&["--ttfat-starvation-s", "NaN"], "--ttfat-starvation-s"),
         ];
         for &(args, want) in cases {
             let o = WorkerOptions::try_parse_from(std::iter::once("w").chain(args.iter().copied())).unwrap();

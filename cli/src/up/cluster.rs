@@ -297,9 +297,14 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             args.cfg.cluster.model.clone(),
             "--headroom-blocks".into(),
             args.cfg.scheduler.instance.headroom_blocks.to_string(),
+            "--alg2-tie-break".into(),
+            serde_name(&args.cfg.scheduler.instance.alg2_tie_break),
             "--epoch-unix-ns".into(),
             epoch_unix_ns.to_string(),
         ];
+        if args.cfg.scheduler.instance.demand_aware_memory {
+            a.push("--demand-aware-memory".into());
+        }
         if let Some(u) = &etcd_url {
             a.extend(["--etcd".into(), u.clone()]);
             a.extend(Pki::etcd_client_args(pki.as_ref(), &format!("coordinator-{i}")));
@@ -346,6 +351,10 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             args.cfg.scheduler.intra.quantum_tokens.to_string(),
             "--demotion-tokens".into(),
             args.cfg.scheduler.intra.demotion_tokens.to_string(),
+            "--demotion-basis".into(),
+            serde_name(&args.cfg.scheduler.intra.demotion_basis),
+            "--admission".into(),
+            serde_name(&args.cfg.scheduler.intra.admission),
             "--tpot-ms".into(),
             (args.cfg.slo.tpot_s * 1e3).to_string(),
             "--block-size".into(),
@@ -372,6 +381,12 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             "--migration-timeout-ms".into(),
             (args.cfg.migration.timeout_ms.round() as u64).to_string(),
         ];
+        if args.cfg.scheduler.intra.boundary_hold {
+            a.push("--boundary-hold".into());
+        }
+        if let Some(s) = args.cfg.scheduler.intra.ttfat_starvation_s {
+            a.extend(["--ttfat-starvation-s".into(), s.to_string()]);
+        }
         if let Some(gbps) = args.link_gbps {
             a.extend(["--link-gbps".into(), gbps.to_string()]);
         }
@@ -432,4 +447,13 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
 
     let etcd_options = Pki::etcd_options(pki.as_ref(), "client");
     Ok(Started { finder, metric_pages, etcd_url, etcd_options, logs })
+}
+
+/// A config enum's name as its TOML spells it (the workers' and coordinators' flags take the same
+/// names).
+fn serde_name<T: serde::Serialize>(value: &T) -> String {
+    match serde_json::to_value(value) {
+        Ok(serde_json::Value::String(s)) => s,
+        other => other.map(|v| v.to_string()).unwrap_or_default(),
+    }
 }

@@ -27,7 +27,7 @@ use crate::policy::LoadReport;
 use crate::request::RequestSpec;
 use crate::time::{TimeSpan, Timestamp};
 use crate::timing::{BatchShape, TimingModel};
-use sched::{Admission, IntraScheduler, Phase, SchedState, TokenProgress};
+use sched::{Admission, EngineSwitches, IntraScheduler, Phase, SchedState, TokenProgress, WaitingAdmission};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
@@ -161,6 +161,10 @@ impl Req {
     fn done(&self) -> bool {
         self.generated >= self.spec.output_tokens()
     }
+    /// Past `</think>` without its first answer token: between PASCAL's queues.
+    fn at_boundary(&self) -> bool {
+        self.spec.reasoning_tokens > 0 && self.generated == self.spec.reasoning_tokens
+    }
 }
 
 /// A request in transit between instances: everything the target needs to resume it.
@@ -243,6 +247,8 @@ pub struct Engine {
     cfg: EngineConfig,
     timing: Arc<dyn TimingModel>,
     sched: Box<dyn IntraScheduler>,
+    /// Fidelity switches configured with the scheduler (read once: they never change).
+    switches: EngineSwitches,
     kv: KvBlockManager,
     slots: Vec<Option<Req>>,
     free_slots: Vec<u32>,
@@ -274,11 +280,13 @@ impl Engine {
         sched: Box<dyn IntraScheduler>,
     ) -> Self {
         let kv = KvBlockManager::new(cfg.block_size, cfg.gpu_blocks, cfg.cpu_blocks);
+        let switches = sched.switches();
         Engine {
             instance,
             cfg,
             timing,
             sched,
+            switches,
             kv,
             slots: Vec::new(),
             free_slots: Vec::new(),
@@ -483,7 +491,11 @@ impl Engine {
             self.batch.retain(|e| slots[e.slot as usize].is_some());
             self.dirty = true;
         }
-        self.slo_ok = !self.active.iter().any(|&s| Self::pacer_starving(self.req(s), end));
+        let overdue = self.switches.ttfat_starvation;
+        self.slo_ok = !self.active.iter().any(|&s| {
+            let req = self.req(s);
+            Self::pacer_starving(req, end) || overdue.is_some_and(|limit| Self::first_answer_overdue(req, end, limit))
+        });
     }
 
     /// One token for the request in `slot` at time `t`. Returns (priority changed, finished).
@@ -533,6 +545,16 @@ impl Engine {
     /// behind, the fluid reader never catches up, so the instance could never clear.
     fn pacer_starving(req: &Req, now: Timestamp) -> bool {
         req.pacer.as_ref().is_some_and(|p| p.buffered(now) < 1.0)
+    }
+
+    /// The `ttfat_starvation_s` switch: an answering request that has no pacer yet (no answer
+    /// token) is invisible to [`Engine::pacer_starving`], yet its user has waited since
+    /// `</think>` — blocked here, or queued here after a migration (its record carries the
+    /// source's `</think>` time).
+    fn first_answer_overdue(req: &Req, now: Timestamp, limit: TimeSpan) -> bool {
+        req.pacer.is_none()
+            && req.at_boundary()
+            && req.record.reasoning_end.is_some_and(|end| now.saturating_since(end) > limit)
     }
 
     /// Plan the next iteration starting at `now` (no-op if one is in flight). Returns its end.
@@ -624,6 +646,23 @@ impl Engine {
         let frozen: u32 = self.migrating_out.iter().map(|&s| gpu_blocks_of(self.req(s).spec.id)).sum::<u32>()
             + self.reserved.iter().map(|&id| gpu_blocks_of(id)).sum::<u32>();
         let mut budget = self.cfg.gpu_blocks.saturating_sub(frozen);
+        // Protected residents (every one with `admission = free-memory`, a request at its
+        // boundary with `boundary_hold`) keep what they need for this iteration against waiting
+        // requests: those fit only into `budget` minus the needs of protected residents not yet
+        // walked. Residents still compete among themselves by priority (growth).
+        let protect_all = self.switches.admission == WaitingAdmission::FreeMemory;
+        let hold = self.switches.boundary_hold;
+        let protected = |r: &Req| r.residence == Residence::Gpu && (protect_all || (hold && r.at_boundary()));
+        let mut protected_pending: u32 = if protect_all || hold {
+            active
+                .iter()
+                .map(|&s| self.req(s))
+                .filter(|r| protected(r))
+                .map(|r| self.kv.blocks_for(r.context() + 1))
+                .sum()
+        } else {
+            0
+        };
         let mut seqs = 0u32;
         let mut prefill_tokens = 0u32;
         let mut blocked = false;
@@ -635,6 +674,10 @@ impl Engine {
             }
             let req = self.slots[slot as usize].as_mut().expect("active is live");
             let resident = req.residence == Residence::Gpu;
+            let need = self.kv.blocks_for(req.context() + 1);
+            if protected_pending > 0 && protected(req) {
+                protected_pending = protected_pending.saturating_sub(need);
+            }
             if blocked && !resident && admission == Admission::BlockBehind {
                 continue;
             }
@@ -646,8 +689,8 @@ impl Engine {
                 }
                 continue;
             }
-            let need = self.kv.blocks_for(req.context() + 1);
-            if need <= budget {
+            let room = if resident { budget } else { budget.saturating_sub(protected_pending) };
+            if need <= room {
                 budget -= need;
                 seqs += 1;
                 if prefill {
@@ -906,7 +949,6 @@ impl Engine {
     /// already in those GPU blocks; otherwise it lands in GPU memory if there is room, else in
     /// the CPU pool (reloaded when it is scheduled), else it is recomputed.
     pub fn attach(&mut self, now: Timestamp, m: MigratedRequest) -> Result<(), EngineError> {
-        let _ = now;
         let id = m.spec.id;
         if self.index.contains_key(&id) {
             return Err(EngineError::Duplicate(id));
@@ -954,6 +996,11 @@ impl Engine {
             awaiting_after_reasoning: m.awaiting_after_reasoning,
             selected_epoch: 0,
         };
+        // A request that waited past the threshold during its move fails t_i at once, not only
+        // at the end of this instance's next iteration.
+        if self.switches.ttfat_starvation.is_some_and(|limit| Self::first_answer_overdue(&req, now, limit)) {
+            self.slo_ok = false;
+        }
         self.enqueue(req);
         Ok(())
     }
@@ -981,6 +1028,9 @@ impl Engine {
             }
             if req.sched.in_reasoning_queue() && req.phase() == Phase::Reasoning {
                 r.reasoning_requests += 1;
+                if matches!(req.residence, Residence::Waiting | Residence::Cpu) {
+                    r.reasoning_demand_blocks += self.kv.blocks_for(req.context() + 1);
+                }
             } else {
                 r.answering_requests += 1;
                 if req.sched.round == 0 {

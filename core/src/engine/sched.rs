@@ -19,8 +19,19 @@
 //!   `demotion_basis = "kv"` counts the KV footprint instead (§IV-C's wording), which also demotes
 //!   requests whose *prompt* is long.
 //!
+//! Three fidelity switches (PASCAL leaves these under-specified; the defaults are the literal
+//! reading, each alternative is one flag in `[scheduler.intra]`) travel with the scheduler to the
+//! engine as [`EngineSwitches`]:
+//!
+//! - `boundary_hold`: a request between `</think>` and its first answer token keeps its GPU blocks
+//!   against waiting requests (a transient class between the two queues);
+//! - `admission = "free-memory"`: vLLM's admission, waiting requests only into free memory;
+//! - `ttfat_starvation_s`: t_i also fails while an answering request waits longer than this after
+//!   `</think>` for its first answer token.
+//!
 //! Adding a policy: implement [`IntraScheduler`] and add a line to [`build_scheduler`].
 
+use crate::time::{TimeSpan, RUN_LIMIT};
 use serde::{Deserialize, Serialize};
 
 /// A request's phase: before or after `</think>`.
@@ -93,12 +104,45 @@ pub enum Admission {
     SkipBlocked,
 }
 
+/// How a waiting request (no KV on the GPU: new, dropped for recompute, or offloaded) gets GPU
+/// memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WaitingAdmission {
+    /// Fit by priority: a waiting request may preempt resident lower-priority ones (the literal
+    /// reading of PASCAL §IV-C, "reasoning always preempts answering").
+    #[default]
+    Preempt,
+    /// vLLM's scheduler: waiting requests are admitted only into memory no resident request holds;
+    /// a resident request is preempted only when a higher-priority resident one cannot grow.
+    FreeMemory,
+}
+
+/// Engine behaviour the scheduler's parameters fix beyond the priority order (see the module doc).
+/// The default is the literal reading of PASCAL.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineSwitches {
+    /// A GPU-resident request past `</think>` without its first answer token keeps its blocks
+    /// against waiting requests.
+    pub boundary_hold: bool,
+    /// How waiting requests get GPU memory.
+    pub admission: WaitingAdmission,
+    /// t_i is false while an answering request has waited longer than this after `</think>`
+    /// without producing its first answer token (`None`: only the token pacers count).
+    pub ttfat_starvation: Option<TimeSpan>,
+}
+
 /// An intra-instance scheduling policy.
 pub trait IntraScheduler: Send + std::fmt::Debug {
     /// Registry name (`fcfs`, `rr`, `pascal`).
     fn name(&self) -> &'static str;
     /// What happens to waiting requests behind one that does not fit.
     fn admission(&self) -> Admission;
+    /// Engine switches configured with this scheduler ([`SchedulerParams`]); read once by
+    /// [`crate::engine::Engine::new`]. The default is the literal reading.
+    fn switches(&self) -> EngineSwitches {
+        EngineSwitches::default()
+    }
     /// A request joins this instance: on arrival (`Reasoning`, or `Answering` when it has no
     /// reasoning tokens) or on migration in.
     fn on_enqueue(&mut self, st: &mut SchedState, phase: Phase);
@@ -119,11 +163,45 @@ pub struct SchedulerParams {
     pub demotion_tokens: u32,
     /// `pascal`: what `demotion_tokens` counts: `reasoning` tokens generated or `kv` footprint.
     pub demotion_basis: DemotionBasis,
+    /// Fidelity switch (default off, the literal reading): a GPU-resident request between
+    /// `</think>` and its first answer token is not preempted to admit a waiting request.
+    #[serde(default)]
+    pub boundary_hold: bool,
+    /// Fidelity switch: `preempt` (default, the literal reading: waiting requests fit by priority
+    /// and may preempt resident ones) or `free-memory` (vLLM: waiting requests only into free
+    /// memory; preemption only when a resident request cannot grow).
+    #[serde(default)]
+    pub admission: WaitingAdmission,
+    /// Fidelity switch (default unset, the literal reading: t_i looks at token pacers only): t_i is
+    /// also false while an answering request has waited longer than this many seconds after
+    /// `</think>` (here, or on the instance it migrated from) without its first answer token.
+    #[serde(default)]
+    pub ttfat_starvation_s: Option<f64>,
 }
 
 impl Default for SchedulerParams {
     fn default() -> Self {
-        SchedulerParams { quantum_tokens: 500, demotion_tokens: 5000, demotion_basis: DemotionBasis::Reasoning }
+        SchedulerParams {
+            quantum_tokens: 500,
+            demotion_tokens: 5000,
+            demotion_basis: DemotionBasis::Reasoning,
+            boundary_hold: false,
+            admission: WaitingAdmission::Preempt,
+            ttfat_starvation_s: None,
+        }
+    }
+}
+
+impl SchedulerParams {
+    /// The engine switches these parameters set; fails on a threshold that is negative, NaN or
+    /// past [`RUN_LIMIT`].
+    pub fn switches(&self) -> Result<EngineSwitches, SchedulerError> {
+        let ttfat_starvation = match self.ttfat_starvation_s {
+            None => None,
+            Some(s) if s.is_finite() && s >= 0.0 && s <= RUN_LIMIT.as_secs_f64() => Some(TimeSpan::from_secs_f64(s)),
+            Some(s) => return Err(SchedulerError::BadSeconds { field: "ttfat_starvation_s", value: s }),
+        };
+        Ok(EngineSwitches { boundary_hold: self.boundary_hold, admission: self.admission, ttfat_starvation })
     }
 }
 
@@ -131,7 +209,7 @@ impl Default for SchedulerParams {
 pub const SCHEDULER_NAMES: &[&str] = &["fcfs", "rr", "pascal"];
 
 /// Why [`build_scheduler`] failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SchedulerError {
     /// No scheduler has this name.
     #[error("unknown intra-instance scheduler `{0}` (valid: fcfs, rr, pascal)")]
@@ -139,6 +217,14 @@ pub enum SchedulerError {
     /// The named parameter (`quantum_tokens` or `demotion_tokens`) is 0.
     #[error("scheduler parameter `{0}` must be > 0")]
     Zero(&'static str),
+    /// The named parameter is a number of seconds that is negative, NaN or past the run's limit.
+    #[error("scheduler parameter `{field}` must be a number of seconds in [0, 1e7], got {value}")]
+    BadSeconds {
+        /// The parameter.
+        field: &'static str,
+        /// The value given.
+        value: f64,
+    },
 }
 
 /// The registry: one line per policy.
@@ -149,10 +235,14 @@ pub fn build_scheduler(name: &str, params: &SchedulerParams) -> Result<Box<dyn I
     if params.demotion_tokens == 0 {
         return Err(SchedulerError::Zero("demotion_tokens"));
     }
+    let switches = params.switches()?;
     match name {
-        "fcfs" => Ok(Box::new(Fcfs::default())),
-        "rr" => Ok(Box::new(RoundRobin::new(params.quantum_tokens))),
-        "pascal" => Ok(Box::new(Pascal::new(params.quantum_tokens, params.demotion_tokens, params.demotion_basis))),
+        "fcfs" => Ok(Box::new(Fcfs { switches, ..Fcfs::default() })),
+        "rr" => Ok(Box::new(RoundRobin { switches, ..RoundRobin::new(params.quantum_tokens) })),
+        "pascal" => Ok(Box::new(Pascal {
+            switches,
+            ..Pascal::new(params.quantum_tokens, params.demotion_tokens, params.demotion_basis)
+        })),
         other => Err(SchedulerError::Unknown(other.to_string())),
     }
 }
@@ -161,11 +251,15 @@ pub fn build_scheduler(name: &str, params: &SchedulerParams) -> Result<Box<dyn I
 #[derive(Debug, Default)]
 pub struct Fcfs {
     next_seq: u64,
+    switches: EngineSwitches,
 }
 
 impl IntraScheduler for Fcfs {
     fn name(&self) -> &'static str {
         "fcfs"
+    }
+    fn switches(&self) -> EngineSwitches {
+        self.switches
     }
     fn admission(&self) -> Admission {
         Admission::BlockBehind
@@ -216,18 +310,22 @@ impl Quantum {
 #[derive(Debug)]
 pub struct RoundRobin {
     q: Quantum,
+    switches: EngineSwitches,
 }
 
 impl RoundRobin {
     /// Round-robin with a quantum of `quantum_tokens` output tokens.
     pub fn new(quantum_tokens: u32) -> Self {
-        RoundRobin { q: Quantum { tokens: quantum_tokens, next_seq: 0 } }
+        RoundRobin { q: Quantum { tokens: quantum_tokens, next_seq: 0 }, switches: EngineSwitches::default() }
     }
 }
 
 impl IntraScheduler for RoundRobin {
     fn name(&self) -> &'static str {
         "rr"
+    }
+    fn switches(&self) -> EngineSwitches {
+        self.switches
     }
     fn admission(&self) -> Admission {
         Admission::SkipBlocked
@@ -249,19 +347,28 @@ pub struct Pascal {
     q: Quantum,
     demotion_tokens: u32,
     demotion_basis: DemotionBasis,
+    switches: EngineSwitches,
 }
 
 impl Pascal {
     /// Two queues, each round-robin with a quantum of `quantum_tokens`; a reasoning request longer than
     /// `demotion_tokens` (counted per `demotion_basis`) is demoted to the low queue.
     pub fn new(quantum_tokens: u32, demotion_tokens: u32, demotion_basis: DemotionBasis) -> Self {
-        Pascal { q: Quantum { tokens: quantum_tokens, next_seq: 0 }, demotion_tokens, demotion_basis }
+        Pascal {
+            q: Quantum { tokens: quantum_tokens, next_seq: 0 },
+            demotion_tokens,
+            demotion_basis,
+            switches: EngineSwitches::default(),
+        }
     }
 }
 
 impl IntraScheduler for Pascal {
     fn name(&self) -> &'static str {
         "pascal"
+    }
+    fn switches(&self) -> EngineSwitches {
+        self.switches
     }
     fn admission(&self) -> Admission {
         Admission::SkipBlocked

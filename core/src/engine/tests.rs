@@ -1,7 +1,7 @@
 //! Engine behaviour: PASCAL Fig. 2's worked example, phase handling, preemption, migration, and
 //! accounting invariants under random workloads.
 
-use super::sched::{build_scheduler, SchedulerParams};
+use super::sched::{build_scheduler, SchedulerParams, WaitingAdmission};
 use super::*;
 use crate::timing::FixedTiming;
 use proptest::prelude::*;
@@ -168,6 +168,166 @@ fn pascal_reasoning_preempts_answering_and_fcfs_does_not() {
         }
         e.check_invariants().unwrap();
     }
+}
+
+/// A PASCAL engine with fidelity switches set.
+fn engine_with(gpu_blocks: u32, cpu_blocks: u32, params: SchedulerParams) -> Engine {
+    let timing = Arc::new(FixedTiming { iteration: TimeSpan(UNIT), transfer: TimeSpan::ZERO });
+    Engine::new(InstanceId(0), cfg(gpu_blocks, cpu_blocks), timing, build_scheduler("pascal", &params).unwrap())
+}
+
+/// B (20-token prompt, 2 reasoning tokens) crosses `</think>` at 2 holding 2 of 3 GPU blocks; W, a
+/// reasoning request needing 2 blocks, arrives then (or one token later, after B's first answer
+/// token at 3). Literal PASCAL offloads B for W; `boundary_hold` keeps B until its first answer
+/// token (then W may take it); `admission = free-memory` admits W only into free memory.
+#[test]
+fn boundary_hold_and_free_memory_admission_keep_a_resident_request_from_waiting_ones() {
+    use WaitingAdmission::*;
+    // (name, boundary_hold, admission, W arrives after B's first answer token, B offloaded for W)
+    let cases = [
+        ("literal, at the boundary", false, Preempt, false, true),
+        ("boundary_hold, at the boundary", true, Preempt, false, false),
+        ("free-memory, at the boundary", false, FreeMemory, false, false),
+        ("boundary_hold after the first answer token", true, Preempt, true, true),
+        ("free-memory after the first answer token", false, FreeMemory, true, false),
+    ];
+    for (name, boundary_hold, admission, late, evicted) in cases {
+        let params = SchedulerParams { boundary_hold, admission, ..SchedulerParams::default() };
+        let mut e = engine_with(3, 64, params);
+        let mut ev = Vec::new();
+        e.submit(Timestamp(0), spec(1, 0, 20, 2, 5)).unwrap();
+        let mut t = e.step(Timestamp(0), &mut ev).unwrap();
+        t = e.step(t, &mut ev).unwrap();
+        e.complete_iteration(t, &mut ev);
+        assert!(matches!(ev.last(), Some(EngineEvent::PhaseBoundary { .. })), "{name}");
+        if late {
+            t = e.plan_iteration(t).unwrap();
+            e.complete_iteration(t, &mut ev);
+        }
+        e.submit(t, spec(2, t.0 / UNIT, 20, 5, 5)).unwrap();
+        e.plan_iteration(t);
+        e.check_invariants().unwrap();
+        let tiers = (e.kv().tier_of(RequestId(1)), e.kv().tier_of(RequestId(2)));
+        let want = if evicted { (Some(Tier::Cpu), Some(Tier::Gpu)) } else { (Some(Tier::Gpu), None) };
+        assert_eq!(tiers, want, "{name}: (B, W)");
+        assert_eq!(e.stats().preemptions, evicted as u64, "{name}");
+    }
+}
+
+/// B is blocked after `</think>` at 2: W, a reasoning request, evicts it (literal admission) and
+/// keeps the GPU until its own `</think>` at 8, when B (ahead in the low queue) evicts W in turn
+/// and produces its first answer token at 9. B has no pacer before then, so literal t_i never sees
+/// it; with `ttfat_starvation_s` t_i fails once B has waited longer than that, and at 9 only if W
+/// has now waited (1 s) longer than that. A request that waited during its move fails t_i on the
+/// target at attach, and while it waits there.
+#[test]
+fn ttfat_starvation_fails_t_i_while_an_answer_waits_after_think() {
+    // (threshold s, t_i after the iterations ending at 3, 4, 5, t_i at 9)
+    let cases = [
+        (None, [true, true, true], true),
+        (Some(1.5), [true, false, false], true),
+        (Some(0.5), [false, false, false], false),
+    ];
+    for (threshold, want, want_at_9) in cases {
+        let params = SchedulerParams { ttfat_starvation_s: threshold, ..SchedulerParams::default() };
+        let mut e = engine_with(3, 64, params);
+        let mut ev = Vec::new();
+        e.submit(Timestamp(0), spec(1, 0, 20, 2, 5)).unwrap();
+        let mut t = e.step(Timestamp(0), &mut ev).unwrap();
+        t = e.step(t, &mut ev).unwrap();
+        e.complete_iteration(t, &mut ev);
+        e.submit(t, spec(2, 2, 20, 6, 1)).unwrap();
+        t = e.plan_iteration(t).unwrap();
+        assert_eq!(e.kv().tier_of(RequestId(1)), Some(Tier::Cpu), "B blocked");
+        let mut got = Vec::new();
+        for _ in 0..3 {
+            t = e.step(t, &mut ev).unwrap();
+            got.push(e.load_report().answering_slo_ok);
+        }
+        assert_eq!(got, want, "threshold {threshold:?}");
+        while t < Timestamp(9 * UNIT) {
+            t = e.step(t, &mut ev).unwrap();
+        }
+        e.complete_iteration(t, &mut ev);
+        let b = e.req(e.index[&RequestId(1)]);
+        assert_eq!(b.record.first_answer_token, Some(Timestamp(9 * UNIT)), "threshold {threshold:?}");
+        assert_eq!(e.load_report().answering_slo_ok, want_at_9, "threshold {threshold:?} at 9");
+    }
+    // Migrated: `</think>` at 2 on the source, attached at `attach_at` to a target whose GPU a
+    // reasoning request fills (B waits in its CPU pool).
+    // (attach at s, threshold s, t_i at attach, t_i after the target's next two iterations)
+    for (attach_at, threshold, want_at_attach, want_after) in
+        [(2.5, 1.5, true, false), (5.0, 1.5, false, false), (2.5, 9.0, true, true)]
+    {
+        let params = SchedulerParams { ttfat_starvation_s: Some(threshold), ..SchedulerParams::default() };
+        let mut src = engine_with(64, 0, params.clone());
+        let mut dst = engine_with(3, 64, params);
+        let mut ev = Vec::new();
+        src.submit(Timestamp(0), spec(1, 0, 20, 2, 5)).unwrap();
+        let t = src.step(Timestamp(0), &mut ev).unwrap();
+        let t = src.step(t, &mut ev).unwrap();
+        src.complete_iteration(t, &mut ev);
+        src.begin_migration_out(RequestId(1)).unwrap();
+        let m = src.finish_migration_out(RequestId(1)).unwrap();
+        dst.submit(Timestamp(0), spec(2, 0, 33, 10, 1)).unwrap(); // 3 blocks: the whole GPU
+        let attach = Timestamp::from_secs_f64(attach_at);
+        let mut t = dst.step(Timestamp(0), &mut ev).unwrap();
+        while t < attach {
+            t = dst.step(t, &mut ev).unwrap();
+        }
+        dst.attach(attach, m).unwrap();
+        let case = (attach_at, threshold);
+        assert_eq!(dst.load_report().answering_slo_ok, want_at_attach, "{case:?} at attach");
+        for _ in 0..2 {
+            t = dst.step(t, &mut ev).unwrap();
+        }
+        assert_eq!(dst.kv().tier_of(RequestId(1)), Some(Tier::Cpu), "{case:?}: B waits on the target");
+        assert_eq!(dst.load_report().answering_slo_ok, want_after, "{case:?} after");
+    }
+}
+
+#[test]
+fn ttfat_starvation_threshold_is_validated() {
+    for bad in [-1.0, f64::NAN, f64::INFINITY, 1e8] {
+        let params = SchedulerParams { ttfat_starvation_s: Some(bad), ..SchedulerParams::default() };
+        let err = build_scheduler("pascal", &params).unwrap_err();
+        assert!(err.to_string().contains("ttfat_starvation_s"), "{bad}: {err}");
+    }
+    let params: SchedulerParams =
+        toml::from_str("boundary_hold = true\nadmission = \"free-memory\"\nttfat_starvation_s = 0.25").unwrap();
+    let switches = build_scheduler("fcfs", &params).unwrap().switches();
+    assert_eq!(
+        switches,
+        sched::EngineSwitches {
+            boundary_hold: true,
+            admission: WaitingAdmission::FreeMemory,
+            ttfat_starvation: Some(TimeSpan(250_000_000)),
+        }
+    );
+    assert_eq!(toml::from_str::<SchedulerParams>("").unwrap(), SchedulerParams::default());
+    assert_eq!(build_scheduler("rr", &SchedulerParams::default()).unwrap().switches(), Default::default());
+}
+
+/// `reasoning_demand_blocks` counts reasoning requests without GPU KV (waiting or offloaded) at
+/// what their next iteration takes; `waiting_blocks` counts requests without any KV, either queue.
+#[test]
+fn load_report_publishes_unmet_reasoning_demand() {
+    let params = SchedulerParams { quantum_tokens: 2, ..SchedulerParams::default() };
+    let mut e = engine_with(3, 64, params);
+    let mut ev = Vec::new();
+    e.submit(Timestamp(0), spec(1, 0, 20, 10, 1)).unwrap(); // R1: runs, 2 blocks
+    e.submit(Timestamp(0), spec(2, 0, 30, 10, 1)).unwrap(); // R2: waits, 2 blocks for 31 tokens
+    e.submit(Timestamp(0), spec(3, 0, 16, 0, 5)).unwrap(); // A: answering, waits, 1 block held at 16
+    let mut t = e.step(Timestamp(0), &mut ev).unwrap();
+    let r = e.load_report();
+    assert_eq!((r.reasoning_demand_blocks, r.waiting_blocks), (2, 3), "R2 waiting; R2 + A without KV");
+    // R1's quantum ends at 2: R2 (round 0) takes the GPU, R1 (22 tokens) is offloaded.
+    t = e.step(t, &mut ev).unwrap();
+    e.step(t, &mut ev);
+    assert_eq!(e.kv().tier_of(RequestId(1)), Some(Tier::Cpu));
+    let r = e.load_report();
+    assert_eq!((r.reasoning_demand_blocks, r.waiting_blocks), (2, 1), "R1 offloaded; A without KV");
+    assert_eq!(r.gpu_free_blocks_after_demand(), r.gpu_free_blocks().saturating_sub(2));
 }
 
 #[test]
@@ -416,14 +576,19 @@ fn live_migration_target_reserves_grows_attaches_in_place_or_releases() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     /// Random arrivals on a tight instance: every request finishes exactly once, timestamps are
-    /// monotone, and KV accounting holds after every step, for every scheduler.
+    /// monotone, and KV accounting holds after every step, for every scheduler and every setting
+    /// of the admission switches (a held or protected request never deadlocks the instance).
     #[test]
     fn every_request_finishes_once_with_monotone_timestamps(
         sched in prop_oneof![Just("fcfs"), Just("rr"), Just("pascal")],
         cpu in 0u32..8,
         reqs in proptest::collection::vec((0u64..20, 1u32..40, 0u32..40, 1u32..30), 1..20),
+        (boundary_hold, free_memory) in (any::<bool>(), any::<bool>()),
     ) {
-        let mut e = engine(sched, 8, cpu, 5);
+        let admission = if free_memory { WaitingAdmission::FreeMemory } else { WaitingAdmission::Preempt };
+        let params = SchedulerParams { quantum_tokens: 5, boundary_hold, admission, ..SchedulerParams::default() };
+        let timing = Arc::new(FixedTiming { iteration: TimeSpan(UNIT), transfer: TimeSpan::ZERO });
+        let mut e = Engine::new(InstanceId(0), cfg(8, cpu), timing, build_scheduler(sched, &params).unwrap());
         let specs: Vec<RequestSpec> = reqs.iter().enumerate()
             .map(|(i, &(at, p, r, a))| spec(i as u64, at, p, r, a))
             .filter(|s| s.max_context_tokens() <= 8 * 16)

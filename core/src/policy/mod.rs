@@ -7,7 +7,7 @@ pub mod baselines;
 pub mod pascal;
 pub mod registry;
 
-pub use pascal::{MigrationMode, PascalPolicy};
+pub use pascal::{MigrationMode, PascalPolicy, TieBreak};
 pub use registry::{build_policy, policy_names, PolicyError, PolicyParams};
 
 use crate::ids::{InstanceId, RequestId};
@@ -50,6 +50,13 @@ pub struct LoadReport {
     /// already reflects.
     #[serde(default)]
     pub admitted: u64,
+    /// Unmet high-queue demand: GPU blocks the reasoning requests here that hold no GPU KV
+    /// (waiting to start, dropped for recompute, or offloaded to the CPU pool) take when they next
+    /// run. PASCAL's high queue goes first, so these free blocks are not an answering request's
+    /// (`[scheduler.instance] demand_aware_memory`). `waiting_blocks` counts only the first two,
+    /// of either queue. 0 in reports from builds that did not send it.
+    #[serde(default)]
+    pub reasoning_demand_blocks: u32,
 }
 
 impl LoadReport {
@@ -67,6 +74,11 @@ impl LoadReport {
     /// GPU KV blocks not held by any request.
     pub fn gpu_free_blocks(&self) -> u32 {
         self.gpu_total_blocks.saturating_sub(self.gpu_used_blocks)
+    }
+    /// Free GPU blocks left for an answering request: [`LoadReport::gpu_free_blocks`] less the
+    /// high-queue demand that takes them first ([`LoadReport::reasoning_demand_blocks`]).
+    pub fn gpu_free_blocks_after_demand(&self) -> u32 {
+        self.gpu_free_blocks().saturating_sub(self.reasoning_demand_blocks)
     }
 }
 

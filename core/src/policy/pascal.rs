@@ -8,12 +8,18 @@
 //! Every choice is an argmin over [`LoadReport`]s with ties broken by the lowest [`InstanceId`], so
 //! the result does not depend on the order in which reports are listed. Nothing here allocates:
 //! the simulator calls these once per arrival and once per phase boundary.
+//!
+//! Two switches, off by default (the literal reading): `demand_aware_memory` makes "sufficient GPU
+//! memory" count free blocks less the reasoning demand already waiting for them
+//! ([`LoadReport::reasoning_demand_blocks`]); [`TieBreak::MostFreeGpu`] (an extension, not in
+//! the paper) breaks Alg. 2's ties by free GPU memory before the instance id.
 
 use super::{InstancePolicy, LoadReport, PhaseChange, PhaseDecision};
 use crate::ids::InstanceId;
 use crate::request::RequestSpec;
 use crate::rng::SimRng;
 use serde::{Deserialize, Serialize};
+use std::cmp::Reverse;
 
 /// Default GPU headroom (blocks) an instance needs to serve an answering request: 16 blocks of 16
 /// tokens = 256 tokens, about a median answer.
@@ -32,11 +38,25 @@ pub enum MigrationMode {
     NoMigration,
 }
 
+/// How Alg. 2 breaks a tie on r_i (or on r_i + a_i when no instance meets its SLO).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TieBreak {
+    /// The lowest instance id (the literal reading: the paper names no rule).
+    #[default]
+    LowestId,
+    /// Extension, not in the paper: the most free GPU blocks (less reasoning demand when
+    /// `demand_aware_memory` is on), then the lowest id.
+    MostFreeGpu,
+}
+
 /// PASCAL Alg. 1 + Alg. 2 + adaptive migration.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PascalPolicy {
     mode: MigrationMode,
     headroom_blocks: u32,
+    demand_aware: bool,
+    tie_break: TieBreak,
 }
 
 impl Default for PascalPolicy {
@@ -49,7 +69,19 @@ impl PascalPolicy {
     /// `headroom_blocks`: free GPU blocks an instance must keep, beyond the request's own KV, to be
     /// said to have "sufficient GPU memory" for the answering phase (adaptive migration only).
     pub fn new(mode: MigrationMode, headroom_blocks: u32) -> Self {
-        PascalPolicy { mode, headroom_blocks }
+        PascalPolicy { mode, headroom_blocks, demand_aware: false, tie_break: TieBreak::LowestId }
+    }
+    /// Count an instance's free GPU blocks less its reasoning demand
+    /// ([`LoadReport::gpu_free_blocks_after_demand`]) in adaptive migration's memory test (and in
+    /// [`TieBreak::MostFreeGpu`]).
+    pub fn with_demand_aware_memory(mut self, on: bool) -> Self {
+        self.demand_aware = on;
+        self
+    }
+    /// How Alg. 2 breaks ties.
+    pub fn with_tie_break(mut self, tie_break: TieBreak) -> Self {
+        self.tie_break = tie_break;
+        self
     }
     /// What it does at the `</think>` boundary.
     pub fn mode(&self) -> MigrationMode {
@@ -63,8 +95,17 @@ impl PascalPolicy {
     /// The adaptive-migration override: the current instance can keep serving the request (it has
     /// `headroom_blocks` free for the answer's growth; the request's KV is already there) while the
     /// target could not take the request's KV plus the same headroom.
+    /// Free GPU blocks as this policy counts them.
+    fn free_blocks(&self, load: &LoadReport) -> u32 {
+        if self.demand_aware {
+            load.gpu_free_blocks_after_demand()
+        } else {
+            load.gpu_free_blocks()
+        }
+    }
+
     fn stay_for_memory(&self, change: &PhaseChange, loads: &[LoadReport], target: InstanceId) -> bool {
-        let free_blocks = |id: InstanceId| loads.iter().find(|l| l.instance == id).map(LoadReport::gpu_free_blocks);
+        let free_blocks = |id: InstanceId| loads.iter().find(|l| l.instance == id).map(|l| self.free_blocks(l));
         // A current instance that published no report (e.g. it is leaving) is not "sufficient".
         let current_ok = free_blocks(change.current).is_some_and(|free| free >= self.headroom_blocks);
         let needed_blocks = change.kv_blocks as u64 + self.headroom_blocks as u64;
@@ -98,6 +139,17 @@ pub fn select_answering_instance(loads: &[LoadReport]) -> Option<InstanceId> {
         .or_else(|| argmin_by_key(loads, |_| true, |l| l.reasoning_requests as u64 + l.fresh_answering_requests as u64))
 }
 
+/// [`select_answering_instance`], ties on r_i (r_i + a_i) broken first by the most `free` blocks.
+fn select_answering_instance_by_free(loads: &[LoadReport], free: impl Fn(&LoadReport) -> u32) -> Option<InstanceId> {
+    argmin_by_key(loads, |l| l.answering_slo_ok, |l| (l.reasoning_requests, Reverse(free(l)))).or_else(|| {
+        argmin_by_key(
+            loads,
+            |_| true,
+            |l| (l.reasoning_requests as u64 + l.fresh_answering_requests as u64, Reverse(free(l))),
+        )
+    })
+}
+
 impl InstancePolicy for PascalPolicy {
     fn name(&self) -> &str {
         match self.mode {
@@ -116,7 +168,11 @@ impl InstancePolicy for PascalPolicy {
         if self.mode == MigrationMode::NoMigration {
             return PhaseDecision::Stay;
         }
-        let Some(target) = select_answering_instance(loads) else {
+        let target = match self.tie_break {
+            TieBreak::LowestId => select_answering_instance(loads),
+            TieBreak::MostFreeGpu => select_answering_instance_by_free(loads, |l| self.free_blocks(l)),
+        };
+        let Some(target) = target else {
             return PhaseDecision::Stay;
         };
         if target == change.current {
@@ -307,6 +363,81 @@ pub(crate) mod tests {
         for (name, mode, loads, change, want) in cases {
             let mut policy = PascalPolicy::new(mode, DEFAULT_HEADROOM_BLOCKS);
             assert_eq!(policy.on_phase_change(&change, &loads, &mut rng), want, "{name}");
+        }
+    }
+
+    /// `demand_aware_memory`: reasoning requests waiting for an instance's free blocks (high queue
+    /// first) leave less of them for the answering request, on the current instance (stay is
+    /// refused) and on the target (judged insufficient). Headroom 16, the request holds 40.
+    #[test]
+    fn demand_aware_memory_table() {
+        use PhaseDecision::*;
+        let to = |i| Migrate { to: InstanceId(i) };
+        // Current 0 (r = 2) and target 1 (r = 0), each as (free blocks, reasoning demand blocks).
+        let pair = |cur: (u32, u32), tgt: (u32, u32)| {
+            let mut c = load(0, true).queues(2, 0).gpu_free(cur.0);
+            let mut t = load(1, true).queues(0, 0).gpu_free(tgt.0);
+            (c.reasoning_demand_blocks, t.reasoning_demand_blocks) = (cur.1, tgt.1);
+            vec![c, t]
+        };
+        let cases: Vec<(&str, bool, Vec<LoadReport>, PhaseDecision)> = vec![
+            ("literal: 100 free suffice, full target -> stay", false, pair((100, 90), (0, 0)), Stay),
+            ("demand takes 90 of 100: current short -> migrate", true, pair((100, 90), (0, 0)), to(1)),
+            ("demand leaves exactly the headroom -> stay", true, pair((116, 100), (0, 0)), Stay),
+            ("demand leaves one block short -> migrate", true, pair((115, 100), (0, 0)), to(1)),
+            ("demand covers every free block -> migrate", true, pair((50, 80), (0, 0)), to(1)),
+            ("literal: target's 500 free suffice -> migrate", false, pair((500, 0), (500, 480)), to(1)),
+            ("target's demand leaves 20 < 40 + 16 -> stay", true, pair((500, 0), (500, 480)), Stay),
+            ("target's demand leaves exactly 56 -> migrate", true, pair((500, 0), (500, 444)), to(1)),
+        ];
+        let mut rng = SimRng::seed_from_u64(1);
+        for (name, aware, loads, want) in cases {
+            let mut policy =
+                PascalPolicy::new(MigrationMode::Adaptive, DEFAULT_HEADROOM_BLOCKS).with_demand_aware_memory(aware);
+            assert_eq!(policy.on_phase_change(&change(0, 40), &loads, &mut rng), want, "{name}");
+        }
+    }
+
+    /// Extension: Alg. 2 ties on r_i (r_i + a_i) go to the most free GPU blocks, then the lowest id.
+    #[test]
+    fn alg2_tie_break_by_free_gpu_table() {
+        let cases: Vec<(&str, TieBreak, Vec<LoadReport>, u32)> = vec![
+            (
+                "literal: lowest id",
+                TieBreak::LowestId,
+                vec![load(1, true).queues(1, 0).gpu_free(10), load(2, true).queues(1, 0).gpu_free(900)],
+                1,
+            ),
+            (
+                "most free wins the tie",
+                TieBreak::MostFreeGpu,
+                vec![load(1, true).queues(1, 0).gpu_free(10), load(2, true).queues(1, 0).gpu_free(900)],
+                2,
+            ),
+            (
+                "r_i still decides first",
+                TieBreak::MostFreeGpu,
+                vec![load(1, true).queues(0, 0).gpu_free(10), load(2, true).queues(1, 0).gpu_free(900)],
+                1,
+            ),
+            (
+                "fallback r_i + a_i ties by free memory",
+                TieBreak::MostFreeGpu,
+                vec![load(1, false).queues(1, 1).gpu_free(10), load(2, false).queues(2, 0).gpu_free(900)],
+                2,
+            ),
+            (
+                "equal free memory: lowest id",
+                TieBreak::MostFreeGpu,
+                vec![load(2, true).queues(1, 0).gpu_free(50), load(1, true).queues(1, 0).gpu_free(50)],
+                1,
+            ),
+        ];
+        let mut rng = SimRng::seed_from_u64(1);
+        for (name, tie, loads, want) in cases {
+            let mut policy = PascalPolicy::new(MigrationMode::NonAdaptive, DEFAULT_HEADROOM_BLOCKS).with_tie_break(tie);
+            let got = policy.on_phase_change(&change(0, 40), &loads, &mut rng);
+            assert_eq!(got, PhaseDecision::Migrate { to: InstanceId(want) }, "{name}");
         }
     }
 

@@ -4,7 +4,7 @@
 //! `pascal-nomigration`, and the baselines of [`super::baselines`].
 
 use super::baselines::{LeastKv, Random, RoundRobin};
-use super::pascal::{MigrationMode, PascalPolicy, DEFAULT_HEADROOM_BLOCKS};
+use super::pascal::{MigrationMode, PascalPolicy, TieBreak, DEFAULT_HEADROOM_BLOCKS};
 use super::InstancePolicy;
 use serde::{Deserialize, Serialize};
 
@@ -31,11 +31,24 @@ pub struct PolicyParams {
     /// PASCAL adaptive migration: free GPU blocks, beyond the request's own KV, that make an
     /// instance's memory "sufficient" for the answering phase.
     pub headroom_blocks: u32,
+    /// Fidelity switch (default off, the literal reading): adaptive migration's "sufficient GPU
+    /// memory" counts free GPU blocks less the reasoning requests already waiting for them here
+    /// ([`super::LoadReport::reasoning_demand_blocks`]), on the current instance and the target.
+    #[serde(default)]
+    pub demand_aware_memory: bool,
+    /// Extension, not in the paper (default `lowest-id`): how Alg. 2 breaks ties on r_i;
+    /// `most-free-gpu` prefers the instance with the most free GPU blocks.
+    #[serde(default)]
+    pub alg2_tie_break: TieBreak,
 }
 
 impl Default for PolicyParams {
     fn default() -> Self {
-        PolicyParams { headroom_blocks: DEFAULT_HEADROOM_BLOCKS }
+        PolicyParams {
+            headroom_blocks: DEFAULT_HEADROOM_BLOCKS,
+            demand_aware_memory: false,
+            alg2_tie_break: TieBreak::LowestId,
+        }
     }
 }
 
@@ -46,7 +59,13 @@ pub fn policy_names() -> &'static [&'static str] {
 
 /// Build the policy called `name`.
 pub fn build_policy(name: &str, params: &PolicyParams) -> Result<Box<dyn InstancePolicy>, PolicyError> {
-    let pascal = |mode| Box::new(PascalPolicy::new(mode, params.headroom_blocks)) as Box<dyn InstancePolicy>;
+    let pascal = |mode| {
+        Box::new(
+            PascalPolicy::new(mode, params.headroom_blocks)
+                .with_demand_aware_memory(params.demand_aware_memory)
+                .with_tie_break(params.alg2_tie_break),
+        ) as Box<dyn InstancePolicy>
+    };
     Ok(match name {
         "pascal" => pascal(MigrationMode::Adaptive),
         "pascal-nonadaptive" => pascal(MigrationMode::NonAdaptive),
@@ -93,6 +112,30 @@ mod tests {
         let err = toml::from_str::<PolicyParams>("headroom = 4").expect_err("unknown field");
         assert!(err.to_string().contains("headroom"), "{err}");
         assert!(toml::from_str::<PolicyParams>("headroom_blocks = -1").is_err());
+        let set: PolicyParams =
+            toml::from_str("demand_aware_memory = true\nalg2_tie_break = \"most-free-gpu\"").expect("valid");
+        assert!(set.demand_aware_memory && set.alg2_tie_break == TieBreak::MostFreeGpu);
+        assert!(toml::from_str::<PolicyParams>("alg2_tie_break = \"random\"").is_err());
+    }
+
+    #[test]
+    fn demand_aware_memory_reaches_the_policy() {
+        // Current 0 has 100 free blocks, 90 of them wanted by its waiting reasoning requests;
+        // target 1 is full. The request holds 40.
+        let mut current = load(0, true).queues(2, 0).gpu_free(100);
+        current.reasoning_demand_blocks = 90;
+        let loads = vec![current, load(1, true).queues(0, 0).gpu_free(0)];
+        let change = PhaseChange { request: RequestId(1), current: InstanceId(0), kv_blocks: 40 };
+        let decide = |demand_aware_memory| {
+            let params = PolicyParams { demand_aware_memory, ..PolicyParams::default() };
+            build_policy("pascal", &params).expect("pascal").on_phase_change(
+                &change,
+                &loads,
+                &mut SimRng::seed_from_u64(0),
+            )
+        };
+        assert_eq!(decide(false), PhaseDecision::Stay);
+        assert_eq!(decide(true), PhaseDecision::Migrate { to: InstanceId(1) });
     }
 
     #[test]
@@ -101,7 +144,8 @@ mod tests {
         let loads = vec![load(0, true).queues(2, 0).gpu_free(0), load(1, true).queues(0, 0).gpu_free(5)];
         let change = PhaseChange { request: RequestId(1), current: InstanceId(0), kv_blocks: 10 };
         let decide = |headroom_blocks| {
-            let mut p = build_policy("pascal", &PolicyParams { headroom_blocks }).expect("pascal");
+            let mut p =
+                build_policy("pascal", &PolicyParams { headroom_blocks, ..PolicyParams::default() }).expect("pascal");
             p.on_phase_change(&change, &loads, &mut SimRng::seed_from_u64(0))
         };
         // headroom 0: current (0 free) suffices, target (5 < 10) does not -> stay.

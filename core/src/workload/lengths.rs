@@ -98,7 +98,24 @@ pub struct LognormalLengths {
     pub answer_min: u32,
     /// Largest answer, tokens.
     pub answer_max: u32,
+    /// What a draw outside `[min, max]` becomes: `clip` (the bound; piles the tail onto it) or
+    /// `resample` (draw again: a truncated log-normal).
+    pub overflow: Overflow,
 }
+
+/// What a log-normal draw outside its `[min, max]` becomes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Overflow {
+    /// Clamp to the bound.
+    #[default]
+    Clip,
+    /// Draw again (at most [`RESAMPLE_TRIES`] times, then clamp).
+    Resample,
+}
+
+/// Most draws `Overflow::Resample` makes for one length before it clamps.
+pub const RESAMPLE_TRIES: u32 = 64;
 
 impl Default for LognormalLengths {
     fn default() -> Self {
@@ -115,6 +132,7 @@ impl Default for LognormalLengths {
             answer_sigma: 0.7,
             answer_min: 8,
             answer_max: 4_096,
+            overflow: Overflow::Clip,
         }
     }
 }
@@ -395,10 +413,19 @@ pub(crate) fn sample_servegen(pmf: &LengthPmf, joint: Joint, rng: &mut SimRng) -
 /// Draws one request's (prompt, reasoning, answer) from the log-normal model.
 #[inline]
 pub(crate) fn sample_lognormal(l: &LognormalLengths, rng: &mut SimRng) -> (u32, u32, u32) {
+    let resample = l.overflow == Overflow::Resample;
     let mut draw = |median: f64, sigma: f64, lo: u32, hi: u32| -> u32 {
-        let x = rng.lognormal(median, sigma).round();
+        let hi = hi.max(lo);
+        let mut x = rng.lognormal(median, sigma).round();
+        if resample {
+            let mut tries = 1;
+            while !(f64::from(lo)..=f64::from(hi)).contains(&x) && tries < RESAMPLE_TRIES {
+                x = rng.lognormal(median, sigma).round();
+                tries += 1;
+            }
+        }
         // `as u32` saturates (and maps NaN to 0) before the clamp: never panics.
-        (x as u32).clamp(lo, hi.max(lo))
+        (x as u32).clamp(lo, hi)
     };
     let prompt = draw(l.prompt_median, l.prompt_sigma, l.prompt_min, l.prompt_max);
     let reasoning = draw(l.reasoning_median, l.reasoning_sigma, l.reasoning_min, l.reasoning_max);

@@ -241,6 +241,23 @@ fn lognormal_lengths_follow_the_synthetic_fallback() {
 }
 
 #[test]
+fn lognormal_overflow_clips_onto_the_bound_or_resamples_below_it() {
+    let with = |overflow: &str| {
+        let text = format!(
+            "num_requests = 20000\n[lengths]\nkind = \"lognormal\"\nreasoning_max = 2000\noverflow = \"{overflow}\"\n"
+        );
+        let reasoning: Vec<u32> = gen(&text).iter().map(|r| r.reasoning_tokens).collect();
+        assert!(reasoning.iter().all(|&r| (16..=2000).contains(&r)), "{overflow}: out of bounds");
+        reasoning.iter().filter(|&&r| r == 2000).count()
+    };
+    // P(lognormal(600, 1) > 2000) ≈ 11.5 %: clipping piles those requests onto 2000 tokens,
+    // resampling spreads them below it.
+    let (clipped, resampled) = (with("clip"), with("resample"));
+    assert!((1800..2800).contains(&clipped), "clip put {clipped} of 20000 at the bound");
+    assert!(resampled < 20, "resample put {resampled} of 20000 at the bound");
+}
+
+#[test]
 fn full_toml_round_trips() {
     let text = r#"
 seed = 3
