@@ -90,6 +90,10 @@ pub struct SimArgs {
     /// Override the number of requests in the workload.
     #[arg(long)]
     requests: Option<u64>,
+    /// Override one config value, `KEY=VALUE` with a dotted key (repeatable), e.g.
+    /// `--set scheduler.intra.boundary_hold=true`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
     /// Print the rate at which the config's steady-state KV demand meets the cluster's KV
     /// capacity, and how it was found, then exit.
     #[arg(long)]
@@ -177,11 +181,13 @@ pub struct Overrides<'a> {
     pub seeds: Option<u32>,
     /// Requests in the workload.
     pub requests: Option<u64>,
+    /// `KEY=VALUE` overrides of the config's TOML.
+    pub sets: &'a [String],
 }
 
 /// Load a config, apply command-line overrides, and validate: every failure is an input error.
 pub fn load_config(path: &Path, o: &Overrides) -> anyhow::Result<SimConfig> {
-    let mut cfg = SimConfig::load(path).map_err(|e| InputError(e.to_string()))?;
+    let mut cfg = SimConfig::load_with(path, o.sets).map_err(|e| InputError(e.to_string()))?;
     if let Some(s) = o.seed {
         cfg.workload.seed = s;
     }
@@ -221,13 +227,41 @@ fn cmd_sim(args: SimArgs) -> anyhow::Result<()> {
         seed: args.seed,
         seeds: args.seeds,
         requests: args.requests,
+        sets: &args.sets,
     };
-    let cfg = load_config(&args.config, &overrides)?;
+    let mut cfg = load_config(&args.config, &overrides)?;
     let base_dir = args.config.parent().map(Path::to_path_buf).unwrap_or_default();
     // Fail on workload/timing input errors before starting threads and progress bars.
     kvfleet_core::workload::generate(&cfg.workload, &base_dir).map_err(|e| InputError(format!("workload: {e}")))?;
     kvfleet_sim::timing_model(&cfg, &base_dir).map_err(|e| InputError(e.to_string()))?;
 
+    if args.capacity || !args.around_capacity.is_empty() {
+        if !args.around_capacity.is_empty() {
+            // Bad factors are refused before anything is printed.
+            kvfleet_sim::capacity::rates_around(1.0, &args.around_capacity)
+                .map_err(|e| InputError(format!("--around-capacity: {e}")))?;
+        }
+        let c = kvfleet_sim::capacity::capacity(&cfg, &base_dir).map_err(|e| InputError(e.to_string()))?;
+        say!("{}", capacity_lines(&c));
+        if args.capacity {
+            return Ok(());
+        }
+        if c.limit == kvfleet_sim::capacity::CapacityLimit::Batch {
+            say!("note: the batch fills (max_num_seqs) before the KV does: these rates put no memory pressure on the cluster");
+        }
+        let rates = kvfleet_sim::capacity::rates_around(c.rate_rps, &args.around_capacity)
+            .map_err(|e| InputError(format!("--around-capacity: {e}")))?;
+        say!("sweeping {} req/s ({} × the capacity rate)", list(&rates), list(&args.around_capacity));
+        if let Some(sweep) = cfg.sweep.as_mut() {
+            sweep.rates = rates;
+        } else {
+            cfg.sweep = Some(kvfleet_sim::config::SweepConfig {
+                policies: vec![cfg.scheduler.policy.clone()],
+                rates,
+                seeds: 1,
+            });
+        }
+    }
     let runs = cfg.runs();
     let started = Instant::now();
     let results = run_parallel(&cfg, &runs, &base_dir, args.jobs, args.quiet)?;
@@ -262,6 +296,30 @@ fn cmd_sim(args: SimArgs) -> anyhow::Result<()> {
     }
     say!("wrote {} files to {}", written.len(), args.out.display());
     Ok(())
+}
+
+fn list(values: &[f64]) -> String {
+    values.iter().map(|v| format!("{v}")).collect::<Vec<_>>().join(", ")
+}
+
+/// What the capacity finder found, and from what.
+fn capacity_lines(c: &kvfleet_sim::capacity::Capacity) -> String {
+    let bound = match c.limit {
+        kvfleet_sim::capacity::CapacityLimit::Kv => "steady-state KV demand meets the cluster's KV",
+        kvfleet_sim::capacity::CapacityLimit::Batch => "the batch reaches max_num_seqs (KV not yet full)",
+    };
+    format!(
+        "capacity    {:.2} req/s: {bound}\n            from {} sampled requests (mean output {:.0} tokens, {:.2} GB·s of KV each): \
+         per instance a batch of {:.1} at {:.1} ms per iteration holds {:.1} of {:.1} GB",
+        c.rate_rps,
+        c.requests_sampled,
+        c.mean_output_tokens,
+        c.mean_kv_byte_seconds / 1e9,
+        c.batch_per_instance,
+        c.iteration_s * 1e3,
+        c.kv_bytes_held / f64::from(c.instances.max(1)) / 1e9,
+        c.kv_bytes_cluster as f64 / f64::from(c.instances.max(1)) / 1e9,
+    )
 }
 
 /// Run every (policy, rate, seed) point on up to `jobs` threads; results come back in `runs` order.

@@ -272,8 +272,18 @@ impl SimConfig {
     /// model and GPU files here, the profile directory and the workload's traces when they are
     /// read (with that directory as `base_dir`).
     pub fn load(path: &Path) -> Result<SimConfig, ConfigError> {
-        let text = std::fs::read_to_string(path)
+        Self::load_with(path, &[])
+    }
+
+    /// [`SimConfig::load`] with `KEY=VALUE` overrides applied to the file's TOML first, each key a
+    /// dotted path (`scheduler.intra.boundary_hold=true`, `workload.lengths.overflow=resample`);
+    /// a value that is not TOML is taken as a string. An ablation is one `--set` away.
+    pub fn load_with(path: &Path, sets: &[String]) -> Result<SimConfig, ConfigError> {
+        let mut text = std::fs::read_to_string(path)
             .map_err(|source| ConfigError::Io { path: path.display().to_string(), source })?;
+        if !sets.is_empty() {
+            text = apply_sets(&text, &path.display().to_string(), sets)?;
+        }
         let mut cfg = Self::parse_unchecked(&text, &path.display().to_string())?;
         let dir = path.parent().unwrap_or(Path::new(""));
         for spec in [&mut cfg.cluster.model, &mut cfg.cluster.gpu] {
@@ -463,6 +473,39 @@ impl SimConfig {
     }
 }
 
+/// `text` (TOML) with each `KEY=VALUE` of `sets` written into it.
+pub fn apply_sets(text: &str, origin: &str, sets: &[String]) -> Result<String, ConfigError> {
+    let parse_error = |message: String| ConfigError::Parse { path: origin.into(), message: one_line(&message) };
+    let mut doc: toml::Table = toml::from_str(text).map_err(|e| parse_error(e.to_string()))?;
+    for set in sets {
+        let bad = || {
+            ConfigError::Invalid(format!(
+                "--set `{set}`: expected KEY=VALUE with a dotted KEY such as scheduler.intra.boundary_hold=true"
+            ))
+        };
+        let (key, value) = set.split_once('=').ok_or_else(bad)?;
+        let path: Vec<&str> = key.trim().split('.').collect();
+        if path.iter().any(|p| p.is_empty()) {
+            return Err(bad());
+        }
+        let value = value.trim();
+        let value = toml::from_str::<toml::Table>(&format!("v = {value}"))
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(value.to_string()));
+        let (last, parents) = path.split_last().ok_or_else(bad)?;
+        let mut table = &mut doc;
+        for p in parents {
+            let entry = table.entry(p.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            table = entry.as_table_mut().ok_or_else(|| {
+                ConfigError::Invalid(format!("--set `{set}`: `{p}` is a value in the config, not a table"))
+            })?;
+        }
+        table.insert(last.to_string(), value);
+    }
+    toml::to_string(&doc).map_err(|e| parse_error(e.to_string()))
+}
+
 fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
@@ -470,6 +513,34 @@ fn one_line(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sets_override_nested_keys_and_refuse_malformed_ones() {
+        let text = "[scheduler]\npolicy = \"fcfs\"\n[workload]\nseed = 1\n[workload.lengths]\nkind = \"lognormal\"\n";
+        let sets = |s: &[&str]| s.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let out = apply_sets(
+            text,
+            "c.toml",
+            &sets(&[
+                "scheduler.intra.boundary_hold=true",
+                "workload.seed = 7",
+                "scheduler.policy=pascal",
+                "workload.lengths.overflow=resample",
+            ]),
+        )
+        .unwrap();
+        let cfg = SimConfig::parse(&out, "c.toml").unwrap();
+        assert!(cfg.scheduler.intra.boundary_hold);
+        assert_eq!(cfg.workload.seed, 7);
+        assert_eq!(cfg.scheduler.policy, "pascal", "a bare word is a string");
+        for bad in ["scheduler.intra.boundary_hold", "=3", "a..b=1", "scheduler.policy.x=1"] {
+            let e = apply_sets(text, "c.toml", &sets(&[bad])).unwrap_err().to_string();
+            assert!(e.contains("--set") && !e.contains('\n'), "{bad}: {e}");
+        }
+        // An unknown key is the config's own error, naming it.
+        let out = apply_sets(text, "c.toml", &sets(&["scheduler.intra.hold=true"])).unwrap();
+        assert!(SimConfig::parse(&out, "c.toml").unwrap_err().to_string().contains("hold"));
+    }
 
     #[test]
     fn defaults_are_pascals_setup() {

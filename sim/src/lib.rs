@@ -7,11 +7,13 @@
 //! - [`config`]: the experiment TOML (`SimConfig`), presets, instance sizing, validation;
 //! - [`cluster`]: the event loop;
 //! - [`migration`]: one live KV migration (the netmodel protocol machines) over the fabric;
+//! - [`capacity`]: the rate where steady-state KV demand meets capacity, and sweep rates around it;
 //! - [`run_one`]: one (policy, rate) point of a config (`kvfleet sim` runs a sweep's points in
 //!   parallel).
 
 #![warn(missing_docs)]
 
+pub mod capacity;
 pub mod cluster;
 pub mod config;
 pub mod migration;

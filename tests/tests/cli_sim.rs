@@ -130,6 +130,19 @@ const BAD_INPUTS: &[BadInput] = &[
         args: &[],
         mentions: &["sweep.seeds", "got 0"],
     },
+    BadInput {
+        name: "zero capacity factor",
+        config: Some(OK_WORKLOAD),
+        args: &["--around-capacity", "1,0"],
+        mentions: &["--around-capacity", "got 0"],
+    },
+    BadInput {
+        name: "a request larger than the KV memory",
+        config: Some("[cluster]\nkv_cache_gb = 0.01\n[workload]\nnum_requests = 5\n[workload.lengths]\nkind = \"fixed\"\nprompt_tokens = 4000\n"),
+        args: &["--capacity"],
+        mentions: &["capacity"],
+    },
+    BadInput { name: "malformed --set", config: Some(OK_WORKLOAD), args: &["--set", "cluster.instances"], mentions: &["--set", "KEY=VALUE"] },
     BadInput { name: "missing config file", config: None, args: &[], mentions: &["cannot read config", "absent.toml"] },
     BadInput {
         name: "missing trace file",
@@ -444,6 +457,44 @@ fn seeds_run_every_point_per_seed_and_compare_the_policies_over_them() {
     let text = String::from_utf8_lossy(&files["comparison.txt"]);
     assert!(text.contains("over 3 seeds") && stdout.contains("over 3 seeds"), "{text}");
     assert_eq!(String::from_utf8_lossy(&files["comparison.csv"]).lines().count(), 2);
+}
+
+#[test]
+fn the_capacity_finder_centres_a_sweep_on_the_capacity_rate() {
+    let tmp = TempDir::new("capacity");
+    let config = fixture("small-sweep.toml");
+    let out = sim(&["--config", path_str(&config), "--capacity"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let rate: f64 = stdout
+        .strip_prefix("capacity")
+        .and_then(|rest| rest.trim_start().split_whitespace().next())
+        .and_then(|r| r.parse().ok())
+        .unwrap_or_else(|| panic!("no capacity rate in: {stdout}"));
+    assert!(rate > 0.0 && rate.is_finite(), "{stdout}");
+    assert!(!tmp.join("out").exists());
+    // Around it: the sweep's rates become factor × capacity, rounded to 2 decimals.
+    let out_dir = tmp.join("out");
+    let out = sim(&[
+        "--config",
+        path_str(&config),
+        "--out",
+        path_str(&out_dir),
+        "-q",
+        "--no-plots",
+        "--policy",
+        "fcfs",
+        "--requests",
+        "60",
+        "--around-capacity",
+        "0.5,1",
+        "--set",
+        "scheduler.intra.boundary_hold=true",
+    ]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("2 run(s)"));
+    let summary = Csv::read(&out_dir.join("summary.csv"));
+    let rates: Vec<f64> = summary.column("rate").iter().map(|r| r.parse().unwrap()).collect();
+    let want = |f: f64| (f * rate * 100.0).round() / 100.0;
+    assert_eq!(rates, [want(0.5), want(1.0)], "capacity {rate}");
 }
 
 // ---------------------------------------------------------------------------------------------
