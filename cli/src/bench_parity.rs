@@ -36,6 +36,10 @@ pub struct ParityBench {
         default_value = "quickstart,examples/parity-trace.toml,examples/parity-migration.toml"
     )]
     workloads: Vec<String>,
+    /// Run each workload under these policies (in both backends; default: its config's
+    /// `scheduler.policy`); each (workload, policy) is one row, named `<workload>-<policy>`.
+    #[arg(long = "policy", value_delimiter = ',')]
+    policies: Vec<String>,
     /// Output directory: per workload the simulator's and the emulator's outputs; `parity.json`
     /// and `parity.csv` with the figures.
     #[arg(short, long, default_value = "results/bench-parity")]
@@ -74,15 +78,28 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating the kvfleet binary")?;
     std::fs::create_dir_all(&b.out).with_context(|| format!("creating {}", b.out.display()))?;
     let mut results = Vec::new();
-    for w in &b.workloads {
+    let policies: Vec<Option<&String>> =
+        if b.policies.is_empty() { vec![None] } else { b.policies.iter().map(Some).collect() };
+    let runs = b.workloads.iter().flat_map(|w| policies.iter().map(move |p| (w, *p)));
+    for (w, policy) in runs {
         let (name, config) = workload_config(w, &b.out)?;
         let cfg = SimConfig::load(&config).map_err(|e| InputError(e.to_string()))?;
+        let name = match policy {
+            Some(p) => {
+                kvfleet_sim::config::resolve_policy(p).map_err(|e| InputError(e.to_string()))?;
+                format!("{name}-{}", crate::report::file_safe(p))
+            }
+            None => name,
+        };
+        let policy_args: Vec<&str> = policy.map(|p| vec!["--policy", p.as_str()]).unwrap_or_default();
         let dir = b.out.join(&name);
         let _ = std::fs::remove_dir_all(&dir);
         let (sim_dir, emu_dir) = (dir.join("sim"), dir.join("emu"));
         let config_arg = config.to_string_lossy().into_owned();
         say!("parity {name}: kvfleet sim …");
-        run_step(&exe, &["sim", "--config", &config_arg, "--no-plots", "-q", "--out", &path_arg(&sim_dir)])?;
+        let sim_dir_arg = path_arg(&sim_dir);
+        let sim_args = ["sim", "--config", &config_arg, "--no-plots", "-q", "--out", &sim_dir_arg];
+        run_step(&exe, &[&sim_args[..], &policy_args].concat())?;
         say!("parity {name}: kvfleet up (real processes; about as long as the simulated run) …");
         let Some(kv) = cfg.cluster.kv_cache_gb else {
             let why = "needs `cluster.kv_cache_gb`: the emulator's arenas are sized from it";
@@ -90,29 +107,28 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
         };
         let (kv, cpu) = (arena_bytes(kv), arena_bytes(cfg.cluster.cpu_swap_gb));
         let (gbps, latency_us) = (cfg.link.bandwidth_gbps.to_string(), cfg.link.latency_us.to_string());
-        run_step(
-            &exe,
-            &[
-                "up",
-                "--config",
-                &config_arg,
-                "--no-etcd",
-                "--no-traces",
-                "--kv-memory",
-                &kv,
-                "--cpu-memory",
-                &cpu,
-                "--kv-fill",
-                "stamp",
-                "--link-gbps",
-                &gbps,
-                "--link-latency-us",
-                &latency_us,
-                "-q",
-                "--out",
-                &path_arg(&emu_dir),
-            ],
-        )?;
+        let emu_dir_arg = path_arg(&emu_dir);
+        let up_args = [
+            "up",
+            "--config",
+            &config_arg,
+            "--no-etcd",
+            "--no-traces",
+            "--kv-memory",
+            &kv,
+            "--cpu-memory",
+            &cpu,
+            "--kv-fill",
+            "stamp",
+            "--link-gbps",
+            &gbps,
+            "--link-latency-us",
+            &latency_us,
+            "-q",
+            "--out",
+            &emu_dir_arg,
+        ];
+        run_step(&exe, &[&up_args[..], &policy_args].concat())?;
         let p = compare(&name, &sim_dir, &emu_dir)?;
         say!("{}", table(std::slice::from_ref(&p)));
         results.push(p);

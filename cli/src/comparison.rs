@@ -10,6 +10,8 @@
 //!
 //! Each figure is `mean [min … max]` over the seeds (one value with one seed).
 
+use crate::plots::same_rate;
+use crate::report::rate_label;
 use kvfleet_core::metrics::{compare_tails, SeedRange, TailComparison};
 use kvfleet_sim::RunResult;
 use serde::Serialize;
@@ -86,10 +88,6 @@ pub struct Comparison {
     pub tail: Vec<TailRow>,
     /// Policy rows, by rate then policy.
     pub policies: Vec<PolicyRow>,
-}
-
-fn same_rate(a: Option<f64>, b: Option<f64>) -> bool {
-    a.map(f64::to_bits) == b.map(f64::to_bits)
 }
 
 /// Values in first-seen order, without repeats.
@@ -180,10 +178,6 @@ fn num(r: &Option<SeedRange>, decimals: usize) -> String {
     r.map_or("-".into(), |r| r.show(|x| format!("{x:.decimals$}")))
 }
 
-fn rate_cell(rate: Option<f64>) -> String {
-    rate.map_or("trace".into(), |r| format!("{r}"))
-}
-
 /// Left-aligned first column, the others right-aligned, widths from the content.
 fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
@@ -218,7 +212,7 @@ pub fn render(c: &Comparison) -> String {
         .iter()
         .map(|t| {
             vec![
-                rate_cell(t.rate),
+                rate_label(t.rate),
                 t.baseline.clone(),
                 pct(&t.max_reduction),
                 format!("{} / {}", num(&t.max_reduction_policy_s, 1), num(&t.max_reduction_baseline_s, 1)),
@@ -249,7 +243,7 @@ pub fn render(c: &Comparison) -> String {
         .iter()
         .map(|p| {
             vec![
-                rate_cell(p.rate),
+                rate_label(p.rate),
                 p.policy.clone(),
                 num(&p.slo_violation_pct, 2),
                 num(&p.blocking_p99_s, 2),

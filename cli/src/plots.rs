@@ -91,7 +91,8 @@ fn distinct_rates(runs: &[RunResult]) -> Vec<Option<f64>> {
     rates
 }
 
-fn same_rate(a: Option<f64>, b: Option<f64>) -> bool {
+/// Whether two runs' rates are the same (both a trace's arrivals, or bit-equal).
+pub fn same_rate(a: Option<f64>, b: Option<f64>) -> bool {
     a.map(f64::to_bits) == b.map(f64::to_bits)
 }
 

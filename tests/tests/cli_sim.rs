@@ -467,7 +467,7 @@ fn the_capacity_finder_centres_a_sweep_on_the_capacity_rate() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let rate: f64 = stdout
         .strip_prefix("capacity")
-        .and_then(|rest| rest.trim_start().split_whitespace().next())
+        .and_then(|rest| rest.split_whitespace().next())
         .and_then(|r| r.parse().ok())
         .unwrap_or_else(|| panic!("no capacity rate in: {stdout}"));
     assert!(rate > 0.0 && rate.is_finite(), "{stdout}");
