@@ -72,6 +72,47 @@ fn up_with_the_embedded_store_runs_a_workload_end_to_end() {
     assert_no_process_left(&out);
 }
 
+/// `kvfleet up` killed with SIGKILL (no chance to clean up) takes every process it started with
+/// it: they get SIGTERM when it dies (PR_SET_PDEATHSIG).
+#[test]
+fn a_killed_up_leaves_no_process_behind() {
+    let tmp = TempDir::new("up-kill9");
+    let out = tmp.join("out");
+    let mut args = base_args(&out, 2, 2000);
+    args.push("--no-etcd".into());
+    let mut up = std::process::Command::new(kvfleet_tests::kvfleet_bin())
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("kvfleet up starts");
+    // pids.txt appears once every process is up.
+    let pids = out.join("pids.txt");
+    let started = std::time::Instant::now();
+    while !pids.exists() {
+        assert!(started.elapsed().as_secs() < 120, "kvfleet up did not start its processes in 120 s");
+        assert!(up.try_wait().expect("waitable").is_none(), "kvfleet up exited before its processes were up");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let text = std::fs::read_to_string(&pids).expect("pids.txt readable");
+    let started: Vec<&str> = text.lines().filter_map(|l| l.split_whitespace().next()).collect();
+    assert!(started.len() >= 3, "coordinators and workers: {text}");
+    up.kill().expect("SIGKILL");
+    up.wait().expect("reaped");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        let alive: Vec<&&str> = started.iter().filter(|pid| process_alive(pid)).collect();
+        if alive.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still running 15 s after kvfleet up was killed: {alive:?} of\n{text}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 #[test]
 fn up_with_etcd_survives_a_leader_kill() {
     if !etcd_installed() {

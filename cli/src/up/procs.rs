@@ -82,6 +82,7 @@ impl Proc {
         if own_group {
             command.process_group(0);
         }
+        die_with_parent(&mut command);
         for (var, value) in env {
             match value {
                 Some(v) => command.env(var, v),
@@ -346,5 +347,28 @@ impl EtcdSpec {
             .with_context(|| format!("opening {}", log.display()))?;
         drop(log_file);
         Proc::spawn_with("etcd", &self.bin, &args, &log, None, self.own_group)
+    }
+}
+
+/// The child gets SIGTERM when the process that started it dies, however it dies (kill -9 of
+/// `kvfleet up` included): workers and coordinators in their own process groups would otherwise
+/// outlive it. Linux ties this to the spawning *thread*; every spawn here runs on the thread that
+/// drives the cluster, which lives as long as the run.
+fn die_with_parent(command: &mut Command) {
+    use std::os::unix::process::CommandExt as _;
+    // SAFETY: the closure runs in the child between fork and exec and only makes the
+    // async-signal-safe calls prctl(2) and getppid(2).
+    let parent = std::process::id();
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may have died before the prctl: then nobody would signal this child.
+            if libc::getppid() as u32 != parent {
+                return Err(std::io::Error::other("kvfleet up exited while starting this process"));
+            }
+            Ok(())
+        });
     }
 }
