@@ -114,6 +114,13 @@ pub enum Event {
         /// complete).
         from: Option<InstanceId>,
     },
+    /// The client gave up on the request (it disconnected): stop it where it runs
+    /// ([`Action::Cancel`]). During a move the cancel waits for the move to end, then goes to
+    /// whichever end holds the request; a request whose only copy was lost is just forgotten.
+    Cancelled {
+        /// The request.
+        request: RequestId,
+    },
     /// Time passed: charges no report covered expire.
     Tick,
 }
@@ -160,6 +167,15 @@ pub enum Action {
         to: InstanceId,
         /// KV it holds, in blocks.
         kv_blocks: u32,
+    },
+    /// Stop `request` on `on` and free what it holds there: its client is gone
+    /// ([`Event::Cancelled`]). The controller has forgotten the request; a record `on` sends
+    /// anyway (it finished meanwhile) is [`ControlError::NotInFlight`].
+    Cancel {
+        /// The request.
+        request: RequestId,
+        /// Where it runs.
+        on: InstanceId,
     },
     /// `from` left while moving `request` out to `to`, which is live: the move may have committed.
     /// Ask `to` whether it holds the request (it refuses a late COMMIT from then on) and answer
@@ -305,6 +321,8 @@ pub struct Controller {
     moves: HashMap<RequestId, Move>,
     /// Open moves one of whose ends left.
     departed: BTreeMap<RequestId, Departed>,
+    /// Requests whose client left during a move: cancelled once the move ends.
+    cancelling: BTreeSet<RequestId>,
     /// Requests whose re-placement found no live instance: retried when one joins.
     stranded: BTreeSet<RequestId>,
     retain_finished: bool,
@@ -325,6 +343,7 @@ impl Controller {
             requests: BTreeMap::new(),
             moves: HashMap::new(),
             departed: BTreeMap::new(),
+            cancelling: BTreeSet::new(),
             stranded: BTreeSet::new(),
             retain_finished: false,
             now: Timestamp::ZERO,
@@ -420,6 +439,7 @@ impl Controller {
             Event::Lost { request } => self.on_lost(request),
             Event::Settled { request, held } => self.on_settled(request, held),
             Event::Finished { request, from } => self.on_finished(request, from),
+            Event::Cancelled { request } => self.on_cancelled(request),
             Event::Tick => {
                 let ids: Vec<InstanceId> = self.instances.keys().copied().collect();
                 for id in ids {
@@ -655,6 +675,10 @@ impl Controller {
 
     fn on_lost(&mut self, id: RequestId) -> Result<(), ControlError> {
         match self.requests.get(&id) {
+            Some(o) if o.unfinished() && self.cancelling.remove(&id) => {
+                // Its client left and its copy is gone: nothing to run, nothing to stop.
+                self.forget(id)
+            }
             Some(o) if o.unfinished() => {
                 self.replace(id);
                 Ok(())
@@ -674,6 +698,10 @@ impl Controller {
         }
         self.departed.remove(&id);
         match self.requests.get(&id) {
+            Some(o) if o.unfinished() && self.cancelling.remove(&id) => {
+                // Its client left, and the target does not hold it: the copy left with its source.
+                self.forget(id)
+            }
             Some(o) if o.unfinished() => {
                 self.replace(id);
                 Ok(())
@@ -769,8 +797,10 @@ impl Controller {
         }
         // It committed to a target that has left since: the only copy left with it.
         let lost_with_target = departed == Some(Departed::Target) && outcome == MoveOutcome::Committed && unfinished;
+        let cancelling = self.cancelling.remove(&id);
         let retry = outcome == MoveOutcome::Refused
             && unfinished
+            && !cancelling
             && self.moves.get(&id).is_some_and(|m| m.declined.len() <= MAX_RETARGETS);
         if retry {
             self.decide_move(id);
@@ -780,8 +810,47 @@ impl Controller {
                 self.requests.remove(&id);
             }
         }
+        if cancelling && unfinished {
+            // The client left during the move: stop the request where the move left it (its
+            // only copy went with a departed target: nothing to stop).
+            let on = self.requests.get(&id).map(|o| o.instance);
+            self.on_finished(id, None)?;
+            if let (Some(on), false) = (on, lost_with_target) {
+                self.actions.push_back(Action::Cancel { request: id, on });
+            }
+            return Ok(());
+        }
         if lost_with_target {
             self.replace(id);
+        }
+        Ok(())
+    }
+
+    /// A cancelled request with no copy left to stop: finished, and its move's bookkeeping gone.
+    fn forget(&mut self, id: RequestId) -> Result<(), ControlError> {
+        self.moves.remove(&id);
+        self.departed.remove(&id);
+        self.on_finished(id, None)?;
+        if !self.retain_finished {
+            self.requests.remove(&id);
+        }
+        Ok(())
+    }
+
+    fn on_cancelled(&mut self, id: RequestId) -> Result<(), ControlError> {
+        let Some(o) = self.requests.get(&id).filter(|o| o.unfinished()) else {
+            return Err(ControlError::NotInFlight(id));
+        };
+        if o.migrating_to.is_some() {
+            self.cancelling.insert(id);
+            return Ok(());
+        }
+        let on = o.instance;
+        let stranded = self.stranded.contains(&id);
+        self.on_finished(id, None)?;
+        // A stranded request (its instance left, no live instance to re-place it on) runs nowhere.
+        if !stranded {
+            self.actions.push_back(Action::Cancel { request: id, on });
         }
         Ok(())
     }

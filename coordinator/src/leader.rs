@@ -51,6 +51,8 @@ pub struct LeaderStats {
     /// Final records refused because their instance no longer owned the request (a paused or
     /// cut-off worker's late copy of a request re-placed meanwhile).
     pub late_results: AtomicU64,
+    /// Requests cancelled because their client left.
+    pub cancelled: AtomicU64,
 }
 
 struct WorkerLink {
@@ -447,6 +449,9 @@ impl Leader {
                     // Asking may wait on a hung target: not in the caller's way (the registry watch).
                     tokio::spawn(self.clone().settle_departed_source(request, from, to));
                 }
+                Action::Cancel { request, on } => {
+                    tokio::spawn(self.clone().cancel_on(request, on));
+                }
                 other => self.place_again(other).await,
             }
         }
@@ -471,6 +476,9 @@ impl Leader {
                     let leader = self.clone();
                     tokio::spawn(async move { leader.submit_to_worker(on, &spec).await });
                 }
+            }
+            Action::Cancel { request, on } => {
+                tokio::spawn(self.clone().cancel_on(request, on));
             }
             Action::Reject { request, reason } => {
                 // It stays owned by its dead worker; the controller re-places it when a worker
@@ -545,6 +553,60 @@ impl Leader {
         let leader = self.clone();
         tokio::spawn(async move { leader.submit_to_worker(to, &spec).await });
         Ok(to)
+    }
+
+    /// The client of `id` left (an HTTP client disconnected): stop the request where it runs and
+    /// forget it, so that no successor resumes it. During a move the controller cancels it once
+    /// the move ended ([`Event::Cancelled`]). A request that finished meanwhile keeps its result.
+    pub async fn cancel(self: &Arc<Self>, id: RequestId) {
+        let actions = match self.decide(Event::Cancelled { request: id }) {
+            Ok(actions) => actions,
+            Err(e) => {
+                tracing::debug!(request = id.0, "nothing to cancel: {e}");
+                return;
+            }
+        };
+        self.subscribers.lock().expect("subscribers lock").remove(&id);
+        if actions.is_empty() {
+            tracing::info!(request = id.0, "client left during a move: cancelled once the move ends");
+        }
+        for action in actions {
+            if let Action::Cancel { request, on } = action {
+                self.clone().cancel_on(request, on).await;
+            }
+        }
+    }
+
+    /// Carry out [`Action::Cancel`]: forget the request durably (a new leader must not resume
+    /// it), then ask its worker to stop it.
+    async fn cancel_on(self: Arc<Self>, id: RequestId, on: InstanceId) {
+        self.subscribers.lock().expect("subscribers lock").remove(&id);
+        self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = self.forget_ownership(id).await {
+            tracing::warn!(request = id.0, "cancelled, but its ownership record stays: {e}");
+        }
+        let Some(mut client) = self.client(on) else { return };
+        match client.cancel(v1::CancelRequest { request_id: id.0 }).await {
+            Ok(r) if r.get_ref().cancelled => {
+                tracing::info!(request = id.0, instance = on.0, "cancelled: its client left")
+            }
+            Ok(r) => tracing::info!(request = id.0, instance = on.0, reason = %r.get_ref().reason, "nothing to cancel"),
+            Err(e) => tracing::warn!(request = id.0, instance = on.0, "cancel failed: {e}"),
+        }
+    }
+
+    /// Delete a request's ownership record, fenced on leadership.
+    async fn forget_ownership(&self, id: RequestId) -> Result<(), LeaderError> {
+        if self.is_deposed() {
+            return Err(LeaderError::Deposed);
+        }
+        match self.store.delete_if(&keys::request(id.0), &[Condition::leader(&self.fence)]).await? {
+            Some(_) => Ok(()),
+            None => {
+                let _ = self.deposed_tx.send(true);
+                Err(LeaderError::Deposed)
+            }
+        }
     }
 
     /// Re-attach a client to a request (after a leader change). Finished: the record at once.
@@ -902,6 +964,7 @@ impl Leader {
             migrations: self.stats.migrations.load(Ordering::Relaxed),
             migrations_failed: self.stats.migration_failures.load(Ordering::Relaxed),
             late_results: self.stats.late_results.load(Ordering::Relaxed),
+            cancelled: self.stats.cancelled.load(Ordering::Relaxed),
             store: self.store.store_kind().to_string(),
             migration_log: self.migration_log.lock().expect("migration log lock").clone(),
         }

@@ -288,15 +288,26 @@ async fn complete(
     // The leader drops token notifications (never the final record) when this fills up.
     let (tx, mut rx): (ClientTx, _) = mpsc::channel(1024);
     leader.submit(spec, tx).await?;
+    // From here on a client that goes away (this future dropped, the stream closed) cancels it.
+    let guard = CancelOnDrop { leader: Some(leader), id: RequestId(id) };
     let meta = ResponseMeta::new(endpoint, id, unix_now_ns() / 1_000_000_000, &req.model);
     tracing::debug!(request = id, ?endpoint, stream = req.stream, "HTTP request accepted");
     if req.stream {
         let (out, events) = mpsc::channel::<Result<Event, Infallible>>(256);
-        tokio::spawn(stream_events(rx, id, req, meta, out));
+        tokio::spawn(stream_events(rx, id, req, meta, out, guard));
         return Ok(Sse::new(ReceiverStream::new(events)).keep_alive(KeepAlive::default()).into_response());
     }
+    let mut guard = guard;
     loop {
-        match rx.recv().await {
+        let event = rx.recv().await;
+        if !matches!(
+            event,
+            Some(Ok(v1::ClientEvent { event: Some(ClientEvent::Tokens(_) | ClientEvent::AcceptedOn(_)) }))
+        ) {
+            // Finished, or the cluster side ended: nothing left to cancel.
+            guard.disarm();
+        }
+        match event {
             Some(Ok(v1::ClientEvent { event: Some(ClientEvent::Finished(rec)) })) => {
                 if rec.rejected {
                     return Err(rejected(&req));
@@ -335,14 +346,41 @@ fn data(v: &Value) -> Result<Event, Infallible> {
     Ok(Event::default().data(v.to_string()))
 }
 
-/// Forward the leader's events to an SSE stream, one chunk per output token; stops early when
-/// the client goes away (the request itself runs to completion in the cluster).
+/// Cancels its request ([`Leader::cancel`]) when dropped armed: the HTTP client went away
+/// before the request finished. gRPC clients are not cancelled on a broken stream (they resume).
+struct CancelOnDrop {
+    leader: Option<Arc<Leader>>,
+    id: RequestId,
+}
+
+impl CancelOnDrop {
+    /// The request ended (finished, rejected, or the cluster side failed): nothing to cancel.
+    fn disarm(&mut self) {
+        self.leader = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(leader) = self.leader.take() {
+            let id = self.id;
+            tracing::info!(request = id.0, "HTTP client went away: cancelling its request");
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move { leader.cancel(id).await });
+            }
+        }
+    }
+}
+
+/// Forward the leader's events to an SSE stream, one chunk per output token; when the client
+/// goes away (the stream is dropped) the request is cancelled.
 async fn stream_events(
     mut rx: mpsc::Receiver<Result<v1::ClientEvent, tonic::Status>>,
     id: u64,
     req: CompletionRequest,
     meta: ResponseMeta,
     out: mpsc::Sender<Result<Event, Infallible>>,
+    mut guard: CancelOnDrop,
 ) {
     let mut tracker = TokenTracker::new(req.reasoning_tokens, req.answer_tokens);
     let mut first = true;
@@ -356,7 +394,18 @@ async fn stream_events(
             .collect::<Vec<_>>()
     };
     let error = loop {
-        let chunks = match rx.recv().await {
+        let event = tokio::select! {
+            event = rx.recv() => event,
+            // The client is gone: `guard` cancels the request.
+            () = out.closed() => return,
+        };
+        if !matches!(
+            event,
+            Some(Ok(v1::ClientEvent { event: Some(ClientEvent::Tokens(_) | ClientEvent::AcceptedOn(_)) }))
+        ) {
+            guard.disarm();
+        }
+        let chunks = match event {
             Some(Ok(v1::ClientEvent { event: Some(ClientEvent::Tokens(t)) })) => {
                 let range = tracker.advance(t.first_index, t.count);
                 send_tokens(range, &tracker, &mut first)

@@ -374,6 +374,100 @@ fn openai_raw_http_streams_sse_chunks_and_rejects_bad_input() {
 
 /// POST a body of `len` bytes from a second thread while reading the reply (the server answers
 /// 413 before it has read everything).
+/// `kvfleet status` of the cluster, as text.
+fn status(cluster: &Cluster) -> String {
+    let out = kvfleet_tests::run_kvfleet(["status", "--coordinator", &cluster.grpc, "--plaintext"]);
+    assert!(out.status.success(), "{}", kvfleet_tests::describe(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Polls `kvfleet status` until it contains `want` (30 s at most).
+fn await_status(cluster: &Cluster, want: &str) -> String {
+    await_status_where(cluster, want, |s| s.contains(want))
+}
+
+/// Polls `kvfleet status` until `done` holds (30 s at most); `want` describes it.
+fn await_status_where(cluster: &Cluster, want: &str, done: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = status(cluster);
+        if done(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "`kvfleet status` never showed `{want}`:\n{s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A client that goes away cancels its request: streaming (the connection closes after a few
+/// chunks) or not (the connection closes while it waits). The worker stops it and frees its KV,
+/// the leader no longer counts it in flight, and a request that finished is not cancelled.
+#[test]
+fn a_client_that_goes_away_cancels_its_request() {
+    let cluster = Cluster::start("openai-cancel");
+    let addr = &cluster.http;
+    // 236 output tokens (the worker's 64 MiB hold 256 tokens of this model) at ~25 ms each:
+    // about 6 s, unless cancelled.
+    let body = |stream: bool| {
+        format!(
+            r#"{{"model":"r1-distill-qwen-32b","messages":[{{"role":"user","content":"hi"}}],"stream":{stream},
+                "kvfleet_reasoning_tokens":200,"kvfleet_answer_tokens":36}}"#
+        )
+    };
+    let send = |body: &str| {
+        let mut conn = TcpStream::connect(addr).expect("connects");
+        conn.set_read_timeout(Some(Duration::from_secs(20))).expect("a read timeout");
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        conn.write_all(head.as_bytes()).and_then(|()| conn.write_all(body.as_bytes())).expect("request sent");
+        conn
+    };
+    // Streaming: read until a few token chunks came, then hang up.
+    let mut conn = send(&body(true));
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while seen.windows(6).filter(|w| w == b"data: ").count() < 3 {
+        let n = conn.read(&mut buf).expect("reads the stream");
+        assert!(n > 0, "the stream ended early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert!(status(&cluster).contains("1 in flight"), "{}", status(&cluster));
+    // The instance row's GPU blocks (`used/total`): the worker holds the request's KV now.
+    let gpu_used = |s: &str| -> Vec<u32> {
+        s.lines()
+            .filter(|l| l.split_whitespace().nth(2) == Some("yes"))
+            .filter_map(|l| l.split_whitespace().nth(3)?.split('/').next()?.parse().ok())
+            .collect()
+    };
+    await_status_where(&cluster, "KV in use", |s| gpu_used(s).iter().any(|&b| b > 0));
+    drop(conn);
+    let s = await_status(&cluster, "1 cancelled");
+    assert!(s.contains("0 in flight"), "{s}");
+    // The worker stopped it (its log says so: a request left to run would free its KV too, later)
+    // and freed its KV (its next load report says so).
+    let worker_log = cluster._tmp.join("worker.log");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string(&worker_log).unwrap_or_default().contains("cancelled: its client left") {
+        assert!(Instant::now() < deadline, "the worker never stopped the request: {}", worker_log.display());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    await_status_where(&cluster, "no KV in use", |s| gpu_used(s) == [0]);
+    // Not streaming: the client waits for the whole answer, then gives up.
+    let conn = send(&body(false));
+    await_status(&cluster, "1 in flight");
+    drop(conn);
+    let s = await_status(&cluster, "2 cancelled");
+    assert!(s.contains("0 in flight") && s.contains("0 finished"), "{s}");
+    // One that finishes is delivered and not cancelled.
+    let short = r#"{"model":"r1-distill-qwen-32b","messages":[{"role":"user","content":"hi"}],
+                    "kvfleet_reasoning_tokens":3,"kvfleet_answer_tokens":3}"#;
+    assert_eq!(http(addr, "POST", "/v1/chat/completions", Some(short)).0, 200);
+    let s = await_status(&cluster, "1 finished");
+    assert!(s.contains("2 cancelled"), "{s}");
+}
+
 fn oversized(addr: &str, len: usize) -> (u16, String) {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");

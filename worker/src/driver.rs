@@ -62,6 +62,11 @@ pub(crate) enum Command {
     Drain {
         reply: oneshot::Sender<u32>,
     },
+    /// The request's client left ([`Ledger::cancel`]): `Ok(true)` when it was stopped here.
+    Cancel {
+        request: RequestId,
+        reply: oneshot::Sender<Result<bool, String>>,
+    },
     /// Live migration (see [`live`]).
     Live(LiveCommand),
     /// The registration expired in etcd: drop what runs here ([`Ledger::lapse`]); replies how
@@ -398,6 +403,21 @@ impl Driver {
             Command::Drain { reply } => {
                 self.ledger.drain();
                 let _ = reply.send(self.ledger.held() as u32);
+            }
+            Command::Cancel { request, reply } => {
+                let answer = match self.ledger.cancel(request) {
+                    Ok(true) => match self.engine.cancel(request) {
+                        Ok(()) => {
+                            self.written.remove(&request);
+                            tracing::info!(request = request.0, "cancelled: its client left");
+                            Ok(true)
+                        }
+                        Err(e) => Err(e.to_string()),
+                    },
+                    Ok(false) => Ok(false),
+                    Err(e) => Err(e.to_string()),
+                };
+                let _ = reply.send(answer);
             }
             Command::Registration { registered } => {
                 if registered != self.ledger.is_registered() {

@@ -578,6 +578,26 @@ impl Ledger {
         }
     }
 
+    /// The request's client left: stop it here. `Ok(true)`: it ran here and the engine must drop
+    /// it (it counts as finished here: a late submit is answered "already accepted");
+    /// `Ok(false)`: nothing runs here to stop (never here, left, finished, rejected); an error
+    /// while it is moving out (the coordinator cancels it once the move ended).
+    pub fn cancel(&mut self, request: RequestId) -> Result<bool, LedgerError> {
+        let Some(e) = self.entries.get_mut(&request) else { return Ok(false) };
+        match e.state {
+            State::Running => {
+                e.state = State::Finished;
+                e.rematerialized = false;
+                self.held -= 1;
+                Ok(true)
+            }
+            State::MovingOut(_) | State::Paused(_) | State::InDoubt(_) => {
+                Err(LedgerError { request, event: "cancel", state: e.state.clone() })
+            }
+            _ => Ok(false),
+        }
+    }
+
     // ------------------------------------------------------------------------- helpers
 
     /// Whether requests may arrive by a migration now.

@@ -312,6 +312,16 @@ impl Worker for WorkerService {
         Ok(Response::new(v1::DrainReply { remaining }))
     }
 
+    async fn cancel(&self, request: Request<v1::CancelRequest>) -> Result<Response<v1::CancelReply>, Status> {
+        kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/Cancel")?;
+        let id = RequestId(request.get_ref().request_id);
+        let reply = match self.ask(|reply| Command::Cancel { request: id, reply }).await? {
+            Ok(cancelled) => v1::CancelReply { cancelled, reason: String::new() },
+            Err(reason) => v1::CancelReply { cancelled: false, reason },
+        };
+        Ok(Response::new(reply))
+    }
+
     async fn shutdown(&self, request: Request<v1::ShutdownRequest>) -> Result<Response<v1::ShutdownReply>, Status> {
         kvfleet_pki::authorize(&request, &[Role::Coordinator, Role::Operator], "Worker/Shutdown")?;
         tracing::info!("shutdown requested over gRPC");

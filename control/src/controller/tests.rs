@@ -428,3 +428,74 @@ fn a_re_placement_without_a_live_instance_is_retried_when_one_joins() {
     assert_eq!(actions, vec![Action::Place { request: RequestId(1), on: InstanceId(0), replaced: 1 }]);
     assert!(c.decide(Timestamp::ZERO, joined(0)).unwrap().is_empty(), "a refreshed registration re-places nothing");
 }
+
+/// A client that leaves cancels its request where it runs; during a move, once the move ended,
+/// at whichever end holds it; a copy lost meanwhile is just forgotten. Either way the request is
+/// no longer in flight, its charges are gone, and a late record from its instance is refused.
+#[test]
+fn a_cancelled_request_is_stopped_where_it_runs_once() {
+    let id = RequestId(7);
+    let cancel = Event::Cancelled { request: id };
+    let ended = |outcome| Event::MigrationEnded { request: id, outcome };
+    // (events after the move to 1 started, then the cancel's actions, then those of `after`)
+    type Case = (&'static str, Vec<Event>, Vec<Event>, Vec<Action>);
+    let table: Vec<Case> = vec![
+        (
+            "committed",
+            vec![],
+            vec![ended(MoveOutcome::Committed)],
+            vec![Action::Cancel { request: id, on: InstanceId(1) }],
+        ),
+        ("aborted", vec![], vec![ended(MoveOutcome::Aborted)], vec![Action::Cancel { request: id, on: InstanceId(0) }]),
+        // Refused: no retry to another target for a cancelled request.
+        ("refused", vec![], vec![ended(MoveOutcome::Refused)], vec![Action::Cancel { request: id, on: InstanceId(0) }]),
+        // Both ends failed it: no copy left, nothing to stop (and no re-placement).
+        ("lost", vec![], vec![Event::Lost { request: id }], vec![]),
+        // The source left; the target does not hold it: the copy went with the source.
+        (
+            "settled, not held",
+            vec![Event::Left { instance: InstanceId(0) }],
+            vec![Event::Settled { request: id, held: false }],
+            vec![],
+        ),
+        (
+            "settled, held",
+            vec![Event::Left { instance: InstanceId(0) }],
+            vec![Event::Settled { request: id, held: true }],
+            vec![Action::Cancel { request: id, on: InstanceId(1) }],
+        ),
+    ];
+    for (name, before, after, then) in table {
+        let mut c = moving_from_0_to_1(3);
+        for e in before {
+            c.decide(Timestamp::ZERO, e).unwrap();
+        }
+        assert!(c.decide(Timestamp::ZERO, cancel.clone()).unwrap().is_empty(), "{name}: waits for the move");
+        let mut got = Vec::new();
+        for e in after {
+            got.extend(c.decide(Timestamp::ZERO, e).unwrap());
+        }
+        assert_eq!(got, then, "{name}");
+        assert_eq!(c.in_flight(), 0, "{name}: still in flight");
+        assert!(c.ownership(id).is_none_or(|o| !o.unfinished()), "{name}: still unfinished");
+        assert_eq!(published(&c, 1).gpu_used_blocks, 10, "{name}: the move's charge is gone from its target");
+        assert_eq!(c.decide(Timestamp::ZERO, cancel.clone()), Err(ControlError::NotInFlight(id)), "{name}: twice");
+        assert_eq!(
+            c.decide(Timestamp::ZERO, Event::Finished { request: id, from: Some(InstanceId(0)) }),
+            Err(ControlError::NotInFlight(id)),
+            "{name}: a record sent before the cancel arrived is not stored"
+        );
+    }
+    // Not moving: cancelled at once where it runs.
+    let mut c = ctl("pascal", 2);
+    let at = place(&mut c, spec(8, 10));
+    assert_eq!(
+        c.decide(Timestamp::ZERO, Event::Cancelled { request: RequestId(8) }).unwrap(),
+        vec![Action::Cancel { request: RequestId(8), on: at }]
+    );
+    assert_eq!(c.in_flight(), 0);
+    assert_eq!(
+        c.decide(Timestamp::ZERO, Event::Cancelled { request: RequestId(99) }),
+        Err(ControlError::NotInFlight(RequestId(99)))
+    );
+}

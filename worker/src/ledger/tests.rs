@@ -98,6 +98,23 @@ fn a_target_that_finished_the_request_answers_held() {
 }
 
 #[test]
+fn a_cancel_stops_what_runs_here_once_and_waits_out_a_move() {
+    let mut l = running();
+    assert_eq!((l.cancel(R), l.held()), (Ok(true), 0), "running: stopped, no longer held");
+    assert_eq!(l.cancel(R), Ok(false), "twice: nothing left to stop");
+    assert_eq!(l.submit(R), Admission::AlreadyAccepted, "a late submit does not run it again");
+    assert_eq!(l.cancel(RequestId(99)), Ok(false), "never here");
+    // Moving out: the coordinator cancels once the move ended, wherever the request is then.
+    let mut l = running();
+    l.begin_out(R, M1).unwrap();
+    assert!(l.cancel(R).is_err());
+    l.pause(R, M1).unwrap();
+    assert!(l.cancel(R).is_err());
+    l.commit_out(R, M1).unwrap();
+    assert_eq!((l.cancel(R), l.held()), (Ok(false), 0), "left by the move: the target stops it");
+}
+
+#[test]
 fn an_expired_registration_drops_what_runs_here_and_a_re_placement_runs_afresh() {
     let mut l = running();
     let other = RequestId(8);
