@@ -1,8 +1,8 @@
 //! The ledger alone (event tables), then in a modelled cluster: three instances, each with its own
 //! ledger, and a coordinator that places, moves, settles and re-places requests as the real one
 //! does (except where `Cluster::evict` and `Cluster::resolve` say what it must do and does not
-//! yet), driven through random sequences of submits, moves, lost replies, kills, restarts and
-//! lapsed registrations. After every step: every unfinished request is held where the coordinator
+//! yet), driven through random sequences of submits, moves, lost replies, kills, restarts,
+//! lapsed registrations and cancellations. After every step: every unfinished request is held where the coordinator
 //! believes it is, no request runs in two places or after it finished, and every reservation is
 //! one migration's and is freed exactly once.
 
@@ -246,6 +246,11 @@ enum Op {
     Deliver {
         pick: u8,
     },
+    /// Its client left: the coordinator forgets a request that is not moving and cancels it on
+    /// its owner (during a move the real one waits for the move to end).
+    Cancel {
+        pick: u8,
+    },
     /// The coordinator moves a request (PASCAL at its phase boundary): source begins, target reserves.
     StartMove {
         pick: u8,
@@ -297,6 +302,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => b().prop_map(|pick| Op::ResubmitFinished { pick }),
         2 => (b(), any::<bool>()).prop_map(|(pick, recorded)| Op::Finish { pick, recorded }),
         1 => b().prop_map(|pick| Op::Deliver { pick }),
+        1 => b().prop_map(|pick| Op::Cancel { pick }),
         4 => (b(), b()).prop_map(|(pick, to)| Op::StartMove { pick, to }),
         3 => b().prop_map(|pick| Op::Pause { pick }),
         3 => (b(), any::<bool>()).prop_map(|(pick, reply_lost)| Op::Commit { pick, reply_lost }),
@@ -537,6 +543,21 @@ impl Cluster {
                 if let Some(request) = nth(&pending, pick) {
                     self.record(request);
                 }
+            }
+            Op::Cancel { pick } => {
+                let idle: Vec<(RequestId, usize)> =
+                    self.owner.iter().filter(|(r, _)| !self.moving.contains_key(r)).map(|(&r, &i)| (r, i)).collect();
+                let Some((request, i)) = nth(&idle, pick) else { return };
+                let Some(p) = self.current[i].as_ref().map(|p| p.id) else { return };
+                // A stale move out the coordinator stopped tracking: the real leader's cancel is
+                // answered "moving out" and the copy runs to its end unheard; not modelled.
+                if self.ledger(p).cancel(request).is_err() {
+                    return;
+                }
+                // Forgotten: never re-placed, resubmitted or recorded again.
+                self.owner.remove(&request);
+                self.unrecorded.remove(&request);
+                self.finished.insert(request, p);
             }
             Op::StartMove { pick, to } => {
                 let idle: Vec<RequestId> =
