@@ -2,9 +2,9 @@
 //! ledger, and a coordinator that places, moves, settles and re-places requests as the real one
 //! does (except where `Cluster::evict` and `Cluster::resolve` say what it must do and does not
 //! yet), driven through random sequences of submits, moves, lost replies, kills, restarts,
-//! lapsed registrations and cancellations. After every step: every unfinished request is held where the coordinator
-//! believes it is, no request runs in two places or after it finished, and every reservation is
-//! one migration's and is freed exactly once.
+//! lapsed registrations and cancellations. After every step: every unfinished request is held
+//! where the coordinator believes it is, no request runs in two places or after it finished, and
+//! every reservation is one migration's and is freed exactly once.
 
 use super::*;
 use proptest::prelude::*;
