@@ -268,6 +268,12 @@ fn cmd_sim(args: SimArgs) -> anyhow::Result<()> {
     let wall = started.elapsed().as_secs_f64();
 
     say!("{}", report::summary_table(&results));
+    if !args.around_capacity.is_empty() && results.iter().all(|r| r.summary.preemptions_total == 0) {
+        say!(
+            "note: no run preempted a request: the swept rates put no memory pressure on the cluster \
+             (the capacity estimate is high for this workload; sweep larger factors)"
+        );
+    }
     let live = sim_live::table(&results);
     if !live.is_empty() {
         say!("{live}");

@@ -495,6 +495,22 @@ fn the_capacity_finder_centres_a_sweep_on_the_capacity_rate() {
     let rates: Vec<f64> = summary.column("rate").iter().map(|r| r.parse().unwrap()).collect();
     let want = |f: f64| (f * rate * 100.0).round() / 100.0;
     assert_eq!(rates, [want(0.5), want(1.0)], "capacity {rate}");
+    // Far below the capacity nothing is preempted: the run says the sweep missed the edge.
+    let out = sim(&[
+        "--config",
+        path_str(&config),
+        "--out",
+        path_str(&tmp.join("low")),
+        "-q",
+        "--no-plots",
+        "--policy",
+        "fcfs",
+        "--requests",
+        "30",
+        "--around-capacity",
+        "0.1",
+    ]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no memory pressure"), "{}", describe(&out));
 }
 
 // ---------------------------------------------------------------------------------------------
