@@ -331,6 +331,7 @@ mod tests {
 
     fn spec(id: u64) -> RequestSpec {
         RequestSpec {
+            content_ids: Vec::new(),
             id: RequestId(id),
             arrival: Timestamp(id * 10),
             prompt_tokens: 1,

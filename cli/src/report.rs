@@ -370,6 +370,7 @@ pub(crate) mod fixtures {
                 let fat = reasoning_end + 0.1 * slowdown;
                 let rejected = i == n - 1;
                 RequestRecord {
+                    cached_tokens: 0,
                     id: RequestId(n - 1 - i), // out of id order on purpose
                     arrival: t(arrival),
                     prompt_tokens: 100,

@@ -1160,7 +1160,14 @@ mod tests {
     }
 
     fn spec(id: u64, prompt_tokens: u32) -> RequestSpec {
-        RequestSpec { id: RequestId(id), arrival: Timestamp(0), prompt_tokens, reasoning_tokens: 4, answer_tokens: 4 }
+        RequestSpec {
+            content_ids: Vec::new(),
+            id: RequestId(id),
+            arrival: Timestamp(0),
+            prompt_tokens,
+            reasoning_tokens: 4,
+            answer_tokens: 4,
+        }
     }
 
     #[tokio::test]

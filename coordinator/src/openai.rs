@@ -279,6 +279,7 @@ async fn complete(
     let leader = leader_or_unavailable(&api.node).await?;
     let id = api.ids.next();
     let spec = RequestSpec {
+        content_ids: Vec::new(),
         id: RequestId(id),
         arrival: Timestamp(unix_now_ns().saturating_sub(api.node.epoch_unix_ns())),
         prompt_tokens: req.prompt_tokens,

@@ -4,14 +4,70 @@
 //! Block ids are real indices (block `b` of a pool lives at offset `b × block_bytes` of that
 //! pool's arena in the worker), so later layers can address, checksum and migrate them.
 //!
+//! **Prefix caching** (vLLM's automatic prefix caching): a full GPU block of a prompt whose content
+//! is known ([`prompt_block_hashes`]) is registered under its hash chain when it is allocated; a
+//! later prompt with the same leading hashes takes those blocks instead of new ones (a hit) and
+//! prefills only the rest. A hashed block is reference-counted; when its last holder lets go it
+//! stays cached in an LRU of free cached blocks, which allocations take from only after the
+//! uncached free blocks (evicting the LRU head); a finished request's blocks join the LRU tail last
+//! block first, so a prompt's head outlives its tail. Blocks without a known content (generated
+//! tokens, the partial last prompt block, everything on the CPU tier) stay private, exactly as
+//! without the cache: a workload without content ids runs byte-identically.
+//!
 //! Invariants (property-tested below and checked by [`KvBlockManager::check_invariants`]):
-//! - every block of a pool is either free or owned by exactly one request's table;
-//! - free + used = capacity, per pool, after every operation;
+//! - every block of a pool is free, free-cached (in the LRU, hashed, no holder) or referenced: a
+//!   private block by exactly one table, a hashed block by as many tables as its reference count;
+//! - free + free-cached + referenced = capacity, per pool, after every operation;
+//! - one cached block per hash;
 //! - a request's blocks all live on one tier, and it holds exactly `ceil(tokens / block_size)`.
 
 use crate::idmap::IdMap;
 use crate::ids::RequestId;
 use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+
+/// Tokens one content id of a trace stands for (Mooncake's `hash_ids`: one id per 512 prompt
+/// tokens). A block size must divide it for content to be hashed.
+pub const TRACE_BLOCK_TOKENS: u32 = 512;
+
+/// The content hash of one full KV block: chained over every block before it in the prompt.
+pub type BlockHash = u128;
+
+/// Hash chain of a prompt's full blocks: h_j = xxh3-128(h_{j−1} ‖ id ‖ slot), h_{−1} = 0, seed 0,
+/// where block j (tokens `block_size·j …`) has the content key (`ids[⌊j / per⌋]`, `j mod per`)
+/// with `per = TRACE_BLOCK_TOKENS / block_size`. Only full blocks that the ids cover hash (tokens
+/// past the ids are unique to the request); empty when there are no ids or `block_size` does not
+/// divide [`TRACE_BLOCK_TOKENS`].
+pub fn prompt_block_hashes(ids: &[u64], prompt_tokens: u32, block_size: u32) -> Vec<BlockHash> {
+    if ids.is_empty() || block_size == 0 || !TRACE_BLOCK_TOKENS.is_multiple_of(block_size) {
+        return Vec::new();
+    }
+    let per = TRACE_BLOCK_TOKENS / block_size;
+    let covered = (ids.len() as u64 * TRACE_BLOCK_TOKENS as u64).min(prompt_tokens as u64);
+    let full = (covered / block_size as u64) as u32;
+    let mut out = Vec::with_capacity(full as usize);
+    let mut prev: BlockHash = 0;
+    let mut buf = [0u8; 28];
+    for j in 0..full {
+        buf[..16].copy_from_slice(&prev.to_le_bytes());
+        buf[16..24].copy_from_slice(&ids[(j / per) as usize].to_le_bytes());
+        buf[24..].copy_from_slice(&(j % per).to_le_bytes());
+        prev = xxhash_rust::xxh3::xxh3_128(&buf);
+        out.push(prev);
+    }
+    out
+}
+
+/// Prefix-cache counters over an instance's lifetime (vLLM's `prefix_cache_queries` / `_hits`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefixStats {
+    /// Prompt tokens looked up (every prefill of a request with content ids).
+    pub query_tokens: u64,
+    /// Of those, tokens found cached (not prefilled).
+    pub hit_tokens: u64,
+    /// Cached blocks evicted to make room.
+    pub evictions: u64,
+}
 
 /// Where a request's KV lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -103,6 +159,60 @@ impl Pool {
     }
 }
 
+/// The GPU pool's cached blocks (created on the first hashed allocation).
+#[derive(Clone, Debug, Default)]
+struct PrefixCache {
+    by_hash: HashMap<BlockHash, u32>,
+    hash_of: HashMap<u32, BlockHash>,
+    /// Tables holding each hashed block (absent: none, the block is in the LRU).
+    refs: HashMap<u32, u32>,
+    /// Free cached blocks, oldest first (key: insertion sequence).
+    lru: BTreeMap<u64, u32>,
+    lru_key: HashMap<u32, u64>,
+    seq: u64,
+}
+
+impl PrefixCache {
+    /// Leading hashes cached, as blocks.
+    fn hits(&self, hashes: &[BlockHash]) -> usize {
+        hashes.iter().take_while(|h| self.by_hash.contains_key(h)).count()
+    }
+    fn unlink(&mut self, block: u32) {
+        if let Some(k) = self.lru_key.remove(&block) {
+            self.lru.remove(&k);
+        }
+    }
+    /// Take the oldest free cached block, forgetting its hash.
+    fn evict(&mut self) -> Option<u32> {
+        let (_, block) = self.lru.pop_first()?;
+        self.lru_key.remove(&block);
+        if let Some(h) = self.hash_of.remove(&block) {
+            self.by_hash.remove(&h);
+        }
+        Some(block)
+    }
+    /// One holder of `block` let go: `true` when it was a hashed block (now counted down, and
+    /// in the LRU when nobody holds it), `false` for a private block.
+    fn release(&mut self, block: u32) -> bool {
+        match self.refs.get_mut(&block) {
+            Some(n) => {
+                *n -= 1;
+                if *n == 0 {
+                    self.refs.remove(&block);
+                    self.seq += 1;
+                    self.lru.insert(self.seq, block);
+                    self.lru_key.insert(block, self.seq);
+                }
+                true
+            }
+            None => {
+                debug_assert!(!self.hash_of.contains_key(&block), "cached block {block} released with no holder");
+                false
+            }
+        }
+    }
+}
+
 /// A whole-request move between tiers, recorded when journaling is on: the worker replays it on
 /// its real arenas (copy block `from[i]` of the `from_tier` arena to block `to[i]` of `to_tier`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -128,6 +238,9 @@ pub struct KvBlockManager {
     tables: IdMap<RequestId, BlockTable>,
     /// Moves since the last `drain_moves`, when enabled (the simulator leaves it off).
     journal: Option<Vec<KvMove>>,
+    /// Prefix cache of the GPU pool; `None` until a prompt with content is allocated.
+    cache: Option<Box<PrefixCache>>,
+    prefix_stats: PrefixStats,
 }
 
 /// Blocks needed to hold `tokens` tokens in blocks of `block_size` tokens (0 when `block_size`
@@ -150,6 +263,8 @@ impl KvBlockManager {
             cpu: Pool::new(cpu_blocks),
             tables: IdMap::default(),
             journal: None,
+            cache: None,
+            prefix_stats: PrefixStats::default(),
         }
     }
 
@@ -173,13 +288,35 @@ impl KvBlockManager {
     pub fn capacity(&self, tier: Tier) -> u32 {
         self.pool(tier).capacity
     }
-    /// Blocks of the `tier` pool held by requests.
+    /// Blocks of the `tier` pool held by requests (free cached blocks are not).
     pub fn used(&self, tier: Tier) -> u32 {
-        self.pool(tier).used()
+        self.pool(tier).used() - self.cached_free(tier)
     }
-    /// Free blocks in the `tier` pool.
+    /// Blocks of the `tier` pool an allocation can take: free ones and free cached ones.
     pub fn free(&self, tier: Tier) -> u32 {
-        self.pool(tier).free.len() as u32
+        self.pool(tier).free.len() as u32 + self.cached_free(tier)
+    }
+    /// Free cached blocks of the `tier` pool (kept for a later hit until evicted).
+    pub fn cached_free(&self, tier: Tier) -> u32 {
+        match (tier, &self.cache) {
+            (Tier::Gpu, Some(c)) => c.lru.len() as u32,
+            _ => 0,
+        }
+    }
+    /// Blocks of the `tier` pool registered under a content hash (held or free).
+    pub fn cached_blocks(&self, tier: Tier) -> u32 {
+        match (tier, &self.cache) {
+            (Tier::Gpu, Some(c)) => c.by_hash.len() as u32,
+            _ => 0,
+        }
+    }
+    /// Prefix-cache counters so far.
+    pub fn prefix_stats(&self) -> PrefixStats {
+        self.prefix_stats
+    }
+    /// How many of `hashes`' leading blocks are cached on the GPU now (a lookup; nothing taken).
+    pub fn prefix_hits(&self, hashes: &[BlockHash]) -> u32 {
+        self.cache.as_ref().map_or(0, |c| c.hits(hashes) as u32)
     }
     /// The request's block table; `None` when it holds no blocks.
     pub fn table(&self, request: RequestId) -> Option<&BlockTable> {
@@ -207,6 +344,43 @@ impl KvBlockManager {
         }
     }
 
+    /// Take `n` blocks of `tier` into `out`: free ones first (LIFO), then free cached ones, oldest
+    /// first (their hashes forgotten). All-or-nothing.
+    fn take(&mut self, tier: Tier, n: u32, out: &mut Vec<u32>) -> Result<(), KvError> {
+        let plain = self.pool(tier).free.len() as u32;
+        let cached = self.cached_free(tier);
+        if n > plain + cached {
+            return Err(KvError::OutOfBlocks { tier, needed: n, free: plain + cached });
+        }
+        self.pool_mut(tier).take(n.min(plain), tier, out)?;
+        if n > plain {
+            let cache = self.cache.as_mut().expect("cached blocks counted above");
+            for _ in plain..n {
+                out.push(cache.evict().expect("cached blocks counted above"));
+                self.prefix_stats.evictions += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Let go of `blocks` of `tier`: private blocks return to the free stack in order; hashed ones
+    /// are counted down and, when no table holds them, join the LRU tail last block first.
+    fn release(&mut self, tier: Tier, blocks: &[u32]) {
+        match (tier, self.cache.as_mut()) {
+            (Tier::Gpu, Some(cache)) => {
+                let mut private = Vec::with_capacity(blocks.len());
+                for &b in blocks.iter().rev() {
+                    if !cache.release(b) {
+                        private.push(b);
+                    }
+                }
+                private.reverse();
+                self.gpu.give_back(&private);
+            }
+            _ => self.pool_mut(tier).give_back(blocks),
+        }
+    }
+
     /// Give `request` blocks for `tokens` tokens on `tier`. All-or-nothing.
     pub fn allocate(&mut self, request: RequestId, tier: Tier, tokens: u32) -> Result<(), KvError> {
         if self.tables.contains_key(&request) {
@@ -214,9 +388,60 @@ impl KvBlockManager {
         }
         let n = self.blocks_for(tokens);
         let mut blocks = Vec::with_capacity(n as usize);
-        self.pool_mut(tier).take(n, tier, &mut blocks)?;
+        self.take(tier, n, &mut blocks)?;
         self.tables.insert(request, BlockTable { tier, blocks, tokens });
         Ok(())
+    }
+
+    /// Give `request` GPU blocks for `tokens` tokens whose prompt blocks hash to `hashes`: the
+    /// leading cached ones (at most `max_hits`) are shared, the rest taken fresh, and the fresh
+    /// blocks that `hashes` cover registered for later prompts. Returns the blocks hit.
+    /// All-or-nothing. Without hashes it is [`KvBlockManager::allocate`] on the GPU.
+    pub fn allocate_prefixed(
+        &mut self,
+        request: RequestId,
+        tokens: u32,
+        hashes: &[BlockHash],
+        max_hits: u32,
+    ) -> Result<u32, KvError> {
+        if hashes.is_empty() {
+            return self.allocate(request, Tier::Gpu, tokens).map(|()| 0);
+        }
+        if self.tables.contains_key(&request) {
+            return Err(KvError::AlreadyAllocated(request));
+        }
+        let n = self.blocks_for(tokens);
+        let cache = self.cache.get_or_insert_with(Box::default);
+        let hits = (cache.hits(hashes) as u32).min(max_hits).min(n);
+        let mut blocks: Vec<u32> = hashes[..hits as usize].iter().map(|h| cache.by_hash[h]).collect();
+        // Hit blocks sitting in the LRU are not free for the fresh part.
+        let hits_free = blocks.iter().filter(|b| cache.lru_key.contains_key(b)).count() as u32;
+        let available = self.free(Tier::Gpu) - hits_free;
+        if n - hits > available {
+            return Err(KvError::OutOfBlocks { tier: Tier::Gpu, needed: n - hits, free: available });
+        }
+        let cache = self.cache.as_mut().expect("created above");
+        for &b in &blocks {
+            cache.unlink(b);
+            *cache.refs.entry(b).or_insert(0) += 1;
+        }
+        self.take(Tier::Gpu, n - hits, &mut blocks)?;
+        let cache = self.cache.as_mut().expect("created above");
+        let covered = hashes.len().min(blocks.len());
+        for (&h, &b) in hashes[hits as usize..covered].iter().zip(&blocks[hits as usize..covered]) {
+            // A later block can still be cached under another block after an earlier one was
+            // evicted: that copy stays private.
+            if let std::collections::hash_map::Entry::Vacant(e) = cache.by_hash.entry(h) {
+                e.insert(b);
+                cache.hash_of.insert(b, h);
+                cache.refs.insert(b, 1);
+            }
+        }
+        let bs = self.block_size as u64;
+        self.prefix_stats.query_tokens += tokens as u64;
+        self.prefix_stats.hit_tokens += hits as u64 * bs;
+        self.tables.insert(request, BlockTable { tier: Tier::Gpu, blocks, tokens });
+        Ok(hits)
     }
 
     /// Extend `request` to hold `tokens` tokens on its current tier; returns blocks added.
@@ -227,15 +452,14 @@ impl KvBlockManager {
             return Err(KvError::Shrink { request, have: table.tokens, want: tokens });
         }
         let have = table.blocks.len() as u32;
+        let tier = table.tier;
         let need = tokens.div_ceil(block_size).saturating_sub(have);
         if need > 0 {
-            let pool = match table.tier {
-                Tier::Gpu => &mut self.gpu,
-                Tier::Cpu => &mut self.cpu,
-            };
-            pool.take(need, table.tier, &mut table.blocks)?;
+            let mut fresh = Vec::with_capacity(need as usize);
+            self.take(tier, need, &mut fresh)?;
+            self.tables.get_mut(&request).expect("checked above").blocks.extend_from_slice(&fresh);
         }
-        table.tokens = tokens;
+        self.tables.get_mut(&request).expect("checked above").tokens = tokens;
         Ok(need)
     }
 
@@ -243,19 +467,17 @@ impl KvBlockManager {
     /// migration target's reservation fitted to what finally arrived). All-or-nothing.
     pub fn resize(&mut self, request: RequestId, tokens: u32) -> Result<(), KvError> {
         let need = self.blocks_for(tokens) as usize;
-        let table = self.tables.get_mut(&request).ok_or(KvError::UnknownRequest(request))?;
-        let tier = table.tier;
-        let pool = match tier {
-            Tier::Gpu => &mut self.gpu,
-            Tier::Cpu => &mut self.cpu,
-        };
-        if need > table.blocks.len() {
-            pool.take((need - table.blocks.len()) as u32, tier, &mut table.blocks)?;
+        let table = self.tables.get(&request).ok_or(KvError::UnknownRequest(request))?;
+        let (tier, have) = (table.tier, table.blocks.len());
+        if need > have {
+            let mut fresh = Vec::with_capacity(need - have);
+            self.take(tier, (need - have) as u32, &mut fresh)?;
+            self.tables.get_mut(&request).expect("checked above").blocks.extend_from_slice(&fresh);
         } else {
-            let surplus = table.blocks.split_off(need);
-            pool.give_back(&surplus);
+            let surplus = self.tables.get_mut(&request).expect("checked above").blocks.split_off(need);
+            self.release(tier, &surplus);
         }
-        table.tokens = tokens;
+        self.tables.get_mut(&request).expect("checked above").tokens = tokens;
         Ok(())
     }
 
@@ -272,14 +494,15 @@ impl KvBlockManager {
         }
         let n = self.tables[&request].blocks.len() as u32;
         let mut fresh = Vec::with_capacity(n as usize);
-        self.pool_mut(to).take(n, to, &mut fresh)?;
+        self.take(to, n, &mut fresh)?;
         let table = self.tables.get_mut(&request).expect("checked above");
         let old = std::mem::replace(&mut table.blocks, fresh);
         table.tier = to;
         if let Some(journal) = self.journal.as_mut() {
             journal.push(KvMove { request, from_tier: from, to_tier: to, from: old.clone(), to: table.blocks.clone() });
         }
-        self.pool_mut(from).give_back(&old);
+        // Shared blocks stay cached on the GPU; the copy on the other tier is private.
+        self.release(from, &old);
         Ok(n)
     }
 
@@ -288,7 +511,7 @@ impl KvBlockManager {
         match self.tables.remove(&request) {
             Some(t) => {
                 let n = t.blocks.len() as u32;
-                self.pool_mut(t.tier).give_back(&t.blocks);
+                self.release(t.tier, &t.blocks);
                 n
             }
             None => 0,
@@ -297,29 +520,61 @@ impl KvBlockManager {
 
     /// Verify the accounting invariants; returns a description of the first violation.
     pub fn check_invariants(&self) -> Result<(), String> {
+        let empty = PrefixCache::default();
         for (tier, pool) in [(Tier::Gpu, &self.gpu), (Tier::Cpu, &self.cpu)] {
-            let mut owner: Vec<Option<Option<RequestId>>> = vec![None; pool.capacity as usize];
-            for &b in &pool.free {
-                let slot = owner.get_mut(b as usize).ok_or(format!("{tier:?} free block {b} out of range"))?;
+            let cache = match tier {
+                Tier::Gpu => self.cache.as_deref().unwrap_or(&empty),
+                Tier::Cpu => &empty,
+            };
+            // Per block: Some(0) free or free-cached, Some(k) held by k tables.
+            let mut state: Vec<Option<u32>> = vec![None; pool.capacity as usize];
+            let free_blocks = pool.free.iter().map(|&b| (b, "free"));
+            let lru_blocks = cache.lru.values().map(|&b| (b, "free-cached"));
+            for (b, what) in free_blocks.chain(lru_blocks) {
+                let slot = state.get_mut(b as usize).ok_or(format!("{tier:?} {what} block {b} out of range"))?;
                 if slot.is_some() {
-                    return Err(format!("{tier:?} block {b} is free twice"));
+                    return Err(format!("{tier:?} block {b} is {what} and free again"));
                 }
-                *slot = Some(None);
+                *slot = Some(0);
             }
             for (id, t) in self.tables.iter().filter(|(_, t)| t.tier == tier) {
                 if t.blocks.len() as u32 != self.blocks_for(t.tokens) {
                     return Err(format!("{id} holds {} blocks for {} tokens", t.blocks.len(), t.tokens));
                 }
                 for &b in &t.blocks {
-                    let slot = owner.get_mut(b as usize).ok_or(format!("{tier:?} block {b} out of range"))?;
-                    if let Some(prev) = slot {
-                        return Err(format!("{tier:?} block {b} owned by {id} and {prev:?}"));
+                    let slot = state.get_mut(b as usize).ok_or(format!("{tier:?} block {b} out of range"))?;
+                    match slot {
+                        Some(0) => return Err(format!("{tier:?} block {b} held by {id} and free")),
+                        Some(k) if !cache.hash_of.contains_key(&b) => {
+                            return Err(format!("{tier:?} private block {b} held by {id} and {k} other tables"))
+                        }
+                        Some(k) => *k += 1,
+                        None => *slot = Some(1),
                     }
-                    *slot = Some(Some(*id));
                 }
             }
-            if let Some(b) = owner.iter().position(|o| o.is_none()) {
-                return Err(format!("{tier:?} block {b} leaked (neither free nor owned)"));
+            for (b, s) in state.iter().enumerate() {
+                let b = b as u32;
+                let refs = cache.refs.get(&b).copied().unwrap_or(0);
+                match *s {
+                    None => return Err(format!("{tier:?} block {b} leaked (neither free nor held)")),
+                    Some(held) if cache.hash_of.contains_key(&b) && held != refs => {
+                        return Err(format!("{tier:?} cached block {b} counts {refs} holders, {held} tables hold it"))
+                    }
+                    Some(0) if cache.hash_of.contains_key(&b) != cache.lru_key.contains_key(&b) => {
+                        return Err(format!("{tier:?} free block {b}: hashed and in the LRU must go together"))
+                    }
+                    _ => {}
+                }
+            }
+            if cache.by_hash.len() != cache.hash_of.len()
+                || cache.by_hash.iter().any(|(h, b)| cache.hash_of.get(b) != Some(h))
+            {
+                return Err(format!("{tier:?}: hash → block and block → hash disagree (one cached block per hash)"));
+            }
+            if cache.lru.len() != cache.lru_key.len() || cache.lru.iter().any(|(k, b)| cache.lru_key.get(b) != Some(k))
+            {
+                return Err(format!("{tier:?}: the LRU and its index disagree"));
             }
         }
         Ok(())
@@ -378,9 +633,108 @@ mod tests {
         assert!(kv.drain_moves().is_empty());
     }
 
+    fn common_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
+        a.iter().zip(b).take_while(|(x, y)| x == y).count()
+    }
+
+    #[test]
+    fn hash_chains_share_exactly_the_common_content() {
+        let h = |ids: &[u64], tokens| prompt_block_hashes(ids, tokens, 16);
+        assert_eq!(common_prefix(&h(&[0, 1, 2], 1536), &h(&[0, 1, 3], 1536)), 64, "two ids of 32 blocks");
+        assert_eq!(h(&[0, 1], 700).len(), 43, "700 tokens: 43 full blocks");
+        assert_eq!(common_prefix(&h(&[0, 1], 700), &h(&[0, 1], 1024)), 43);
+        assert_eq!(common_prefix(&h(&[5, 1], 1024), &h(&[0, 1], 1024)), 0, "a chain: a different head changes all");
+        assert_eq!(h(&[0], 1024).len(), 32, "tokens past the ids are unique");
+        assert!(h(&[], 1024).is_empty() && prompt_block_hashes(&[0], 1024, 48).is_empty());
+        let ids: Vec<u64> = (0..40).collect();
+        let all = h(&ids, 20_000);
+        let distinct: std::collections::HashSet<_> = all.iter().collect();
+        assert_eq!(distinct.len(), all.len(), "no two blocks of a prompt collide");
+    }
+
+    #[test]
+    fn a_cached_prompt_hits_all_but_its_last_token_and_partial_blocks_never_hit() {
+        let mut kv = KvBlockManager::new(16, 200, 0);
+        let h = prompt_block_hashes(&[0, 1], 1024, 16);
+        assert_eq!(kv.allocate_prefixed(RequestId(1), 1025, &h, 63).unwrap(), 0, "cold");
+        kv.free_request(RequestId(1));
+        assert_eq!((kv.used(Tier::Gpu), kv.cached_free(Tier::Gpu)), (0, 64), "the prompt's blocks stay cached");
+        // vLLM recomputes the last prompt token: at most ⌊(1024 − 1) / 16⌋ = 63 blocks hit.
+        assert_eq!(kv.allocate_prefixed(RequestId(2), 1025, &h, 63).unwrap(), 63);
+        assert_eq!(kv.prefix_stats(), PrefixStats { query_tokens: 2050, hit_tokens: 1008, evictions: 0 });
+        // 700 tokens over the same ids: 43 full blocks, all cached; the partial 44th is private.
+        let short = prompt_block_hashes(&[0, 1], 700, 16);
+        assert_eq!(kv.allocate_prefixed(RequestId(3), 700, &short, 699 / 16).unwrap(), 43);
+        assert_eq!(kv.table(RequestId(3)).unwrap().blocks[..43], kv.table(RequestId(2)).unwrap().blocks[..43]);
+        let (t2, t3) = (kv.table(RequestId(2)).unwrap(), kv.table(RequestId(3)).unwrap());
+        assert_ne!(t3.blocks[43], t2.blocks[43], "a partial block is never shared");
+        kv.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn eviction_takes_uncached_blocks_first_then_the_oldest_cached_last_block_first() {
+        // 8 GPU blocks; prompts of 3 full blocks (48 tokens + 1 answer slot = 4 blocks).
+        let mut kv = KvBlockManager::new(16, 8, 0);
+        let a = prompt_block_hashes(&[1], 48, 16);
+        let b = prompt_block_hashes(&[2], 48, 16);
+        let blocks = |kv: &KvBlockManager, r: u64| kv.table(RequestId(r)).unwrap().blocks.clone();
+        kv.allocate_prefixed(RequestId(1), 49, &a, 2).unwrap();
+        let a_blocks = blocks(&kv, 1);
+        kv.free_request(RequestId(1)); // a's 3 hashed blocks join the LRU (last first); its 4th is free
+        kv.allocate_prefixed(RequestId(2), 49, &b, 2).unwrap();
+        kv.free_request(RequestId(2));
+        assert_eq!((kv.free(Tier::Gpu), kv.cached_free(Tier::Gpu)), (8, 6));
+        // Steps: (blocks asked, what the LRU still holds afterwards, evictions so far).
+        let steps: [(u64, u32, [bool; 3], [bool; 3], u64); 4] = [
+            // 2 plain free blocks exist: nothing evicted.
+            (10, 2, [true, true, true], [true, true, true], 0),
+            // 2 more: a's last block, then a's middle one.
+            (11, 2, [true, false, false], [true, true, true], 2),
+            // 1 more: a's head.
+            (12, 1, [false, false, false], [true, true, true], 3),
+            // 2 more: b's last block, then b's middle one.
+            (13, 2, [false, false, false], [true, false, false], 5),
+        ];
+        for (req, n, a_left, b_left, evictions) in steps {
+            kv.allocate(RequestId(req), Tier::Gpu, n * 16).unwrap();
+            let cached = |hs: &[BlockHash]| -> [bool; 3] {
+                std::array::from_fn(|i| kv.cache.as_ref().unwrap().by_hash.contains_key(&hs[i]))
+            };
+            assert_eq!(
+                (cached(&a), cached(&b), kv.prefix_stats().evictions),
+                (a_left, b_left, evictions),
+                "step {req}"
+            );
+            kv.check_invariants().unwrap();
+        }
+        assert!(kv.table(RequestId(11)).unwrap().blocks.contains(&a_blocks[2]), "a's last block went first");
+    }
+
+    #[test]
+    fn a_hit_block_in_use_is_shared_and_survives_its_first_holder() {
+        let mut kv = KvBlockManager::new(16, 10, 8);
+        let h = prompt_block_hashes(&[7], 64, 16);
+        kv.allocate_prefixed(RequestId(1), 65, &h, 3).unwrap();
+        assert_eq!(kv.allocate_prefixed(RequestId(2), 65, &h, 3).unwrap(), 3);
+        assert_eq!(kv.used(Tier::Gpu), 5 + 2, "three blocks shared");
+        kv.move_to(RequestId(1), Tier::Cpu).unwrap();
+        assert_eq!(kv.used(Tier::Gpu), 5, "the shared blocks stay for their other holder");
+        assert_eq!(kv.allocate_prefixed(RequestId(3), 65, &h, 3).unwrap(), 3);
+        kv.free_request(RequestId(2));
+        kv.free_request(RequestId(3));
+        assert_eq!((kv.used(Tier::Gpu), kv.cached_free(Tier::Gpu)), (0, 4), "4 hashed blocks cached, none held");
+        kv.check_invariants().unwrap();
+        let before = kv.free(Tier::Gpu);
+        assert!(kv.allocate_prefixed(RequestId(4), 16 * 12, &h, 3).is_err(), "12 blocks, 3 hit: 9 fresh, 10 − 3 free");
+        assert_eq!(kv.free(Tier::Gpu), before, "a refused allocation takes nothing");
+        kv.check_invariants().unwrap();
+    }
+
     #[derive(Clone, Debug)]
     enum Op {
         Alloc(u8, bool, u16),
+        /// A prompt over content ids `[0, 1, 2][..k]` with a varying last id (shared prefixes).
+        Prefixed(u8, u8, u8, u16),
         Grow(u8, u16),
         Move(u8),
         Free(u8),
@@ -389,6 +743,7 @@ mod tests {
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
             (0u8..8, any::<bool>(), 0u16..120).prop_map(|(r, g, t)| Op::Alloc(r, g, t)),
+            (0u8..8, 1u8..4, 0u8..3, 1u16..200).prop_map(|(r, k, last, t)| Op::Prefixed(r, k, last, t)),
             (0u8..8, 0u16..200).prop_map(|(r, t)| Op::Grow(r, t)),
             (0u8..8).prop_map(Op::Move),
             (0u8..8).prop_map(Op::Free),
@@ -400,10 +755,18 @@ mod tests {
         /// (including ones that must fail).
         #[test]
         fn accounting_invariants_hold(ops in proptest::collection::vec(op(), 1..200)) {
-            let mut kv = KvBlockManager::new(16, 20, 12);
+            let mut kv = KvBlockManager::new(16, 40, 12);
             for op in ops {
                 let _ = match op {
                     Op::Alloc(r, g, t) => kv.allocate(RequestId(r as u64), if g { Tier::Gpu } else { Tier::Cpu }, t as u32).map(|_| 0),
+                    Op::Prefixed(r, k, last, t) => {
+                        // Prompts under 512 tokens: their first content id decides what they share.
+                        let mut ids = vec![0u64, 1, 2];
+                        ids.truncate(k as usize);
+                        *ids.last_mut().expect("k >= 1") += 10 * last as u64;
+                        let hashes = prompt_block_hashes(&ids, t as u32, 16);
+                        kv.allocate_prefixed(RequestId(r as u64), t as u32, &hashes, (t as u32 - 1) / 16)
+                    }
                     Op::Grow(r, t) => kv.grow(RequestId(r as u64), t as u32),
                     Op::Move(r) => {
                         let to = match kv.tier_of(RequestId(r as u64)) { Some(Tier::Gpu) => Tier::Cpu, _ => Tier::Gpu };

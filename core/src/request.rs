@@ -21,6 +21,11 @@ pub struct RequestSpec {
     pub reasoning_tokens: u32,
     /// Tokens generated after `</think>` (streamed to the user). At least one.
     pub answer_tokens: u32,
+    /// What the prompt says, as content ids of [`crate::kv::TRACE_BLOCK_TOKENS`] tokens each
+    /// (Mooncake's `hash_ids`): equal ids at equal positions are equal text, so prompts sharing
+    /// leading ids share prefix-cached KV. Tokens past the ids are unique; none: nothing shared.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub content_ids: Vec<u64>,
 }
 
 /// Most tokens one request may hold, prompt and output together: 16 M, far beyond any model's

@@ -418,6 +418,7 @@ mod tests {
 
     fn req(prompt: u32, reasoning: u32, answer: u32) -> RequestSpec {
         RequestSpec {
+            content_ids: Vec::new(),
             id: RequestId(0),
             arrival: Timestamp::ZERO,
             prompt_tokens: prompt,

@@ -430,6 +430,7 @@ impl SimConfig {
         let cpu_blocks = sizing::pool_blocks(gb("cpu_swap_gb", c.cpu_swap_gb)?, block_bytes)
             .map_err(|e| ConfigError::Invalid(format!("`cluster.cpu_swap_gb`: {e}")))?;
         Ok(EngineConfig {
+            prefix_caching: false,
             block_size: c.block_size,
             gpu_blocks,
             cpu_blocks,

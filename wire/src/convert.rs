@@ -36,6 +36,7 @@ impl TryFrom<&v1::RequestSpec> for RequestSpec {
             });
         }
         Ok(RequestSpec {
+            content_ids: Vec::new(),
             id: RequestId(s.id),
             arrival: Timestamp(s.arrival_ns),
             prompt_tokens: s.prompt_tokens,
@@ -127,6 +128,7 @@ impl From<&RequestRecord> for v1::RequestRecord {
 impl From<&v1::RequestRecord> for RequestRecord {
     fn from(r: &v1::RequestRecord) -> Self {
         RequestRecord {
+            cached_tokens: 0,
             id: RequestId(r.id),
             arrival: Timestamp(r.arrival_ns),
             prompt_tokens: r.prompt_tokens,

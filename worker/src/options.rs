@@ -260,6 +260,7 @@ impl WorkerOptions {
         };
         scheduler.switches().map_err(|e| invalid("ttfat-starvation-s", e.to_string()))?;
         let engine = EngineConfig {
+            prefix_caching: false,
             block_size: self.block_size,
             gpu_blocks,
             cpu_blocks,

@@ -340,6 +340,7 @@ mod tests {
     /// A real migrated request, taken out of a real engine.
     fn migrated(generated_steps: u32) -> Vec<u8> {
         let cfg = EngineConfig {
+            prefix_caching: false,
             block_size: 16,
             gpu_blocks: 64,
             cpu_blocks: 0,
@@ -352,6 +353,7 @@ mod tests {
         let sched = kvfleet_core::engine::sched::build_scheduler("fcfs", &Default::default()).unwrap();
         let mut e = Engine::new(InstanceId(0), cfg, timing, sched);
         let spec = RequestSpec {
+            content_ids: Vec::new(),
             id: RequestId(4),
             arrival: Timestamp(0),
             prompt_tokens: 10,

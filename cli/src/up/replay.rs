@@ -350,6 +350,7 @@ mod tests {
 
     fn spec(id: u64, arrival_ns: u64) -> RequestSpec {
         RequestSpec {
+            content_ids: Vec::new(),
             id: RequestId(id),
             arrival: Timestamp(arrival_ns),
             prompt_tokens: 1,

@@ -24,6 +24,7 @@ fn joined(i: u32) -> Event {
 
 fn spec(id: u64, prompt: u32) -> RequestSpec {
     RequestSpec {
+        content_ids: Vec::new(),
         id: RequestId(id),
         arrival: Timestamp(0),
         prompt_tokens: prompt,

@@ -20,7 +20,7 @@ pub mod sizing;
 
 use crate::idmap::IdMap;
 use crate::ids::{InstanceId, RequestId};
-use crate::kv::{KvBlockManager, KvError, Tier};
+use crate::kv::{prompt_block_hashes, BlockHash, KvBlockManager, KvError, Tier};
 use crate::metrics::RequestRecord;
 use crate::pacer::TokenPacer;
 use crate::policy::LoadReport;
@@ -48,6 +48,9 @@ pub struct EngineConfig {
     pub kv_bytes_per_token: u64,
     /// Token pacer pace: the user's expected time per output token.
     pub tpot: TimeSpan,
+    /// Share prompt KV blocks of equal content between requests (vLLM's automatic prefix
+    /// caching; only requests with [`RequestSpec::content_ids`] have content to share).
+    pub prefix_caching: bool,
 }
 
 impl EngineConfig {
@@ -144,6 +147,10 @@ struct Req {
     /// Plan epoch in which it was selected (avoids a set per plan).
     selected_epoch: u64,
     record: RequestRecord,
+    /// Hash chain of its prompt's full blocks (empty without content ids): prefix-cache keys.
+    hashes: Box<[BlockHash]>,
+    /// Prompt tokens its prefill planned last found cached (not computed in that iteration).
+    prefill_cached: u32,
 }
 
 impl Req {
@@ -164,6 +171,11 @@ impl Req {
     /// Past `</think>` without its first answer token: between PASCAL's queues.
     fn at_boundary(&self) -> bool {
         self.spec.reasoning_tokens > 0 && self.generated == self.spec.reasoning_tokens
+    }
+    /// Most prompt blocks a prefill of its context may take from the prefix cache: vLLM always
+    /// computes the last token, so ⌊(context − 1) / block size⌋.
+    fn cache_cap(&self, block_size: u32) -> u32 {
+        (self.context().saturating_sub(1) / block_size).min(self.hashes.len() as u32)
     }
 }
 
@@ -392,6 +404,14 @@ impl Engine {
         self.dirty = true;
     }
 
+    /// The prefix-cache keys of `spec`'s prompt (none when prefix caching is off).
+    fn prompt_hashes(&self, spec: &RequestSpec) -> Box<[BlockHash]> {
+        if !self.cfg.prefix_caching || spec.content_ids.is_empty() {
+            return Box::default();
+        }
+        prompt_block_hashes(&spec.content_ids, spec.prompt_tokens, self.cfg.block_size).into_boxed_slice()
+    }
+
     /// Accept a new request. Fails if it could never fit in GPU memory (it would block forever).
     pub fn submit(&mut self, now: Timestamp, spec: RequestSpec) -> Result<(), EngineError> {
         let _ = now;
@@ -414,6 +434,7 @@ impl Engine {
             placed_on: self.instance,
             ..RequestRecord::default()
         };
+        let hashes = self.prompt_hashes(&spec);
         let req = Req {
             spec,
             generated: 0,
@@ -423,6 +444,8 @@ impl Engine {
             record,
             awaiting_after_reasoning: false,
             selected_epoch: 0,
+            hashes,
+            prefill_cached: 0,
         };
         self.enqueue(req);
         self.admitted += 1;
@@ -575,7 +598,8 @@ impl Engine {
         for e in &self.batch {
             let req = self.slots[e.slot as usize].as_mut().expect("batched request is live");
             if e.prefill {
-                shape.add_prefill(req.context());
+                // Cached prompt blocks are not computed (their KV is already there).
+                shape.add_prefill(req.context() - req.prefill_cached);
             } else {
                 shape.add_decode(req.context() + 1);
             }
@@ -682,7 +706,14 @@ impl Engine {
                 continue;
             }
             let prefill = req.residence == Residence::Waiting;
-            if prefill && prefill_tokens > 0 && prefill_tokens + req.context() > self.cfg.max_batched_tokens {
+            // The prefill budget counts the tokens to compute: cached prompt blocks are not.
+            let compute = if prefill && !req.hashes.is_empty() {
+                let cap = req.cache_cap(self.cfg.block_size) as usize;
+                req.context() - self.kv.prefix_hits(&req.hashes[..cap]) * self.cfg.block_size
+            } else {
+                req.context()
+            };
+            if prefill && prefill_tokens > 0 && prefill_tokens + compute > self.cfg.max_batched_tokens {
                 self.dirty = true; // waiting for prefill budget, not memory
                 if admission == Admission::BlockBehind {
                     blocked = true;
@@ -694,7 +725,7 @@ impl Engine {
                 budget -= need;
                 seqs += 1;
                 if prefill {
-                    prefill_tokens += req.context();
+                    prefill_tokens += compute;
                 }
                 req.selected_epoch = epoch;
                 self.batch.push(BatchEntry { slot, prefill });
@@ -755,10 +786,17 @@ impl Engine {
                     reload_bytes += moved as u64 * self.cfg.block_bytes();
                 }
                 Residence::Waiting => {
+                    let cap = req.cache_cap(self.cfg.block_size);
+                    let hits = self
+                        .kv
+                        .allocate_prefixed(id, req.context(), &req.hashes, cap)
+                        .expect("planned within GPU capacity");
+                    req.prefill_cached = hits * self.cfg.block_size;
                     if req.generated > 0 {
-                        self.stats.recomputed_tokens += req.context() as u64;
+                        self.stats.recomputed_tokens += (req.context() - req.prefill_cached) as u64;
+                    } else if req.record.first_scheduled.is_none() {
+                        req.record.cached_tokens = req.prefill_cached;
                     }
-                    self.kv.allocate(id, Tier::Gpu, req.context()).expect("planned within GPU capacity");
                 }
                 Residence::MigratingOut => unreachable!("migrating requests are not active"),
             }
@@ -986,6 +1024,7 @@ impl Engine {
         };
         let mut record = m.record;
         record.migrations += 1;
+        let hashes = self.prompt_hashes(&m.spec);
         let req = Req {
             spec: m.spec,
             generated: m.generated,
@@ -995,6 +1034,8 @@ impl Engine {
             record,
             awaiting_after_reasoning: m.awaiting_after_reasoning,
             selected_epoch: 0,
+            hashes,
+            prefill_cached: 0,
         };
         // A request that waited past the threshold during its move fails t_i at once, not only
         // at the end of this instance's next iteration.

@@ -10,6 +10,7 @@ const UNIT: u64 = 1_000_000_000; // one "time unit" of the paper's figures = 1 s
 
 fn cfg(gpu_blocks: u32, cpu_blocks: u32) -> EngineConfig {
     EngineConfig {
+        prefix_caching: false,
         block_size: 16,
         gpu_blocks,
         cpu_blocks,
@@ -28,6 +29,7 @@ fn engine(sched: &str, gpu_blocks: u32, cpu_blocks: u32, quantum: u32) -> Engine
 
 fn spec(id: u64, arrival_units: u64, prompt: u32, reasoning: u32, answer: u32) -> RequestSpec {
     RequestSpec {
+        content_ids: Vec::new(),
         id: RequestId(id),
         arrival: Timestamp(arrival_units * UNIT),
         prompt_tokens: prompt,

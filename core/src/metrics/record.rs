@@ -42,4 +42,7 @@ pub struct RequestRecord {
     pub migrations: u32,
     /// The request could never fit on the instance (prompt + output > GPU KV capacity).
     pub rejected: bool,
+    /// Prompt tokens its first prefill found in the instance's prefix cache (not computed).
+    #[serde(default)]
+    pub cached_tokens: u32,
 }

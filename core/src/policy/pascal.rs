@@ -232,6 +232,7 @@ pub(crate) mod tests {
 
     pub(crate) fn request() -> RequestSpec {
         RequestSpec {
+            content_ids: Vec::new(),
             id: RequestId(7),
             arrival: Timestamp::ZERO,
             prompt_tokens: 100,

@@ -455,6 +455,7 @@ pub fn generate(cfg: &WorkloadConfig, base_dir: &Path) -> Result<Vec<RequestSpec
         let (reasoning, answer) =
             cfg.max_output_tokens.map_or((reasoning, answer.max(1)), |c| cap_output(reasoning, answer.max(1), c));
         let spec = RequestSpec {
+            content_ids: Vec::new(),
             id: RequestId(i as u64),
             arrival,
             prompt_tokens: prompt,

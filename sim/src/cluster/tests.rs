@@ -44,6 +44,7 @@ fn run(policy: &str, instances: u32, requests: &[RequestSpec]) -> ClusterOutcome
 fn burst(n: u64, prompt: u32) -> Vec<RequestSpec> {
     (0..n)
         .map(|id| RequestSpec {
+            content_ids: Vec::new(),
             id: RequestId(id),
             arrival: Timestamp::ZERO,
             prompt_tokens: prompt,
@@ -93,6 +94,7 @@ impl InstancePolicy for Scripted {
 
 fn request(id: u64, arrival_s: f64, prompt: u32, reasoning: u32, answer: u32) -> RequestSpec {
     RequestSpec {
+        content_ids: Vec::new(),
         id: RequestId(id),
         arrival: Timestamp::from_secs_f64(arrival_s),
         prompt_tokens: prompt,

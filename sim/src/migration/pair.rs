@@ -216,6 +216,7 @@ pub fn simulate_one(
     let cfg = EngineConfig { max_batched_tokens: engine.max_batched_tokens.max(kv_tokens), ..engine.clone() };
     let mut pair = EnginePair::new(cfg.clone(), cfg, timing, link)?;
     let spec = RequestSpec {
+        content_ids: Vec::new(),
         id: request,
         arrival: Timestamp::ZERO,
         prompt_tokens: kv_tokens.saturating_sub(1).max(1),

@@ -39,6 +39,7 @@ impl std::ops::DerefMut for Bench {
 
 fn engine_config(gpu_blocks: u32, cpu_blocks: u32) -> EngineConfig {
     EngineConfig {
+        prefix_caching: false,
         block_size: BLOCK_SIZE,
         gpu_blocks,
         cpu_blocks,
@@ -72,6 +73,7 @@ impl Bench {
     /// prefill produced the first token), stopping right after that iteration (not planned again).
     fn place(&mut self, on: InstanceId, id: RequestId, kv_tokens: u32, answer_tokens: u32) {
         let spec = RequestSpec {
+            content_ids: Vec::new(),
             id,
             arrival: Timestamp::ZERO,
             prompt_tokens: kv_tokens - 1,

@@ -30,6 +30,7 @@ impl Drop for Running {
 
 fn start(instance: u32, scheduler: &str, gpu_blocks: u32, cpu_blocks: u32) -> Running {
     let cfg = EngineConfig {
+        prefix_caching: false,
         block_size: 4,
         gpu_blocks,
         cpu_blocks,
@@ -66,6 +67,7 @@ fn ask<T>(r: &Running, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> T {
 
 fn spec(id: u64, prompt: u32, reasoning: u32, answer: u32) -> RequestSpec {
     RequestSpec {
+        content_ids: Vec::new(),
         id: RequestId(id),
         arrival: Timestamp(0),
         prompt_tokens: prompt,
