@@ -73,6 +73,7 @@ const COLUMNS: &[(&str, &str, Align)] = &[
     ("migr", "#", Align::Right),
     ("migr xfer", "p99 s", Align::Right),
     ("preempt", "#", Align::Right),
+    ("prefix hit", "%", Align::Right),
 ];
 
 fn opt(v: Option<f64>, decimals: usize) -> String {
@@ -101,6 +102,7 @@ fn row_cells(run: &RunResult, seeds: bool) -> Vec<String> {
         s.migrations_total.to_string(),
         opt(s.migration_transfer_p99_s, 3),
         s.preemptions_total.to_string(),
+        opt(s.prefix_hit_rate.map(|r| r * 100.0), 1),
     ]
 }
 
@@ -117,7 +119,8 @@ fn fit(text: &str, width: usize) -> String {
 /// A fixed-width table, one row per run: policy (with ` s<seed>` when the runs use several
 /// seeds), rate, finished/total, TTFT p50/p99, the worst
 /// tail-bin TTFT, TTFAT p99, TPOT p50, E2E p50, blocking p99, SLO violation %, output
-/// throughput, migrations (count, P99 transfer) and preemptions. Missing values print as `-`.
+/// throughput, migrations (count, P99 transfer), preemptions and the prefix-cache hit rate.
+/// Missing values print as `-`.
 /// Columns size to their content; the policy column is shortened (ending in `~`) when the table
 /// would otherwise exceed 160 columns.
 pub fn summary_table(runs: &[RunResult]) -> String {
@@ -180,7 +183,7 @@ fn opt_cell(v: Option<f64>) -> String {
 }
 
 const REQUESTS_HEADER: &str = "id,arrival_s,prompt_tokens,reasoning_tokens,answer_tokens,placed_on,finished_on,\
-ttft_s,ttfat_s,e2e_s,blocking_s,qoe,preemptions,migrations,rejected";
+ttft_s,ttfat_s,e2e_s,blocking_s,qoe,preemptions,migrations,rejected,cached_tokens";
 
 /// One request as a CSV line (no newline). Latencies follow [`kvfleet_core::metrics::summary`]:
 /// a rejected request has none.
@@ -196,7 +199,7 @@ fn request_row(r: &RequestRecord) -> String {
         Default::default()
     };
     format!(
-        "{},{:.6},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+        "{},{:.6},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
         r.id.0,
         r.arrival.as_secs_f64(),
         r.prompt_tokens,
@@ -212,6 +215,7 @@ fn request_row(r: &RequestRecord) -> String {
         r.preemptions,
         r.migrations,
         r.rejected,
+        r.cached_tokens,
     )
 }
 

@@ -29,6 +29,7 @@
 //!   instance joins.
 
 use crate::ownership::{initial_phase, OwnedPhase, Ownership};
+use crate::prefix::PrefixIndex;
 use kvfleet_core::policy::{InstancePolicy, LoadReport, PhaseChange, PhaseDecision};
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimRng, TimeSpan, Timestamp};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -328,13 +329,17 @@ pub struct Controller {
     retain_finished: bool,
     now: Timestamp,
     actions: VecDeque<Action>,
+    /// Where prompts' prefixes are predicted cached (kept only for a policy that reads it).
+    prefix: Option<PrefixIndex>,
 }
 
 impl Controller {
     /// A controller deciding with `policy`, drawing from `rng`. Finished requests are forgotten
     /// unless [`Controller::retain_finished`] is set.
     pub fn new(policy: Box<dyn InstancePolicy>, rng: SimRng) -> Controller {
+        let prefix = policy.uses_prefix_overlap().then(PrefixIndex::default);
         Controller {
+            prefix,
             policy,
             rng,
             model: None,
@@ -621,8 +626,17 @@ impl Controller {
         if self.live.is_empty() {
             return None;
         }
-        let to = self.policy.place(spec, &self.live, &mut self.rng);
+        let to = match &self.prefix {
+            Some(index) => {
+                let now = self.now;
+                let overlap: Vec<u32> =
+                    self.live.iter().map(|l| index.overlap(spec, l.instance, l.block_tokens, now)).collect();
+                self.policy.place_with_overlap(spec, &self.live, &overlap, &mut self.rng)
+            }
+            None => self.policy.place(spec, &self.live, &mut self.rng),
+        };
         if self.is_live(to) {
+            self.note_prefix(spec, to);
             return Some(to);
         }
         let fallback = self.live.iter().min_by_key(|l| (l.kv_footprint_bytes(), l.instance)).map(|l| l.instance);
@@ -633,7 +647,17 @@ impl Controller {
             policy = self.policy.name(),
             "the policy picked an instance that is not live; placing on the least loaded instead"
         );
+        if let Some(to) = fallback {
+            self.note_prefix(spec, to);
+        }
         fallback
+    }
+
+    /// The prompt of `spec`, placed on `on`, is predicted cached there from now on.
+    fn note_prefix(&mut self, spec: &RequestSpec, on: InstanceId) {
+        let Some(index) = self.prefix.as_mut() else { return };
+        let block_tokens = self.instances.get(&on).map_or(0, |i| i.base.block_tokens);
+        index.placed(spec, on, block_tokens, self.now);
     }
 
     fn on_arrival(&mut self, spec: RequestSpec) -> Result<(), ControlError> {

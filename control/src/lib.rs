@@ -13,11 +13,13 @@
 //! |---|---|
 //! | [`controller`] | [`Controller`], its [`Event`]s and [`Action`]s, charge-on-place, fallback |
 //! | [`ownership`] | who owns a request in which phase (persisted by the coordinator) |
+//! | [`prefix`] | where prompts' prefixes are predicted cached (for prefix-aware policies) |
 
 #![warn(missing_docs)]
 
 pub mod controller;
 pub mod ownership;
+pub mod prefix;
 
 pub use controller::{Action, ControlError, Controller, Event, MoveOutcome, RejectReason, MAX_RETARGETS};
 pub use ownership::{OwnedPhase, Ownership};

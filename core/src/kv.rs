@@ -684,8 +684,10 @@ mod tests {
         kv.allocate_prefixed(RequestId(2), 49, &b, 2).unwrap();
         kv.free_request(RequestId(2));
         assert_eq!((kv.free(Tier::Gpu), kv.cached_free(Tier::Gpu)), (8, 6));
-        // Steps: (blocks asked, what the LRU still holds afterwards, evictions so far).
-        let steps: [(u64, u32, [bool; 3], [bool; 3], u64); 4] = [
+        // Steps: (request, blocks asked, which of a's and b's hashes are still cached afterwards,
+        // evictions so far).
+        type Step = (u64, u32, [bool; 3], [bool; 3], u64);
+        let steps: [Step; 4] = [
             // 2 plain free blocks exist: nothing evicted.
             (10, 2, [true, true, true], [true, true, true], 0),
             // 2 more: a's last block, then a's middle one.

@@ -96,6 +96,10 @@ pub struct ClusterConfig {
     pub max_num_seqs: u32,
     /// Most prompt tokens prefilled per iteration.
     pub max_batched_tokens: u32,
+    /// Prompts with equal leading content share KV blocks (vLLM's automatic prefix caching,
+    /// on by default as in vLLM). Only workloads with content ids (Mooncake `hash_ids`,
+    /// `[workload.prefix]`) have anything to share; without them results are the same either way.
+    pub prefix_caching: bool,
 }
 
 impl Default for ClusterConfig {
@@ -112,6 +116,7 @@ impl Default for ClusterConfig {
             block_size: 16,
             max_num_seqs: 256,
             max_batched_tokens: 8192,
+            prefix_caching: true,
         }
     }
 }
@@ -430,7 +435,7 @@ impl SimConfig {
         let cpu_blocks = sizing::pool_blocks(gb("cpu_swap_gb", c.cpu_swap_gb)?, block_bytes)
             .map_err(|e| ConfigError::Invalid(format!("`cluster.cpu_swap_gb`: {e}")))?;
         Ok(EngineConfig {
-            prefix_caching: false,
+            prefix_caching: c.prefix_caching,
             block_size: c.block_size,
             gpu_blocks,
             cpu_blocks,

@@ -109,6 +109,17 @@ pub fn run_one_until(
     let engine = cfg.engine_config(&model, &gpu)?;
     let timing = timing_model(&cfg, base_dir)?;
     let requests = generate(&cfg.workload, base_dir).map_err(|e| SimError::Workload(e.to_string()))?;
+    let block = engine.block_size;
+    if engine.prefix_caching
+        && !kvfleet_core::kv::TRACE_BLOCK_TOKENS.is_multiple_of(block)
+        && requests.iter().any(|r| !r.content_ids.is_empty())
+    {
+        return Err(SimError::Setup(format!(
+            "`cluster.block_size` = {block} does not divide the {} tokens of a content id: prefix caching \
+             needs a divisor (16, 32, …) or `cluster.prefix_caching = false`",
+            kvfleet_core::kv::TRACE_BLOCK_TOKENS
+        )));
+    }
     let policy_impl = build_policy(&inst, &cfg.scheduler.instance).map_err(|e| SimError::Setup(e.to_string()))?;
     let cluster = Cluster::new(
         cfg.cluster.instances,

@@ -119,6 +119,14 @@ pub struct RunSummary {
     /// Preemptions summed over all requests.
     pub preemptions_total: u64,
 
+    /// Prompt tokens first prefills found in a prefix cache (not computed).
+    #[serde(default)]
+    pub prefix_cached_tokens: u64,
+    /// `prefix_cached_tokens` over the prompt tokens of every request that was not rejected;
+    /// `None` when nothing was cached (no shared content, or prefix caching off).
+    #[serde(default)]
+    pub prefix_hit_rate: Option<f64>,
+
     /// KV-cache migrations logged, aborted ones included.
     pub migrations_total: u64,
     /// Migrations that did not commit (the request stayed on its source): aborted ones and
@@ -189,6 +197,8 @@ impl RunSummary {
             ("slo_tpot_s", V(Some(self.slo_tpot_s))),
             ("slo_ttfat_s", V(Some(self.slo_ttfat_s))),
             ("slo_qoe_threshold", V(Some(self.slo_qoe_threshold))),
+            ("prefix_cached_tokens", C(self.prefix_cached_tokens)),
+            ("prefix_hit_rate", V(self.prefix_hit_rate)),
         ]
     }
 
@@ -237,8 +247,13 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
     let mut first_arrival: Option<Timestamp> = None;
     let mut last_finish: Option<Timestamp> = None;
 
+    let (mut prompt_tokens, mut cached_tokens) = (0u64, 0u64);
     for r in records {
         preemptions += u64::from(r.preemptions);
+        if !r.rejected {
+            prompt_tokens += u64::from(r.prompt_tokens);
+            cached_tokens += u64::from(r.cached_tokens);
+        }
         first_arrival = Some(first_arrival.map_or(r.arrival, |a| a.min(r.arrival)));
         if r.rejected {
             rejected += 1;
@@ -321,6 +336,8 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
         throughput_output_tokens_per_s: per_s(output_tokens),
         throughput_requests_per_s: per_s(finished),
         preemptions_total: preemptions,
+        prefix_cached_tokens: cached_tokens,
+        prefix_hit_rate: (cached_tokens > 0).then(|| cached_tokens as f64 / prompt_tokens as f64),
         migrations_total: migrations.len() as u64,
         migrations_aborted: migrations.iter().filter(|m| !m.committed()).count() as u64,
         migration_bytes_total: migrations.iter().map(|m| m.bytes).sum(),
@@ -498,7 +515,7 @@ mod tests {
         assert!(json["ttft_p99_s"].is_null());
         let row = s.csv_row();
         assert!(row.starts_with("0,0,0,,,,"), "{row}");
-        assert!(row.ends_with(",0.1,0.25,0.95"), "{row}");
+        assert!(row.ends_with(",0.1,0.25,0.95,0,"), "{row}");
     }
 
     #[test]

@@ -5,6 +5,7 @@
 
 pub mod baselines;
 pub mod pascal;
+pub mod prefix;
 pub mod registry;
 
 pub use pascal::{MigrationMode, PascalPolicy, TieBreak};
@@ -111,6 +112,23 @@ pub trait InstancePolicy: Send + std::fmt::Debug {
     fn name(&self) -> &str;
     /// Pick an instance for a new request. `loads` is non-empty, one per live instance.
     fn place(&mut self, request: &RequestSpec, loads: &[LoadReport], rng: &mut SimRng) -> InstanceId;
+    /// Whether [`InstancePolicy::place_with_overlap`] reads the prefix overlap (the driver
+    /// predicts it only for policies that do).
+    fn uses_prefix_overlap(&self) -> bool {
+        false
+    }
+    /// [`InstancePolicy::place`] knowing `overlap[k]`: the leading prompt blocks of `request`
+    /// predicted cached on `loads[k].instance`. The default ignores it.
+    fn place_with_overlap(
+        &mut self,
+        request: &RequestSpec,
+        loads: &[LoadReport],
+        overlap: &[u32],
+        rng: &mut SimRng,
+    ) -> InstanceId {
+        let _ = overlap;
+        self.place(request, loads, rng)
+    }
     /// Decide at the `</think>` boundary. The default keeps the request where it is.
     fn on_phase_change(&mut self, _change: &PhaseChange, _loads: &[LoadReport], _rng: &mut SimRng) -> PhaseDecision {
         PhaseDecision::Stay

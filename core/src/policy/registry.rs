@@ -5,11 +5,12 @@
 
 use super::baselines::{LeastKv, Random, RoundRobin};
 use super::pascal::{MigrationMode, PascalPolicy, TieBreak, DEFAULT_HEADROOM_BLOCKS};
+use super::prefix::KvOverlap;
 use super::InstancePolicy;
 use serde::{Deserialize, Serialize};
 
 const POLICY_NAMES: &[&str] =
-    &["pascal", "pascal-nonadaptive", "pascal-nomigration", "least-kv", "round-robin", "random"];
+    &["pascal", "pascal-nonadaptive", "pascal-nomigration", "least-kv", "round-robin", "random", "kv-overlap"];
 
 /// Why [`build_policy`] failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -73,6 +74,7 @@ pub fn build_policy(name: &str, params: &PolicyParams) -> Result<Box<dyn Instanc
         "least-kv" => Box::new(LeastKv),
         "round-robin" => Box::new(RoundRobin::default()),
         "random" => Box::new(Random),
+        "kv-overlap" => Box::new(KvOverlap::default()),
         _ => return Err(PolicyError::Unknown { name: name.into(), valid: POLICY_NAMES.join(", ") }),
     })
 }

@@ -12,9 +12,14 @@
 //! | [`arrivals`](ArrivalConfig) | Poisson / gamma processes, trace replay, rate and time scaling |
 //! | [`lengths`](LengthConfig) | ServeGen PMF sampling, log-normal and fixed lengths, output caps |
 //! | [`traces`](TraceFormat) | Azure CSV, Mooncake JSONL and kvfleet CSV parsers |
+//! | [`prefix`](PrefixConfig) | shared system prompts, unbounded prefix-cache reuse |
+//!
+//! What a prompt says ([`RequestSpec::content_ids`]) comes from a Mooncake trace's `hash_ids` or
+//! from `[prefix]`; every other workload has no content ids, so nothing of its prompts is shared.
 
 mod arrivals;
 mod lengths;
+mod prefix;
 mod traces;
 
 pub use arrivals::ArrivalConfig;
@@ -22,14 +27,17 @@ pub use lengths::{
     cap_output, split_output, FixedLengths, Joint, LengthConfig, LengthPmf, LognormalLengths, PmfField,
     ReasonRatioConfig, TraceLengths,
 };
+pub use prefix::{describe_content, unbounded_prefix_reuse, Popularity, PrefixConfig, MAX_SYSTEM_PROMPTS};
 pub use traces::{load_trace, parse_trace, TraceFormat, TraceOutput, TraceRow, AZURE_HEADER, KVFLEET_HEADER};
 
 use crate::ids::RequestId;
+use crate::kv::TRACE_BLOCK_TOKENS;
 use crate::request::RequestSpec;
 use crate::rng::SimRng;
 use crate::time::{Timestamp, RUN_LIMIT};
 use arrivals::{replay_times, synthetic_arrivals, Scale, Stop};
 use lengths::{sample_lognormal, sample_servegen, PmfRef};
+use prefix::PrefixSampler;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -41,6 +49,8 @@ pub const MAX_REQUESTS: u64 = 100_000_000;
 const STREAM_ARRIVALS: u64 = 1;
 /// `SimRng` stream of the length draws.
 const STREAM_LENGTHS: u64 = 2;
+/// `SimRng` stream of the `[prefix]` draws (system prompt and suffix length).
+const STREAM_PREFIX: u64 = 3;
 
 /// Errors from loading, validating or generating a workload.
 #[derive(Debug, thiserror::Error)]
@@ -129,6 +139,9 @@ pub struct WorkloadConfig {
     /// Clip reasoning + answer to at most this many tokens, keeping their proportion and at least
     /// one answer token.
     pub max_output_tokens: Option<u32>,
+    /// Shared system prompts: when present, every prompt is a system prompt plus a user suffix
+    /// with content ids, replacing the prompt length (and any trace ids) from `lengths`.
+    pub prefix: Option<PrefixConfig>,
 }
 
 impl Default for WorkloadConfig {
@@ -143,6 +156,7 @@ impl Default for WorkloadConfig {
             lengths: LengthConfig::default(),
             max_prompt_tokens: None,
             max_output_tokens: None,
+            prefix: None,
         }
     }
 }
@@ -242,6 +256,9 @@ impl WorkloadConfig {
         if let Some(c) = self.max_output_tokens {
             at_least_one("max_output_tokens", c)?;
         }
+        if let Some(p) = &self.prefix {
+            p.validate()?;
+        }
         Ok(())
     }
 
@@ -292,7 +309,8 @@ impl WorkloadConfig {
     }
 
     /// One line saying where the workload comes from, for run summaries (states the joint
-    /// assumption and whether lengths are synthetic, as `data/README.md` asks).
+    /// assumption and whether lengths are synthetic, as `data/README.md` asks, and where content
+    /// ids come from; [`describe_content`] measures what the generated prompts share).
     pub fn describe(&self) -> String {
         let arrivals = match &self.arrivals {
             ArrivalConfig::Poisson { rate } => format!("Poisson {} req/s", rate * self.rate_scale / self.time_scale),
@@ -331,7 +349,14 @@ impl WorkloadConfig {
                 format!("lengths from {} trace {} ({split})", t.format.name(), t.path.display())
             }
         };
-        format!("seed {}; {arrivals}; {lengths}", self.seed)
+        let content = match (&self.prefix, &self.lengths) {
+            (Some(p), _) => p.describe(),
+            (None, LengthConfig::Trace(t)) if t.format == TraceFormat::Mooncake => {
+                "content ids from the trace's `hash_ids`".to_string()
+            }
+            _ => "no content ids: nothing shared".to_string(),
+        };
+        format!("seed {}; {arrivals}; {lengths}; {content}", self.seed)
     }
 }
 
@@ -357,6 +382,14 @@ enum RatioSource {
 }
 
 impl LengthSource<'_> {
+    /// Content ids of request `i`: its trace row's (Mooncake `hash_ids`), none otherwise.
+    fn content_ids(&self, i: usize) -> &[u64] {
+        match self {
+            LengthSource::Trace { rows, .. } => &rows[i % rows.len()].content_ids,
+            _ => &[],
+        }
+    }
+
     /// (prompt, reasoning, answer) of request `i`.
     #[inline]
     fn draw(&self, i: usize, rng: &mut SimRng) -> (u32, u32, u32) {
@@ -365,7 +398,7 @@ impl LengthSource<'_> {
             LengthSource::Lognormal(l) => sample_lognormal(l, rng),
             LengthSource::Fixed(f) => (f.prompt_tokens, f.reasoning_tokens, f.answer_tokens),
             LengthSource::Trace { rows, ratio } => {
-                let row = rows[i % rows.len()];
+                let row = &rows[i % rows.len()];
                 match row.output {
                     TraceOutput::Split { reasoning_tokens, answer_tokens } => {
                         (row.prompt_tokens, reasoning_tokens, answer_tokens)
@@ -392,6 +425,8 @@ pub fn generate(cfg: &WorkloadConfig, base_dir: &Path) -> Result<Vec<RequestSpec
     let root = SimRng::seed_from_u64(cfg.seed);
     let mut arrival_rng = root.fork(STREAM_ARRIVALS);
     let mut length_rng = root.fork(STREAM_LENGTHS);
+    let mut prefix_rng = root.fork(STREAM_PREFIX);
+    let prefix = cfg.prefix.as_ref().map(PrefixSampler::new);
     let scale = Scale { rate_scale: cfg.rate_scale, time_scale: cfg.time_scale };
     let default_n = match (cfg.synthetic_rate(), cfg.duration_s) {
         (Some(_), None) => DEFAULT_NUM_REQUESTS,
@@ -451,11 +486,17 @@ pub fn generate(cfg: &WorkloadConfig, base_dir: &Path) -> Result<Vec<RequestSpec
     let mut out = Vec::with_capacity(arrivals.len());
     for (i, arrival) in arrivals.into_iter().enumerate() {
         let (prompt, reasoning, answer) = source.draw(i, &mut length_rng);
-        let prompt = cfg.max_prompt_tokens.map_or(prompt, |c| prompt.min(c)).max(1);
         let (reasoning, answer) =
             cfg.max_output_tokens.map_or((reasoning, answer.max(1)), |c| cap_output(reasoning, answer.max(1), c));
+        let (prompt, mut content_ids) = match &prefix {
+            Some(p) => p.draw(i, reasoning.saturating_add(answer), &mut prefix_rng),
+            None => (prompt, source.content_ids(i).to_vec()),
+        };
+        let prompt = cfg.max_prompt_tokens.map_or(prompt, |c| prompt.min(c)).max(1);
+        // A clipped prompt keeps only the ids of what is left of it.
+        content_ids.truncate(prompt.div_ceil(TRACE_BLOCK_TOKENS) as usize);
         let spec = RequestSpec {
-            content_ids: Vec::new(),
+            content_ids,
             id: RequestId(i as u64),
             arrival,
             prompt_tokens: prompt,

@@ -162,10 +162,53 @@ fn mooncake_trace_with_servegen_ratio_splits_output() {
     assert_eq!(reqs.len(), 12_031);
     assert_well_formed(&reqs);
     assert_eq!(reqs[0].output_tokens(), 500);
+    // Row 1's `hash_ids` ([0, 1, …, 13]) become its content ids; every row carries them.
+    assert_eq!(reqs[0].content_ids, (0..14).collect::<Vec<u64>>());
+    assert!(reqs.iter().all(|r| r.content_ids.len() as u32 == r.prompt_tokens.div_ceil(TRACE_BLOCK_TOKENS)));
     let mean_ratio =
         reqs.iter().map(|r| r.reasoning_tokens as f64 / r.output_tokens() as f64).sum::<f64>() / reqs.len() as f64;
     assert!((0.65..0.75).contains(&mean_ratio), "mean reason ratio {mean_ratio}");
     assert_eq!(reqs, gen(text), "deterministic");
+}
+
+#[test]
+fn clipped_mooncake_prompts_keep_the_ids_of_what_is_left() {
+    let text = "max_prompt_tokens = 1000\n[arrivals]\nkind = \"trace\"\n[lengths]\nkind = \"trace\"\npath = \"fixtures/mooncake_sample.jsonl\"\nformat = \"mooncake\"\n";
+    let got: Vec<(u32, Vec<u64>)> = gen(text).into_iter().map(|r| (r.prompt_tokens, r.content_ids)).collect();
+    assert_eq!(got, vec![(1000, vec![0, 1]), (1000, vec![0, 14]), (300, vec![]), (44, vec![7])]);
+}
+
+/// Without `[prefix]` and a Mooncake trace, no request has content ids.
+#[test]
+fn workloads_without_ids_have_none() {
+    for text in [
+        "",
+        "num_requests = 200\n[arrivals]\nkind = \"gamma\"\nrate = 3.0\ncv = 2.0\n[lengths]\nkind = \"lognormal\"\n",
+        "num_requests = 20\n[lengths]\nkind = \"fixed\"\nprompt_tokens = 4096\n",
+        "[arrivals]\nkind = \"trace\"\n[lengths]\nkind = \"trace\"\npath = \"fixtures/kvfleet_sample.csv\"\nformat = \"kvfleet\"\n",
+        "[arrivals]\nkind = \"trace\"\n[lengths]\nkind = \"trace\"\npath = \"fixtures/azure_sample.csv\"\nformat = \"azure\"\n",
+        "[arrivals]\nkind = \"trace\"\npath = \"fixtures/mooncake_sample.jsonl\"\nformat = \"mooncake\"\n",
+    ] {
+        let reqs = gen(text);
+        assert!(reqs.iter().all(|r| r.content_ids.is_empty()), "{text:?}");
+        assert_eq!(describe_content(&reqs, 16), "no content ids: nothing shared");
+        assert_eq!(unbounded_prefix_reuse(&reqs, 16), 0.0);
+        assert!(cfg(text).describe().ends_with("; no content ids: nothing shared"), "{}", cfg(text).describe());
+    }
+}
+
+#[test]
+fn describe_says_where_content_ids_come_from() {
+    let mooncake =
+        "[arrivals]\nkind = \"trace\"\n[lengths]\nkind = \"trace\"\npath = \"t.jsonl\"\nformat = \"mooncake\"\n";
+    assert!(cfg(mooncake).describe().ends_with("; content ids from the trace's `hash_ids`"));
+    let d = cfg("[prefix]\npopularity = \"zipf\"\nzipf_s = 1.5\n").describe();
+    assert!(
+        d.ends_with(
+            "; content ids: 64 shared system prompts of 4096 tokens (zipf s = 1.5) + log-normal suffixes (median 256, sigma 1)"
+        ),
+        "{d}"
+    );
 }
 
 #[test]
@@ -268,6 +311,14 @@ time_scale = 1.0
 max_prompt_tokens = 8192
 max_output_tokens = 16384
 
+[prefix]
+system_prompts = 8
+system_tokens = 1024
+popularity = "zipf"
+zipf_s = 0.8
+suffix_median = 100.0
+suffix_sigma = 0.5
+
 [arrivals]
 kind = "gamma"
 rate = 2.0
@@ -289,6 +340,18 @@ reason_ratio = { kind = "servegen" }
             reason_ratio: Some(ReasonRatioConfig::Servegen { pmf: None }),
         })
     );
+    assert_eq!(
+        c.prefix,
+        Some(PrefixConfig {
+            system_prompts: 8,
+            system_tokens: 1024,
+            popularity: Popularity::Zipf,
+            zipf_s: 0.8,
+            suffix_median: 100.0,
+            suffix_sigma: 0.5,
+        })
+    );
+    assert_eq!(cfg("[prefix]\n").prefix, Some(PrefixConfig::default()));
     let back = toml::to_string(&c).unwrap();
     assert_eq!(cfg(&back), c);
     assert_eq!(generate(&c, &data_dir()).unwrap().len(), 10);
@@ -326,6 +389,18 @@ fn invalid_configs_name_the_field() {
             "[lengths]\nkind = \"trace\"\npath = \"a.csv\"\nformat = \"kvfleet\"\nreason_ratio = { kind = \"fixed\", value = 0.5 }\n",
             "`lengths.reason_ratio`: not used",
         ),
+        ("[prefix]\nsystem_prompts = 0\n", "`prefix.system_prompts`: must be in [1, 1000000], got 0"),
+        ("[prefix]\nsystem_prompts = 1000001\n", "`prefix.system_prompts`"),
+        ("[prefix]\nsystem_tokens = 0\n", "`prefix.system_tokens`: must be a positive multiple of 512"),
+        ("[prefix]\nsystem_tokens = 1000\n", "`prefix.system_tokens`: must be a positive multiple of 512"),
+        ("[prefix]\nsystem_tokens = 16777216\n", "`prefix.system_tokens`"),
+        ("[prefix]\nzipf_s = 0.0\n", "`prefix.zipf_s`: must be a positive finite number"),
+        ("[prefix]\npopularity = \"zipf\"\nzipf_s = -1.0\n", "`prefix.zipf_s`"),
+        ("[prefix]\nzipf_s = inf\n", "`prefix.zipf_s`"),
+        ("[prefix]\nsuffix_median = 0.0\n", "`prefix.suffix_median`"),
+        ("[prefix]\nsuffix_median = nan\n", "`prefix.suffix_median`"),
+        ("[prefix]\nsuffix_sigma = -0.5\n", "`prefix.suffix_sigma`: must be finite and >= 0, got -0.5"),
+        ("[prefix]\nsuffix_sigma = inf\n", "`prefix.suffix_sigma`"),
     ];
     for &(text, want) in table {
         let err = WorkloadConfig::from_toml_str(text, "bad.toml").expect_err(text).to_string();
@@ -344,6 +419,12 @@ fn unknown_fields_are_rejected() {
         ("[lengths]\nkind = \"lognormal\"\nreasoning_mean = 3.0\n", "reasoning_mean"),
         ("[lengths]\nkind = \"fixed\"\nprompt = 3\n", "prompt"),
         ("[lengths]\nkind = \"trace\"\npath = \"a\"\nformat = \"burstgpt\"\n", "burstgpt"),
+        ("[prefix]\npopularity = \"pareto\"\n", "popularity"),
+        ("[prefix]\npopularity = \"pareto\"\n", "pareto"),
+        ("[prefix]\nsystem_prompt = 3\n", "system_prompt"),
+        ("[prefix]\nsystem_prompts = -3\n", "system_prompts"),
+        ("[prefix]\nsystem_tokens = 1.5\n", "system_tokens"),
+        ("prefix = 3\n", "prefix"),
     ];
     for &(text, want) in table {
         let err = WorkloadConfig::from_toml_str(text, "bad.toml").expect_err(text);

@@ -8,6 +8,7 @@
 //! 1-based line and the field — never a panic.
 
 use super::WorkloadError;
+use crate::kv::TRACE_BLOCK_TOKENS;
 use crate::request::MAX_REQUEST_TOKENS;
 use crate::time::RUN_LIMIT;
 use serde::{Deserialize, Serialize};
@@ -20,8 +21,8 @@ pub enum TraceFormat {
     /// Azure LLM inference trace 2023 (Splitwise): CSV `TIMESTAMP,ContextTokens,GeneratedTokens`,
     /// wall-clock timestamps like `2023-11-16 18:17:03.9799600`. No reasoning split.
     Azure,
-    /// Mooncake FAST'25 JSONL: `timestamp` (ms from start), `input_length`, `output_length`,
-    /// `hash_ids` (ignored). No reasoning split.
+    /// Mooncake FAST'25 JSONL: `timestamp` (ms from start), `input_length`, `output_length` and
+    /// optionally `hash_ids` (the prompt's content ids, one per 512 tokens). No reasoning split.
     Mooncake,
     /// kvfleet CSV `arrival_s,prompt_tokens,reasoning_tokens,answer_tokens` with explicit lengths;
     /// `#` starts a comment line. Defined in `data/README.md`.
@@ -54,7 +55,7 @@ pub enum TraceOutput {
 }
 
 /// One request of a trace, as written in the file.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TraceRow {
     /// Arrival in the trace's own clock, nanoseconds (Azure: since the Unix epoch; Mooncake and
     /// kvfleet: since the trace start).
@@ -63,6 +64,10 @@ pub struct TraceRow {
     pub prompt_tokens: u32,
     /// Output length: a total, or split into reasoning and answer tokens.
     pub output: TraceOutput,
+    /// The prompt's content ids, one per [`TRACE_BLOCK_TOKENS`] tokens (Mooncake's `hash_ids`),
+    /// at most ⌈prompt_tokens / 512⌉ of them. Empty for Azure and kvfleet traces, and for Mooncake
+    /// rows without `hash_ids`: nothing of the prompt is shared.
+    pub content_ids: Vec<u64>,
 }
 
 /// Azure CSV header, exactly as in the published files.
@@ -185,7 +190,8 @@ fn parse_azure(text: &str, path: &Path) -> Result<Vec<TraceRow>, WorkloadError> 
         let arrival_ns = parse_wall_clock_ns(ts).map_err(|m| parse_err(path, n, "TIMESTAMP", m))?;
         let prompt_tokens = at_least_one(parse_u32(ctx, path, n, "ContextTokens")?, path, n, "ContextTokens")?;
         let generated = parse_u32(gen, path, n, "GeneratedTokens")?;
-        rows.push(checked(TraceRow { arrival_ns, prompt_tokens, output: TraceOutput::Total(generated) }, path, n)?);
+        let output = TraceOutput::Total(generated);
+        rows.push(checked(TraceRow { arrival_ns, prompt_tokens, output, content_ids: Vec::new() }, path, n)?);
     }
     Ok(rows)
 }
@@ -237,13 +243,52 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
-/// Only the fields we use; `hash_ids` and anything else is skipped without allocating.
+/// Only the fields we use; anything else is skipped without allocating.
 /// (A JSON array would deserialize into it positionally: [`parse_mooncake`] asks for an object.)
 #[derive(Deserialize)]
 struct MooncakeLine {
     timestamp: Option<serde_json::Value>,
     input_length: Option<serde_json::Value>,
     output_length: Option<serde_json::Value>,
+    hash_ids: Option<serde_json::Value>,
+}
+
+/// A Mooncake row's `hash_ids`: absent or `null` is no ids; otherwise a list of integers in
+/// [0, 2⁶⁴), at most ⌈prompt_tokens / 512⌉ of them (one per 512 prompt tokens; fewer leave the
+/// rest of the prompt unique).
+fn mooncake_hash_ids(
+    v: Option<serde_json::Value>,
+    prompt_tokens: u32,
+    path: &Path,
+    line: usize,
+) -> Result<Vec<u64>, WorkloadError> {
+    let items = match v {
+        None | Some(serde_json::Value::Null) => return Ok(Vec::new()),
+        Some(serde_json::Value::Array(items)) => items,
+        Some(other) => {
+            let message = format!("expected a list of non-negative integers below 2^64, got {other}");
+            return Err(parse_err(path, line, "hash_ids", message));
+        }
+    };
+    let bound = prompt_tokens.div_ceil(TRACE_BLOCK_TOKENS) as usize;
+    if items.len() > bound {
+        let message = format!(
+            "{} ids for {prompt_tokens} input tokens, more than the {bound} (one per {TRACE_BLOCK_TOKENS} tokens) \
+             the prompt can hold",
+            items.len()
+        );
+        return Err(parse_err(path, line, "hash_ids", message));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            x.as_u64().ok_or_else(|| {
+                let message = format!("element {i} is {x}: expected a non-negative integer below 2^64");
+                parse_err(path, line, "hash_ids", message)
+            })
+        })
+        .collect()
 }
 
 fn parse_mooncake(text: &str, path: &Path) -> Result<Vec<TraceRow>, WorkloadError> {
@@ -276,9 +321,10 @@ fn parse_mooncake(text: &str, path: &Path) -> Result<Vec<TraceRow>, WorkloadErro
                 .ok_or_else(|| parse_err(path, n, field, format!("expected a non-negative integer, got {v}")))
         };
         let prompt_tokens = at_least_one(tokens(rec.input_length, "input_length")?, path, n, "input_length")?;
-        let output = tokens(rec.output_length, "output_length")?;
+        let output = TraceOutput::Total(tokens(rec.output_length, "output_length")?);
+        let content_ids = mooncake_hash_ids(rec.hash_ids, prompt_tokens, path, n)?;
         let arrival_ns = (ms * 1e6).round() as u64;
-        rows.push(checked(TraceRow { arrival_ns, prompt_tokens, output: TraceOutput::Total(output) }, path, n)?);
+        rows.push(checked(TraceRow { arrival_ns, prompt_tokens, output, content_ids }, path, n)?);
     }
     Ok(rows)
 }
@@ -303,7 +349,7 @@ fn parse_kvfleet(text: &str, path: &Path) -> Result<Vec<TraceRow>, WorkloadError
         }
         let arrival_ns = (arrival_s * 1e9).round() as u64;
         let output = TraceOutput::Split { reasoning_tokens, answer_tokens };
-        rows.push(checked(TraceRow { arrival_ns, prompt_tokens, output }, path, n)?);
+        rows.push(checked(TraceRow { arrival_ns, prompt_tokens, output, content_ids: Vec::new() }, path, n)?);
     }
     Ok(rows)
 }
@@ -337,16 +383,77 @@ mod tests {
         let rows = parse_trace(&text, &path, TraceFormat::Azure).unwrap();
         assert_eq!(rows.len(), 19_366);
         // Last row: 2023-11-16 19:14:08.4025270,197,183
-        let last = rows[rows.len() - 1];
+        let last = &rows[rows.len() - 1];
         assert_eq!((last.prompt_tokens, last.output), (197, TraceOutput::Total(183)));
+        assert!(rows.iter().all(|r| r.content_ids.is_empty()), "Azure traces carry no content ids");
     }
 
     #[test]
     fn real_mooncake_trace_parses_every_row() {
         let rows = load_trace(&data("traces/mooncake_conversation_trace.jsonl"), TraceFormat::Mooncake).unwrap();
         assert_eq!(rows.len(), 12_031);
-        assert_eq!(rows[0], TraceRow { arrival_ns: 0, prompt_tokens: 6758, output: TraceOutput::Total(500) });
+        // First line: {"timestamp": 0, "input_length": 6758, "output_length": 500,
+        // "hash_ids": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]}
+        assert_eq!(
+            rows[0],
+            TraceRow {
+                arrival_ns: 0,
+                prompt_tokens: 6758,
+                output: TraceOutput::Total(500),
+                content_ids: (0..14).collect()
+            }
+        );
         assert_eq!(rows[rows.len() - 1].arrival_ns, 3_536_999 * 1_000_000);
+        // Every row carries ids, and all of them: one per 512 prompt tokens.
+        for (i, r) in rows.iter().enumerate() {
+            assert_eq!(r.content_ids.len() as u32, r.prompt_tokens.div_ceil(TRACE_BLOCK_TOKENS), "row {i}");
+        }
+        // Row 2 starts with row 1's first id: the two prompts share their first 512 tokens.
+        assert_eq!(rows[1].content_ids[..2], [0, 14]);
+    }
+
+    /// Bad `hash_ids` on line 2 of a trace whose prompt has 1000 tokens (room for ⌈1000 / 512⌉ = 2
+    /// ids): (value, words the message must contain).
+    #[test]
+    fn malformed_hash_ids_name_the_line_and_field() {
+        let table: &[(&str, &str)] = &[
+            ("\"0,1\"", "got \"0,1\""),
+            ("[-1]", "element 0 is -1"),
+            ("[1.5]", "element 0 is 1.5"),
+            ("[null]", "element 0 is null"),
+            ("[3, null]", "element 1 is null"),
+            ("{}", "got {}"),
+            ("[18446744073709551616]", "below 2^64"),
+            ("[1, 2, 3]", "3 ids for 1000 input tokens, more than the 2"),
+        ];
+        let first = r#"{"timestamp": 0, "input_length": 1024, "output_length": 5, "hash_ids": [0, 1]}"#;
+        let row =
+            |ids: &str| format!(r#"{{"timestamp": 5, "input_length": 1000, "output_length": 5, "hash_ids": {ids}}}"#);
+        for &(ids, words) in table {
+            let text = format!("{first}\n{}\n", row(ids));
+            let err = parse_trace(&text, Path::new("m.jsonl"), TraceFormat::Mooncake).expect_err(ids);
+            let msg = err.to_string();
+            assert!(msg.contains("m.jsonl:2: field `hash_ids`"), "{ids}: {msg}");
+            assert!(msg.contains(words), "{ids}: {msg}");
+            assert!(matches!(err, WorkloadError::Parse { line: 2, field: "hash_ids", .. }), "{ids}: {err:?}");
+        }
+        // Exactly the bound is fine.
+        let rows = parse_trace(&format!("{first}\n{}\n", row("[0, 1]")), Path::new("m.jsonl"), TraceFormat::Mooncake);
+        assert_eq!(rows.unwrap()[1].content_ids, vec![0, 1]);
+    }
+
+    #[test]
+    fn missing_null_short_and_empty_hash_ids_are_accepted() {
+        let text = concat!(
+            "{\"timestamp\": 0, \"input_length\": 2000, \"output_length\": 5}\n",
+            "{\"timestamp\": 1, \"input_length\": 2000, \"output_length\": 5, \"hash_ids\": null}\n",
+            "{\"timestamp\": 2, \"input_length\": 2000, \"output_length\": 5, \"hash_ids\": []}\n",
+            "{\"timestamp\": 3, \"input_length\": 2000, \"output_length\": 5, \"hash_ids\": [7]}\n",
+            "{\"timestamp\": 4, \"input_length\": 2000, \"output_length\": 5, \"hash_ids\": [18446744073709551615, 0, 9, 9]}\n",
+        );
+        let rows = parse_trace(text, Path::new("m.jsonl"), TraceFormat::Mooncake).unwrap();
+        let ids: Vec<&[u64]> = rows.iter().map(|r| r.content_ids.as_slice()).collect();
+        assert_eq!(ids, vec![&[][..], &[], &[], &[7], &[u64::MAX, 0, 9, 9]]);
     }
 
     #[test]
@@ -358,7 +465,8 @@ mod tests {
             TraceRow {
                 arrival_ns: 0,
                 prompt_tokens: 128,
-                output: TraceOutput::Split { reasoning_tokens: 600, answer_tokens: 200 }
+                output: TraceOutput::Split { reasoning_tokens: 600, answer_tokens: 200 },
+                content_ids: Vec::new()
             }
         );
         assert!(kv.iter().any(|r| matches!(r.output, TraceOutput::Split { reasoning_tokens: 0, .. })));
@@ -368,6 +476,8 @@ mod tests {
         let mc = load_trace(&data("fixtures/mooncake_sample.jsonl"), TraceFormat::Mooncake).unwrap();
         assert_eq!(mc.len(), 4);
         assert_eq!(mc[3].arrival_ns, 2_500_500_000);
+        let ids: Vec<&[u64]> = mc.iter().map(|r| r.content_ids.as_slice()).collect();
+        assert_eq!(ids, vec![&[0, 1, 2][..], &[0, 14], &[], &[7]]);
     }
 
     /// Malformed fixtures: (file, format, line, field, words the message must contain).
@@ -424,7 +534,8 @@ mod tests {
             vec![TraceRow {
                 arrival_ns: 500_000_000,
                 prompt_tokens: 10,
-                output: TraceOutput::Split { reasoning_tokens: 0, answer_tokens: 1 }
+                output: TraceOutput::Split { reasoning_tokens: 0, answer_tokens: 1 },
+                content_ids: Vec::new()
             }]
         );
     }
