@@ -486,16 +486,18 @@ mod tests {
         let empty = lines.last().expect("row");
         let cells: Vec<&str> = empty.split_whitespace().collect();
         assert_eq!(cells.len(), COLUMNS.len(), "{empty}");
-        // policy, rate, done/total, 9 latencies/rates, migr, migr p99, preempt.
+        // policy, rate, done/total, 9 latencies/rates, migr, migr p99, preempt, prefix hit.
         assert_eq!(cells[1], "-");
         assert_eq!(cells[2], "0/0");
         assert!(cells[3..12].iter().all(|c| *c == "-"), "{empty}");
-        assert_eq!(&cells[12..], ["0", "-", "0"]);
+        assert_eq!(&cells[12..], ["0", "-", "0", "-"]);
         // A full row: pascal at 1 req/s, 39 of 40 finished, 3 migrations.
         let pascal: Vec<&str> = lines[2].split_whitespace().collect();
         assert_eq!(&pascal[..3], ["pascal", "1.00", "39/40"]);
         assert_eq!(pascal[12], "3");
-        assert!(pascal.iter().all(|c| *c != "-"), "{}", lines[2]);
+        // Every cell but the prefix-cache hit rate: these prompts share no content.
+        assert!(pascal[..pascal.len() - 1].iter().all(|c| *c != "-"), "{}", lines[2]);
+        assert_eq!(pascal.last(), Some(&"-"), "{}", lines[2]);
         assert!(lines.iter().all(|l| l.chars().count() <= MAX_TABLE_COLUMNS), "{table}");
     }
 
