@@ -1,0 +1,105 @@
+//! Prefix caching through the whole simulator: a workload whose prompts share system prompts
+//! ([workload.prefix]) hits the cache far more often under the prefix-aware placement, and a
+//! workload without content ids runs exactly as with caching off.
+
+use kvfleet_sim::config::SimConfig;
+use kvfleet_sim::{run_one, RunResult};
+use std::path::Path;
+
+/// 4 H100s serving the 32B model (≈ 8 GB of KV each: about 7 of the 16 system prompts fit per
+/// instance), prompts of a 4,096-token system prompt and a short suffix.
+fn config(prefix: bool, caching: bool) -> SimConfig {
+    let prefix_table = if prefix {
+        "[workload.prefix]\nsystem_prompts = 16\nsystem_tokens = 4096\nsuffix_median = 128.0\nsuffix_sigma = 0.5\n"
+    } else {
+        ""
+    };
+    let text = format!(
+        r#"
+[cluster]
+instances = 4
+model = "r1-distill-qwen-32b"
+gpu = "h100-80gb"
+timing = "analytic"
+prefix_caching = {caching}
+
+
+[workload]
+seed = 3
+num_requests = 400
+[workload.arrivals]
+kind = "poisson"
+rate = 2.0
+[workload.lengths]
+kind = "lognormal"
+prompt_median = 2000.0
+prompt_sigma = 0.5
+reasoning_median = 40.0
+reasoning_sigma = 0.5
+answer_median = 40.0
+answer_sigma = 0.5
+{prefix_table}"#
+    );
+    SimConfig::parse(&text, "prefix test").expect("valid config")
+}
+
+fn run(cfg: &SimConfig, policy: &str) -> RunResult {
+    run_one(cfg, policy, None, Path::new("."), |_| {}).expect("runs")
+}
+
+#[test]
+fn following_the_prefix_hits_the_cache_and_cuts_ttft() {
+    let cfg = config(true, true);
+    let rr = run(&cfg, "fcfs+round-robin");
+    let least = run(&cfg, "fcfs+least-kv");
+    let overlap = run(&cfg, "fcfs+kv-overlap");
+    let hit = |r: &RunResult| r.summary.prefix_hit_rate.unwrap_or(0.0);
+    // Time to the first token of any phase (the prefill's latency; TTFT proper adds reasoning).
+    let ttft = |r: &RunResult| {
+        let mut t: Vec<f64> = r
+            .records
+            .iter()
+            .map(|q| q.first_token.expect("finished").saturating_since(q.arrival).as_secs_f64())
+            .collect();
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    println!(
+        "hit rate rr {:.3} least-kv {:.3} kv-overlap {:.3}; first token p50 {:.3} / {:.3} / {:.3} s",
+        hit(&rr),
+        hit(&least),
+        hit(&overlap),
+        ttft(&rr),
+        ttft(&least),
+        ttft(&overlap)
+    );
+    for r in [&rr, &least, &overlap] {
+        assert_eq!(r.summary.requests_finished, 400, "{}", r.policy);
+    }
+    // Measured: 0.68 vs 0.33 / 0.36, first token p50 0.04 s vs 0.43 / 0.42 s.
+    assert!(hit(&overlap) >= 0.6, "kv-overlap hit rate {}", hit(&overlap));
+    assert!(hit(&overlap) >= 1.8 * hit(&rr).max(hit(&least)), "{} vs {} / {}", hit(&overlap), hit(&rr), hit(&least));
+    let (o, r, l) = (ttft(&overlap), ttft(&rr), ttft(&least));
+    assert!(o <= 0.5 * r.min(l), "first token p50 {o} vs {r} / {l}");
+    // Per request: what a first prefill found cached is a whole number of blocks of its prompt.
+    let cached: u64 = overlap.records.iter().map(|r| u64::from(r.cached_tokens)).sum();
+    assert_eq!(cached, overlap.summary.prefix_cached_tokens);
+    assert!(overlap.records.iter().all(|r| r.cached_tokens % 16 == 0 && r.cached_tokens < r.prompt_tokens));
+}
+
+#[test]
+fn without_shared_content_caching_changes_nothing() {
+    for policy in ["pascal", "fcfs+kv-overlap"] {
+        let on = run(&config(false, true), policy);
+        let off = run(&config(false, false), policy);
+        assert_eq!(
+            serde_json::to_string(&on.records).unwrap(),
+            serde_json::to_string(&off.records).unwrap(),
+            "{policy}"
+        );
+        assert_eq!(on.summary.prefix_hit_rate, None);
+    }
+    // Shared content with caching off: nothing is hit.
+    let off = run(&config(true, false), "fcfs+kv-overlap");
+    assert_eq!((off.summary.prefix_hit_rate, off.summary.prefix_cached_tokens), (None, 0));
+}
