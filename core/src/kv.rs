@@ -65,8 +65,26 @@ pub struct PrefixStats {
     pub query_tokens: u64,
     /// Of those, tokens found cached (not prefilled).
     pub hit_tokens: u64,
-    /// Cached blocks evicted to make room.
+    /// Of those, tokens found only in the CPU tier (reloaded to the GPU, not computed).
+    #[serde(default)]
+    pub cpu_hit_tokens: u64,
+    /// Cached GPU blocks evicted to make room.
     pub evictions: u64,
+    /// Evicted GPU blocks whose content was kept in the CPU tier.
+    #[serde(default)]
+    pub demotions: u64,
+    /// Cached CPU blocks evicted to make room.
+    #[serde(default)]
+    pub cpu_evictions: u64,
+}
+
+/// What a prefixed allocation found cached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixHit {
+    /// Leading prompt blocks found cached, in either tier (not computed).
+    pub blocks: u32,
+    /// Of those, blocks found only in the CPU tier: copied to the GPU (a reload).
+    pub from_cpu: u32,
 }
 
 /// Where a request's KV lives.
@@ -177,19 +195,30 @@ impl PrefixCache {
     fn hits(&self, hashes: &[BlockHash]) -> usize {
         hashes.iter().take_while(|h| self.by_hash.contains_key(h)).count()
     }
+    fn push_lru(&mut self, block: u32) {
+        self.seq += 1;
+        self.lru.insert(self.seq, block);
+        self.lru_key.insert(block, self.seq);
+    }
+    /// A free cached block was used: it becomes the youngest.
+    fn touch(&mut self, block: u32) {
+        if self.lru_key.contains_key(&block) {
+            self.unlink(block);
+            self.push_lru(block);
+        }
+    }
     fn unlink(&mut self, block: u32) {
         if let Some(k) = self.lru_key.remove(&block) {
             self.lru.remove(&k);
         }
     }
-    /// Take the oldest free cached block, forgetting its hash.
-    fn evict(&mut self) -> Option<u32> {
+    /// Take the oldest free cached block, forgetting it: (block, its hash).
+    fn evict(&mut self) -> Option<(u32, BlockHash)> {
         let (_, block) = self.lru.pop_first()?;
         self.lru_key.remove(&block);
-        if let Some(h) = self.hash_of.remove(&block) {
-            self.by_hash.remove(&h);
-        }
-        Some(block)
+        let hash = self.hash_of.remove(&block).expect("a block in the LRU is hashed");
+        self.by_hash.remove(&hash);
+        Some((block, hash))
     }
     /// One holder of `block` let go: `true` when it was a hashed block (now counted down, and
     /// in the LRU when nobody holds it), `false` for a private block.
@@ -199,9 +228,7 @@ impl PrefixCache {
                 *n -= 1;
                 if *n == 0 {
                     self.refs.remove(&block);
-                    self.seq += 1;
-                    self.lru.insert(self.seq, block);
-                    self.lru_key.insert(block, self.seq);
+                    self.push_lru(block);
                 }
                 true
             }
@@ -240,6 +267,9 @@ pub struct KvBlockManager {
     journal: Option<Vec<KvMove>>,
     /// Prefix cache of the GPU pool; `None` until a prompt with content is allocated.
     cache: Option<Box<PrefixCache>>,
+    /// Prefix cache of the CPU pool: evicted GPU blocks kept while it has room (never held by a
+    /// table; a hit copies the block to the GPU).
+    cpu_cache: Option<Box<PrefixCache>>,
     prefix_stats: PrefixStats,
 }
 
@@ -264,6 +294,7 @@ impl KvBlockManager {
             tables: IdMap::default(),
             journal: None,
             cache: None,
+            cpu_cache: None,
             prefix_stats: PrefixStats::default(),
         }
     }
@@ -298,25 +329,47 @@ impl KvBlockManager {
     }
     /// Free cached blocks of the `tier` pool (kept for a later hit until evicted).
     pub fn cached_free(&self, tier: Tier) -> u32 {
-        match (tier, &self.cache) {
-            (Tier::Gpu, Some(c)) => c.lru.len() as u32,
-            _ => 0,
-        }
+        self.cache_of(tier).map_or(0, |c| c.lru.len() as u32)
     }
     /// Blocks of the `tier` pool registered under a content hash (held or free).
     pub fn cached_blocks(&self, tier: Tier) -> u32 {
-        match (tier, &self.cache) {
-            (Tier::Gpu, Some(c)) => c.by_hash.len() as u32,
-            _ => 0,
+        self.cache_of(tier).map_or(0, |c| c.by_hash.len() as u32)
+    }
+    fn cache_of(&self, tier: Tier) -> Option<&PrefixCache> {
+        match tier {
+            Tier::Gpu => self.cache.as_deref(),
+            Tier::Cpu => self.cpu_cache.as_deref(),
+        }
+    }
+    fn cache_mut(&mut self, tier: Tier) -> Option<&mut PrefixCache> {
+        match tier {
+            Tier::Gpu => self.cache.as_deref_mut(),
+            Tier::Cpu => self.cpu_cache.as_deref_mut(),
         }
     }
     /// Prefix-cache counters so far.
     pub fn prefix_stats(&self) -> PrefixStats {
         self.prefix_stats
     }
-    /// How many of `hashes`' leading blocks are cached on the GPU now (a lookup; nothing taken).
+    /// The GPU blocks holding `hashes`' leading cached blocks, in order (a lookup; nothing taken).
+    pub fn prefix_hit_blocks<'a>(&'a self, hashes: &'a [BlockHash]) -> impl Iterator<Item = u32> + 'a {
+        let cache = self.cache.as_deref();
+        hashes.iter().map_while(move |h| cache.and_then(|c| c.by_hash.get(h).copied()))
+    }
+    /// Whether GPU block `block` is cached under a content hash (shareable).
+    pub fn is_cached_block(&self, block: u32) -> bool {
+        self.cache.as_ref().is_some_and(|c| c.hash_of.contains_key(&block))
+    }
+    /// Whether cached GPU block `block` is held by a table (not in the LRU of free cached blocks).
+    pub fn is_held(&self, block: u32) -> bool {
+        self.cache.as_ref().is_some_and(|c| c.refs.contains_key(&block))
+    }
+    /// How many of `hashes`' leading blocks are cached now, on the GPU or in the CPU tier (a
+    /// lookup; nothing taken).
     pub fn prefix_hits(&self, hashes: &[BlockHash]) -> u32 {
-        self.cache.as_ref().map_or(0, |c| c.hits(hashes) as u32)
+        let (gpu, cpu) = (self.cache.as_deref(), self.cpu_cache.as_deref());
+        let cached = |c: Option<&PrefixCache>, h| c.is_some_and(|c| c.by_hash.contains_key(h));
+        hashes.iter().take_while(|h| cached(gpu, h) || cached(cpu, h)).count() as u32
     }
     /// The request's block table; `None` when it holds no blocks.
     pub fn table(&self, request: RequestId) -> Option<&BlockTable> {
@@ -354,13 +407,51 @@ impl KvBlockManager {
         }
         self.pool_mut(tier).take(n.min(plain), tier, out)?;
         if n > plain {
-            let cache = self.cache.as_mut().expect("cached blocks counted above");
+            let cache = self.cache_mut(tier).expect("cached blocks counted above");
+            let mut evicted = Vec::with_capacity((n - plain) as usize);
             for _ in plain..n {
-                out.push(cache.evict().expect("cached blocks counted above"));
-                self.prefix_stats.evictions += 1;
+                let (block, hash) = cache.evict().expect("cached blocks counted above");
+                out.push(block);
+                evicted.push(hash);
+            }
+            match tier {
+                Tier::Gpu => {
+                    self.prefix_stats.evictions += evicted.len() as u64;
+                    for h in evicted {
+                        self.demote(h);
+                    }
+                }
+                Tier::Cpu => self.prefix_stats.cpu_evictions += evicted.len() as u64,
             }
         }
         Ok(())
+    }
+
+    /// Keep the content of an evicted GPU block in the CPU tier while it has room (a free block,
+    /// or its oldest free cached one).
+    fn demote(&mut self, hash: BlockHash) {
+        if self.cpu.capacity == 0 {
+            return;
+        }
+        let cpu = self.cpu_cache.get_or_insert_with(Box::default);
+        if let Some(&b) = cpu.by_hash.get(&hash) {
+            cpu.touch(b);
+            return;
+        }
+        let block = match self.cpu.free.pop() {
+            Some(b) => b,
+            None => match cpu.evict() {
+                Some((b, _)) => {
+                    self.prefix_stats.cpu_evictions += 1;
+                    b
+                }
+                None => return,
+            },
+        };
+        cpu.by_hash.insert(hash, block);
+        cpu.hash_of.insert(block, hash);
+        cpu.push_lru(block);
+        self.prefix_stats.demotions += 1;
     }
 
     /// Let go of `blocks` of `tier`: private blocks return to the free stack in order; hashed ones
@@ -377,6 +468,7 @@ impl KvBlockManager {
                 private.reverse();
                 self.gpu.give_back(&private);
             }
+            // CPU tables are private (the CPU tier's cached blocks are never held).
             _ => self.pool_mut(tier).give_back(blocks),
         }
     }
@@ -394,54 +486,79 @@ impl KvBlockManager {
     }
 
     /// Give `request` GPU blocks for `tokens` tokens whose prompt blocks hash to `hashes`: the
-    /// leading cached ones (at most `max_hits`) are shared, the rest taken fresh, and the fresh
-    /// blocks that `hashes` cover registered for later prompts. Returns the blocks hit.
-    /// All-or-nothing. Without hashes it is [`KvBlockManager::allocate`] on the GPU.
+    /// leading cached ones (at most `max_hits`) are shared when on the GPU and copied from the CPU
+    /// tier when only there, the rest taken fresh, and the blocks that `hashes` cover registered
+    /// for later prompts. All-or-nothing. Without hashes it is [`KvBlockManager::allocate`] on the
+    /// GPU.
     pub fn allocate_prefixed(
         &mut self,
         request: RequestId,
         tokens: u32,
         hashes: &[BlockHash],
         max_hits: u32,
-    ) -> Result<u32, KvError> {
+    ) -> Result<PrefixHit, KvError> {
         if hashes.is_empty() {
-            return self.allocate(request, Tier::Gpu, tokens).map(|()| 0);
+            return self.allocate(request, Tier::Gpu, tokens).map(|()| PrefixHit::default());
         }
         if self.tables.contains_key(&request) {
             return Err(KvError::AlreadyAllocated(request));
         }
         let n = self.blocks_for(tokens);
-        let cache = self.cache.get_or_insert_with(Box::default);
-        let hits = (cache.hits(hashes) as u32).min(max_hits).min(n);
-        let mut blocks: Vec<u32> = hashes[..hits as usize].iter().map(|h| cache.by_hash[h]).collect();
-        // Hit blocks sitting in the LRU are not free for the fresh part.
-        let hits_free = blocks.iter().filter(|b| cache.lru_key.contains_key(b)).count() as u32;
-        let available = self.free(Tier::Gpu) - hits_free;
-        if n - hits > available {
-            return Err(KvError::OutOfBlocks { tier: Tier::Gpu, needed: n - hits, free: available });
-        }
-        let cache = self.cache.as_mut().expect("created above");
-        for &b in &blocks {
-            cache.unlink(b);
-            *cache.refs.entry(b).or_insert(0) += 1;
-        }
-        self.take(Tier::Gpu, n - hits, &mut blocks)?;
-        let cache = self.cache.as_mut().expect("created above");
-        let covered = hashes.len().min(blocks.len());
-        for (&h, &b) in hashes[hits as usize..covered].iter().zip(&blocks[hits as usize..covered]) {
-            // A later block can still be cached under another block after an earlier one was
-            // evicted: that copy stays private.
-            if let std::collections::hash_map::Entry::Vacant(e) = cache.by_hash.entry(h) {
-                e.insert(b);
-                cache.hash_of.insert(b, h);
-                cache.refs.insert(b, 1);
+        let gpu = self.cache.get_or_insert_with(Box::default);
+        // The leading run cached in either tier: Some(block) on the GPU, None only in the CPU tier.
+        let mut run: Vec<Option<u32>> = Vec::new();
+        for h in hashes.iter().take(max_hits.min(n) as usize) {
+            match gpu.by_hash.get(h) {
+                Some(&b) => run.push(Some(b)),
+                None if self.cpu_cache.as_ref().is_some_and(|c| c.by_hash.contains_key(h)) => run.push(None),
+                None => break,
             }
         }
+        let on_gpu = run.iter().flatten().count() as u32;
+        // GPU hits sitting in the LRU are not free for the fresh part.
+        let hits_free = run.iter().flatten().filter(|b| gpu.lru_key.contains_key(b)).count() as u32;
+        let available = self.free(Tier::Gpu) - hits_free;
+        let fresh = n - on_gpu;
+        if fresh > available {
+            return Err(KvError::OutOfBlocks { tier: Tier::Gpu, needed: fresh, free: available });
+        }
+        let gpu = self.cache.as_mut().expect("created above");
+        for &b in run.iter().flatten() {
+            gpu.unlink(b);
+            *gpu.refs.entry(b).or_insert(0) += 1;
+        }
+        if let Some(cpu) = self.cpu_cache.as_mut() {
+            for (h, _) in hashes.iter().zip(&run).filter(|(_, b)| b.is_none()) {
+                cpu.touch(cpu.by_hash[h]);
+            }
+        }
+        let mut taken = Vec::with_capacity(fresh as usize);
+        self.take(Tier::Gpu, fresh, &mut taken)?;
+        let mut taken = taken.into_iter();
+        let mut blocks: Vec<u32> =
+            run.iter().map(|b| b.unwrap_or_else(|| taken.next().expect("one fresh block per CPU hit"))).collect();
+        blocks.extend(taken);
+        let gpu = self.cache.as_mut().expect("created above");
+        let covered = hashes.len().min(blocks.len());
+        for (j, (&h, &b)) in hashes[..covered].iter().zip(&blocks[..covered]).enumerate() {
+            if matches!(run.get(j), Some(Some(_))) {
+                continue;
+            }
+            // A later block can still be cached under another block after an earlier one was
+            // evicted: that copy stays private.
+            if let std::collections::hash_map::Entry::Vacant(e) = gpu.by_hash.entry(h) {
+                e.insert(b);
+                gpu.hash_of.insert(b, h);
+                gpu.refs.insert(b, 1);
+            }
+        }
+        let hit = PrefixHit { blocks: run.len() as u32, from_cpu: run.len() as u32 - on_gpu };
         let bs = self.block_size as u64;
         self.prefix_stats.query_tokens += tokens as u64;
-        self.prefix_stats.hit_tokens += hits as u64 * bs;
+        self.prefix_stats.hit_tokens += hit.blocks as u64 * bs;
+        self.prefix_stats.cpu_hit_tokens += hit.from_cpu as u64 * bs;
         self.tables.insert(request, BlockTable { tier: Tier::Gpu, blocks, tokens });
-        Ok(hits)
+        Ok(hit)
     }
 
     /// Extend `request` to hold `tokens` tokens on its current tier; returns blocks added.
@@ -522,10 +639,7 @@ impl KvBlockManager {
     pub fn check_invariants(&self) -> Result<(), String> {
         let empty = PrefixCache::default();
         for (tier, pool) in [(Tier::Gpu, &self.gpu), (Tier::Cpu, &self.cpu)] {
-            let cache = match tier {
-                Tier::Gpu => self.cache.as_deref().unwrap_or(&empty),
-                Tier::Cpu => &empty,
-            };
+            let cache = self.cache_of(tier).unwrap_or(&empty);
             // Per block: Some(0) free or free-cached, Some(k) held by k tables.
             let mut state: Vec<Option<u32>> = vec![None; pool.capacity as usize];
             let free_blocks = pool.free.iter().map(|&b| (b, "free"));
@@ -656,15 +770,15 @@ mod tests {
     fn a_cached_prompt_hits_all_but_its_last_token_and_partial_blocks_never_hit() {
         let mut kv = KvBlockManager::new(16, 200, 0);
         let h = prompt_block_hashes(&[0, 1], 1024, 16);
-        assert_eq!(kv.allocate_prefixed(RequestId(1), 1025, &h, 63).unwrap(), 0, "cold");
+        assert_eq!(kv.allocate_prefixed(RequestId(1), 1025, &h, 63).unwrap().blocks, 0, "cold");
         kv.free_request(RequestId(1));
         assert_eq!((kv.used(Tier::Gpu), kv.cached_free(Tier::Gpu)), (0, 64), "the prompt's blocks stay cached");
         // vLLM recomputes the last prompt token: at most ⌊(1024 − 1) / 16⌋ = 63 blocks hit.
-        assert_eq!(kv.allocate_prefixed(RequestId(2), 1025, &h, 63).unwrap(), 63);
-        assert_eq!(kv.prefix_stats(), PrefixStats { query_tokens: 2050, hit_tokens: 1008, evictions: 0 });
+        assert_eq!(kv.allocate_prefixed(RequestId(2), 1025, &h, 63).unwrap().blocks, 63);
+        assert_eq!(kv.prefix_stats(), PrefixStats { query_tokens: 2050, hit_tokens: 1008, ..PrefixStats::default() });
         // 700 tokens over the same ids: 43 full blocks, all cached; the partial 44th is private.
         let short = prompt_block_hashes(&[0, 1], 700, 16);
-        assert_eq!(kv.allocate_prefixed(RequestId(3), 700, &short, 699 / 16).unwrap(), 43);
+        assert_eq!(kv.allocate_prefixed(RequestId(3), 700, &short, 699 / 16).unwrap().blocks, 43);
         assert_eq!(kv.table(RequestId(3)).unwrap().blocks[..43], kv.table(RequestId(2)).unwrap().blocks[..43]);
         let (t2, t3) = (kv.table(RequestId(2)).unwrap(), kv.table(RequestId(3)).unwrap());
         assert_ne!(t3.blocks[43], t2.blocks[43], "a partial block is never shared");
@@ -678,10 +792,10 @@ mod tests {
         let a = prompt_block_hashes(&[1], 48, 16);
         let b = prompt_block_hashes(&[2], 48, 16);
         let blocks = |kv: &KvBlockManager, r: u64| kv.table(RequestId(r)).unwrap().blocks.clone();
-        kv.allocate_prefixed(RequestId(1), 49, &a, 2).unwrap();
+        kv.allocate_prefixed(RequestId(1), 49, &a, 2).unwrap().blocks;
         let a_blocks = blocks(&kv, 1);
         kv.free_request(RequestId(1)); // a's 3 hashed blocks join the LRU (last first); its 4th is free
-        kv.allocate_prefixed(RequestId(2), 49, &b, 2).unwrap();
+        kv.allocate_prefixed(RequestId(2), 49, &b, 2).unwrap().blocks;
         kv.free_request(RequestId(2));
         assert_eq!((kv.free(Tier::Gpu), kv.cached_free(Tier::Gpu)), (8, 6));
         // Steps: (request, blocks asked, which of a's and b's hashes are still cached afterwards,
@@ -713,15 +827,41 @@ mod tests {
     }
 
     #[test]
+    fn evicted_blocks_live_on_in_the_cpu_tier_and_come_back_as_a_reload() {
+        let mut kv = KvBlockManager::new(16, 8, 3);
+        let a = prompt_block_hashes(&[1], 64, 16); // 4 hashed blocks
+        kv.allocate_prefixed(RequestId(1), 65, &a, 4).unwrap();
+        kv.free_request(RequestId(1));
+        // 8 fresh blocks: 3 plain free, then all 4 of a's cached blocks and one more evicted; the
+        // CPU tier keeps 3 (its capacity): a's last block is evicted first and pushed out again.
+        kv.allocate(RequestId(2), Tier::Gpu, 8 * 16).unwrap();
+        let st = kv.prefix_stats();
+        assert_eq!((st.evictions, st.demotions, st.cpu_evictions), (4, 4, 1), "{st:?}");
+        assert_eq!((kv.cached_blocks(Tier::Gpu), kv.cached_blocks(Tier::Cpu)), (0, 3));
+        assert_eq!(kv.prefix_hits(&a), 3, "blocks 0…2 in the CPU tier; block 3 is gone");
+        kv.check_invariants().unwrap();
+        kv.free_request(RequestId(2));
+        let hit = kv.allocate_prefixed(RequestId(3), 65, &a, 4).unwrap();
+        assert_eq!(hit, PrefixHit { blocks: 3, from_cpu: 3 });
+        assert_eq!(kv.cached_blocks(Tier::Gpu), 4, "copied up and registered again, block 3 computed");
+        // A preempted request's CPU copy takes a cached CPU block before failing.
+        assert_eq!(kv.free(Tier::Cpu), 3);
+        kv.move_to(RequestId(3), Tier::Cpu).unwrap_err();
+        kv.allocate(RequestId(4), Tier::Cpu, 48).unwrap();
+        assert_eq!(kv.cached_blocks(Tier::Cpu), 0, "the cache gives way to a preempted request");
+        kv.check_invariants().unwrap();
+    }
+
+    #[test]
     fn a_hit_block_in_use_is_shared_and_survives_its_first_holder() {
         let mut kv = KvBlockManager::new(16, 10, 8);
         let h = prompt_block_hashes(&[7], 64, 16);
-        kv.allocate_prefixed(RequestId(1), 65, &h, 3).unwrap();
-        assert_eq!(kv.allocate_prefixed(RequestId(2), 65, &h, 3).unwrap(), 3);
+        kv.allocate_prefixed(RequestId(1), 65, &h, 3).unwrap().blocks;
+        assert_eq!(kv.allocate_prefixed(RequestId(2), 65, &h, 3).unwrap().blocks, 3);
         assert_eq!(kv.used(Tier::Gpu), 5 + 2, "three blocks shared");
         kv.move_to(RequestId(1), Tier::Cpu).unwrap();
         assert_eq!(kv.used(Tier::Gpu), 5, "the shared blocks stay for their other holder");
-        assert_eq!(kv.allocate_prefixed(RequestId(3), 65, &h, 3).unwrap(), 3);
+        assert_eq!(kv.allocate_prefixed(RequestId(3), 65, &h, 3).unwrap().blocks, 3);
         kv.free_request(RequestId(2));
         kv.free_request(RequestId(3));
         assert_eq!((kv.used(Tier::Gpu), kv.cached_free(Tier::Gpu)), (0, 4), "4 hashed blocks cached, none held");
@@ -767,7 +907,7 @@ mod tests {
                         ids.truncate(k as usize);
                         *ids.last_mut().expect("k >= 1") += 10 * last as u64;
                         let hashes = prompt_block_hashes(&ids, t as u32, 16);
-                        kv.allocate_prefixed(RequestId(r as u64), t as u32, &hashes, (t as u32 - 1) / 16)
+                        kv.allocate_prefixed(RequestId(r as u64), t as u32, &hashes, (t as u32 - 1) / 16).map(|h| h.blocks)
                     }
                     Op::Grow(r, t) => kv.grow(RequestId(r as u64), t as u32),
                     Op::Move(r) => {

@@ -7,8 +7,8 @@ use kvfleet_sim::{run_one, RunResult};
 use std::path::Path;
 
 /// 4 H100s serving the 32B model (≈ 8 GB of KV each: about 7 of the 16 system prompts fit per
-/// instance), prompts of a 4,096-token system prompt and a short suffix.
-fn config(prefix: bool, caching: bool) -> SimConfig {
+/// instance), prompts of a 4,096-token system prompt and a short suffix; `cpu_gb` of CPU tier.
+fn config(prefix: bool, caching: bool, cpu_gb: f64) -> SimConfig {
     let prefix_table = if prefix {
         "[workload.prefix]\nsystem_prompts = 16\nsystem_tokens = 4096\nsuffix_median = 128.0\nsuffix_sigma = 0.5\n"
     } else {
@@ -22,6 +22,7 @@ model = "r1-distill-qwen-32b"
 gpu = "h100-80gb"
 timing = "analytic"
 prefix_caching = {caching}
+cpu_swap_gb = {cpu_gb:?}
 
 
 [workload]
@@ -49,7 +50,7 @@ fn run(cfg: &SimConfig, policy: &str) -> RunResult {
 
 #[test]
 fn following_the_prefix_hits_the_cache_and_cuts_ttft() {
-    let cfg = config(true, true);
+    let cfg = config(true, true, 0.0);
     let rr = run(&cfg, "fcfs+round-robin");
     let least = run(&cfg, "fcfs+least-kv");
     let overlap = run(&cfg, "fcfs+kv-overlap");
@@ -90,8 +91,8 @@ fn following_the_prefix_hits_the_cache_and_cuts_ttft() {
 #[test]
 fn without_shared_content_caching_changes_nothing() {
     for policy in ["pascal", "fcfs+kv-overlap"] {
-        let on = run(&config(false, true), policy);
-        let off = run(&config(false, false), policy);
+        let on = run(&config(false, true, 64.0), policy);
+        let off = run(&config(false, false, 64.0), policy);
         assert_eq!(
             serde_json::to_string(&on.records).unwrap(),
             serde_json::to_string(&off.records).unwrap(),
@@ -100,6 +101,16 @@ fn without_shared_content_caching_changes_nothing() {
         assert_eq!(on.summary.prefix_hit_rate, None);
     }
     // Shared content with caching off: nothing is hit.
-    let off = run(&config(true, false), "fcfs+kv-overlap");
+    let off = run(&config(true, false, 64.0), "fcfs+kv-overlap");
     assert_eq!((off.summary.prefix_hit_rate, off.summary.prefix_cached_tokens), (None, 0));
+}
+
+#[test]
+fn the_cpu_tier_keeps_what_the_gpu_evicts() {
+    let gpu_only = run(&config(true, true, 0.0), "fcfs+round-robin");
+    let tiered = run(&config(true, true, 64.0), "fcfs+round-robin");
+    let hit = |r: &RunResult| r.summary.prefix_hit_rate.unwrap_or(0.0);
+    println!("round-robin hit rate: GPU only {:.3}, with a 64 GB CPU tier {:.3}", hit(&gpu_only), hit(&tiered));
+    // Measured: 0.33 → 0.81 (16 system prompts fit in 64 GB; 7 in the GPU's 8 GB).
+    assert!(hit(&tiered) >= 2.0 * hit(&gpu_only), "{} vs {}", hit(&tiered), hit(&gpu_only));
 }

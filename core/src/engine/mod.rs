@@ -29,6 +29,7 @@ use crate::time::{TimeSpan, Timestamp};
 use crate::timing::{BatchShape, TimingModel};
 use sched::{Admission, EngineSwitches, IntraScheduler, Phase, SchedState, TokenProgress, WaitingAdmission};
 use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
 use std::sync::Arc;
 
 /// Static configuration of one instance.
@@ -250,6 +251,32 @@ pub struct EngineStats {
 struct BatchEntry {
     slot: u32,
     prefill: bool,
+}
+
+/// Blocks `req`'s next iteration needs that no request selected before it in this plan holds
+/// (the shared cached blocks it holds or would hit are counted once, by the first such request;
+/// `newly` receives those it counts). Without content it is all of `blocks_for(context + 1)`.
+fn plan_need(kv: &KvBlockManager, req: &Req, counted: &HashSet<u32>, newly: &mut Vec<u32>) -> u32 {
+    newly.clear();
+    let total = kv.blocks_for(req.context() + 1);
+    if req.hashes.is_empty() {
+        return total;
+    }
+    match req.residence {
+        Residence::Gpu => {
+            let table = kv.table(req.spec.id).map_or(&[][..], |t| &t.blocks[..]);
+            newly.extend(table.iter().copied().filter(|&b| kv.is_cached_block(b)));
+        }
+        Residence::Waiting => {
+            let cap = req.cache_cap(kv.block_size()) as usize;
+            newly.extend(kv.prefix_hit_blocks(&req.hashes[..cap]));
+        }
+        // A reload lands in fresh private blocks.
+        Residence::Cpu | Residence::MigratingOut => return total,
+    }
+    let before = newly.len();
+    newly.retain(|b| !counted.contains(b));
+    total - (before - newly.len()) as u32
 }
 
 /// One instance.
@@ -690,6 +717,9 @@ impl Engine {
         let mut seqs = 0u32;
         let mut prefill_tokens = 0u32;
         let mut blocked = false;
+        // Cached blocks counted once in this plan, however many selected requests share them.
+        let mut counted: HashSet<u32> = HashSet::new();
+        let mut newly: Vec<u32> = Vec::new();
         self.batch.clear();
         for &slot in &active {
             if seqs == self.cfg.max_num_seqs {
@@ -698,7 +728,7 @@ impl Engine {
             }
             let req = self.slots[slot as usize].as_mut().expect("active is live");
             let resident = req.residence == Residence::Gpu;
-            let need = self.kv.blocks_for(req.context() + 1);
+            let need = plan_need(&self.kv, req, &counted, &mut newly);
             if protected_pending > 0 && protected(req) {
                 protected_pending = protected_pending.saturating_sub(need);
             }
@@ -723,6 +753,7 @@ impl Engine {
             let room = if resident { budget } else { budget.saturating_sub(protected_pending) };
             if need <= room {
                 budget -= need;
+                counted.extend(newly.drain(..));
                 seqs += 1;
                 if prefill {
                     prefill_tokens += compute;
@@ -742,6 +773,11 @@ impl Engine {
                 let r = self.req(e.slot);
                 let held_on_gpu = match r.residence {
                     Residence::Gpu => self.kv.table(r.spec.id).map_or(0, |t| t.blocks.len() as u32),
+                    // Cached blocks other requests hold take no free block.
+                    Residence::Waiting if !r.hashes.is_empty() => {
+                        let cap = r.cache_cap(self.cfg.block_size) as usize;
+                        self.kv.prefix_hit_blocks(&r.hashes[..cap]).filter(|&b| self.kv.is_held(b)).count() as u32
+                    }
                     _ => 0,
                 };
                 self.kv.blocks_for(r.context() + 1).saturating_sub(held_on_gpu)
@@ -773,35 +809,70 @@ impl Engine {
             self.stats.preemptions += 1;
         }
 
-        // Give the selected requests their blocks.
+        // Give the selected requests their blocks: residents grow first (their blocks were
+        // planned exactly); then reloads and admissions in priority order. Those count on cached
+        // blocks that an eviction meanwhile may have taken: one that no longer fits waits for the
+        // next plan.
         let mut reload_bytes = 0u64;
+        let mut unfit = false;
+        for i in 0..self.batch.len() {
+            let req = self.slots[self.batch[i].slot as usize].as_ref().expect("batched request is live");
+            if req.residence == Residence::Gpu {
+                let (id, tokens) = (req.spec.id, req.context() + 1);
+                self.kv.grow(id, tokens).expect("planned within GPU capacity");
+            }
+        }
         for i in 0..self.batch.len() {
             let slot = self.batch[i].slot;
             let req = self.slots[slot as usize].as_mut().expect("batched request is live");
             let (id, tokens) = (req.spec.id, req.context() + 1);
-            match req.residence {
-                Residence::Gpu => {}
-                Residence::Cpu => {
-                    let moved = self.kv.move_to(id, Tier::Gpu).expect("planned within GPU capacity");
-                    reload_bytes += moved as u64 * self.cfg.block_bytes();
-                }
+            let placed = match req.residence {
+                Residence::Gpu => continue,
+                Residence::Cpu => match self.kv.move_to(id, Tier::Gpu) {
+                    Ok(moved) => {
+                        reload_bytes += moved as u64 * self.cfg.block_bytes();
+                        true
+                    }
+                    Err(_) => false,
+                },
                 Residence::Waiting => {
                     let cap = req.cache_cap(self.cfg.block_size);
-                    let hits = self
-                        .kv
-                        .allocate_prefixed(id, req.context(), &req.hashes, cap)
-                        .expect("planned within GPU capacity");
-                    req.prefill_cached = hits * self.cfg.block_size;
-                    if req.generated > 0 {
-                        self.stats.recomputed_tokens += (req.context() - req.prefill_cached) as u64;
-                    } else if req.record.first_scheduled.is_none() {
-                        req.record.cached_tokens = req.prefill_cached;
+                    match self.kv.allocate_prefixed(id, req.context(), &req.hashes, cap) {
+                        Ok(hit) => {
+                            // Blocks only in the CPU tier are copied up, not computed.
+                            req.prefill_cached = hit.blocks * self.cfg.block_size;
+                            reload_bytes += hit.from_cpu as u64 * self.cfg.block_bytes();
+                            if req.generated > 0 {
+                                self.stats.recomputed_tokens += (req.context() - req.prefill_cached) as u64;
+                            } else if req.record.first_scheduled.is_none() {
+                                req.record.cached_tokens = req.prefill_cached;
+                            }
+                            true
+                        }
+                        Err(_) => false,
                     }
                 }
                 Residence::MigratingOut => unreachable!("migrating requests are not active"),
+            };
+            if !placed || self.kv.grow(id, tokens).is_err() {
+                if placed {
+                    // In, but no room to grow: back where it was (a reload to the CPU pool it
+                    // just left, an admission to waiting).
+                    let back = req.residence == Residence::Cpu && self.kv.move_to(id, Tier::Cpu).is_ok();
+                    if !back {
+                        self.kv.free_request(id);
+                        req.residence = Residence::Waiting;
+                    }
+                }
+                self.batch[i].slot = u32::MAX;
+                unfit = true;
+                continue;
             }
             req.residence = Residence::Gpu;
-            self.kv.grow(id, tokens).expect("planned within GPU capacity");
+        }
+        if unfit {
+            self.batch.retain(|e| e.slot != u32::MAX);
+            self.dirty = true;
         }
         self.active = active;
         if offload_bytes > 0 {
