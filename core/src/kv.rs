@@ -191,10 +191,6 @@ struct PrefixCache {
 }
 
 impl PrefixCache {
-    /// Leading hashes cached, as blocks.
-    fn hits(&self, hashes: &[BlockHash]) -> usize {
-        hashes.iter().take_while(|h| self.by_hash.contains_key(h)).count()
-    }
     fn push_lru(&mut self, block: u32) {
         self.seq += 1;
         self.lru.insert(self.seq, block);
@@ -792,10 +788,10 @@ mod tests {
         let a = prompt_block_hashes(&[1], 48, 16);
         let b = prompt_block_hashes(&[2], 48, 16);
         let blocks = |kv: &KvBlockManager, r: u64| kv.table(RequestId(r)).unwrap().blocks.clone();
-        kv.allocate_prefixed(RequestId(1), 49, &a, 2).unwrap().blocks;
+        kv.allocate_prefixed(RequestId(1), 49, &a, 2).unwrap();
         let a_blocks = blocks(&kv, 1);
         kv.free_request(RequestId(1)); // a's 3 hashed blocks join the LRU (last first); its 4th is free
-        kv.allocate_prefixed(RequestId(2), 49, &b, 2).unwrap().blocks;
+        kv.allocate_prefixed(RequestId(2), 49, &b, 2).unwrap();
         kv.free_request(RequestId(2));
         assert_eq!((kv.free(Tier::Gpu), kv.cached_free(Tier::Gpu)), (8, 6));
         // Steps: (request, blocks asked, which of a's and b's hashes are still cached afterwards,
@@ -856,7 +852,7 @@ mod tests {
     fn a_hit_block_in_use_is_shared_and_survives_its_first_holder() {
         let mut kv = KvBlockManager::new(16, 10, 8);
         let h = prompt_block_hashes(&[7], 64, 16);
-        kv.allocate_prefixed(RequestId(1), 65, &h, 3).unwrap().blocks;
+        kv.allocate_prefixed(RequestId(1), 65, &h, 3).unwrap();
         assert_eq!(kv.allocate_prefixed(RequestId(2), 65, &h, 3).unwrap().blocks, 3);
         assert_eq!(kv.used(Tier::Gpu), 5 + 2, "three blocks shared");
         kv.move_to(RequestId(1), Tier::Cpu).unwrap();
