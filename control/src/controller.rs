@@ -30,6 +30,7 @@
 
 use crate::ownership::{initial_phase, OwnedPhase, Ownership};
 use crate::prefix::PrefixIndex;
+use kvfleet_core::kv::KvEvent;
 use kvfleet_core::policy::{InstancePolicy, LoadReport, PhaseChange, PhaseDecision};
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimRng, TimeSpan, Timestamp};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -121,6 +122,14 @@ pub enum Event {
     Cancelled {
         /// The request.
         request: RequestId,
+    },
+    /// What an instance's prefix cache stored and removed (for a prefix-aware policy's index;
+    /// ignored otherwise).
+    KvEvents {
+        /// The instance.
+        instance: InstanceId,
+        /// Its cache changes, in order.
+        events: Vec<KvEvent>,
     },
     /// Time passed: charges no report covered expire.
     Tick,
@@ -337,7 +346,7 @@ impl Controller {
     /// A controller deciding with `policy`, drawing from `rng`. Finished requests are forgotten
     /// unless [`Controller::retain_finished`] is set.
     pub fn new(policy: Box<dyn InstancePolicy>, rng: SimRng) -> Controller {
-        let prefix = policy.uses_prefix_overlap().then(PrefixIndex::default);
+        let prefix = policy.prefix_index().map(PrefixIndex::new);
         Controller {
             prefix,
             policy,
@@ -445,6 +454,12 @@ impl Controller {
             Event::Settled { request, held } => self.on_settled(request, held),
             Event::Finished { request, from } => self.on_finished(request, from),
             Event::Cancelled { request } => self.on_cancelled(request),
+            Event::KvEvents { instance, events } => {
+                if let Some(index) = self.prefix.as_mut() {
+                    index.apply(instance, &events);
+                }
+                Ok(())
+            }
             Event::Tick => {
                 let ids: Vec<InstanceId> = self.instances.keys().copied().collect();
                 for id in ids {
@@ -500,6 +515,10 @@ impl Controller {
         if inst.alive {
             inst.alive = false;
             self.rebuild_live();
+        }
+        // Its caches are gone (a worker that comes back starts empty).
+        if let Some(index) = self.prefix.as_mut() {
+            index.forget(instance);
         }
         let touched: Vec<(RequestId, InstanceId, Option<InstanceId>)> = self
             .requests
@@ -628,9 +647,7 @@ impl Controller {
         }
         let to = match &self.prefix {
             Some(index) => {
-                let now = self.now;
-                let overlap: Vec<u32> =
-                    self.live.iter().map(|l| index.overlap(spec, l.instance, l.block_tokens, now)).collect();
+                let overlap = index.overlaps(spec, &self.live, self.now);
                 self.policy.place_with_overlap(spec, &self.live, &overlap, &mut self.rng)
             }
             None => self.policy.place(spec, &self.live, &mut self.rng),

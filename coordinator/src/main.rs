@@ -7,6 +7,7 @@ use kvfleet_coordinator::node::ClusterModel;
 use kvfleet_coordinator::node::{serve, Node, NodeOptions};
 use kvfleet_core::policy::pascal::TieBreak;
 use kvfleet_core::policy::registry::PolicyParams;
+use kvfleet_core::policy::PrefixIndexMode;
 use kvfleet_core::spec::ModelSpec;
 use kvfleet_meta::{MemStore, MetaStore};
 use std::sync::Arc;
@@ -130,6 +131,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             } else {
                 TieBreak::LowestId
             },
+            // Workers neither cache prefixes nor send KV events yet: a prefix-aware policy
+            // predicts from placements.
+            prefix_index: PrefixIndexMode::Approx,
         },
         model: ClusterModel { model: spec.name.clone(), kv_bytes_per_token: spec.kv_bytes_per_token() },
         lease_ttl: Duration::from_millis(args.lease_ttl_ms),

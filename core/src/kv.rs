@@ -78,6 +78,26 @@ pub struct PrefixStats {
     pub cpu_evictions: u64,
 }
 
+/// A change to what an instance has cached (vLLM's KV events `BlockStored` / `BlockRemoved`):
+/// what a controller's precise prefix index follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KvEvent {
+    /// A block with this content hash is now cached in `tier`.
+    Stored {
+        /// The tier.
+        tier: Tier,
+        /// The block's content hash.
+        hash: BlockHash,
+    },
+    /// The block with this content hash left `tier`'s cache (evicted).
+    Removed {
+        /// The tier.
+        tier: Tier,
+        /// The block's content hash.
+        hash: BlockHash,
+    },
+}
+
 /// What a prefixed allocation found cached.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefixHit {
@@ -267,6 +287,8 @@ pub struct KvBlockManager {
     /// table; a hit copies the block to the GPU).
     cpu_cache: Option<Box<PrefixCache>>,
     prefix_stats: PrefixStats,
+    /// Cache changes since the last `drain_events`, when enabled.
+    events: Option<Vec<KvEvent>>,
 }
 
 /// Blocks needed to hold `tokens` tokens in blocks of `block_size` tokens (0 when `block_size`
@@ -291,6 +313,7 @@ impl KvBlockManager {
             journal: None,
             cache: None,
             cpu_cache: None,
+            events: None,
             prefix_stats: PrefixStats::default(),
         }
     }
@@ -341,6 +364,21 @@ impl KvBlockManager {
         match tier {
             Tier::Gpu => self.cache.as_deref_mut(),
             Tier::Cpu => self.cpu_cache.as_deref_mut(),
+        }
+    }
+    /// Record every change to the prefix caches from now on ([`KvEvent`]).
+    pub fn enable_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+    /// Cache changes since the last call, appended to `out` (none when events are off).
+    pub fn drain_events(&mut self, out: &mut Vec<KvEvent>) {
+        if let Some(events) = self.events.as_mut() {
+            out.append(events);
+        }
+    }
+    fn event(&mut self, event: KvEvent) {
+        if let Some(events) = self.events.as_mut() {
+            events.push(event);
         }
     }
     /// Prefix-cache counters so far.
@@ -411,13 +449,14 @@ impl KvBlockManager {
                 evicted.push(hash);
             }
             match tier {
-                Tier::Gpu => {
-                    self.prefix_stats.evictions += evicted.len() as u64;
-                    for h in evicted {
-                        self.demote(h);
-                    }
-                }
+                Tier::Gpu => self.prefix_stats.evictions += evicted.len() as u64,
                 Tier::Cpu => self.prefix_stats.cpu_evictions += evicted.len() as u64,
+            }
+            for hash in evicted {
+                self.event(KvEvent::Removed { tier, hash });
+                if tier == Tier::Gpu {
+                    self.demote(hash);
+                }
             }
         }
         Ok(())
@@ -434,12 +473,12 @@ impl KvBlockManager {
             cpu.touch(b);
             return;
         }
-        let block = match self.cpu.free.pop() {
-            Some(b) => b,
+        let (block, pushed_out) = match self.cpu.free.pop() {
+            Some(b) => (b, None),
             None => match cpu.evict() {
-                Some((b, _)) => {
+                Some((b, old)) => {
                     self.prefix_stats.cpu_evictions += 1;
-                    b
+                    (b, Some(old))
                 }
                 None => return,
             },
@@ -448,6 +487,10 @@ impl KvBlockManager {
         cpu.hash_of.insert(block, hash);
         cpu.push_lru(block);
         self.prefix_stats.demotions += 1;
+        if let Some(old) = pushed_out {
+            self.event(KvEvent::Removed { tier: Tier::Cpu, hash: old });
+        }
+        self.event(KvEvent::Stored { tier: Tier::Cpu, hash });
     }
 
     /// Let go of `blocks` of `tier`: private blocks return to the free stack in order; hashed ones
@@ -536,6 +579,7 @@ impl KvBlockManager {
         blocks.extend(taken);
         let gpu = self.cache.as_mut().expect("created above");
         let covered = hashes.len().min(blocks.len());
+        let mut stored = Vec::new();
         for (j, (&h, &b)) in hashes[..covered].iter().zip(&blocks[..covered]).enumerate() {
             if matches!(run.get(j), Some(Some(_))) {
                 continue;
@@ -546,7 +590,11 @@ impl KvBlockManager {
                 e.insert(b);
                 gpu.hash_of.insert(b, h);
                 gpu.refs.insert(b, 1);
+                stored.push(h);
             }
+        }
+        for hash in stored {
+            self.event(KvEvent::Stored { tier: Tier::Gpu, hash });
         }
         let hit = PrefixHit { blocks: run.len() as u32, from_cpu: run.len() as u32 - on_gpu };
         let bs = self.block_size as u64;
@@ -894,6 +942,10 @@ mod tests {
         #[test]
         fn accounting_invariants_hold(ops in proptest::collection::vec(op(), 1..200)) {
             let mut kv = KvBlockManager::new(16, 40, 12);
+            kv.enable_events();
+            // What the events say is cached, replayed as a precise index would.
+            let mut seen: std::collections::HashSet<(Tier, BlockHash)> = Default::default();
+            let mut events = Vec::new();
             for op in ops {
                 let _ = match op {
                     Op::Alloc(r, g, t) => kv.allocate(RequestId(r as u64), if g { Tier::Gpu } else { Tier::Cpu }, t as u32).map(|_| 0),
@@ -915,6 +967,18 @@ mod tests {
                 prop_assert!(kv.used(Tier::Gpu) <= kv.capacity(Tier::Gpu));
                 prop_assert!(kv.used(Tier::Cpu) <= kv.capacity(Tier::Cpu));
                 if let Err(e) = kv.check_invariants() { prop_assert!(false, "{}", e); }
+                kv.drain_events(&mut events);
+                for e in events.drain(..) {
+                    match e {
+                        KvEvent::Stored { tier, hash } => prop_assert!(seen.insert((tier, hash)), "stored twice: {:?}", e),
+                        KvEvent::Removed { tier, hash } => prop_assert!(seen.remove(&(tier, hash)), "removed unseen: {:?}", e),
+                    }
+                }
+                let actual: std::collections::HashSet<(Tier, BlockHash)> = [Tier::Gpu, Tier::Cpu]
+                    .into_iter()
+                    .flat_map(|t| kv.cache_of(t).into_iter().flat_map(move |c| c.by_hash.keys().map(move |&h| (t, h))))
+                    .collect();
+                prop_assert_eq!(&seen, &actual);
             }
         }
     }

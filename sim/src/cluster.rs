@@ -186,9 +186,17 @@ impl Cluster {
         self.touched.push(i);
     }
 
-    /// Instance `i` publishes its load (the controller drops the charges it now shows).
+    /// Instance `i` publishes its load (the controller drops the charges it now shows) and its
+    /// prefix cache's changes.
     fn refresh_load(&mut self, now: Timestamp, i: u32) {
-        let load = self.engines[i as usize].load_report();
+        let engine = &mut self.engines[i as usize];
+        let load = engine.load_report();
+        let mut events = Vec::new();
+        engine.drain_kv_events(&mut events);
+        if !events.is_empty() {
+            // What its prefix cache stored and evicted, for a prefix-aware policy's index.
+            let _ = self.control.handle(now, Control::KvEvents { instance: InstanceId(i), events });
+        }
         // Only unknown requests can make an event fail; a load report never does.
         let _ = self.control.handle(now, Control::Load(load));
     }

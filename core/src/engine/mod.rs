@@ -318,7 +318,10 @@ impl Engine {
         timing: Arc<dyn TimingModel>,
         sched: Box<dyn IntraScheduler>,
     ) -> Self {
-        let kv = KvBlockManager::new(cfg.block_size, cfg.gpu_blocks, cfg.cpu_blocks);
+        let mut kv = KvBlockManager::new(cfg.block_size, cfg.gpu_blocks, cfg.cpu_blocks);
+        if cfg.prefix_caching {
+            kv.enable_events();
+        }
         let switches = sched.switches();
         Engine {
             instance,
@@ -354,6 +357,11 @@ impl Engine {
     /// The KV block manager (GPU and CPU pools, per-request block tables).
     pub fn kv(&self) -> &KvBlockManager {
         &self.kv
+    }
+    /// What the prefix cache stored and evicted since the last call, appended to `out` (always
+    /// empty with prefix caching off). A driver hands them to the controller's prefix index.
+    pub fn drain_kv_events(&mut self, out: &mut Vec<crate::kv::KvEvent>) {
+        self.kv.drain_events(out);
     }
     /// Turn on the KV move journal (workers mirror moves on their real arenas).
     pub fn enable_kv_journal(&mut self) {

@@ -106,24 +106,48 @@ pub enum PhaseDecision {
     },
 }
 
+/// Where a driver learns which prefixes each instance has cached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PrefixIndexMode {
+    /// From the instances' KV events (blocks stored and removed, per tier), plus each placement
+    /// for 2 s until its events arrive (llm-d's speculative entries).
+    #[default]
+    Precise,
+    /// From placements alone: a placement counts as cached on its instance for 120 s (Dynamo's
+    /// approximate router; no events needed).
+    Approx,
+}
+
+impl PrefixIndexMode {
+    /// Name as in configs (`precise`, `approx`).
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefixIndexMode::Precise => "precise",
+            PrefixIndexMode::Approx => "approx",
+        }
+    }
+}
+
 /// A placement policy. Implementations are deterministic given the `rng` they are handed.
 pub trait InstancePolicy: Send + std::fmt::Debug {
     /// Registry name (`pascal`, `least-kv`, ...; see [`policy_names`]).
     fn name(&self) -> &str;
     /// Pick an instance for a new request. `loads` is non-empty, one per live instance.
     fn place(&mut self, request: &RequestSpec, loads: &[LoadReport], rng: &mut SimRng) -> InstanceId;
-    /// Whether [`InstancePolicy::place_with_overlap`] reads the prefix overlap (the driver
-    /// predicts it only for policies that do).
-    fn uses_prefix_overlap(&self) -> bool {
-        false
+    /// How the driver should know where prompts' prefixes are cached for
+    /// [`InstancePolicy::place_with_overlap`]; `None` (the default): the policy does not ask.
+    fn prefix_index(&self) -> Option<PrefixIndexMode> {
+        None
     }
     /// [`InstancePolicy::place`] knowing `overlap[k]`: the leading prompt blocks of `request`
-    /// predicted cached on `loads[k].instance`. The default ignores it.
+    /// cached on `loads[k].instance` (a block only in its CPU tier counts 0.75). The default
+    /// ignores it.
     fn place_with_overlap(
         &mut self,
         request: &RequestSpec,
         loads: &[LoadReport],
-        overlap: &[u32],
+        overlap: &[f64],
         rng: &mut SimRng,
     ) -> InstanceId {
         let _ = overlap;

@@ -8,7 +8,7 @@
 //! blocks the request would add. The cheapest instance wins; ties go to the lowest id. The
 //! first term is the prefill it must compute, the second the memory and decode work there.
 
-use super::{InstancePolicy, LoadReport};
+use super::{InstancePolicy, LoadReport, PrefixIndexMode};
 use crate::ids::InstanceId;
 use crate::request::RequestSpec;
 use crate::rng::SimRng;
@@ -20,23 +20,29 @@ pub const DEFAULT_OVERLAP_WEIGHT: f64 = 1.0;
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvOverlap {
     weight: f64,
+    index: PrefixIndexMode,
 }
 
 impl Default for KvOverlap {
     fn default() -> Self {
-        KvOverlap { weight: DEFAULT_OVERLAP_WEIGHT }
+        KvOverlap { weight: DEFAULT_OVERLAP_WEIGHT, index: PrefixIndexMode::default() }
     }
 }
 
 impl KvOverlap {
     /// With overlap weight `weight` (≥ 0, finite; checked by the config).
     pub fn new(weight: f64) -> Self {
-        KvOverlap { weight }
+        KvOverlap { weight, ..KvOverlap::default() }
+    }
+    /// Asking the driver for its prefix index in `mode`.
+    pub fn with_index(mut self, mode: PrefixIndexMode) -> Self {
+        self.index = mode;
+        self
     }
 
-    fn cost(&self, request: &RequestSpec, load: &LoadReport, overlap: u32) -> f64 {
-        let prompt = load.blocks_for(request.prompt_tokens);
-        let fresh = prompt.saturating_sub(overlap) as f64;
+    fn cost(&self, request: &RequestSpec, load: &LoadReport, overlap: f64) -> f64 {
+        let prompt = load.blocks_for(request.prompt_tokens) as f64;
+        let fresh = (prompt - overlap).max(0.0);
         let active = load.gpu_used_blocks as f64 + load.waiting_blocks as f64;
         self.weight * fresh + active + fresh
     }
@@ -49,20 +55,20 @@ impl InstancePolicy for KvOverlap {
     fn place(&mut self, request: &RequestSpec, loads: &[LoadReport], rng: &mut SimRng) -> InstanceId {
         self.place_with_overlap(request, loads, &[], rng)
     }
-    fn uses_prefix_overlap(&self) -> bool {
-        true
+    fn prefix_index(&self) -> Option<PrefixIndexMode> {
+        Some(self.index)
     }
     fn place_with_overlap(
         &mut self,
         request: &RequestSpec,
         loads: &[LoadReport],
-        overlap: &[u32],
+        overlap: &[f64],
         _rng: &mut SimRng,
     ) -> InstanceId {
         debug_assert!(!loads.is_empty(), "place() needs at least one instance");
         let mut best: Option<(f64, InstanceId)> = None;
         for (k, load) in loads.iter().enumerate() {
-            let cost = self.cost(request, load, overlap.get(k).copied().unwrap_or(0));
+            let cost = self.cost(request, load, overlap.get(k).copied().unwrap_or(0.0));
             let better = match best {
                 None => true,
                 Some((c, id)) => cost < c || (cost == c && load.instance < id),
@@ -111,20 +117,21 @@ mod tests {
         let r = request(4096); // 256 blocks
         let loads = [load(0, 100, 0), load(1, 100, 0), load(2, 0, 0)];
         // Without a prefix anywhere: the emptiest instance.
-        assert_eq!(p.place_with_overlap(&r, &loads, &[0, 0, 0], &mut rng), InstanceId(2));
+        assert_eq!(p.place_with_overlap(&r, &loads, &[0.0, 0.0, 0.0], &mut rng), InstanceId(2));
         // 200 cached blocks on 1 save 2 × 200 = 400 against its 100 blocks of load.
-        assert_eq!(p.place_with_overlap(&r, &loads, &[0, 200, 0], &mut rng), InstanceId(1));
+        assert_eq!(p.place_with_overlap(&r, &loads, &[0.0, 200.0, 0.0], &mut rng), InstanceId(1));
         // A prefix on a busy instance: 2 × 40 = 80 saved < 100 blocks of load more.
-        assert_eq!(p.place_with_overlap(&r, &loads, &[0, 40, 0], &mut rng), InstanceId(2));
+        assert_eq!(p.place_with_overlap(&r, &loads, &[0.0, 40.0, 0.0], &mut rng), InstanceId(2));
         // Waiting requests count as load; ties to the lowest id.
         let loads = [load(0, 0, 50), load(1, 50, 0), load(2, 25, 25)];
-        assert_eq!(p.place_with_overlap(&r, &loads, &[0, 0, 0], &mut rng), InstanceId(0));
+        assert_eq!(p.place_with_overlap(&r, &loads, &[0.0, 0.0, 0.0], &mut rng), InstanceId(0));
         // Weight 0: only load matters (the overlap still lowers the blocks it adds).
         let mut load_only = KvOverlap::new(0.0);
         assert_eq!(
-            load_only.place_with_overlap(&r, &[load(0, 10, 0), load(1, 0, 0)], &[5, 0], &mut rng),
+            load_only.place_with_overlap(&r, &[load(0, 10, 0), load(1, 0, 0)], &[5.0, 0.0], &mut rng),
             InstanceId(1)
         );
-        assert!(p.uses_prefix_overlap() && !crate::policy::baselines::LeastKv.uses_prefix_overlap());
+        assert_eq!(p.prefix_index(), Some(PrefixIndexMode::Precise));
+        assert_eq!(crate::policy::baselines::LeastKv.prefix_index(), None);
     }
 }

@@ -6,7 +6,7 @@
 use super::baselines::{LeastKv, Random, RoundRobin};
 use super::pascal::{MigrationMode, PascalPolicy, TieBreak, DEFAULT_HEADROOM_BLOCKS};
 use super::prefix::KvOverlap;
-use super::InstancePolicy;
+use super::{InstancePolicy, PrefixIndexMode};
 use serde::{Deserialize, Serialize};
 
 const POLICY_NAMES: &[&str] =
@@ -41,6 +41,10 @@ pub struct PolicyParams {
     /// `most-free-gpu` prefers the instance with the most free GPU blocks.
     #[serde(default)]
     pub alg2_tie_break: TieBreak,
+    /// How prefix-aware policies (`kv-overlap`) learn where prefixes are cached: `precise`
+    /// (instances' KV events) or `approx` (from placements alone).
+    #[serde(default)]
+    pub prefix_index: PrefixIndexMode,
 }
 
 impl Default for PolicyParams {
@@ -49,6 +53,7 @@ impl Default for PolicyParams {
             headroom_blocks: DEFAULT_HEADROOM_BLOCKS,
             demand_aware_memory: false,
             alg2_tie_break: TieBreak::LowestId,
+            prefix_index: PrefixIndexMode::default(),
         }
     }
 }
@@ -74,7 +79,7 @@ pub fn build_policy(name: &str, params: &PolicyParams) -> Result<Box<dyn Instanc
         "least-kv" => Box::new(LeastKv),
         "round-robin" => Box::new(RoundRobin::default()),
         "random" => Box::new(Random),
-        "kv-overlap" => Box::new(KvOverlap::default()),
+        "kv-overlap" => Box::new(KvOverlap::default().with_index(params.prefix_index)),
         _ => return Err(PolicyError::Unknown { name: name.into(), valid: POLICY_NAMES.join(", ") }),
     })
 }
