@@ -239,6 +239,7 @@ pub const PRESETS: &[(&str, &str, &str)] = &[
     ("pascal", "pascal", "pascal"),
     ("pascal-nomigration", "pascal", "pascal-nomigration"),
     ("pascal-nonadaptive", "pascal", "pascal-nonadaptive"),
+    ("pascal-kv", "pascal", "pascal-kv"),
     ("fcfs", "fcfs", "least-kv"),
     ("rr", "rr", "least-kv"),
 ];

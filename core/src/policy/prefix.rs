@@ -7,8 +7,14 @@
 //! holds or has promised (GPU blocks in use plus those of waiting requests) plus the P − o_i
 //! blocks the request would add. The cheapest instance wins; ties go to the lowest id. The
 //! first term is the prefill it must compute, the second the memory and decode work there.
+//!
+//! [`PascalKv`] is PASCAL with prefix-aware placement: Alg. 1's filter (instances meeting their
+//! answering SLO, or all when none does), then the [`KvOverlap`] cost among them with PASCAL's
+//! m_i (the KV footprint, GPU + CPU + waiting) as the load; at `</think>` it decides as PASCAL
+//! does.
 
-use super::{InstancePolicy, LoadReport, PrefixIndexMode};
+use super::pascal::PascalPolicy;
+use super::{InstancePolicy, LoadReport, PhaseChange, PhaseDecision, PrefixIndexMode};
 use crate::ids::InstanceId;
 use crate::request::RequestSpec;
 use crate::rng::SimRng;
@@ -40,11 +46,81 @@ impl KvOverlap {
         self
     }
 
-    fn cost(&self, request: &RequestSpec, load: &LoadReport, overlap: f64) -> f64 {
+    /// Dynamo's cost on `load`, its load `active` blocks.
+    fn cost_with(&self, request: &RequestSpec, load: &LoadReport, overlap: f64, active: f64) -> f64 {
         let prompt = load.blocks_for(request.prompt_tokens) as f64;
         let fresh = (prompt - overlap).max(0.0);
-        let active = load.gpu_used_blocks as f64 + load.waiting_blocks as f64;
         self.weight * fresh + active + fresh
+    }
+
+    fn cost(&self, request: &RequestSpec, load: &LoadReport, overlap: f64) -> f64 {
+        self.cost_with(request, load, overlap, load.gpu_used_blocks as f64 + load.waiting_blocks as f64)
+    }
+
+    /// The cheapest of `loads` allowed by `keep` (ties to the lowest id).
+    fn cheapest(
+        &self,
+        loads: &[LoadReport],
+        overlap: &[f64],
+        keep: impl Fn(&LoadReport) -> bool,
+        cost: impl Fn(&LoadReport, f64) -> f64,
+    ) -> Option<InstanceId> {
+        let mut best: Option<(f64, InstanceId)> = None;
+        for (k, load) in loads.iter().enumerate().filter(|(_, l)| keep(l)) {
+            let c = cost(load, overlap.get(k).copied().unwrap_or(0.0));
+            if best.is_none_or(|(b, id)| c < b || (c == b && load.instance < id)) {
+                best = Some((c, load.instance));
+            }
+        }
+        best.map(|(_, id)| id)
+    }
+}
+
+/// PASCAL, placing by prefix overlap among the instances Alg. 1 allows; see the module doc.
+#[derive(Debug)]
+pub struct PascalKv {
+    pascal: PascalPolicy,
+    overlap: KvOverlap,
+}
+
+impl PascalKv {
+    /// `pascal` deciding at `</think>`, `overlap` weighing placements.
+    pub fn new(pascal: PascalPolicy, overlap: KvOverlap) -> Self {
+        PascalKv { pascal, overlap }
+    }
+}
+
+impl InstancePolicy for PascalKv {
+    fn name(&self) -> &str {
+        "pascal-kv"
+    }
+    fn place(&mut self, request: &RequestSpec, loads: &[LoadReport], rng: &mut SimRng) -> InstanceId {
+        self.place_with_overlap(request, loads, &[], rng)
+    }
+    fn prefix_index(&self) -> Option<PrefixIndexMode> {
+        self.overlap.prefix_index()
+    }
+    fn place_with_overlap(
+        &mut self,
+        request: &RequestSpec,
+        loads: &[LoadReport],
+        overlap: &[f64],
+        _rng: &mut SimRng,
+    ) -> InstanceId {
+        let footprint = |l: &LoadReport, o: f64| {
+            let m = (l.gpu_used_blocks + l.cpu_used_blocks + l.waiting_blocks) as f64;
+            self.overlap.cost_with(request, l, o, m)
+        };
+        self.overlap
+            .cheapest(loads, overlap, |l| l.answering_slo_ok, footprint)
+            .or_else(|| self.overlap.cheapest(loads, overlap, |_| true, footprint))
+            .unwrap_or_default()
+    }
+    fn on_phase_change(&mut self, change: &PhaseChange, loads: &[LoadReport], rng: &mut SimRng) -> PhaseDecision {
+        self.pascal.on_phase_change(change, loads, rng)
+    }
+    fn migrates_at_phase_boundary(&self) -> bool {
+        self.pascal.migrates_at_phase_boundary()
     }
 }
 
@@ -66,18 +142,7 @@ impl InstancePolicy for KvOverlap {
         _rng: &mut SimRng,
     ) -> InstanceId {
         debug_assert!(!loads.is_empty(), "place() needs at least one instance");
-        let mut best: Option<(f64, InstanceId)> = None;
-        for (k, load) in loads.iter().enumerate() {
-            let cost = self.cost(request, load, overlap.get(k).copied().unwrap_or(0.0));
-            let better = match best {
-                None => true,
-                Some((c, id)) => cost < c || (cost == c && load.instance < id),
-            };
-            if better {
-                best = Some((cost, load.instance));
-            }
-        }
-        best.map(|(_, id)| id).unwrap_or_default()
+        self.cheapest(loads, overlap, |_| true, |l, o| self.cost(request, l, o)).unwrap_or_default()
     }
 }
 
@@ -95,6 +160,7 @@ mod tests {
             gpu_total_blocks: 1000,
             block_tokens: 16,
             block_bytes: 1,
+            answering_slo_ok: true,
             ..LoadReport::default()
         }
     }
@@ -132,6 +198,28 @@ mod tests {
             InstanceId(1)
         );
         assert_eq!(p.prefix_index(), Some(PrefixIndexMode::Precise));
+    }
+
+    #[test]
+    fn pascal_kv_follows_the_prefix_among_the_instances_meeting_their_slo() {
+        let pascal = PascalPolicy::new(crate::policy::MigrationMode::Adaptive, 16);
+        let mut p = PascalKv::new(pascal, KvOverlap::default());
+        let mut rng = SimRng::seed_from_u64(1);
+        let r = request(4096); // 256 blocks
+        let mut loads = [load(0, 0, 0), load(1, 100, 0), load(2, 100, 0)];
+        // The prefix on 1 outweighs its load (CPU blocks count as load for PASCAL's m_i).
+        assert_eq!(p.place_with_overlap(&r, &loads, &[0.0, 200.0, 0.0], &mut rng), InstanceId(1));
+        loads[1].cpu_used_blocks = 400;
+        assert_eq!(p.place_with_overlap(&r, &loads, &[0.0, 200.0, 0.0], &mut rng), InstanceId(0));
+        // Alg. 1: an instance missing its SLO is out while another meets it.
+        loads[1].cpu_used_blocks = 0;
+        loads[1].answering_slo_ok = false;
+        assert_eq!(p.place_with_overlap(&r, &loads, &[0.0, 200.0, 0.0], &mut rng), InstanceId(0));
+        for l in &mut loads {
+            l.answering_slo_ok = false;
+        }
+        assert_eq!(p.place_with_overlap(&r, &loads, &[0.0, 200.0, 0.0], &mut rng), InstanceId(1), "none meets it");
+        assert!(p.migrates_at_phase_boundary() && p.prefix_index().is_some());
         assert_eq!(crate::policy::baselines::LeastKv.prefix_index(), None);
     }
 }

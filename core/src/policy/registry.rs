@@ -5,12 +5,20 @@
 
 use super::baselines::{LeastKv, Random, RoundRobin};
 use super::pascal::{MigrationMode, PascalPolicy, TieBreak, DEFAULT_HEADROOM_BLOCKS};
-use super::prefix::KvOverlap;
+use super::prefix::{KvOverlap, PascalKv};
 use super::{InstancePolicy, PrefixIndexMode};
 use serde::{Deserialize, Serialize};
 
-const POLICY_NAMES: &[&str] =
-    &["pascal", "pascal-nonadaptive", "pascal-nomigration", "least-kv", "round-robin", "random", "kv-overlap"];
+const POLICY_NAMES: &[&str] = &[
+    "pascal",
+    "pascal-nonadaptive",
+    "pascal-nomigration",
+    "least-kv",
+    "round-robin",
+    "random",
+    "kv-overlap",
+    "pascal-kv",
+];
 
 /// Why [`build_policy`] failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -80,6 +88,12 @@ pub fn build_policy(name: &str, params: &PolicyParams) -> Result<Box<dyn Instanc
         "round-robin" => Box::new(RoundRobin::default()),
         "random" => Box::new(Random),
         "kv-overlap" => Box::new(KvOverlap::default().with_index(params.prefix_index)),
+        "pascal-kv" => Box::new(PascalKv::new(
+            PascalPolicy::new(MigrationMode::Adaptive, params.headroom_blocks)
+                .with_demand_aware_memory(params.demand_aware_memory)
+                .with_tie_break(params.alg2_tie_break),
+            KvOverlap::default().with_index(params.prefix_index),
+        )),
         _ => return Err(PolicyError::Unknown { name: name.into(), valid: POLICY_NAMES.join(", ") }),
     })
 }
