@@ -126,6 +126,15 @@ pub struct RunSummary {
     /// `None` when nothing was cached (no shared content, or prefix caching off).
     #[serde(default)]
     pub prefix_hit_rate: Option<f64>,
+    /// Median TTFT of requests whose first prefill found nothing cached (`None` without caching).
+    #[serde(default)]
+    pub ttft_p50_no_hit_s: Option<f64>,
+    /// Median TTFT of requests that found at most half their prompt cached.
+    #[serde(default)]
+    pub ttft_p50_low_hit_s: Option<f64>,
+    /// Median TTFT of requests that found more than half their prompt cached.
+    #[serde(default)]
+    pub ttft_p50_high_hit_s: Option<f64>,
 
     /// KV-cache migrations logged, aborted ones included.
     pub migrations_total: u64,
@@ -199,6 +208,9 @@ impl RunSummary {
             ("slo_qoe_threshold", V(Some(self.slo_qoe_threshold))),
             ("prefix_cached_tokens", C(self.prefix_cached_tokens)),
             ("prefix_hit_rate", V(self.prefix_hit_rate)),
+            ("ttft_p50_no_hit_s", V(self.ttft_p50_no_hit_s)),
+            ("ttft_p50_low_hit_s", V(self.ttft_p50_low_hit_s)),
+            ("ttft_p50_high_hit_s", V(self.ttft_p50_high_hit_s)),
         ]
     }
 
@@ -248,6 +260,7 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
     let mut last_finish: Option<Timestamp> = None;
 
     let (mut prompt_tokens, mut cached_tokens) = (0u64, 0u64);
+    let mut ttft_by_hit: [Vec<f64>; 3] = Default::default();
     for r in records {
         preemptions += u64::from(r.preemptions);
         if !r.rejected {
@@ -261,6 +274,13 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
         }
         if let Some(fat) = r.first_answer_token {
             ttft.push(span_s(r.arrival, fat));
+            // By the share of the prompt found cached: none, at most half, more than half.
+            let bucket = match r.cached_tokens {
+                0 => 0,
+                c if u64::from(c) * 2 <= u64::from(r.prompt_tokens) => 1,
+                _ => 2,
+            };
+            ttft_by_hit[bucket].push(span_s(r.arrival, fat));
             if let Some(end) = r.reasoning_end {
                 ttfat.push(span_s(end, fat));
             }
@@ -285,6 +305,8 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
     }
 
     let ttft = Distribution::new(ttft);
+    let by_hit: [Option<f64>; 3] =
+        ttft_by_hit.map(|v| if cached_tokens == 0 { None } else { Distribution::new(v).percentile(0.5) });
     let ttfat = Distribution::new(ttfat);
     let tpot = Distribution::new(tpot);
     let e2e = Distribution::new(e2e);
@@ -338,6 +360,9 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
         preemptions_total: preemptions,
         prefix_cached_tokens: cached_tokens,
         prefix_hit_rate: (cached_tokens > 0).then(|| cached_tokens as f64 / prompt_tokens as f64),
+        ttft_p50_no_hit_s: by_hit[0],
+        ttft_p50_low_hit_s: by_hit[1],
+        ttft_p50_high_hit_s: by_hit[2],
         migrations_total: migrations.len() as u64,
         migrations_aborted: migrations.iter().filter(|m| !m.committed()).count() as u64,
         migration_bytes_total: migrations.iter().map(|m| m.bytes).sum(),
@@ -504,6 +529,27 @@ mod tests {
     }
 
     #[test]
+    fn prefix_hits_are_summed_and_ttft_split_by_the_share_cached() {
+        let rec = |id: u64, cached: u32, ttft: f64| RequestRecord {
+            id: RequestId(id),
+            prompt_tokens: 100,
+            cached_tokens: cached,
+            first_answer_token: Some(Timestamp::from_secs_f64(ttft)),
+            ..Default::default()
+        };
+        let records = [rec(1, 0, 1.0), rec(2, 48, 2.0), rec(3, 50, 4.0), rec(4, 80, 3.0)];
+        let s = summarize(&records, &[], &SloTargets::default());
+        assert_eq!(s.prefix_cached_tokens, 178);
+        assert_eq!(s.prefix_hit_rate, Some(0.445));
+        assert_eq!((s.ttft_p50_no_hit_s, s.ttft_p50_high_hit_s), (Some(1.0), Some(3.0)));
+        let low = s.ttft_p50_low_hit_s.expect("two requests at most half cached");
+        assert!((2.0..=4.0).contains(&low), "{low}");
+        // Nothing cached: no split.
+        let none = summarize(&records[..1], &[], &SloTargets::default());
+        assert_eq!((none.prefix_hit_rate, none.ttft_p50_no_hit_s), (None, None));
+    }
+
+    #[test]
     fn empty_run_is_all_none() {
         let s = summarize(&[], &[], &SloTargets::default());
         assert_eq!(s.requests_total, 0);
@@ -515,7 +561,7 @@ mod tests {
         assert!(json["ttft_p99_s"].is_null());
         let row = s.csv_row();
         assert!(row.starts_with("0,0,0,,,,"), "{row}");
-        assert!(row.ends_with(",0.1,0.25,0.95,0,"), "{row}");
+        assert!(row.ends_with(",0.1,0.25,0.95,0,,,,"), "{row}");
     }
 
     #[test]

@@ -8,6 +8,11 @@
 //! blocks the request would add. The cheapest instance wins; ties go to the lowest id. The
 //! first term is the prefill it must compute, the second the memory and decode work there.
 //!
+//! [`PrecisePrefix`] is llm-d's scorer with its default weights: the highest
+//! 3 · S_prefix + 2 · S_queue + 2 · S_kv, where S_prefix is the leading cached blocks and S_queue
+//! the waiting requests (fewer is better), each min-max normalised over the instances (1 when all
+//! are equal), and S_kv = 1 − GPU KV usage.
+//!
 //! [`PascalKv`] is PASCAL with prefix-aware placement: Alg. 1's filter (instances meeting their
 //! answering SLO, or all when none does), then the [`KvOverlap`] cost among them with PASCAL's
 //! m_i (the KV footprint, GPU + CPU + waiting) as the load; at `</think>` it decides as PASCAL
@@ -73,6 +78,65 @@ impl KvOverlap {
             }
         }
         best.map(|(_, id)| id)
+    }
+}
+
+/// llm-d's weighted scorer; see the module doc.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PrecisePrefix {
+    index: PrefixIndexMode,
+}
+
+impl PrecisePrefix {
+    /// Asking the driver for its prefix index in `mode`.
+    pub fn with_index(mode: PrefixIndexMode) -> Self {
+        PrecisePrefix { index: mode }
+    }
+}
+
+/// `v` min-max normalised over `all` (1 when they are all equal).
+fn normalised(v: f64, all: impl Iterator<Item = f64> + Clone) -> f64 {
+    let (lo, hi) = all.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| (lo.min(x), hi.max(x)));
+    if hi > lo {
+        (v - lo) / (hi - lo)
+    } else {
+        1.0
+    }
+}
+
+impl InstancePolicy for PrecisePrefix {
+    fn name(&self) -> &str {
+        "precise-prefix"
+    }
+    fn place(&mut self, request: &RequestSpec, loads: &[LoadReport], rng: &mut SimRng) -> InstanceId {
+        self.place_with_overlap(request, loads, &[], rng)
+    }
+    fn prefix_index(&self) -> Option<PrefixIndexMode> {
+        Some(self.index)
+    }
+    fn place_with_overlap(
+        &mut self,
+        _request: &RequestSpec,
+        loads: &[LoadReport],
+        overlap: &[f64],
+        _rng: &mut SimRng,
+    ) -> InstanceId {
+        let hit = |k: usize| overlap.get(k).copied().unwrap_or(0.0);
+        let hits = (0..loads.len()).map(hit);
+        // Fewer waiting requests score higher: normalise the negated count.
+        let queues = loads.iter().map(|l| -(l.waiting_requests as f64));
+        let mut best: Option<(f64, InstanceId)> = None;
+        for (k, l) in loads.iter().enumerate() {
+            let usage =
+                if l.gpu_total_blocks == 0 { 1.0 } else { l.gpu_used_blocks as f64 / l.gpu_total_blocks as f64 };
+            let score = 3.0 * normalised(hit(k), hits.clone())
+                + 2.0 * normalised(-(l.waiting_requests as f64), queues.clone())
+                + 2.0 * (1.0 - usage.min(1.0));
+            if best.is_none_or(|(b, id)| score > b || (score == b && l.instance < id)) {
+                best = Some((score, l.instance));
+            }
+        }
+        best.map(|(_, id)| id).unwrap_or_default()
     }
 }
 
@@ -197,6 +261,26 @@ mod tests {
             load_only.place_with_overlap(&r, &[load(0, 10, 0), load(1, 0, 0)], &[5.0, 0.0], &mut rng),
             InstanceId(1)
         );
+        assert_eq!(p.prefix_index(), Some(PrefixIndexMode::Precise));
+    }
+
+    #[test]
+    fn precise_prefix_weighs_prefix_queue_and_memory_three_two_two() {
+        let mut p = PrecisePrefix::default();
+        let mut rng = SimRng::seed_from_u64(1);
+        let r = request(4096);
+        let mut loads = [load(0, 500, 0), load(1, 500, 0), load(2, 0, 0)];
+        // Equal prefixes and queues: the emptiest memory (2 · 1.0 against 2 · 0.5).
+        assert_eq!(p.place_with_overlap(&r, &loads, &[10.0, 10.0, 10.0], &mut rng), InstanceId(2));
+        // The longest prefix: 3 + 1 against 0 + 2.
+        assert_eq!(p.place_with_overlap(&r, &loads, &[100.0, 0.0, 0.0], &mut rng), InstanceId(0));
+        // ... unless its queue is the longest and its memory fuller: 3 + 0 + 0.8 vs 0 + 2 + 2.
+        loads[0].waiting_requests = 4;
+        loads[0].gpu_used_blocks = 600;
+        assert_eq!(p.place_with_overlap(&r, &loads, &[100.0, 0.0, 0.0], &mut rng), InstanceId(2));
+        // The prefix's weight 3 against the queue's 2: 3 + 0 + 1.5 beats 0 + 2 + 2.
+        let two = [LoadReport { waiting_requests: 4, ..load(0, 250, 0) }, load(1, 0, 0)];
+        assert_eq!(p.place_with_overlap(&r, &two, &[100.0, 0.0], &mut rng), InstanceId(0));
         assert_eq!(p.prefix_index(), Some(PrefixIndexMode::Precise));
     }
 

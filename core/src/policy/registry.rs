@@ -5,7 +5,7 @@
 
 use super::baselines::{LeastKv, Random, RoundRobin};
 use super::pascal::{MigrationMode, PascalPolicy, TieBreak, DEFAULT_HEADROOM_BLOCKS};
-use super::prefix::{KvOverlap, PascalKv};
+use super::prefix::{KvOverlap, PascalKv, PrecisePrefix};
 use super::{InstancePolicy, PrefixIndexMode};
 use serde::{Deserialize, Serialize};
 
@@ -88,6 +88,7 @@ pub fn build_policy(name: &str, params: &PolicyParams) -> Result<Box<dyn Instanc
         "round-robin" => Box::new(RoundRobin::default()),
         "random" => Box::new(Random),
         "kv-overlap" => Box::new(KvOverlap::default().with_index(params.prefix_index)),
+        "precise-prefix" => Box::new(PrecisePrefix::with_index(params.prefix_index)),
         "pascal-kv" => Box::new(PascalKv::new(
             PascalPolicy::new(MigrationMode::Adaptive, params.headroom_blocks)
                 .with_demand_aware_memory(params.demand_aware_memory)
