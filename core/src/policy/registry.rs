@@ -17,6 +17,7 @@ const POLICY_NAMES: &[&str] = &[
     "round-robin",
     "random",
     "kv-overlap",
+    "precise-prefix",
     "pascal-kv",
 ];
 
