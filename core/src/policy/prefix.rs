@@ -61,24 +61,24 @@ impl KvOverlap {
     fn cost(&self, request: &RequestSpec, load: &LoadReport, overlap: f64) -> f64 {
         self.cost_with(request, load, overlap, load.gpu_used_blocks as f64 + load.waiting_blocks as f64)
     }
+}
 
-    /// The cheapest of `loads` allowed by `keep` (ties to the lowest id).
-    fn cheapest(
-        &self,
-        loads: &[LoadReport],
-        overlap: &[f64],
-        keep: impl Fn(&LoadReport) -> bool,
-        cost: impl Fn(&LoadReport, f64) -> f64,
-    ) -> Option<InstanceId> {
-        let mut best: Option<(f64, InstanceId)> = None;
-        for (k, load) in loads.iter().enumerate().filter(|(_, l)| keep(l)) {
-            let c = cost(load, overlap.get(k).copied().unwrap_or(0.0));
-            if best.is_none_or(|(b, id)| c < b || (c == b && load.instance < id)) {
-                best = Some((c, load.instance));
-            }
+/// The cheapest of `loads` allowed by `keep`, `cost` given each one's overlap (ties to the
+/// lowest id).
+fn cheapest(
+    loads: &[LoadReport],
+    overlap: &[f64],
+    keep: impl Fn(&LoadReport) -> bool,
+    cost: impl Fn(&LoadReport, f64) -> f64,
+) -> Option<InstanceId> {
+    let mut best: Option<(f64, InstanceId)> = None;
+    for (k, load) in loads.iter().enumerate().filter(|(_, l)| keep(l)) {
+        let c = cost(load, overlap.get(k).copied().unwrap_or(0.0));
+        if best.is_none_or(|(b, id)| c < b || (c == b && load.instance < id)) {
+            best = Some((c, load.instance));
         }
-        best.map(|(_, id)| id)
     }
+    best.map(|(_, id)| id)
 }
 
 /// llm-d's weighted scorer; see the module doc.
@@ -121,22 +121,18 @@ impl InstancePolicy for PrecisePrefix {
         overlap: &[f64],
         _rng: &mut SimRng,
     ) -> InstanceId {
-        let hit = |k: usize| overlap.get(k).copied().unwrap_or(0.0);
-        let hits = (0..loads.len()).map(hit);
+        let hits = (0..loads.len()).map(|k| overlap.get(k).copied().unwrap_or(0.0));
         // Fewer waiting requests score higher: normalise the negated count.
         let queues = loads.iter().map(|l| -(l.waiting_requests as f64));
-        let mut best: Option<(f64, InstanceId)> = None;
-        for (k, l) in loads.iter().enumerate() {
+        let score = |l: &LoadReport, hit: f64| {
             let usage =
                 if l.gpu_total_blocks == 0 { 1.0 } else { l.gpu_used_blocks as f64 / l.gpu_total_blocks as f64 };
-            let score = 3.0 * normalised(hit(k), hits.clone())
+            3.0 * normalised(hit, hits.clone())
                 + 2.0 * normalised(-(l.waiting_requests as f64), queues.clone())
-                + 2.0 * (1.0 - usage.min(1.0));
-            if best.is_none_or(|(b, id)| score > b || (score == b && l.instance < id)) {
-                best = Some((score, l.instance));
-            }
-        }
-        best.map(|(_, id)| id).unwrap_or_default()
+                + 2.0 * (1.0 - usage.min(1.0))
+        };
+        // The highest score is the lowest negated one.
+        cheapest(loads, overlap, |_| true, |l, hit| -score(l, hit)).unwrap_or_default()
     }
 }
 
@@ -175,9 +171,8 @@ impl InstancePolicy for PascalKv {
             let m = (l.gpu_used_blocks + l.cpu_used_blocks + l.waiting_blocks) as f64;
             self.overlap.cost_with(request, l, o, m)
         };
-        self.overlap
-            .cheapest(loads, overlap, |l| l.answering_slo_ok, footprint)
-            .or_else(|| self.overlap.cheapest(loads, overlap, |_| true, footprint))
+        cheapest(loads, overlap, |l| l.answering_slo_ok, footprint)
+            .or_else(|| cheapest(loads, overlap, |_| true, footprint))
             .unwrap_or_default()
     }
     fn on_phase_change(&mut self, change: &PhaseChange, loads: &[LoadReport], rng: &mut SimRng) -> PhaseDecision {
@@ -206,7 +201,7 @@ impl InstancePolicy for KvOverlap {
         _rng: &mut SimRng,
     ) -> InstanceId {
         debug_assert!(!loads.is_empty(), "place() needs at least one instance");
-        self.cheapest(loads, overlap, |_| true, |l, o| self.cost(request, l, o)).unwrap_or_default()
+        cheapest(loads, overlap, |_| true, |l, o| self.cost(request, l, o)).unwrap_or_default()
     }
 }
 
