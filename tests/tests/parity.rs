@@ -35,11 +35,12 @@ fn emulator_and_simulator_agree_request_by_request() {
     // FCFS, 2 instances, 24 requests: no migrations; the latency model alone.
     let f = figures(&json, "parity");
     assert_eq!((num(&f, "sim_finished"), num(&f, "emu_finished"), num(&f, "compared")), (24.0, 24.0, 24.0));
-    // Targets: E2E MAPE < 5 %, median < 3 %; asserted with headroom for a loaded CI machine.
-    assert!(num(&f, "e2e_mape_pct") < 10.0, "{f}");
-    assert!(num(&f, "e2e_median_abs_err_pct") < 6.0, "{f}");
-    // Arrivals are seconds apart and instances few: each request sees the same loads in both.
-    assert!(num(&f, "placement_agreement_pct") >= 75.0, "{f}");
+    // Targets: E2E MAPE < 5 %, median < 3 %, placement ≥ 90 % (measured: 1.1–1.2 %, 0.9–1.0 %,
+    // 100 %); asserted with headroom for a loaded CI machine.
+    assert!(num(&f, "e2e_mape_pct") < 6.0, "{f}");
+    assert!(num(&f, "e2e_median_abs_err_pct") < 4.0, "{f}");
+    // Arrivals a second apart and instances few: each request sees the same loads in both.
+    assert!(num(&f, "placement_agreement_pct") >= 87.5, "{f}");
 
     // PASCAL, 3 instances, live migrations over a 2 Gbit/s link in both.
     let p = figures(&json, "parity-pascal");
