@@ -14,7 +14,7 @@
 //! leading units found there, stopping at the first unit missing or only partly covered, and
 //! capped as the engine caps a hit (the last prompt token is always computed).
 
-use kvfleet_core::kv::{prompt_block_hashes, BlockHash, KvEvent, Tier, TRACE_BLOCK_TOKENS};
+use kvfleet_core::kv::{prompt_block_hashes, tiles_content_unit, BlockHash, KvEvent, Tier, TRACE_BLOCK_TOKENS};
 use kvfleet_core::policy::{LoadReport, PrefixIndexMode};
 use kvfleet_core::{InstanceId, RequestSpec, TimeSpan, Timestamp};
 use std::collections::HashMap;
@@ -87,11 +87,6 @@ impl PrefixIndex {
         }
     }
 
-    /// Whether `block_tokens` blocks can be indexed (they must tile a content unit).
-    pub fn indexable(block_tokens: u32) -> bool {
-        block_tokens > 0 && TRACE_BLOCK_TOKENS.is_multiple_of(block_tokens)
-    }
-
     /// `spec` was placed on `instance` at `now`.
     pub fn placed(&mut self, spec: &RequestSpec, instance: InstanceId, block_tokens: u32, now: Timestamp) {
         self.placements.placed(spec, instance, block_tokens, now);
@@ -145,7 +140,7 @@ impl PrefixIndex {
             .iter()
             .map(|l| {
                 let bt = l.block_tokens;
-                if !Self::indexable(bt) {
+                if !tiles_content_unit(bt) {
                     return 0.0;
                 }
                 let cap = spec.prompt_tokens.saturating_sub(1) / bt;
@@ -177,7 +172,7 @@ impl PrefixIndex {
 impl Placements {
     /// `spec`'s prompt blocks count as cached on `instance` until `now + ttl`.
     fn placed(&mut self, spec: &RequestSpec, instance: InstanceId, block_tokens: u32, now: Timestamp) {
-        if spec.content_ids.is_empty() || !PrefixIndex::indexable(block_tokens) {
+        if spec.content_ids.is_empty() || !tiles_content_unit(block_tokens) {
             return;
         }
         let expires = now + self.ttl;
@@ -207,7 +202,7 @@ impl Placements {
 
     /// Leading prompt blocks of `spec` placed on `instance` and not expired at `now`.
     fn overlap(&self, spec: &RequestSpec, instance: InstanceId, block_tokens: u32, now: Timestamp) -> u32 {
-        if spec.content_ids.is_empty() || !PrefixIndex::indexable(block_tokens) {
+        if spec.content_ids.is_empty() || !tiles_content_unit(block_tokens) {
             return 0;
         }
         let per = TRACE_BLOCK_TOKENS / block_tokens;

@@ -33,13 +33,19 @@ pub const TRACE_BLOCK_TOKENS: u32 = 512;
 /// The content hash of one full KV block: chained over every block before it in the prompt.
 pub type BlockHash = u128;
 
+/// Whether blocks of `block_size` tokens tile a content id's [`TRACE_BLOCK_TOKENS`] (only then can
+/// prompt blocks be hashed, cached and indexed).
+pub fn tiles_content_unit(block_size: u32) -> bool {
+    block_size > 0 && TRACE_BLOCK_TOKENS.is_multiple_of(block_size)
+}
+
 /// Hash chain of a prompt's full blocks: h_j = xxh3-128(h_{j−1} ‖ id ‖ slot), h_{−1} = 0, seed 0,
 /// where block j (tokens `block_size·j …`) has the content key (`ids[⌊j / per⌋]`, `j mod per`)
 /// with `per = TRACE_BLOCK_TOKENS / block_size`. Only full blocks that the ids cover hash (tokens
 /// past the ids are unique to the request); empty when there are no ids or `block_size` does not
 /// divide [`TRACE_BLOCK_TOKENS`].
 pub fn prompt_block_hashes(ids: &[u64], prompt_tokens: u32, block_size: u32) -> Vec<BlockHash> {
-    if ids.is_empty() || block_size == 0 || !TRACE_BLOCK_TOKENS.is_multiple_of(block_size) {
+    if ids.is_empty() || !tiles_content_unit(block_size) {
         return Vec::new();
     }
     let per = TRACE_BLOCK_TOKENS / block_size;

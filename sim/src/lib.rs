@@ -111,7 +111,7 @@ pub fn run_one_until(
     let requests = generate(&cfg.workload, base_dir).map_err(|e| SimError::Workload(e.to_string()))?;
     let block = engine.block_size;
     if engine.prefix_caching
-        && !kvfleet_core::kv::TRACE_BLOCK_TOKENS.is_multiple_of(block)
+        && !kvfleet_core::kv::tiles_content_unit(block)
         && requests.iter().any(|r| !r.content_ids.is_empty())
     {
         return Err(SimError::Setup(format!(

@@ -9,7 +9,7 @@
 //! exactly their system prompt's KV.
 
 use super::{invalid, positive, WorkloadError};
-use crate::kv::{prompt_block_hashes, BlockHash, TRACE_BLOCK_TOKENS};
+use crate::kv::{prompt_block_hashes, tiles_content_unit, BlockHash, TRACE_BLOCK_TOKENS};
 use crate::request::{RequestSpec, MAX_REQUEST_TOKENS};
 use crate::rng::SimRng;
 use serde::{Deserialize, Serialize};
@@ -190,7 +190,7 @@ pub fn unbounded_prefix_reuse(requests: &[RequestSpec], block_size: u32) -> f64 
 /// blocks of unit `u`. So one entry per unit (its first block's hash → most blocks of it seen).
 pub(super) fn prefix_reuse(requests: &[RequestSpec], block_size: u32) -> (f64, f64) {
     let total: u64 = requests.iter().map(|r| u64::from(r.prompt_tokens)).sum();
-    if total == 0 || block_size == 0 || !TRACE_BLOCK_TOKENS.is_multiple_of(block_size) {
+    if total == 0 || !tiles_content_unit(block_size) {
         return (0.0, 0.0);
     }
     let per = (TRACE_BLOCK_TOKENS / block_size) as usize;
