@@ -134,6 +134,7 @@ impl PrefixIndex {
         if spec.content_ids.is_empty() {
             return vec![0.0; loads.len()];
         }
+        let keys: Vec<u128> = unit_keys(&spec.content_ids).collect();
         // Instances of one cluster share a block size; hash once per distinct one.
         let mut hashes: Option<(u32, Vec<BlockHash>)> = None;
         loads
@@ -144,7 +145,7 @@ impl PrefixIndex {
                     return 0.0;
                 }
                 let cap = spec.prompt_tokens.saturating_sub(1) / bt;
-                let placed = self.placements.overlap(spec, l.instance, bt, now) as f64;
+                let placed = self.placements.overlap_keyed(spec, &keys, l.instance, bt, now) as f64;
                 if self.mode != PrefixIndexMode::Precise {
                     return placed;
                 }
@@ -201,13 +202,28 @@ impl Placements {
     }
 
     /// Leading prompt blocks of `spec` placed on `instance` and not expired at `now`.
+    #[cfg(test)]
     fn overlap(&self, spec: &RequestSpec, instance: InstanceId, block_tokens: u32, now: Timestamp) -> u32 {
+        let keys: Vec<u128> = unit_keys(&spec.content_ids).collect();
+        self.overlap_keyed(spec, &keys, instance, block_tokens, now)
+    }
+
+    /// Leading prompt blocks of `spec` (its unit keys `keys`, computed once for every instance
+    /// asked) placed on `instance` and not expired at `now`.
+    fn overlap_keyed(
+        &self,
+        spec: &RequestSpec,
+        keys: &[u128],
+        instance: InstanceId,
+        block_tokens: u32,
+        now: Timestamp,
+    ) -> u32 {
         if spec.content_ids.is_empty() || !tiles_content_unit(block_tokens) {
             return 0;
         }
         let per = TRACE_BLOCK_TOKENS / block_tokens;
         let mut hit = 0;
-        for (key, want) in unit_keys(&spec.content_ids).zip(unit_blocks(spec, block_tokens)) {
+        for (&key, want) in keys.iter().zip(unit_blocks(spec, block_tokens)) {
             let have = self
                 .units
                 .get(&key)
