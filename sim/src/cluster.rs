@@ -4,7 +4,8 @@
 //! object the coordinator's leader drives: this loop only turns engine events into controller
 //! events and executes the controller's actions on the engines and the fabric.
 //!
-//! A move is a live migration ([`crate::migration`]): the protocol's source and target machines
+//! A move is a live migration ([`crate::migration`]), started when its source's iteration in
+//! flight ends (a worker takes a move out only between iterations): the protocol's source and target machines
 //! run against the two engines over the fabric, driven by three events — a fabric transfer
 //! completed, the source's iteration ended (its KV grew, or the pause can happen), a deadline
 //! passed. Its end goes back to the controller as `Committed`, `Refused` (the target had no
@@ -117,6 +118,8 @@ pub struct Cluster {
     transfer_owner: HashMap<TransferId, u64>,
     /// Migrations in progress out of each instance (most iteration ends then skip the scan).
     migrating_out_of: Vec<u32>,
+    /// Moves decided while their source runs an iteration: they start when it ends.
+    pending_moves: Vec<Vec<(RequestId, InstanceId)>>,
     /// Migrations that ended and that the controller has not heard of yet.
     ended: Vec<MigrationRecord>,
     live_migrations: Vec<MigrationRecord>,
@@ -171,6 +174,7 @@ impl Cluster {
             next_migration: 0,
             transfer_owner: HashMap::new(),
             migrating_out_of: vec![0; instances as usize],
+            pending_moves: vec![Vec::new(); instances as usize],
             ended: Vec::new(),
             live_migrations: Vec::new(),
             touched: Vec::new(),
@@ -278,6 +282,7 @@ impl Cluster {
                         self.execute(now, spec, &mut records);
                     }
                     Event::IterationEnd(i) => {
+                        let decided = std::mem::take(&mut self.pending_moves[i as usize]);
                         self.engines[i as usize].complete_iteration(now, &mut events_buf);
                         for ev in std::mem::take(&mut events_buf) {
                             match ev {
@@ -291,6 +296,9 @@ impl Cluster {
                                     self.on_phase_boundary(now, i, request, kv_blocks, &mut records);
                                 }
                             }
+                        }
+                        for (request, to) in decided {
+                            self.start_migration(now, request, InstanceId(i), to);
                         }
                         if self.migrating_out_of[i as usize] > 0 {
                             self.on_source_iteration_end(now, i);
@@ -350,6 +358,7 @@ impl Cluster {
         }
         progress(Progress { now: last_event, arrived, finished: records.len(), total });
         debug_assert!(self.migrations.is_empty(), "every migration ends");
+        debug_assert!(self.pending_moves.iter().all(Vec::is_empty), "every decided move starts");
         records.sort_by_key(|r| r.id);
         Ok(ClusterOutcome {
             records,
@@ -379,7 +388,7 @@ impl Cluster {
                     }
                 }
                 Action::Reject { .. } => records.push(rejected(arrival, InstanceId(0))),
-                Action::Migrate { request, from, to, .. } => self.start_migration(now, request, from, to),
+                Action::Migrate { request, from, to, .. } => self.begin_move(now, request, from, to),
                 other => debug_assert!(false, "the simulator cannot execute {other:?}"),
             }
         }
@@ -401,12 +410,26 @@ impl Cluster {
         let _ = self.control.handle(now, boundary);
         while let Some(action) = self.control.poll_action() {
             match action {
-                Action::Migrate { request, from, to, .. } => self.start_migration(now, request, from, to),
+                Action::Migrate { request, from, to, .. } => self.begin_move(now, request, from, to),
                 other => {
                     debug_assert!(false, "unexpected decision at a phase boundary: {other:?}");
                     let _ = records;
                 }
             }
+        }
+    }
+
+    /// Execute a move the controller decided as a worker does: its source takes a move out only
+    /// between iterations, and by the time the decision reaches it (the boundary that prompted it
+    /// travelled to the leader, the move back) it has planned its next one — so a source that
+    /// runs, or is about to run, an iteration starts the move when that iteration ends (the
+    /// request one token longer); an idle one starts it now.
+    fn begin_move(&mut self, now: Timestamp, request: RequestId, from: InstanceId, to: InstanceId) {
+        let source = &self.engines[from.0 as usize];
+        if source.next_wake().is_some() || source.needs_step() {
+            self.pending_moves[from.0 as usize].push((request, to));
+        } else {
+            self.start_migration(now, request, from, to);
         }
     }
 
@@ -492,7 +515,7 @@ impl Cluster {
                 self.live_migrations.push(record);
                 while let Some(action) = self.control.poll_action() {
                     match action {
-                        Action::Migrate { request, from, to, .. } => self.start_migration(now, request, from, to),
+                        Action::Migrate { request, from, to, .. } => self.begin_move(now, request, from, to),
                         other => debug_assert!(false, "unexpected decision after a move: {other:?}"),
                     }
                 }
