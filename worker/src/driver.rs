@@ -622,6 +622,16 @@ impl Driver {
                 }
             }
         }
+        if out.iter().any(|e| matches!(e, LogEvent::Boundary(_))) {
+            // The leader decides a `</think>` move on the loads it holds when the boundary arrives:
+            // this instance's must already include the iteration that produced it (the simulator
+            // refreshes the same load, after the iteration and before the next plan). Published
+            // after the boundary, the request still counted as reasoning here, so Alg. 2 saw one
+            // reasoning request too many and moved requests the simulator kept.
+            let load = self.engine.load_report();
+            self.log.push(LogEvent::Load(Box::new(v1::LoadReport::from(&load))));
+            self.last_load = Some(load);
+        }
         self.log.extend(out.drain(..));
         for cmd in std::mem::take(&mut self.pending) {
             match cmd {

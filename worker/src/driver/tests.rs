@@ -49,7 +49,7 @@ fn start(instance: u32, scheduler: &str, gpu_blocks: u32, cpu_blocks: u32) -> Ru
     let driver = Driver::new(DriverConfig {
         engine,
         arena,
-        clock: ClusterClock::new(None).unwrap(),
+        clock: ClusterClock::new(None, kvfleet_core::Dilation::NONE).unwrap(),
         log: log.clone(),
         load_interval: Duration::from_millis(20),
         verify_kv: true,
@@ -519,4 +519,29 @@ fn a_second_move_out_of_a_request_under_way_is_refused_and_cannot_touch_the_firs
     let s = wait_for(&a.log, "the record on A", |s| s.finished.contains_key(&2));
     check_request(&s, 2, 60, 10);
     consistent(&a);
+}
+
+/// A `</think>` boundary reaches the leader after a load report that already counts the iteration
+/// producing it (the simulator's order): the request no longer counts as reasoning there, so
+/// PASCAL's Alg. 2 does not see one reasoning request too many on its current instance.
+#[test]
+fn a_boundary_follows_a_load_that_includes_its_iteration() {
+    let r = start(0, "pascal", 64, 16);
+    assert_eq!(ask(&r, |reply| Command::Submit { spec: spec(1, 8, 6, 4), reply }), SubmitOutcome::Accepted);
+    wait_for(&r.log, "the boundary", |s| s.boundaries.contains_key(&1));
+    let mut out = Vec::new();
+    r.log.read_after(0, usize::MAX, &mut out);
+    let boundary = out
+        .iter()
+        .position(|e| matches!(e.event, Some(v1::worker_event::Event::Boundary(_))))
+        .expect("a boundary in the log");
+    let load_before = out[..boundary]
+        .iter()
+        .rev()
+        .find_map(|e| match &e.event {
+            Some(v1::worker_event::Event::Load(l)) => Some(*l),
+            _ => None,
+        })
+        .expect("a load report before the boundary");
+    assert_eq!(load_before.reasoning_requests, 0, "the load before the boundary: {load_before:?}");
 }
