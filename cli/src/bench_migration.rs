@@ -62,6 +62,11 @@ pub struct MigrationBench {
     /// ~17 s at 2 Gbit/s, beyond the default 10 s.
     #[arg(long, default_value_t = kvfleet_worker::options::WorkerOptions::default().migration_timeout_ms)]
     migration_timeout_ms: u64,
+    /// The workers' time dilation (a factor, or `auto`: from the QUIC goodput measured in (b) and
+    /// `--link-gbps`, so that the shaped link, not this host, sets the pace). Every time reported
+    /// is emulated.
+    #[arg(long, default_value = "1")]
+    time_dilation: crate::up::cluster::DilationArg,
     /// Skip the blocking stop-and-copy comparison.
     #[arg(long)]
     no_blocking: bool,
@@ -170,6 +175,31 @@ impl SimSide {
 
 fn ms(ns: u64) -> f64 {
     ns as f64 / 1e6
+}
+
+/// This host's QUIC goodput between two processes with the cluster's mutual TLS, Gbit/s: `bytes`
+/// over `streams` streams to a `kvfleet bench sink` (its certificates and log under `dir`).
+pub fn quic_goodput_gbps(dir: &Path, bytes: u64, streams: usize) -> anyhow::Result<f64> {
+    std::fs::create_dir_all(dir)?;
+    let ca = ClusterCa::generate("transport goodput")?;
+    let files = IdentityFiles::in_dir(dir, "sink");
+    ca.issue(Role::Worker, "sink", &[])?.save(&files)?;
+    let client = ca.issue(Role::Coordinator, "sender", &[])?;
+    let me = std::env::current_exe()?;
+    let mut args = vec!["bench".to_string(), "sink".into(), "--kind".into(), "quic".into()];
+    args.extend(TlsArgs::files(&files).to_args());
+    let sink = Proc::spawn("quic-sink", &me, &args, &dir.join("quic-sink.log"), Some(Duration::from_secs(10)))?;
+    let peer: SocketAddr = sink.addr()?.parse()?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let run = rt.block_on(bench::quic_send_measured(
+        peer,
+        &client,
+        QuicTuning::default(),
+        bytes,
+        streams,
+        DEFAULT_CHUNK_BYTES,
+    ))?;
+    Ok(run.goodput.gbit_per_s())
 }
 
 pub fn run(b: MigrationBench) -> anyhow::Result<()> {
@@ -303,6 +333,26 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
     if b.stop_copy_ms > 0.0 {
         stop_args.extend(["--stop-copy-ms".to_string(), b.stop_copy_ms.to_string()]);
     }
+    let dilation = match b.time_dilation {
+        crate::up::cluster::DilationArg::Fixed(k) => k,
+        crate::up::cluster::DilationArg::Auto => {
+            let Some(link) = b.link_gbps else {
+                return Err(
+                    InputError("--time-dilation auto needs --link-gbps (the fabric rate to emulate)".into()).into()
+                );
+            };
+            let k = crate::up::cluster::auto_dilation(link, quic_g.gbit_per_s());
+            say!(
+                "      time dilation auto: K = {k} (a {link} Gbit/s link shaped to {:.2} Gbit/s of real time)",
+                link / k.factor()
+            );
+            k
+        }
+    };
+    if !dilation.is_none() {
+        stop_args.extend(["--time-dilation".to_string(), dilation.to_string()]);
+        say!("      time dilation {dilation}: every time below is emulated (real time ÷ {dilation})");
+    }
     if let Some(g) = b.link_gbps {
         stop_args.extend(["--link-gbps".to_string(), g.to_string()]);
         say!("      migration links shaped to {g} Gbit/s, +{} µs; beside each, the simulator's run", b.link_latency_us);
@@ -311,6 +361,7 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
         stop_args.extend(["--link-latency-us".to_string(), b.link_latency_us.to_string()]);
     }
     let sim = b.link_gbps.map(|g| SimSide::new(g, b.link_latency_us, &b)).transpose()?;
+    let pair = WorkerPair { worker: &worker, logs: &logs, issue: &issue, client: &client, dilation };
     let mut rows = Vec::new();
     // On a terminal: which migration runs now and for how long (a 16k-token blocking copy takes
     // ten seconds or more here). Hidden when stderr is not a terminal.
@@ -323,7 +374,7 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
     for &tokens in &b.lengths {
         for &(mode, stages) in modes {
             bar.set_message(format!("({tokens} tokens, {mode})"));
-            let stats = rt.block_on(migrate_once(&worker, &logs, tokens, stages, &stop_args, &issue, &client))?;
+            let stats = rt.block_on(migrate_once(&pair, tokens, stages, &stop_args))?;
             let simulated = match &sim {
                 Some(s) => Some(s.simulate(tokens, stages.parse()?)?),
                 None => None,
@@ -370,17 +421,27 @@ fn human(bytes: u64) -> String {
     }
 }
 
+/// What every pair of bench workers shares.
+#[derive(Clone, Copy)]
+struct WorkerPair<'a> {
+    worker: &'a Path,
+    logs: &'a Path,
+    /// The certificate arguments of a worker by name.
+    issue: &'a dyn Fn(&str) -> anyhow::Result<Vec<String>>,
+    /// The bench's identity towards them (a coordinator's).
+    client: &'a NodeIdentity,
+    dilation: kvfleet_core::Dilation,
+}
+
 /// Start two workers sized for `tokens`, run one request on the first, migrate it to the second
 /// once it decodes, and return the source's measurements.
 async fn migrate_once(
-    worker: &Path,
-    logs: &Path,
+    pair: &WorkerPair<'_>,
     tokens: u32,
     max_stages: &str,
     stop_args: &[String],
-    issue: &dyn Fn(&str) -> anyhow::Result<Vec<String>>,
-    client: &NodeIdentity,
 ) -> anyhow::Result<v1::MigrationStats> {
+    let WorkerPair { worker, logs, issue, client, dilation } = *pair;
     // Room for the prompt plus what it decodes during the copy, on both sides.
     let arena = ((tokens as u64 + 1040) * KV_BYTES_PER_TOKEN).div_ceil(64 << 20) * (64 << 20);
     let mut procs = Vec::new();
@@ -420,7 +481,8 @@ async fn migrate_once(
     anyhow::ensure!(accepted.accepted, "the source refused the request: {}", accepted.reason);
     // Migrate once it decodes (its prompt is prefilled and written).
     let mut events = src.events(v1::EventsRequest { after_seq: 0 }).await?.into_inner();
-    let first = tokio::time::timeout(Duration::from_secs(60), async {
+    // A minute of emulated time (a long prompt's prefill, stretched by the dilation).
+    let first = tokio::time::timeout(dilation.real(kvfleet_core::TimeSpan::from_secs_f64(60.0)), async {
         while let Some(ev) = events.message().await? {
             if matches!(ev.event, Some(v1::worker_event::Event::Tokens(_))) {
                 return Ok::<_, tonic::Status>(true);
@@ -429,7 +491,7 @@ async fn migrate_once(
         Ok(false)
     })
     .await;
-    anyhow::ensure!(matches!(first, Ok(Ok(true))), "no token from the source within 60 s");
+    anyhow::ensure!(matches!(first, Ok(Ok(true))), "no token from the source within 60 s (emulated)");
     let req = v1::MigrateOutRequest { request_id: 1, target: 1, target_kv_address: target_kv };
     let out = src.migrate_out(req).await?.into_inner();
     for p in &mut procs {
@@ -583,6 +645,7 @@ mod tests {
             link_gbps: Some(2.0),
             link_latency_us: 0.0,
             migration_timeout_ms: 10_000,
+            time_dilation: crate::up::cluster::DilationArg::Fixed(kvfleet_core::Dilation::NONE),
             no_blocking: false,
             out: PathBuf::new(),
         };

@@ -40,6 +40,11 @@ pub struct ParityBench {
     /// `scheduler.policy`); each (workload, policy) is one row, named `<workload>-<policy>`.
     #[arg(long = "policy", value_delimiter = ',')]
     policies: Vec<String>,
+    /// The emulator's time dilation (`kvfleet up --time-dilation`: a factor, or `auto` to pick
+    /// one from this host's QUIC goodput and the config's link). Rows of a dilated run are named
+    /// `<workload>-k<K>`.
+    #[arg(long, default_value = "1")]
+    time_dilation: String,
     /// Output directory: per workload the simulator's and the emulator's outputs; `parity.json`
     /// and `parity.csv` with the figures.
     #[arg(short, long, default_value = "results/bench-parity")]
@@ -80,6 +85,8 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
     let mut results = Vec::new();
     let policies: Vec<Option<&String>> =
         if b.policies.is_empty() { vec![None] } else { b.policies.iter().map(Some).collect() };
+    let dilation: crate::up::cluster::DilationArg =
+        b.time_dilation.parse().map_err(|e| InputError(format!("--time-dilation: {e}")))?;
     let runs = b.workloads.iter().flat_map(|w| policies.iter().map(move |p| (w, *p)));
     for (w, policy) in runs {
         let (name, config) = workload_config(w, &b.out)?;
@@ -90,6 +97,10 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
                 format!("{name}-{}", crate::report::file_safe(p))
             }
             None => name,
+        };
+        let name = match dilation {
+            crate::up::cluster::DilationArg::Fixed(k) if k.is_none() => name,
+            _ => format!("{name}-k{}", b.time_dilation.trim()),
         };
         let policy_args: Vec<&str> = policy.map(|p| vec!["--policy", p.as_str()]).unwrap_or_default();
         let dir = b.out.join(&name);
@@ -124,6 +135,8 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
             &gbps,
             "--link-latency-us",
             &latency_us,
+            "--time-dilation",
+            &b.time_dilation,
             "-q",
             "--out",
             &emu_dir_arg,

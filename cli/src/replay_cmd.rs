@@ -185,8 +185,11 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     say!("leader      {} (store: {}); {alive} workers alive", status.leader, status.store);
 
     // Replay on the cluster clock.
-    let epoch_unix_ns = status.epoch_unix_ns;
-    schedule(&mut requests, epoch_unix_ns, Duration::from_millis(500));
+    let clock = crate::up::replay::status_clock(&status).map_err(|e| anyhow::anyhow!("the leader's status: {e}"))?;
+    if !clock.dilation.is_none() {
+        say!("time        the cluster runs at time dilation {}: every time reported is emulated", clock.dilation);
+    }
+    schedule(&mut requests, clock, Duration::from_millis(500));
     let total = requests.len();
     say!("replaying   {total} requests ({}, seed {})", cfg.scheduler.policy, cfg.workload.seed);
     let stats = Arc::new(ReplayStats::default());
@@ -203,8 +206,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let give_up = GiveUp::default();
     let mut timed_out = false;
     let results = rt.block_on(async {
-        let task =
-            tokio::spawn(replay(finder.clone(), requests.clone(), epoch_unix_ns, stats.clone(), wait, give_up.clone()));
+        let task = tokio::spawn(replay(finder.clone(), requests.clone(), clock, stats.clone(), wait, give_up.clone()));
         let mut next_line = Instant::now() + Duration::from_secs(5);
         while !task.is_finished() {
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -229,7 +231,8 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         task.await.ok()
     });
     bar.finish_and_clear();
-    let wall = started.elapsed().as_secs_f64();
+    // In emulated time, as every time the records hold.
+    let wall = clock.dilation.emulated(started.elapsed()).as_secs_f64();
     let Some(results) = results else { bail!("the replay's client task failed") };
     if timed_out {
         say!(

@@ -116,7 +116,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         no_prefault: false,
         http_listen: Some(&listen_text),
         api_key: args.api_key.as_deref(),
-        epoch_unix_ns: crate::up::replay::unix_now_ns(),
+        clock: kvfleet_meta::layout::ClusterTime {
+            epoch_unix_ns: crate::up::replay::unix_now_ns(),
+            dilation: kvfleet_core::Dilation::NONE,
+        },
         own_groups: true,
     };
     let mut cluster = Cluster::default();

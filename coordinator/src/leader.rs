@@ -17,7 +17,7 @@ use kvfleet_control::{Action, ControlError, Controller, Event, MoveOutcome, Owne
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::LoadReport;
 use kvfleet_core::{InstanceId, RequestId, RequestSpec};
-use kvfleet_meta::layout::{self as keys, WorkerRecord};
+use kvfleet_meta::layout::{self as keys, ClusterTime, WorkerRecord};
 use kvfleet_meta::{Condition, LeaderKey, MetaStore};
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::worker_client::WorkerClient;
@@ -100,7 +100,7 @@ pub struct Leader {
     migration_log: Mutex<Vec<v1::MigrationStats>>,
     /// Open `request` spans; their contexts travel with `Submit` and `MigrateOut`.
     traces: RequestTraces,
-    epoch_unix_ns: u64,
+    clock: ClusterTime,
     /// Origin of [`Leader::ms_now`].
     started: std::time::Instant,
     /// [`SILENT_AFTER`] and [`ABANDON_AFTER`] (shorter in tests).
@@ -153,16 +153,16 @@ fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
 
 impl Leader {
     /// A leader over `store`, fencing its writes on `fence`, driving `control`; `connector` opens
-    /// worker channels; `epoch_unix_ns` is the cluster epoch (span times).
+    /// worker channels; `clock` is the cluster's (decision times, span times).
     pub fn new(
         store: Arc<dyn MetaStore>,
         fence: LeaderKey,
         control: Controller,
         connector: Connector,
-        epoch_unix_ns: u64,
+        clock: ClusterTime,
     ) -> Arc<Leader> {
         let (deposed_tx, deposed) = watch::channel(false);
-        let traces = RequestTraces::new(epoch_unix_ns, control.policy_name());
+        let traces = RequestTraces::new(clock.epoch_unix_ns, control.policy_name());
         Arc::new(Leader {
             store,
             fence,
@@ -175,7 +175,7 @@ impl Leader {
             connector,
             migration_log: Mutex::new(Vec::new()),
             traces,
-            epoch_unix_ns,
+            clock,
             started: std::time::Instant::now(),
             silence: Mutex::new((SILENT_AFTER, ABANDON_AFTER)),
         })
@@ -268,8 +268,7 @@ impl Leader {
 
     /// Now on the cluster clock (for span times of decisions made here).
     fn cluster_now(&self) -> kvfleet_core::Timestamp {
-        let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-        kvfleet_core::Timestamp((unix as u64).saturating_sub(self.epoch_unix_ns))
+        self.clock.now()
     }
 
     fn control(&self) -> std::sync::MutexGuard<'_, Controller> {
@@ -945,7 +944,7 @@ impl Leader {
     }
 
     /// The cluster as this leader sees it (members, loads, counters, migration log), for `Status`.
-    pub fn status(&self, leader: &str, epoch_unix_ns: u64) -> v1::ClusterStatus {
+    pub fn status(&self, leader: &str, clock: ClusterTime) -> v1::ClusterStatus {
         let control = self.control();
         let instances = control
             .members()
@@ -957,7 +956,8 @@ impl Leader {
             .collect();
         v1::ClusterStatus {
             leader: leader.to_string(),
-            epoch_unix_ns,
+            epoch_unix_ns: clock.epoch_unix_ns,
+            time_dilation: clock.dilation.factor(),
             instances,
             requests_in_flight: control.in_flight() as u64,
             requests_finished: self.stats.finished.load(Ordering::Relaxed),
@@ -1132,7 +1132,13 @@ mod tests {
             Controller::new(build_policy(policy, &PolicyParams::default()).unwrap(), SimRng::seed_from_u64(1))
                 .expect_model(MODEL, KV_BYTES)
                 .retain_finished();
-        let leader = Leader::new(store, fence, control, worker_connector(None), 0);
+        let leader = Leader::new(
+            store,
+            fence,
+            control,
+            worker_connector(None),
+            ClusterTime { epoch_unix_ns: 0, dilation: kvfleet_core::Dilation::NONE },
+        );
         let closed = closed_address();
         for instance in 0..workers {
             leader.admit(&registration(instance, &closed, 1)).await.unwrap();

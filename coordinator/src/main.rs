@@ -58,6 +58,10 @@ struct Args {
     /// Cluster clock origin (Unix ns) if this coordinator founds the cluster (default: now).
     #[arg(long)]
     epoch_unix_ns: Option<u64>,
+    /// Time dilation if this coordinator founds the cluster (one emulated second lasts this many
+    /// real seconds; every process of the cluster runs at it); one that joins must agree.
+    #[arg(long, default_value_t = kvfleet_core::Dilation::NONE)]
+    time_dilation: kvfleet_core::Dilation,
     /// Seed of the policy's random choices.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -140,6 +144,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         worker_ttl: Duration::from_millis(args.worker_ttl_ms),
         seed: args.seed,
         epoch_unix_ns: args.epoch_unix_ns,
+        time_dilation: args.time_dilation,
         tls,
     };
     let node = Node::new(opts, store).await.context("joining the cluster")?;

@@ -14,7 +14,7 @@ pub async fn render(node: &Arc<Node>) -> String {
     let leader = node.current_leader().await.filter(|l| !l.is_deposed());
     page.gauge("kvfleet_leader", "1 if this coordinator is the leader.", u32::from(leader.is_some()));
     let Some(leader) = leader else { return page.encode() };
-    let status = leader.status("", node.epoch_unix_ns());
+    let status = leader.status("", node.clock());
     let alive = status.instances.iter().filter(|i| i.alive).count();
     page.gauge("kvfleet_workers_alive", "Registered workers with a live registration.", alive);
     page.gauge("kvfleet_requests_in_flight", "Accepted, unfinished requests.", status.requests_in_flight);

@@ -5,9 +5,9 @@ use crate::leader::{worker_connector, ClientTx, Leader};
 use kvfleet_control::Controller;
 use kvfleet_core::policy::registry::{build_policy, PolicyParams};
 use kvfleet_core::SimRng;
-use kvfleet_core::{InstanceId, RequestId};
+use kvfleet_core::{Dilation, InstanceId, RequestId};
 pub use kvfleet_meta::layout::ClusterModel;
-use kvfleet_meta::layout::{self as keys, ClusterRecord, WorkerRecord};
+use kvfleet_meta::layout::{self as keys, unix_now_ns, ClusterRecord, ClusterTime, WorkerRecord};
 use kvfleet_meta::{spawn_keep_alive, EventKind, LeaseId, MetaStore};
 use kvfleet_pki::Role;
 use kvfleet_proto::v1;
@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 use tokio::sync::{mpsc, RwLock};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
@@ -41,6 +41,9 @@ pub struct NodeOptions {
     pub seed: u64,
     /// Clock origin to record if this coordinator founds the cluster (default: now).
     pub epoch_unix_ns: Option<u64>,
+    /// Time dilation to record if this coordinator founds the cluster; one that joins must agree
+    /// with the record.
+    pub time_dilation: Dilation,
     /// The cluster identity: the API is served, and workers are called, over mutual TLS with it
     /// (`None`: plain text, for local debugging).
     pub tls: Option<kvfleet_pki::NodeIdentity>,
@@ -83,18 +86,25 @@ pub enum NodeError {
     /// The policy name or its parameters are invalid.
     #[error("unknown policy: {0}")]
     Policy(String),
-}
-
-fn unix_now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+    /// This coordinator was started with another time dilation than the cluster's.
+    #[error("this coordinator runs at time dilation {ours} but the cluster record says {theirs}")]
+    DilationMismatch {
+        /// `--time-dilation` of this process.
+        ours: Dilation,
+        /// The cluster's.
+        theirs: Dilation,
+    },
 }
 
 impl Node {
     /// Join (or found) the cluster: the first coordinator writes the cluster record.
     pub async fn new(opts: NodeOptions, store: Arc<dyn MetaStore>) -> Result<Arc<Node>, NodeError> {
         build_policy(&opts.policy, &opts.policy_params).map_err(|e| NodeError::Policy(e.to_string()))?;
-        let proposed =
-            ClusterRecord { model: opts.model.clone(), epoch_unix_ns: opts.epoch_unix_ns.unwrap_or_else(unix_now_ns) };
+        let proposed = ClusterRecord {
+            model: opts.model.clone(),
+            epoch_unix_ns: opts.epoch_unix_ns.unwrap_or_else(unix_now_ns),
+            time_dilation: opts.time_dilation,
+        };
         let bytes = serde_json::to_vec(&proposed).expect("plain data");
         store.put_if(keys::CLUSTER, &bytes, None, &[kvfleet_meta::Condition::absent(keys::CLUSTER)]).await?;
         let kv = store.get(keys::CLUSTER).await?.ok_or_else(|| NodeError::BadCluster("vanished".into()))?;
@@ -108,6 +118,9 @@ impl Node {
                 theirs_bytes: cluster.model.kv_bytes_per_token,
             });
         }
+        if cluster.time_dilation != opts.time_dilation {
+            return Err(NodeError::DilationMismatch { ours: opts.time_dilation, theirs: cluster.time_dilation });
+        }
         Ok(Arc::new(Node {
             opts,
             store,
@@ -120,6 +133,11 @@ impl Node {
     /// The cluster epoch (ns since the Unix epoch) from the cluster record.
     pub fn epoch_unix_ns(&self) -> u64 {
         self.cluster.epoch_unix_ns
+    }
+
+    /// The cluster clock (epoch and time dilation) from the cluster record.
+    pub fn clock(&self) -> ClusterTime {
+        self.cluster.clock()
     }
 
     /// The [`Leader`] this process runs while it leads (`None` on a standby).
@@ -157,7 +175,7 @@ impl Node {
             fence.clone(),
             control,
             worker_connector(self.opts.tls.clone()),
-            self.epoch_unix_ns(),
+            self.clock(),
         );
         let restored = leader.restore().await.map_err(|e| NodeError::BadCluster(e.to_string()))?;
         // Workers already registered, then every change after that listing.
@@ -329,10 +347,11 @@ impl Coordinator for CoordinatorService {
     async fn status(&self, _req: Request<v1::StatusRequest>) -> Result<Response<v1::ClusterStatus>, Status> {
         let leader_addr = self.leader_address().await.unwrap_or_default();
         let status = match self.node.current_leader().await {
-            Some(l) => l.status(&leader_addr, self.node.epoch_unix_ns()),
+            Some(l) => l.status(&leader_addr, self.node.clock()),
             None => v1::ClusterStatus {
                 leader: leader_addr,
                 epoch_unix_ns: self.node.epoch_unix_ns(),
+                time_dilation: self.node.clock().dilation.factor(),
                 store: self.node.store.store_kind().into(),
                 ..Default::default()
             },
@@ -366,4 +385,38 @@ pub async fn serve(
 /// For logs: the socket address a listener got.
 pub fn bound(listener: &tokio::net::TcpListener) -> Option<SocketAddr> {
     listener.local_addr().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(time_dilation: f64) -> NodeOptions {
+        NodeOptions {
+            advertise: "127.0.0.1:1".into(),
+            policy: "least-kv".into(),
+            policy_params: PolicyParams::default(),
+            model: ClusterModel { model: "m".into(), kv_bytes_per_token: 2 },
+            lease_ttl: Duration::from_secs(2),
+            worker_ttl: Duration::from_secs(2),
+            seed: 0,
+            epoch_unix_ns: Some(5),
+            time_dilation: Dilation::new(time_dilation).unwrap(),
+            tls: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn the_first_coordinator_records_the_clock_and_the_next_must_agree() {
+        let store: Arc<dyn MetaStore> = Arc::new(kvfleet_meta::MemStore::new());
+        let first = Node::new(opts(4.0), store.clone()).await.expect("founds the cluster");
+        assert_eq!(first.clock(), ClusterTime { epoch_unix_ns: 5, dilation: Dilation::new(4.0).unwrap() });
+        // Another at the same dilation joins (and adopts the recorded epoch).
+        let mut same = opts(4.0);
+        same.epoch_unix_ns = None;
+        assert_eq!(Node::new(same, store.clone()).await.expect("joins").clock().epoch_unix_ns, 5);
+        // One at another dilation would run the cluster's clock at another speed: refused.
+        let e = Node::new(opts(1.0), store).await.err().expect("refused").to_string();
+        assert!(e.contains("time dilation 1") && e.contains("says 4"), "{e}");
+    }
 }

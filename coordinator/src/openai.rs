@@ -85,7 +85,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use kvfleet_core::{RequestId, RequestSpec, Timestamp};
+use kvfleet_core::{RequestId, RequestSpec};
 use kvfleet_meta::layout as keys;
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::client_event::Event as ClientEvent;
@@ -216,8 +216,7 @@ async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
 
 async fn health(State(api): State<Arc<Api>>) -> Json<Value> {
     let leader = api.node.current_leader().await.filter(|l| !l.is_deposed());
-    let workers =
-        leader.as_ref().map(|l| l.status("", api.node.epoch_unix_ns()).instances.iter().filter(|i| i.alive).count());
+    let workers = leader.as_ref().map(|l| l.status("", api.node.clock()).instances.iter().filter(|i| i.alive).count());
     Json(json!({
         "status": "ok",
         "leader": leader.is_some(),
@@ -281,7 +280,7 @@ async fn complete(
     let spec = RequestSpec {
         content_ids: Vec::new(),
         id: RequestId(id),
-        arrival: Timestamp(unix_now_ns().saturating_sub(api.node.epoch_unix_ns())),
+        arrival: api.node.clock().now(),
         prompt_tokens: req.prompt_tokens,
         reasoning_tokens: req.reasoning_tokens,
         answer_tokens: req.answer_tokens,

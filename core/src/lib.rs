@@ -35,4 +35,4 @@ pub mod workload;
 pub use ids::{InstanceId, RequestId};
 pub use request::RequestSpec;
 pub use rng::SimRng;
-pub use time::{TimeSpan, Timestamp};
+pub use time::{Dilation, TimeSpan, Timestamp};

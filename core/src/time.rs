@@ -25,6 +25,125 @@ pub const RUN_LIMIT: Timestamp = Timestamp(10_000_000 * 1_000_000_000);
 #[serde(transparent)]
 pub struct TimeSpan(pub u64);
 
+/// Time dilation (DieCast's scale model): one emulated second lasts `factor` real seconds.
+///
+/// An emulated cluster whose every modelled duration — GPU iterations, link transfers, the
+/// migration protocol's timers, the workload's arrivals — is stretched K× and whose every reported
+/// figure is read back in emulated time lets a host whose transport carries 10 Gbit/s emulate a
+/// 100 Gbit/s fabric with real bytes: the link is shaped to rate ÷ K, and what the host adds
+/// (an RPC's milliseconds, a timer's lateness) shrinks K× in emulated time. `1` is real time.
+#[derive(Clone, Copy, Debug, PartialEq, PartialOrd, Serialize, Deserialize)]
+#[serde(try_from = "f64", into = "f64")]
+pub struct Dilation(f64);
+
+/// Why a time-dilation factor is refused.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("time dilation {0} is not a number from 1 to {max} (emulated time runs that many times slower than real time)", max = Dilation::MAX)]
+pub struct DilationError(pub f64);
+
+impl Dilation {
+    /// Real time.
+    pub const NONE: Dilation = Dilation(1.0);
+    /// The largest factor accepted: a 1 s emulated run then lasts about 17 minutes.
+    pub const MAX: f64 = 1000.0;
+
+    /// A dilation of `factor` (1 ≤ factor ≤ [`Dilation::MAX`]).
+    pub fn new(factor: f64) -> Result<Dilation, DilationError> {
+        if factor.is_finite() && (1.0..=Dilation::MAX).contains(&factor) {
+            Ok(Dilation(factor))
+        } else {
+            Err(DilationError(factor))
+        }
+    }
+
+    /// Real seconds per emulated second.
+    pub fn factor(self) -> f64 {
+        self.0
+    }
+
+    /// Whether emulated time is real time.
+    pub fn is_none(&self) -> bool {
+        self.0 == 1.0
+    }
+
+    /// The real nanoseconds that `emulated_ns` emulated nanoseconds last (saturating).
+    pub fn real_ns(self, emulated_ns: u64) -> u64 {
+        if self.is_none() {
+            emulated_ns
+        } else {
+            scale(emulated_ns, self.0)
+        }
+    }
+
+    /// The emulated nanoseconds that `real_ns` real nanoseconds stand for.
+    pub fn emulated_ns(self, real_ns: u64) -> u64 {
+        if self.is_none() {
+            real_ns
+        } else {
+            scale(real_ns, 1.0 / self.0)
+        }
+    }
+
+    /// The real duration of an emulated span.
+    pub fn real(self, span: TimeSpan) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.real_ns(span.0))
+    }
+
+    /// The emulated span a real duration stands for.
+    pub fn emulated(self, real: std::time::Duration) -> TimeSpan {
+        TimeSpan(self.emulated_ns(u64::try_from(real.as_nanos()).unwrap_or(u64::MAX)))
+    }
+
+    /// A rate in emulated units per second (e.g. a link's Gbit/s) as the real rate that emulates it.
+    pub fn real_rate(self, emulated_per_s: f64) -> f64 {
+        emulated_per_s / self.0
+    }
+}
+
+impl Default for Dilation {
+    fn default() -> Self {
+        Dilation::NONE
+    }
+}
+
+impl std::str::FromStr for Dilation {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let factor: f64 = text.trim().parse().map_err(|_| format!("time dilation `{text}` is not a number"))?;
+        Dilation::new(factor).map_err(|e| e.to_string())
+    }
+}
+
+impl TryFrom<f64> for Dilation {
+    type Error = DilationError;
+    fn try_from(factor: f64) -> Result<Self, Self::Error> {
+        Dilation::new(factor)
+    }
+}
+
+impl From<Dilation> for f64 {
+    fn from(d: Dilation) -> f64 {
+        d.0
+    }
+}
+
+impl fmt::Display for Dilation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// `ns × by` rounded to the nanosecond (exact below 2⁵³ ns, about 104 days), saturating at
+/// `u64::MAX`.
+fn scale(ns: u64, by: f64) -> u64 {
+    let scaled = (ns as f64) * by;
+    if scaled >= u64::MAX as f64 {
+        u64::MAX
+    } else {
+        scaled.round() as u64
+    }
+}
+
 impl Timestamp {
     /// The run's epoch.
     pub const ZERO: Timestamp = Timestamp(0);
@@ -135,6 +254,27 @@ impl fmt::Display for TimeSpan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dilation_stretches_and_reads_back() {
+        let k = Dilation::new(10.0).unwrap();
+        assert_eq!(k.real_ns(1_500_000), 15_000_000);
+        assert_eq!(k.emulated_ns(15_000_000), 1_500_000);
+        assert_eq!(k.real(TimeSpan::from_millis_f64(2.0)), std::time::Duration::from_millis(20));
+        assert_eq!(k.emulated(std::time::Duration::from_secs(1)), TimeSpan::from_millis_f64(100.0));
+        assert_eq!(k.real_rate(100.0), 10.0);
+        assert_eq!(k.real_ns(u64::MAX), u64::MAX);
+        assert_eq!(Dilation::NONE.real_ns(123_456_789_012_345), 123_456_789_012_345);
+        for bad in [0.5, 0.0, -3.0, f64::NAN, f64::INFINITY, 1000.5] {
+            assert!(Dilation::new(bad).is_err(), "{bad}");
+        }
+        let parsed: Dilation = serde_json::from_str("4.0").unwrap();
+        assert_eq!(parsed.factor(), 4.0);
+        assert!(serde_json::from_str::<Dilation>("0.25").is_err());
+        assert_eq!("2.5".parse::<Dilation>().unwrap().factor(), 2.5);
+        assert!("fast".parse::<Dilation>().unwrap_err().contains("not a number"));
+        assert!("0".parse::<Dilation>().unwrap_err().contains("from 1 to 1000"));
+    }
 
     #[test]
     fn conversions_round_trip_and_clamp() {

@@ -2,13 +2,14 @@
 //!
 //! | key | value | written by |
 //! |---|---|---|
-//! | `/kvfleet/cluster` | JSON [`ClusterRecord`]: model, KV bytes/token, clock epoch | first coordinator (create-if-absent) |
+//! | `/kvfleet/cluster` | JSON [`ClusterRecord`]: model, KV bytes/token, clock epoch, time dilation | first coordinator (create-if-absent) |
 //! | `/kvfleet/workers/<instance>` | JSON `WorkerInfo`, attached to the worker's lease | worker (etcd) or leader on its behalf (embedded) |
 //! | `/kvfleet/instances/<instance>` | the claiming worker's owner token, on the same lease as its registration | worker started with `--instance auto` (create-if-absent) |
-//! | `/kvfleet/requests/<id>` | JSON `Ownership` (coordinator `state.rs`: spec, instance, phase) | leader, fenced, before acknowledging |
+//! | `/kvfleet/requests/<id>` | JSON `Ownership` (spec, instance, phase) | leader, fenced, before acknowledging |
 //! | `/kvfleet/results/<id>` | JSON `RequestRecord` | leader, fenced, before acknowledging to the worker |
 //! | `/kvfleet/leader/…` | election keys (value: the leader's advertised address) | `campaign` |
 
+use kvfleet_core::{Dilation, Timestamp};
 use serde::{Deserialize, Serialize};
 
 /// What the cluster runs; a worker must match it to join.
@@ -53,12 +54,56 @@ pub fn result(id: u64) -> String {
 }
 
 /// What every process of a cluster must agree on.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ClusterRecord {
     /// The model every worker must serve.
     pub model: ClusterModel,
     /// Cluster clock origin: `Timestamp` 0 in every process, as Unix nanoseconds.
     pub epoch_unix_ns: u64,
+    /// Real seconds per emulated second, the same in every process (absent in records written
+    /// before dilation existed: real time).
+    #[serde(default, skip_serializing_if = "Dilation::is_none")]
+    pub time_dilation: Dilation,
+}
+
+impl ClusterRecord {
+    /// This cluster's clock.
+    pub fn clock(&self) -> ClusterTime {
+        ClusterTime { epoch_unix_ns: self.epoch_unix_ns, dilation: self.time_dilation }
+    }
+}
+
+/// Cluster time read from the wall clock: emulated nanoseconds since the epoch, the wall clock
+/// running `dilation` times faster. For processes that stamp events (the leader, the OpenAI API,
+/// the load generator); workers anchor theirs on the monotonic clock (same mapping).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClusterTime {
+    /// Cluster time 0, Unix nanoseconds.
+    pub epoch_unix_ns: u64,
+    /// Real seconds per emulated second.
+    pub dilation: Dilation,
+}
+
+impl ClusterTime {
+    /// Cluster time now (0 before the epoch).
+    pub fn now(&self) -> Timestamp {
+        self.at_unix_ns(unix_now_ns())
+    }
+
+    /// The cluster time of a Unix instant (0 before the epoch).
+    pub fn at_unix_ns(&self, unix_ns: u64) -> Timestamp {
+        Timestamp(self.dilation.emulated_ns(unix_ns.saturating_sub(self.epoch_unix_ns)))
+    }
+
+    /// The Unix instant (ns) of cluster time `t`.
+    pub fn unix_ns(&self, t: Timestamp) -> u64 {
+        self.epoch_unix_ns.saturating_add(self.dilation.real_ns(t.0))
+    }
+}
+
+/// The wall clock, ns since the Unix epoch (0 if the clock reads before 1970).
+pub fn unix_now_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// A worker's registration, as stored (the gRPC `WorkerInfo` in JSON-friendly form).

@@ -279,3 +279,69 @@ fn up_with_etcd_survives_chaos_seed_12() {
 fn up_with_etcd_survives_chaos_seed_13() {
     survives_chaos(13);
 }
+
+/// Per-request E2E seconds of a run's requests CSV, by id.
+fn e2e_by_id(out: &Path) -> std::collections::BTreeMap<u64, f64> {
+    let text = std::fs::read_to_string(kvfleet_tests::requests_csv(out)).expect("readable");
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().expect("a header").split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no `{name}` column"));
+    let (id, e2e) = (col("id"), col("e2e_s"));
+    lines
+        .map(|l| l.split(',').collect::<Vec<_>>())
+        .filter(|f| !f[e2e].is_empty())
+        .map(|f| (f[id].parse().expect("numeric id"), f[e2e].parse().expect("numeric e2e")))
+        .collect()
+}
+
+/// `--time-dilation 3`: the cluster lives three real seconds per emulated one (the run takes at
+/// least 2.5 × its emulated span), and what it reports is emulated time — each request's E2E
+/// that of the simulator's run of the same config (the fixture's 2-instance FCFS cluster).
+/// Breaking the dilation of the worker clock, of the replay's arrivals or of the reported span
+/// fails it.
+#[test]
+fn up_with_time_dilation_reports_emulated_time() {
+    let tmp = TempDir::new("up-dilation");
+    let config = kvfleet_tests::fixture("parity.toml");
+    let config = config.to_str().expect("utf-8 path");
+    let (sim, emu) = (tmp.join("sim"), tmp.join("emu"));
+    let o =
+        run_kvfleet(["sim", "--config", config, "--requests", "8", "--no-plots", "-q", "--out", sim.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", describe(&o));
+    let started = std::time::Instant::now();
+    let o = run_kvfleet([
+        "up",
+        "--config",
+        config,
+        "--requests",
+        "8",
+        "--no-etcd",
+        "--no-traces",
+        "--kv-memory",
+        "512MiB",
+        "--cpu-memory",
+        "512MiB",
+        "--kv-fill",
+        "stamp",
+        "--time-dilation",
+        "3",
+        "-q",
+        "--out",
+        emu.to_str().unwrap(),
+    ]);
+    let real_s = started.elapsed().as_secs_f64();
+    assert!(o.status.success(), "{}", describe(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("time dilation 3:"), "says it ran dilated: {stdout}");
+    let runs: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(emu.join("results.json")).expect("results.json")).expect("JSON");
+    let span_s = runs[0]["span_s"].as_f64().expect("span_s");
+    assert!(real_s >= 2.5 * span_s, "{real_s:.1} s of real time for {span_s:.1} s emulated at K = 3");
+    let (sim, emu) = (e2e_by_id(&sim), e2e_by_id(&emu));
+    assert_eq!(emu.len(), 8, "every request finished: {emu:?}");
+    let mut errors: Vec<f64> = sim.iter().map(|(id, s)| (emu[id] - s).abs() / s).collect();
+    errors.sort_by(f64::total_cmp);
+    let median = errors[errors.len() / 2];
+    println!("E2E relative errors (sorted): {errors:?}; real {real_s:.1} s, emulated span {span_s:.1} s");
+    assert!(median < 0.10, "median E2E error {:.1} % (sim {sim:?}, emu {emu:?})", 100.0 * median);
+}

@@ -220,7 +220,7 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
     let timing: Arc<dyn TimingModel> =
         Arc::from(timing_select::build(&opts.timing, &shape.model, &shape.gpu, opts.profile_dir.as_deref())?);
     let sched = build_scheduler(&opts.scheduler, &shape.scheduler).map_err(options::OptionsError::Scheduler)?;
-    let clock = clock::ClusterClock::new(opts.epoch_unix_ns)?;
+    let clock = clock::ClusterClock::new(opts.epoch_unix_ns, opts.time_dilation.unwrap_or_default())?;
     let (layout, fill, prefault) = (shape.layout, opts.kv_fill, opts.prefault);
     // Pre-faulting gigabytes takes a while: keep it off the async threads.
     let arena = tokio::task::spawn_blocking(move || arena::KvArena::new(layout, fill, prefault))
@@ -258,6 +258,7 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
         scheduler = %info.scheduler,
         timing = %info.timing,
         epoch_unix_ns = clock.epoch_unix_ns(),
+        time_dilation = %clock.dilation(),
         "worker ready on {local_addr}"
     );
 
@@ -398,9 +399,12 @@ fn start_migrator(
     let quic = QuicTransport::bind(listen, identity, QuicTuning::default())
         .map_err(|e| WorkerError::Migration(format!("--kv-listen {listen}: {e}")))?;
     let transport: Arc<dyn KvTransport> = if opts.link_gbps.is_some() || opts.link_latency_us > 0.0 {
+        // The shaper runs in real time: a dilated cluster's link moves rate ÷ K bytes per real
+        // second, with K × the latency, which is the configured rate and latency in emulated time.
+        let k = clock.dilation();
         let mut p = kvfleet_netmodel::shaping::ShapeParams::fabric_gbps(
-            opts.link_gbps.unwrap_or(f64::INFINITY),
-            kvfleet_core::TimeSpan::from_secs_f64(opts.link_latency_us * 1e-6),
+            k.real_rate(opts.link_gbps.unwrap_or(f64::INFINITY)),
+            kvfleet_core::TimeSpan(k.real_ns(kvfleet_core::TimeSpan::from_secs_f64(opts.link_latency_us * 1e-6).0)),
         );
         if opts.link_gbps.is_none() {
             p.rate_bytes_per_s = None;

@@ -102,6 +102,17 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
         if opts.epoch_unix_ns.is_none() {
             opts.epoch_unix_ns = Some(rec.epoch_unix_ns);
         }
+        match opts.time_dilation {
+            None => opts.time_dilation = Some(rec.time_dilation),
+            Some(ours) if ours != rec.time_dilation => {
+                return Err(kvfleet_worker::options::OptionsError::Invalid {
+                    flag: "time-dilation",
+                    message: format!("{ours}, but the cluster record says {}", rec.time_dilation),
+                }
+                .into())
+            }
+            Some(_) => {}
+        }
     }
     let ttl = Duration::from_millis(cli.registration_ttl_ms);
     // `--instance auto`: the lowest free number, held under the lease the registration will use.

@@ -227,7 +227,7 @@ impl Migrator {
                 return (outcome, report, false);
             }
         };
-        let connect_timeout = std::time::Duration::from_nanos(self.cfg.params.timeout.0);
+        let connect_timeout = self.clock.dilation().real(self.cfg.params.timeout);
         let conn = tokio::time::timeout(connect_timeout, self.transport.connect(target)).await;
         let connected = matches!(conn, Ok(Ok(_)));
         let outcome = match conn {

@@ -5,7 +5,7 @@ use crate::arena::{ArenaLayout, KvFill};
 use kvfleet_core::engine::sched::{DemotionBasis, SchedulerParams, WaitingAdmission};
 use kvfleet_core::engine::{sizing, EngineConfig};
 use kvfleet_core::spec::{GpuSpec, ModelSpec};
-use kvfleet_core::TimeSpan;
+use kvfleet_core::{Dilation, TimeSpan};
 use kvfleet_netmodel::migration::MigrationParams;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -96,6 +96,11 @@ pub struct WorkerOptions {
     /// The cluster epoch as Unix nanoseconds: cluster time 0 (default: this worker's start).
     #[arg(long)]
     pub epoch_unix_ns: Option<u64>,
+    /// Time dilation: one emulated second lasts this many real seconds (iterations, migration
+    /// timers, link rate and latency all stretched; every time this worker reports is emulated).
+    /// Default: the cluster record's (with `--etcd`), else 1 (real time).
+    #[arg(long)]
+    pub time_dilation: Option<Dilation>,
     /// Period of the load reports appended to the event log, in ms.
     #[arg(long, default_value_t = 100)]
     pub load_interval_ms: u64,

@@ -376,12 +376,13 @@ mod tests {
         let rec = ClusterRecord {
             model: kvfleet_meta::layout::ClusterModel { model: "m".into(), kv_bytes_per_token: 2 },
             epoch_unix_ns: 7,
+            time_dilation: kvfleet_core::Dilation::new(2.5).unwrap(),
         };
         mem.put(layout::CLUSTER, &serde_json::to_vec(&rec).unwrap()).await.unwrap();
         // Three failed reads (an etcd restarting as the worker starts): it retries, then reads.
         mem.fail_next_reads(3);
         let got = cluster_record(&mem, "m", 2).await.expect("retried past the failures");
-        assert_eq!(got.epoch_unix_ns, 7);
+        assert_eq!((got.epoch_unix_ns, got.time_dilation.factor()), (7, 2.5));
         mem.fail_next_reads(1);
         assert!(mem.get(layout::CLUSTER).await.is_err(), "the fault is real");
         let e = cluster_record(&mem, "other", 2).await.unwrap_err().to_string();

@@ -7,9 +7,68 @@ use super::procs::{find_etcd, free_port, sibling_binary, EtcdSpec, EtcdTlsFiles,
 use super::replay::LeaderFinder;
 use crate::{say, InputError};
 use anyhow::{bail, Context};
+use kvfleet_core::Dilation;
+use kvfleet_meta::layout::ClusterTime;
 use kvfleet_sim::config::SimConfig;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+/// `--time-dilation`: a factor, or `auto` (measured).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DilationArg {
+    /// This factor.
+    Fixed(Dilation),
+    /// Chosen from this host's measured QUIC goodput and the link to emulate.
+    Auto,
+}
+
+impl std::str::FromStr for DilationArg {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if text.trim() == "auto" {
+            Ok(DilationArg::Auto)
+        } else {
+            text.parse().map(DilationArg::Fixed)
+        }
+    }
+}
+
+/// The share of this host's QUIC goodput that `--time-dilation auto` lets a shaped link use in real
+/// time: a migration between two worker processes moves about half of what the bare transport
+/// does here (`kvfleet bench migration`), and the engines share the cores.
+pub const AUTO_DILATION_SHARE: f64 = 0.4;
+
+/// The dilation `auto` chooses: the least whole K with `link ÷ K ≤ AUTO_DILATION_SHARE × quic`.
+pub fn auto_dilation(link_gbps: f64, quic_gbps: f64) -> Dilation {
+    let k = (link_gbps / (AUTO_DILATION_SHARE * quic_gbps.max(1e-3))).ceil();
+    Dilation::new(k.clamp(1.0, Dilation::MAX)).unwrap_or(Dilation::NONE)
+}
+
+impl DilationArg {
+    /// The factor to run at; `auto` measures this host's QUIC goodput between two processes
+    /// (files under `out/dilation`) and says what it chose.
+    pub fn resolve(self, link_gbps: Option<f64>, out: &Path) -> anyhow::Result<Dilation> {
+        match self {
+            DilationArg::Fixed(d) => Ok(d),
+            DilationArg::Auto => {
+                let Some(link) = link_gbps else {
+                    return Err(InputError(
+                        "--time-dilation auto needs --link-gbps (the fabric rate to emulate)".into(),
+                    )
+                    .into());
+                };
+                let quic = crate::bench_migration::quic_goodput_gbps(&out.join("dilation"), 512 << 20, 4)?;
+                let d = auto_dilation(link, quic);
+                say!(
+                    "time dilation: this host's QUIC carries {quic:.2} Gbit/s between two processes; to emulate \
+                     {link} Gbit/s links K = {d} (links shaped to {:.2} Gbit/s of real time)",
+                    link / d.factor()
+                );
+                Ok(d)
+            }
+        }
+    }
+}
 
 /// Each worker's real memory, as `kvfleet up` and `kvfleet serve` take it.
 #[derive(clap::Args)]
@@ -65,8 +124,8 @@ pub struct ClusterSpec<'a> {
     /// The key every coordinator's `/v1/*` HTTP routes require (passed as `KVFLEET_API_KEY`, not
     /// in argv); `None`: none (an inherited `KVFLEET_API_KEY` is removed).
     pub api_key: Option<&'a str>,
-    /// The cluster clock's origin, Unix ns.
-    pub epoch_unix_ns: u64,
+    /// The cluster clock: origin (Unix ns) and time dilation.
+    pub clock: ClusterTime,
     /// Children in process groups of their own (`kvfleet serve` stops them itself on Ctrl-C).
     pub own_groups: bool,
 }
@@ -228,7 +287,7 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
     let worker_bin = sibling_binary("kvfleet-worker")?;
     let logs = args.out.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
-    let epoch_unix_ns = args.epoch_unix_ns;
+    let epoch_unix_ns = args.clock.epoch_unix_ns;
     if let Some(note) = capacity_note(args)? {
         say!("{note}");
     }
@@ -301,6 +360,8 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             serde_name(&args.cfg.scheduler.instance.alg2_tie_break),
             "--epoch-unix-ns".into(),
             epoch_unix_ns.to_string(),
+            "--time-dilation".into(),
+            args.clock.dilation.to_string(),
         ];
         if args.cfg.scheduler.instance.demand_aware_memory {
             a.push("--demand-aware-memory".into());
@@ -369,6 +430,8 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             args.kv_fill.to_string(),
             "--epoch-unix-ns".into(),
             epoch_unix_ns.to_string(),
+            "--time-dilation".into(),
+            args.clock.dilation.to_string(),
             "--load-interval-ms".into(),
             "20".into(),
             // The live-migration knobs of the config's `[migration]`, as the simulator uses them.
@@ -455,5 +518,24 @@ fn serde_name<T: serde::Serialize>(value: &T) -> String {
     match serde_json::to_value(value) {
         Ok(serde_json::Value::String(s)) => s,
         other => other.map(|v| v.to_string()).unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_dilation_keeps_the_shaped_link_under_the_transport() {
+        // 100 Gbit/s on a host whose QUIC does 10: 100 / (0.4 × 10) = 25.
+        assert_eq!(auto_dilation(100.0, 10.0).factor(), 25.0);
+        // A link the host carries as it is: real time.
+        assert_eq!(auto_dilation(2.0, 10.0).factor(), 1.0);
+        // Rounded up to a whole factor, never past the largest.
+        assert_eq!(auto_dilation(400.0, 21.0).factor(), 48.0);
+        assert_eq!(auto_dilation(1e9, 0.0).factor(), Dilation::MAX);
+        assert_eq!("auto".parse::<DilationArg>().unwrap(), DilationArg::Auto);
+        assert_eq!("3".parse::<DilationArg>().unwrap(), DilationArg::Fixed(Dilation::new(3.0).unwrap()));
+        assert!("0.5".parse::<DilationArg>().is_err());
     }
 }

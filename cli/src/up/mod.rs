@@ -16,6 +16,8 @@ use anyhow::bail;
 use clap::Args;
 use cluster::{Cluster, ClusterSpec, Started};
 use indicatif::{ProgressBar, ProgressStyle};
+use kvfleet_core::TimeSpan;
+use kvfleet_meta::layout::ClusterTime;
 use kvfleet_sim::config::{resolve_policy, SimConfig};
 use replay::{replay, schedule, GiveUp, ReplayStats};
 use std::path::{Path, PathBuf};
@@ -63,6 +65,13 @@ pub struct UpArgs {
     /// Added one-way latency on every worker's outgoing migration links, µs.
     #[arg(long, default_value_t = 0.0)]
     link_latency_us: f64,
+    /// Time dilation K: every emulated duration (GPU iterations, migration links and timers,
+    /// the workload's arrivals) lasts K times longer in real time, and every reported figure is
+    /// in emulated time, so this host can emulate a fabric faster than its transport (shaped to
+    /// rate ÷ K). `auto`: measure this host's QUIC goodput and choose K so that `--link-gbps`
+    /// ÷ K stays well below it (printed).
+    #[arg(long, default_value = "1")]
+    time_dilation: cluster::DilationArg,
     /// Do not pre-fault the workers' KV arenas (faster start-up; the first touch of each page then
     /// lands inside the engine loop and shows up as timer lateness of up to hundreds of ms).
     #[arg(long)]
@@ -172,8 +181,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     let mut requests =
         kvfleet_core::workload::generate(&workload, &base_dir).map_err(|e| InputError(format!("workload: {e}")))?;
 
+    let dilation = args.time_dilation.resolve(args.link_gbps, &args.out)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let epoch_unix_ns = replay::unix_now_ns();
+    let clock = ClusterTime { epoch_unix_ns: replay::unix_now_ns(), dilation };
     let mut cluster = Cluster::default();
     let result = (|| -> anyhow::Result<()> {
         let spec = ClusterSpec {
@@ -195,7 +205,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             no_prefault: args.no_prefault,
             http_listen: None,
             api_key: None,
-            epoch_unix_ns,
+            clock,
             own_groups: false,
         };
         // Faults: the single ones asked for, and a seeded schedule.
@@ -220,7 +230,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         }
         let Started { finder, metric_pages, etcd_url, etcd_options, logs } = cluster::start(&spec, &rt, &mut cluster)?;
         // Replay.
-        schedule(&mut requests, epoch_unix_ns, Duration::from_millis(300));
+        schedule(&mut requests, clock, Duration::from_millis(300));
         let total = requests.len() as u64;
         let stats = Arc::new(ReplayStats::default());
         let bar = if args.quiet { ProgressBar::hidden() } else { ProgressBar::new(total) };
@@ -230,14 +240,15 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         );
         let started = Instant::now();
         let give_up = GiveUp::default();
-        let mut stall = StallWatch::new(Duration::from_secs_f64(args.stall_timeout_s));
+        // Given in emulated seconds, like every other time of a dilated run.
+        let mut stall = StallWatch::new(dilation.real(TimeSpan::from_secs_f64(args.stall_timeout_s)));
         let (records, chaos_log) = rt.block_on(async {
             let replay_task = tokio::spawn(replay(
                 finder.clone(),
                 requests.clone(),
-                epoch_unix_ns,
+                clock,
                 stats.clone(),
-                Duration::from_secs(30),
+                dilation.real(TimeSpan::from_secs_f64(30.0)),
                 give_up.clone(),
             ));
             let mut chaos = chaos::Chaos::new(faults.clone());
@@ -269,6 +280,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         });
         bar.finish_and_clear();
         let wall = started.elapsed().as_secs_f64();
+        // The run's span as the cluster lived it: what every other reported time is in.
+        let span = dilation.emulated(started.elapsed()).as_secs_f64();
         let (ok, failed) = replay::partition(records);
         // The leader's record of live migrations (each source's measurements).
         let live_log =
@@ -289,7 +302,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             ok.clone(),
             migrations,
             &cfg.slo,
-            wall,
+            span,
         );
         say!("{}", report::summary_table(std::slice::from_ref(&run)));
         let rejected = ok.iter().filter(|r| r.rejected).count();
@@ -300,11 +313,16 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             total,
             rejected,
             failed.len(),
-            wall,
+            span,
             migrated,
             stats.resumed.load(Ordering::Relaxed),
             stats.retries.load(Ordering::Relaxed)
         );
+        if !dilation.is_none() {
+            say!(
+                "time dilation {dilation}: {wall:.1} s of real time emulated {span:.1} s; every time above is emulated"
+            );
+        }
         say!("{}", live::table(&live_log).trim_end());
         if !live_log.is_empty() {
             live::write_csv(&args.out.join("live-migrations.csv"), &live_log)?;

@@ -5,11 +5,13 @@
 
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::{RequestSpec, Timestamp};
+pub use kvfleet_meta::layout::unix_now_ns;
+use kvfleet_meta::layout::ClusterTime;
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::coordinator_client::CoordinatorClient;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 use tokio::sync::{oneshot, watch};
 use tonic::transport::Channel;
 use tonic::Code;
@@ -93,11 +95,30 @@ pub struct LeaderFinder {
     coordinators: Vec<String>,
     /// The client's cluster certificate (mutual TLS), or `None` for a plain-text cluster.
     tls: Option<kvfleet_pki::NodeIdentity>,
+    /// The leader last found, shared by every clone: requests reuse its channel (one HTTP/2
+    /// connection) instead of asking two `Status`es on fresh mutual-TLS channels each, which cost
+    /// a request tens of milliseconds between its arrival and its placement.
+    known: Arc<Mutex<Option<CoordinatorClient<Channel>>>>,
 }
 
 impl LeaderFinder {
     pub fn new(coordinators: Vec<String>, tls: Option<kvfleet_pki::NodeIdentity>) -> Self {
-        LeaderFinder { coordinators, tls }
+        LeaderFinder { coordinators, tls, known: Arc::default() }
+    }
+
+    /// The leader's client: the one last found while it serves, else found afresh.
+    pub async fn client(&self, deadline: Duration) -> Result<CoordinatorClient<Channel>, tonic::Status> {
+        if let Some(c) = self.known.lock().expect("leader cache lock").clone() {
+            return Ok(c);
+        }
+        let (c, _) = self.leader(deadline).await?;
+        *self.known.lock().expect("leader cache lock") = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Forget the leader last found (it failed a call: it may be dead, paused or deposed).
+    pub fn forget(&self) {
+        *self.known.lock().expect("leader cache lock") = None;
     }
 
     fn channel(&self, addr: &str) -> Result<Channel, tonic::Status> {
@@ -138,10 +159,6 @@ impl LeaderFinder {
     }
 }
 
-pub fn unix_now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-}
-
 /// Run one request to its final record. `spec.arrival` is on the cluster clock. `placed` fires
 /// once the leader has placed it (or the first attempt failed).
 async fn run_request(
@@ -166,8 +183,8 @@ async fn run_request(
             p.phase = "finding the leader";
             p.attempts = attempts;
         });
-        let (mut client, _) =
-            finder.leader(failover_wait).await.map_err(|e| format!("request {}: no leader: {e}", spec.id.0))?;
+        let mut client =
+            finder.client(failover_wait).await.map_err(|e| format!("request {}: no leader: {e}", spec.id.0))?;
         let stream = if submitted {
             stats.resumed.fetch_add(1, Ordering::Relaxed);
             client.resume(v1::ResumeRequest { request_id: spec.id.0 }).await
@@ -176,6 +193,7 @@ async fn run_request(
         };
         if stream.is_err() {
             tell(&mut placed);
+            finder.forget();
         }
         let mut stream = match stream {
             Ok(s) => s.into_inner(),
@@ -229,6 +247,7 @@ async fn run_request(
                 },
                 // The leader went away mid-stream: find the new one and resume.
                 Ok(None) | Err(_) => {
+                    finder.forget();
                     submitted = true;
                     stats.retries.fetch_add(1, Ordering::Relaxed);
                     break;
@@ -258,7 +277,7 @@ pub fn partition(results: Vec<Result<RequestRecord, String>>) -> (Vec<RequestRec
     (ok, failed)
 }
 
-/// Submit every request at `epoch + arrival` (cluster clock) and wait for all records, or until
+/// Submit every request at its arrival on the cluster clock and wait for all records, or until
 /// `give_up` fires: every request still running then ends with an error naming where it was.
 ///
 /// Requests reach the leader in arrival order: a dispatcher releases each at its arrival time,
@@ -268,7 +287,7 @@ pub fn partition(results: Vec<Result<RequestRecord, String>>) -> (Vec<RequestRec
 pub async fn replay(
     finder: LeaderFinder,
     requests: Vec<RequestSpec>,
-    epoch_unix_ns: u64,
+    clock: ClusterTime,
     stats: Arc<ReplayStats>,
     failover_wait: Duration,
     give_up: GiveUp,
@@ -306,7 +325,7 @@ pub async fn replay(
     // The dispatcher: each request at its arrival time, once the one before it was placed.
     let dispatcher = tokio::spawn(async move {
         for (arrival, _, i) in order {
-            let due_unix = epoch_unix_ns + arrival.0;
+            let due_unix = clock.unix_ns(arrival);
             let now = unix_now_ns();
             if due_unix > now {
                 tokio::time::sleep(Duration::from_nanos(due_unix - now)).await;
@@ -329,15 +348,25 @@ pub async fn replay(
     out
 }
 
-/// The longest a request waits for the one before it to be placed: above a placement's usual
-/// latency here (each request finds the leader afresh: two `Status` calls and a `Submit`, each on a
-/// new mutual-TLS channel); during a leader election or an etcd outage requests then go out this
-/// far apart.
+/// The longest a request waits for the one before it to be placed: well above a placement's usual
+/// latency (a `Submit` on the leader's open channel; after a failure, two `Status` calls on new
+/// mutual-TLS channels first); during a leader election or an etcd outage requests then go out
+/// this far apart.
 pub const ORDER_WAIT: Duration = Duration::from_millis(250);
 
-/// Shift a workload (arrivals from 0) to start `lead` after now, on the cluster clock.
-pub fn schedule(requests: &mut [RequestSpec], epoch_unix_ns: u64, lead: Duration) {
-    let start = unix_now_ns().saturating_sub(epoch_unix_ns) + lead.as_nanos() as u64;
+/// The cluster clock a leader's status names (a leader from before time dilation: real time).
+pub fn status_clock(status: &v1::ClusterStatus) -> Result<ClusterTime, kvfleet_core::time::DilationError> {
+    let dilation = match status.time_dilation {
+        0.0 => kvfleet_core::Dilation::NONE,
+        k => kvfleet_core::Dilation::new(k)?,
+    };
+    Ok(ClusterTime { epoch_unix_ns: status.epoch_unix_ns, dilation })
+}
+
+/// Shift a workload (arrivals from 0) to start `lead` (real time) after now, on the cluster clock.
+pub fn schedule(requests: &mut [RequestSpec], clock: ClusterTime, lead: Duration) {
+    let start = clock.now() + clock.dilation.emulated(lead);
+    let start = start.0;
     for r in requests {
         r.arrival = Timestamp(start + r.arrival.0);
     }
@@ -365,7 +394,7 @@ mod tests {
         // (a closed port: the client keeps looking for a leader).
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
         let finder = LeaderFinder::new(vec![format!("http://{closed}")], None);
-        let epoch = unix_now_ns();
+        let epoch = ClusterTime { epoch_unix_ns: unix_now_ns(), dilation: kvfleet_core::Dilation::NONE };
         let requests = vec![spec(0, 3_600_000_000_000), spec(1, 0)];
         let give_up = GiveUp::default();
         let stats = Arc::new(ReplayStats::default());
