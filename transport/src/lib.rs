@@ -61,7 +61,7 @@ pub use quic::{
     quinn_client_config, quinn_configs, route_udp_payload, CongestionControl, QuicConnection, QuicTransport,
     QuicTuning, KV_ALPN, MAX_UDP_PAYLOAD, STREAM_ABANDONED,
 };
-pub use shaped::{Shaped, ShapedConnection, ShapedLink, ShapedWriter};
+pub use shaped::{Shaped, ShapedConnection, ShapedLink, ShapedReader, ShapedWriter};
 
 /// A boxed, sendable future (what the object-safe traits return).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -1,13 +1,16 @@
-//! Link shaping over any transport: a per-link rate limit and an added one-way latency.
+//! Link shaping over any transport: a NIC's rate limit, in and out, and an added one-way latency.
 //!
-//! [`Shaped`] wraps a [`KvTransport`]; each of its connections is one *link* with one
-//! [`TokenBucket`] (`kvfleet_netmodel::shaping`) shared by all its streams, so parallel data
-//! streams together get the link's rate, as on a real NIC. Every stream's writer is a
-//! [`ShapedWriter`]: it waits until the bucket lets its bytes leave, then hands them to a delay
-//! line that delivers them `latency` later. The latency is therefore paid once per byte, not once
-//! per write: a long transfer runs at the full rate, shifted by the latency.
+//! [`Shaped`] wraps a [`KvTransport`] as one full-duplex NIC, the simulator's fabric model
+//! (`kvfleet_netmodel::link`): every connection's writes share one egress [`TokenBucket`]
+//! (`kvfleet_netmodel::shaping`) and every connection's reads one ingress bucket of the same rate,
+//! so a worker sending two migrations at once gives each half its rate, and a worker receiving two
+//! gives each half its rate too. Every stream's writer is a [`ShapedWriter`]: it waits until the
+//! egress bucket lets its bytes leave, then hands them to a delay line that delivers them
+//! `latency` later. The latency is therefore paid once per byte, not once per write: a long
+//! transfer runs at the full rate, shifted by the latency. Every stream's reader is a
+//! [`ShapedReader`]: it takes bytes in only as fast as the ingress bucket allows (the sender's
+//! flow control then slows it down).
 //!
-//! Only writes are shaped (each side shapes what it sends); wrap both ends for both directions.
 //! Shaping can only slow a link down: on a host slower than the emulated fabric, the host's own
 //! speed is the limit.
 
@@ -23,7 +26,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
-use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, Sleep};
 
@@ -116,23 +119,120 @@ enum Output<W> {
     Delayed(DelayLine),
 }
 
+/// Bytes paid for on a [`ShapedLink`], as one stream draws them: a reservation of at most
+/// [`MAX_RESERVATION_BYTES`] at a time, so concurrent streams of a link interleave.
+struct Credit {
+    link: Arc<ShapedLink>,
+    /// Bytes paid for whose time has come.
+    paid: usize,
+    /// A reservation waiting for its time, and its size.
+    waiting: Option<(Pin<Box<Sleep>>, usize)>,
+}
+
+impl Credit {
+    fn new(link: Arc<ShapedLink>) -> Credit {
+        Credit { link, paid: 0, waiting: None }
+    }
+
+    /// Wait until at least one byte of `want` is paid for; returns how many (at most `want`).
+    fn poll(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<usize> {
+        if self.paid == 0 {
+            if self.waiting.is_none() {
+                let n = want.min(MAX_RESERVATION_BYTES);
+                let leave = self.link.reserve(n);
+                if leave <= Instant::now() {
+                    self.paid = n;
+                } else {
+                    self.waiting = Some((Box::pin(tokio::time::sleep_until(leave)), n));
+                }
+            }
+            if let Some((sleep, n)) = self.waiting.as_mut() {
+                ready!(sleep.as_mut().poll(cx));
+                self.paid = *n;
+                self.waiting = None;
+            }
+        }
+        Poll::Ready(self.paid.min(want))
+    }
+
+    fn spend(&mut self, n: usize) {
+        self.paid -= n;
+    }
+}
+
+/// A reader limited by a [`ShapedLink`]'s rate (a NIC's ingress). It pays after reading: each read
+/// takes what has arrived (at most [`MAX_RESERVATION_BYTES`]) and reserves that many bytes on the
+/// link, and the next read waits until they have passed. Paying ahead instead would leave link
+/// time reserved by a stream with nothing to read while another's bytes wait (QUIC's shared
+/// connection window then stalls both): measured, three migrations into one worker moved 20–30 %
+/// below the shared rate.
+pub struct ShapedReader<R> {
+    link: Arc<ShapedLink>,
+    /// Until when the bytes read last occupy the link.
+    debt: Option<Pin<Box<Sleep>>>,
+    inner: R,
+}
+
+impl<R> std::fmt::Debug for ShapedReader<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShapedReader").field("link", &self.link).finish_non_exhaustive()
+    }
+}
+
+impl<R> ShapedReader<R> {
+    /// Shape `inner` by `link` (shared with the link's other streams).
+    pub fn new(inner: R, link: Arc<ShapedLink>) -> ShapedReader<R> {
+        ShapedReader { link, debt: None, inner }
+    }
+}
+
+impl<R: AsyncRead + Unpin> AsyncRead for ShapedReader<R> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if let Some(debt) = this.debt.as_mut() {
+            ready!(debt.as_mut().poll(cx));
+            this.debt = None;
+        }
+        if buf.remaining() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        let n = buf.remaining().min(MAX_RESERVATION_BYTES);
+        let mut limited = buf.take(n);
+        ready!(Pin::new(&mut this.inner).poll_read(cx, &mut limited))?;
+        let read = limited.filled().len();
+        // SAFETY: `take` lent `inner` the first `n` bytes of `buf`'s unfilled memory and `read` of
+        // them are now initialised (tokio's own `Take` reader does the same).
+        unsafe { buf.assume_init(read) };
+        buf.advance(read);
+        if read > 0 {
+            let until = this.link.reserve(read);
+            if until > Instant::now() {
+                this.debt = Some(Box::pin(tokio::time::sleep_until(until)));
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// Shaped reads copy (shaping emulates a slower link, where the copy does not matter).
+impl<R: AsyncRead + Send + Unpin> crate::RecvHalf for ShapedReader<R> {}
+
 /// A writer limited by a [`ShapedLink`]'s rate and delayed by its latency.
 ///
 /// With a latency, written bytes are copied into a delay line (a task) and
 /// `flush`/`shutdown` complete once everything before them has been delivered to the inner
 /// writer; a write error there surfaces on the next operation. Needs a tokio runtime.
 pub struct ShapedWriter<W> {
-    link: Arc<ShapedLink>,
-    /// Bytes paid for whose departure time has come.
-    credit: usize,
-    /// A reservation waiting for its departure time, and its size.
-    waiting: Option<(Pin<Box<Sleep>>, usize)>,
+    credit: Credit,
     out: Output<W>,
 }
 
 impl<W> std::fmt::Debug for ShapedWriter<W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShapedWriter").field("link", &self.link).field("credit", &self.credit).finish_non_exhaustive()
+        f.debug_struct("ShapedWriter")
+            .field("link", &self.credit.link)
+            .field("credit", &self.credit.paid)
+            .finish_non_exhaustive()
     }
 }
 
@@ -151,28 +251,7 @@ impl<W: AsyncWrite + Send + Unpin + 'static> ShapedWriter<W> {
             tokio::spawn(run_delay_line(inner, rx, failure.clone()));
             Output::Delayed(DelayLine { tx, permit: None, op: None, failure })
         };
-        ShapedWriter { link, credit: 0, waiting: None, out }
-    }
-
-    /// Wait until at least one byte of `want` is paid for and may leave; returns how many.
-    fn poll_credit(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<usize> {
-        if self.credit == 0 {
-            if self.waiting.is_none() {
-                let n = want.min(MAX_RESERVATION_BYTES);
-                let leave = self.link.reserve(n);
-                if leave <= Instant::now() {
-                    self.credit = n;
-                } else {
-                    self.waiting = Some((Box::pin(tokio::time::sleep_until(leave)), n));
-                }
-            }
-            if let Some((sleep, n)) = self.waiting.as_mut() {
-                ready!(sleep.as_mut().poll(cx));
-                self.credit = *n;
-                self.waiting = None;
-            }
-        }
-        Poll::Ready(self.credit.min(want))
+        ShapedWriter { credit: Credit::new(link), out }
     }
 }
 
@@ -189,7 +268,7 @@ impl<W: AsyncWrite + Send + Unpin + 'static> AsyncWrite for ShapedWriter<W> {
                 Output::Delayed(_) => Poll::Ready(Ok(0)),
             };
         }
-        let n = ready!(this.poll_credit(cx, buf.len()));
+        let n = ready!(this.credit.poll(cx, buf.len()));
         let written = match &mut this.out {
             Output::Direct(w) => ready!(Pin::new(w).poll_write(cx, &buf[..n]))?,
             Output::Delayed(line) => {
@@ -198,11 +277,11 @@ impl<W: AsyncWrite + Send + Unpin + 'static> AsyncWrite for ShapedWriter<W> {
                 let permit = ready!(permit.as_mut().poll(cx));
                 line.permit = None;
                 let permit = permit.map_err(|_| line_gone(&line.failure))?;
-                permit.send(Cmd::Data(Instant::now() + this.link.latency, Bytes::copy_from_slice(&buf[..n])));
+                permit.send(Cmd::Data(Instant::now() + this.credit.link.latency, Bytes::copy_from_slice(&buf[..n])));
                 n
             }
         };
-        this.credit -= written;
+        this.credit.spend(written);
         Poll::Ready(Ok(written))
     }
 
@@ -243,11 +322,17 @@ impl DelayLine {
     }
 }
 
-/// A transport whose connections are shaped links (see the module docs).
+/// A transport shaped as one NIC: its connections share the egress and ingress rate (see the
+/// module docs).
 pub struct Shaped<T> {
     inner: T,
     params: ShapeParams,
-    /// The shaped wrapper of each pooled outbound connection, so reuse keeps the link's bucket.
+    /// The NIC's sending side: every connection's writers draw on it.
+    egress: Arc<ShapedLink>,
+    /// The NIC's receiving side (rate only, the latency is paid on the way out): every
+    /// connection's readers draw on it. `None` without a rate.
+    ingress: Option<Arc<ShapedLink>>,
+    /// The shaped wrapper of each pooled outbound connection, so reuse keeps its streams' wrappers.
     links: Mutex<HashMap<SocketAddr, Arc<ShapedConnection>>>,
 }
 
@@ -261,7 +346,12 @@ impl<T: KvTransport> Shaped<T> {
     /// Shape every connection of `inner` by `params` (validated).
     pub fn new(inner: T, params: ShapeParams) -> Result<Shaped<T>, ShapeError> {
         params.validate()?;
-        Ok(Shaped { inner, params, links: Mutex::new(HashMap::new()) })
+        let egress = ShapedLink::new(&params)?;
+        let ingress = match params.rate_bytes_per_s {
+            Some(_) => Some(ShapedLink::new(&ShapeParams { latency: kvfleet_core::TimeSpan::ZERO, ..params.clone() })?),
+            None => None,
+        };
+        Ok(Shaped { inner, params, egress, ingress, links: Mutex::new(HashMap::new()) })
     }
 
     /// The wrapped transport.
@@ -275,9 +365,12 @@ impl<T: KvTransport> Shaped<T> {
     }
 
     fn wrap(&self, inner: Arc<dyn KvConnection>) -> Result<Arc<ShapedConnection>, TransportError> {
-        let link = ShapedLink::new(&self.params)
-            .map_err(|e| TransportError::Config(format!("shaping the link to {}: {e}", inner.peer())))?;
-        Ok(Arc::new(ShapedConnection { inner, link, shape: self.params.is_shaping() }))
+        Ok(Arc::new(ShapedConnection {
+            inner,
+            egress: self.egress.clone(),
+            ingress: self.ingress.clone(),
+            shape: self.params.is_shaping(),
+        }))
     }
 }
 
@@ -313,10 +406,11 @@ impl<T: KvTransport> KvTransport for Shaped<T> {
     }
 }
 
-/// A connection of a [`Shaped`] transport: one link.
+/// A connection of a [`Shaped`] transport: its streams draw on the NIC's buckets.
 pub struct ShapedConnection {
     inner: Arc<dyn KvConnection>,
-    link: Arc<ShapedLink>,
+    egress: Arc<ShapedLink>,
+    ingress: Option<Arc<ShapedLink>>,
     /// False when the parameters shape nothing: streams pass through untouched.
     shape: bool,
 }
@@ -326,7 +420,11 @@ impl ShapedConnection {
         if !self.shape {
             return (w, r);
         }
-        let w: StreamWriter = Box::new(ShapedWriter::new(w, self.link.clone()));
+        let w: StreamWriter = Box::new(ShapedWriter::new(w, self.egress.clone()));
+        let r: crate::StreamReader = match &self.ingress {
+            Some(link) => Box::new(ShapedReader::new(r, link.clone())),
+            None => r,
+        };
         (w, r)
     }
 }

@@ -93,3 +93,41 @@ async fn a_cut_link_fails_the_shaped_writer() {
     assert_lost(&err, "shaped write");
     assert!(shaped.is_closed());
 }
+
+/// One shaped transport is one NIC: two connections to two peers share its egress rate, so 2 ×
+/// 2 MB at 10 MB/s take at least 0.4 s (each connection with a link of its own: 0.2 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_to_two_peers_share_the_nic_s_egress() {
+    let rate = 10e6;
+    let net = MemNetwork::new();
+    let a = Shaped::new(net.bind_any(), ShapeParams { rate_bytes_per_s: Some(rate), ..ShapeParams::default() }).unwrap();
+    let (b, c) = (Arc::new(net.bind_any()), Arc::new(net.bind_any()));
+    let (_sb, _sc) = (spawn_ack_server(b.clone()), spawn_ack_server(c.clone()));
+    let start = Instant::now();
+    tokio::join!(
+        concurrent_streams(&a, b.local_addr(), 1, 2, 1_000_000),
+        concurrent_streams(&a, c.local_addr(), 1, 2, 1_000_000)
+    );
+    let elapsed = start.elapsed().as_secs_f64();
+    assert!(elapsed >= 0.38, "4 MB through one 10 MB/s NIC took {elapsed:.3} s");
+}
+
+/// And its ingress: two unshaped senders into one shaped receiver get its rate together (2 × 2 MB
+/// at 10 MB/s: at least 0.4 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_senders_into_one_shaped_receiver_share_its_ingress() {
+    let rate = 10e6;
+    let net = MemNetwork::new();
+    let b = Arc::new(
+        Shaped::new(net.bind_any(), ShapeParams { rate_bytes_per_s: Some(rate), ..ShapeParams::default() }).unwrap(),
+    );
+    let (a, c) = (net.bind_any(), net.bind_any());
+    let _srv = spawn_ack_server(b.clone());
+    let start = Instant::now();
+    tokio::join!(
+        concurrent_streams(&a, b.local_addr(), 1, 2, 1_000_000),
+        concurrent_streams(&c, b.local_addr(), 1, 2, 1_000_000)
+    );
+    let elapsed = start.elapsed().as_secs_f64();
+    assert!(elapsed >= 0.38, "4 MB into one 10 MB/s NIC took {elapsed:.3} s");
+}
