@@ -184,7 +184,8 @@ pub fn quic_goodput_gbps(dir: &Path, bytes: u64, streams: usize) -> anyhow::Resu
     let ca = ClusterCa::generate("transport goodput")?;
     let files = IdentityFiles::in_dir(dir, "sink");
     ca.issue(Role::Worker, "sink", &[])?.save(&files)?;
-    let client = ca.issue(Role::Coordinator, "sender", &[])?;
+    // The KV port takes worker certificates only: the sender is a worker, as in a migration.
+    let client = ca.issue(Role::Worker, "sender", &[])?;
     let me = std::env::current_exe()?;
     let mut args = vec!["bench".to_string(), "sink".into(), "--kind".into(), "quic".into()];
     args.extend(TlsArgs::files(&files).to_args());
@@ -240,9 +241,11 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
     // CPU both processes spend on the transfer (handshake included), as a share of one core.
     let sink_pid = quic.pid().to_string();
     let cpu_before = (cpu_seconds("self"), cpu_seconds(&sink_pid));
+    // The KV port takes worker certificates only: the sender is a worker, as in a migration.
+    let sender = ca.issue(Role::Worker, "sender", &[])?;
     let quic_r = rt.block_on(bench::quic_send_measured(
         quic_peer,
-        &client,
+        &sender,
         QuicTuning::default(),
         b.bytes,
         b.streams,

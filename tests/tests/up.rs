@@ -345,3 +345,21 @@ fn up_with_time_dilation_reports_emulated_time() {
     println!("E2E relative errors (sorted): {errors:?}; real {real_s:.1} s, emulated span {span_s:.1} s");
     assert!(median < 0.10, "median E2E error {:.1} % (sim {sim:?}, emu {emu:?})", 100.0 * median);
 }
+
+/// `--time-dilation auto` measures this host's QUIC goodput between two processes (a sender with
+/// a worker certificate, which the KV port requires) and says which K it chose for the link.
+#[test]
+fn up_with_time_dilation_auto_measures_the_transport_and_says_its_k() {
+    let tmp = TempDir::new("up-dilation-auto");
+    let out = tmp.join("out");
+    let mut args = base_args(&out, 2, 4);
+    args.extend(["--no-etcd", "--no-traces", "--link-gbps", "2", "--time-dilation", "auto"].map(String::from));
+    let o = run_kvfleet(&args);
+    assert!(o.status.success(), "{}", describe(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let line = stdout.lines().find(|l| l.starts_with("time dilation: this host's QUIC carries")).unwrap_or_else(|| {
+        panic!("no line naming the measured goodput and the K chosen: {stdout}")
+    });
+    assert!(line.contains("to emulate 2 Gbit/s links K = "), "{line}");
+    assert_eq!(summary(&out)["requests_finished"], 4);
+}
