@@ -336,22 +336,8 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
     if b.stop_copy_ms > 0.0 {
         stop_args.extend(["--stop-copy-ms".to_string(), b.stop_copy_ms.to_string()]);
     }
-    let dilation = match b.time_dilation {
-        crate::up::cluster::DilationArg::Fixed(k) => k,
-        crate::up::cluster::DilationArg::Auto => {
-            let Some(link) = b.link_gbps else {
-                return Err(
-                    InputError("--time-dilation auto needs --link-gbps (the fabric rate to emulate)".into()).into()
-                );
-            };
-            let k = crate::up::cluster::auto_dilation(link, quic_g.gbit_per_s());
-            say!(
-                "      time dilation auto: K = {k} (a {link} Gbit/s link shaped to {:.2} Gbit/s of real time)",
-                link / k.factor()
-            );
-            k
-        }
-    };
+    // `auto`: from the goodput just measured in (b).
+    let dilation = b.time_dilation.resolve_with(b.link_gbps, || Ok(quic_g.gbit_per_s()))?;
     if !dilation.is_none() {
         stop_args.extend(["--time-dilation".to_string(), dilation.to_string()]);
         say!("      time dilation {dilation}: every time below is emulated (real time ÷ {dilation})");

@@ -184,10 +184,6 @@ pub async fn serve_http(
     axum::serve(listener, router(node, api_key)).with_graceful_shutdown(shutdown).await
 }
 
-fn unix_now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-}
-
 /// The leader if this coordinator is it; else 503 naming the leader (as gRPC's
 /// `leader_or_redirect` does).
 async fn leader_or_unavailable(node: &Node) -> Result<Arc<Leader>, ApiError> {
@@ -290,7 +286,7 @@ async fn complete(
     leader.submit(spec, tx).await?;
     // From here on a client that goes away (this future dropped, the stream closed) cancels it.
     let guard = CancelOnDrop { leader: Some(leader), id: RequestId(id) };
-    let meta = ResponseMeta::new(endpoint, id, unix_now_ns() / 1_000_000_000, &req.model);
+    let meta = ResponseMeta::new(endpoint, id, keys::unix_now_ns() / 1_000_000_000, &req.model);
     tracing::debug!(request = id, ?endpoint, stream = req.stream, "HTTP request accepted");
     if req.stream {
         let (out, events) = mpsc::channel::<Result<Event, Infallible>>(256);

@@ -357,9 +357,10 @@ fn up_with_time_dilation_auto_measures_the_transport_and_says_its_k() {
     let o = run_kvfleet(&args);
     assert!(o.status.success(), "{}", describe(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
-    let line = stdout.lines().find(|l| l.starts_with("time dilation: this host's QUIC carries")).unwrap_or_else(|| {
-        panic!("no line naming the measured goodput and the K chosen: {stdout}")
-    });
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("time dilation: this host's QUIC carries"))
+        .unwrap_or_else(|| panic!("no line naming the measured goodput and the K chosen: {stdout}"));
     assert!(line.contains("to emulate 2 Gbit/s links K = "), "{line}");
     assert_eq!(summary(&out)["requests_finished"], 4);
 }

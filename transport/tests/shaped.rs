@@ -100,7 +100,8 @@ async fn a_cut_link_fails_the_shaped_writer() {
 async fn connections_to_two_peers_share_the_nic_s_egress() {
     let rate = 10e6;
     let net = MemNetwork::new();
-    let a = Shaped::new(net.bind_any(), ShapeParams { rate_bytes_per_s: Some(rate), ..ShapeParams::default() }).unwrap();
+    let a =
+        Shaped::new(net.bind_any(), ShapeParams { rate_bytes_per_s: Some(rate), ..ShapeParams::default() }).unwrap();
     let (b, c) = (Arc::new(net.bind_any()), Arc::new(net.bind_any()));
     let (_sb, _sc) = (spawn_ack_server(b.clone()), spawn_ack_server(c.clone()));
     let start = Instant::now();

@@ -48,6 +48,16 @@ impl DilationArg {
     /// The factor to run at; `auto` measures this host's QUIC goodput between two processes
     /// (files under `out/dilation`) and says what it chose.
     pub fn resolve(self, link_gbps: Option<f64>, out: &Path) -> anyhow::Result<Dilation> {
+        self.resolve_with(link_gbps, || crate::bench_migration::quic_goodput_gbps(&out.join("dilation"), 512 << 20, 4))
+    }
+
+    /// The factor to run at; `auto` asks `quic_gbps` for this host's QUIC goodput (Gbit/s) and
+    /// says what it chose for the link.
+    pub fn resolve_with(
+        self,
+        link_gbps: Option<f64>,
+        quic_gbps: impl FnOnce() -> anyhow::Result<f64>,
+    ) -> anyhow::Result<Dilation> {
         match self {
             DilationArg::Fixed(d) => Ok(d),
             DilationArg::Auto => {
@@ -57,7 +67,7 @@ impl DilationArg {
                     )
                     .into());
                 };
-                let quic = crate::bench_migration::quic_goodput_gbps(&out.join("dilation"), 512 << 20, 4)?;
+                let quic = quic_gbps()?;
                 let d = auto_dilation(link, quic);
                 say!(
                     "time dilation: this host's QUIC carries {quic:.2} Gbit/s between two processes; to emulate \
