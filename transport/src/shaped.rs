@@ -91,12 +91,12 @@ fn line_gone(failure: &Failure) -> io::Error {
     }
 }
 
-async fn run_delay_line<W: AsyncWrite + Unpin>(mut inner: W, mut rx: mpsc::Receiver<Cmd>, failure: Failure) {
+async fn run_delay_line<W: crate::SendHalf>(mut inner: W, mut rx: mpsc::Receiver<Cmd>, failure: Failure) {
     while let Some(cmd) = rx.recv().await {
         match cmd {
             Cmd::Data(at, bytes) => {
                 tokio::time::sleep_until(at).await;
-                if let Err(e) = inner.write_all(&bytes).await {
+                if let Err(e) = inner.write_chunk(bytes).await {
                     *lock(&failure) = Some((e.kind(), e.to_string()));
                     // Dropping `rx` makes the writer's next operation fail with that error.
                     return;
@@ -204,18 +204,42 @@ impl<R: AsyncRead + Unpin> AsyncRead for ShapedReader<R> {
         // them are now initialised (tokio's own `Take` reader does the same).
         unsafe { buf.assume_init(read) };
         buf.advance(read);
-        if read > 0 {
-            let until = this.link.reserve(read);
-            if until > Instant::now() {
-                this.debt = Some(Box::pin(tokio::time::sleep_until(until)));
-            }
-        }
+        this.charge(read);
         Poll::Ready(Ok(()))
     }
 }
 
-/// Shaped reads copy (shaping emulates a slower link, where the copy does not matter).
-impl<R: AsyncRead + Send + Unpin> crate::RecvHalf for ShapedReader<R> {}
+impl<R> ShapedReader<R> {
+    /// Wait until the bytes read last have passed the link.
+    async fn pay_debt(&mut self) {
+        if let Some(debt) = self.debt.take() {
+            debt.await;
+        }
+    }
+
+    /// Charge `read` bytes just taken in to the link.
+    fn charge(&mut self, read: usize) {
+        if read > 0 {
+            let until = self.link.reserve(read);
+            if until > Instant::now() {
+                self.debt = Some(Box::pin(tokio::time::sleep_until(until)));
+            }
+        }
+    }
+}
+
+/// Shaped reads hand over the inner stream's own buffers (no copy), paying after each as
+/// `poll_read` does: a receiver's copies would take CPU the emulated link's bytes need.
+impl<R: crate::RecvHalf> crate::RecvHalf for ShapedReader<R> {
+    fn read_chunk(&mut self, max: usize) -> crate::BoxFuture<'_, io::Result<Option<Bytes>>> {
+        Box::pin(async move {
+            self.pay_debt().await;
+            let chunk = self.inner.read_chunk(max.min(MAX_RESERVATION_BYTES)).await?;
+            self.charge(chunk.as_ref().map_or(0, Bytes::len));
+            Ok(chunk)
+        })
+    }
+}
 
 /// A writer limited by a [`ShapedLink`]'s rate and delayed by its latency.
 ///
@@ -236,7 +260,7 @@ impl<W> std::fmt::Debug for ShapedWriter<W> {
     }
 }
 
-impl<W: AsyncWrite + Send + Unpin + 'static> ShapedWriter<W> {
+impl<W: crate::SendHalf + 'static> ShapedWriter<W> {
     /// Shape `inner` by `link` (shared with the link's other streams).
     pub fn new(inner: W, link: Arc<ShapedLink>) -> ShapedWriter<W> {
         let out = if link.latency.is_zero() {
@@ -255,11 +279,29 @@ impl<W: AsyncWrite + Send + Unpin + 'static> ShapedWriter<W> {
     }
 }
 
-/// Shaped writes go through the token bucket in `poll_write` (a copy; shaping emulates a slower
-/// link, where the copy does not matter).
-impl<W: AsyncWrite + Send + Unpin + 'static> crate::SendHalf for ShapedWriter<W> {}
+/// Owned buffers pass through whole (no copy): each piece the bucket lets out goes to the inner
+/// stream's own `write_chunk`, or down the delay line, as a slice of the caller's buffer.
+impl<W: crate::SendHalf + 'static> crate::SendHalf for ShapedWriter<W> {
+    fn write_chunk(&mut self, mut chunk: Bytes) -> crate::BoxFuture<'_, io::Result<()>> {
+        Box::pin(async move {
+            while !chunk.is_empty() {
+                let n = std::future::poll_fn(|cx| self.credit.poll(cx, chunk.len())).await;
+                let piece = chunk.split_to(n);
+                match &mut self.out {
+                    Output::Direct(w) => w.write_chunk(piece).await?,
+                    Output::Delayed(line) => {
+                        let permit = line.tx.clone().reserve_owned().await.map_err(|_| line_gone(&line.failure))?;
+                        permit.send(Cmd::Data(Instant::now() + self.credit.link.latency, piece));
+                    }
+                }
+                self.credit.spend(n);
+            }
+            Ok(())
+        })
+    }
+}
 
-impl<W: AsyncWrite + Send + Unpin + 'static> AsyncWrite for ShapedWriter<W> {
+impl<W: crate::SendHalf + 'static> AsyncWrite for ShapedWriter<W> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let this = &mut *self;
         if buf.is_empty() {
@@ -448,5 +490,110 @@ impl KvConnection for ShapedConnection {
 
     fn is_closed(&self) -> bool {
         self.inner.is_closed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{RecvHalf, SendHalf};
+    use std::collections::VecDeque;
+
+    /// A sink that records the buffers handed to `write_chunk` and counts bytes copied through
+    /// `poll_write`.
+    #[derive(Default, Clone)]
+    struct ChunkSink {
+        chunks: Arc<Mutex<Vec<Bytes>>>,
+        copied: Arc<Mutex<usize>>,
+    }
+
+    impl AsyncWrite for ChunkSink {
+        fn poll_write(self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            *lock(&self.copied) += buf.len();
+            Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    impl SendHalf for ChunkSink {
+        fn write_chunk(&mut self, chunk: Bytes) -> BoxFuture<'_, io::Result<()>> {
+            lock(&self.chunks).push(chunk);
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    /// A source that hands out its queued buffers as they are.
+    struct ChunkSource(VecDeque<Bytes>);
+
+    impl AsyncRead for ChunkSource {
+        fn poll_read(self: Pin<&mut Self>, _: &mut Context<'_>, _: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Err(io::Error::other("read_chunk only")))
+        }
+    }
+
+    impl RecvHalf for ChunkSource {
+        fn read_chunk(&mut self, max: usize) -> BoxFuture<'_, io::Result<Option<Bytes>>> {
+            let next = self.0.front_mut().map(|c| c.split_to(max.min(c.len())));
+            if self.0.front().is_some_and(Bytes::is_empty) {
+                self.0.pop_front();
+            }
+            Box::pin(async move { Ok(next) })
+        }
+    }
+
+    fn link(rate: f64, latency_ms: f64) -> Arc<ShapedLink> {
+        let params = ShapeParams {
+            rate_bytes_per_s: Some(rate),
+            latency: kvfleet_core::TimeSpan::from_millis_f64(latency_ms),
+            burst_bytes: 0,
+        };
+        ShapedLink::new(&params).unwrap()
+    }
+
+    /// Every piece reaching the inner writer lies inside the caller's buffer.
+    fn assert_slices_of(chunks: &[Bytes], block: &Bytes) {
+        let range = block.as_ptr() as usize..block.as_ptr() as usize + block.len();
+        assert!(chunks.iter().all(|c| range.contains(&(c.as_ptr() as usize))), "a piece was copied");
+        assert_eq!(chunks.iter().map(Bytes::len).sum::<usize>(), block.len());
+        assert_eq!(chunks.concat(), block.to_vec());
+    }
+
+    /// A block written whole reaches the inner stream as slices of the caller's buffer, with or
+    /// without a delay line, and at the link's rate (1 MiB at 8 MiB/s: at least 0.125 s).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn owned_writes_pass_through_uncopied_at_the_rate() {
+        for latency_ms in [0.0, 2.0] {
+            let sink = ChunkSink::default();
+            let mut w = ShapedWriter::new(sink.clone(), link(8.0 * 1024.0 * 1024.0, latency_ms));
+            let block = Bytes::from((0..1u32 << 20).map(|i| i as u8).collect::<Vec<u8>>());
+            let start = Instant::now();
+            w.write_chunk(block.clone()).await.unwrap();
+            w.flush().await.unwrap();
+            assert!(start.elapsed() >= Duration::from_millis(124), "latency {latency_ms} ms: {:?}", start.elapsed());
+            assert_slices_of(&lock(&sink.chunks), &block);
+            assert_eq!(*lock(&sink.copied), 0, "latency {latency_ms} ms");
+        }
+    }
+
+    /// Reads hand over the inner stream's buffers and pay for them afterwards: two 100 KB chunks
+    /// at 1 MB/s come back as they were, the second after the first's 0.1 s.
+    #[tokio::test]
+    async fn owned_reads_pass_through_uncopied_and_pay_after() {
+        let chunks: VecDeque<Bytes> = (0..2u8).map(|i| Bytes::from(vec![i; 100_000])).collect();
+        let ptrs: Vec<usize> = chunks.iter().map(|c| c.as_ptr() as usize).collect();
+        let mut r = ShapedReader::new(ChunkSource(chunks), link(1e6, 0.0));
+        let start = Instant::now();
+        let first = r.read_chunk(usize::MAX).await.unwrap().unwrap();
+        assert!(start.elapsed() < Duration::from_millis(50), "the first read pays after");
+        let second = r.read_chunk(usize::MAX).await.unwrap().unwrap();
+        assert!(start.elapsed() >= Duration::from_millis(99), "{:?}", start.elapsed());
+        assert_eq!([first.as_ptr() as usize, second.as_ptr() as usize], [ptrs[0], ptrs[1]]);
+        assert_eq!((first[0], second.len()), (0, 100_000));
+        assert!(r.read_chunk(usize::MAX).await.unwrap().is_none());
     }
 }

@@ -796,7 +796,7 @@ fn proto_record(r: &RequestRecord, rematerialized: bool) -> v1::RequestRecord {
 }
 
 mod live;
-pub(crate) use live::{BlockRead, LiveCommand, PausedOut};
+pub(crate) use live::{LiveCommand, PausedOut};
 
 #[cfg(test)]
 mod tests;

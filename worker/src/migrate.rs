@@ -24,7 +24,7 @@
 //! routes of data streams to their migrations. Spans are built in [`trace`].
 
 use crate::clock::ClusterClock;
-use crate::driver::{BlockRead, Command, DriverError, LiveCommand, PausedOut};
+use crate::driver::{Command, DriverError, LiveCommand, PausedOut};
 use crate::ledger::Refusal;
 use bytes::Bytes;
 use kvfleet_core::{RequestId, Timestamp};
@@ -49,6 +49,8 @@ type Writer = FrameWriter<StreamWriter>;
 type Reader = FrameReader<StreamReader>;
 /// One stage's copy in flight: its writers back, and the stage or why it failed.
 type CopyTask = tokio::task::JoinHandle<(Vec<Writer>, Result<u32, String>)>;
+/// Blocks a data stream's reader keeps ready ahead of its writer.
+const READ_AHEAD_BLOCKS: usize = 2;
 /// A target's inbound data-stream frames, each with its block's data if it arrived apart.
 type DataRoute = mpsc::UnboundedSender<(Frame, Option<Payload>)>;
 
@@ -370,9 +372,12 @@ impl Migrator {
         Ok(out)
     }
 
-    /// Send blocks `blocks` of one stage, block `i` on stream `i % streams`, each stream with one
-    /// block read ahead. Returns the writers and the stage (or why it failed: `read: …` when the
-    /// engine could not hand out a block, anything else for the transport).
+    /// Send blocks `blocks` of one stage, block `i` on stream `i % streams`. Each stream's blocks
+    /// are read from the engine by a task of their own, [`READ_AHEAD_BLOCKS`] ahead of the writer,
+    /// so the link never waits for a read (a shaped link would lose the time for good: its bucket
+    /// keeps only a burst's worth of idle credit). Returns the writers and the stage (or why it
+    /// failed: `read: …` when the engine could not hand out a block, anything else for the
+    /// transport).
     async fn copy_stage(
         self: Arc<Self>,
         id: MigrationId,
@@ -386,17 +391,12 @@ impl Migrator {
         let bs = self.cfg.params.block_size;
         let mut tasks = Vec::new();
         for (k, mut w) in writers.into_iter().enumerate() {
-            let me = self.clone();
-            let range = blocks.clone();
+            let mut read = self.clone().read_ahead(request, (blocks.start + k as u32..blocks.end).step_by(n as usize));
             tasks.push(tokio::spawn(async move {
-                let mut i = range.start + k as u32;
-                while i < range.end {
-                    let read: Result<BlockRead, String> =
-                        me.ask(|reply| LiveCommand::ReadBlocks { request, first: i, count: 1, reply }).await;
-                    let data: Bytes = match read {
-                        Ok(mut r) if !r.blocks.is_empty() => r.blocks.swap_remove(0),
-                        Ok(_) => return (w, Err(format!("read: block {i} is not final yet"))),
-                        Err(e) => return (w, Err(format!("read: {e}"))),
+                while let Some(next) = read.recv().await {
+                    let (i, data) = match next {
+                        Ok(block) => block,
+                        Err(e) => return (w, Err(e)),
                     };
                     // The block's bytes go to the stream whole (no copy into the frame buffer,
                     // none into QUIC's send buffer).
@@ -404,7 +404,6 @@ impl Migrator {
                     if let Err(e) = w.send_with_payload(&head, &BLOCK_DATA_PAYLOAD_PATH, data).await {
                         return (w, Err(format!("send: {e}")));
                     }
-                    i += n;
                 }
                 if let Err(e) = w.flush().await {
                     return (w, Err(format!("send: {e}")));
@@ -426,6 +425,32 @@ impl Migrator {
             }
         }
         (writers, result)
+    }
+
+    /// Read `indices` of `request` from the engine in a task of their own, at most
+    /// [`READ_AHEAD_BLOCKS`] ahead of the receiver; the first failure (`read: …`) ends the
+    /// sequence, and so does dropping the receiver.
+    fn read_ahead(
+        self: Arc<Self>,
+        request: RequestId,
+        indices: impl Iterator<Item = u32> + Send + 'static,
+    ) -> mpsc::Receiver<Result<(u32, Bytes), String>> {
+        let (tx, rx) = mpsc::channel(READ_AHEAD_BLOCKS);
+        tokio::spawn(async move {
+            for i in indices {
+                let read = self.ask(|reply| LiveCommand::ReadBlocks { request, first: i, count: 1, reply }).await;
+                let next = match read {
+                    Ok(mut r) if !r.blocks.is_empty() => Ok((i, r.blocks.swap_remove(0))),
+                    Ok(_) => Err(format!("read: block {i} is not final yet")),
+                    Err(e) => Err(format!("read: {e}")),
+                };
+                let failed = next.is_err();
+                if tx.send(next).await.is_err() || failed {
+                    return;
+                }
+            }
+        });
+        rx
     }
 
     /// The coordinator settled an unknown outcome: free the paused copy (the target runs it) or
