@@ -18,7 +18,9 @@
 use kvfleet_core::kv::{KvMove, Tier};
 use kvfleet_core::RequestId;
 use kvfleet_netmodel::Payload;
+use bytes::Bytes;
 use memmap2::{MmapMut, MmapOptions};
+use std::sync::{Arc, Mutex};
 
 /// Bytes of a token slot written in [`KvFill::Stamp`] mode (one cache line).
 pub const STAMP_BYTES: usize = 64;
@@ -269,6 +271,52 @@ pub struct KvArena {
     cpu: Pool,
     /// Bytes written per token slot (`kv_bytes_per_token`, or the stamp).
     written_per_token: usize,
+    /// Buffers of blocks copied out, back from the transport for the next copy.
+    copies: Recycled,
+}
+
+/// Copies of blocks handed out of the arena (a live migration's source: the transport holds a
+/// block until the peer has it) land in recycled buffers. A fresh allocation of a block's size is
+/// a fresh mapping whose pages the kernel zeroes on first touch: measured, as much CPU as the
+/// copy itself on the source of a migration.
+#[derive(Clone, Default)]
+struct Recycled {
+    free: Arc<Mutex<Vec<Vec<u8>>>>,
+}
+
+/// Buffers [`Recycled`] keeps for reuse (more in flight are freed when they come back): four
+/// data streams with two blocks read ahead each and as many in the transport.
+const RECYCLED_BUFFERS: usize = 16;
+
+/// A block's copy; its buffer goes back to the pool when the last [`Bytes`] of it drops.
+struct RecycledBuf {
+    buf: Vec<u8>,
+    home: Recycled,
+}
+
+impl AsRef<[u8]> for RecycledBuf {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for RecycledBuf {
+    fn drop(&mut self) {
+        let mut free = self.home.free.lock().unwrap_or_else(|e| e.into_inner());
+        if free.len() < RECYCLED_BUFFERS {
+            free.push(std::mem::take(&mut self.buf));
+        }
+    }
+}
+
+impl Recycled {
+    fn copy(&self, src: &[u8]) -> Bytes {
+        let reused = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let mut buf = reused.unwrap_or_default();
+        buf.clear();
+        buf.extend_from_slice(src);
+        Bytes::from_owner(RecycledBuf { buf, home: self.clone() })
+    }
 }
 
 impl std::fmt::Debug for KvArena {
@@ -307,7 +355,7 @@ impl KvArena {
             KvFill::Full => layout.kv_bytes_per_token as usize,
             KvFill::Stamp => STAMP_BYTES.min(layout.kv_bytes_per_token as usize),
         };
-        Ok(KvArena { layout, fill, gpu, cpu, written_per_token })
+        Ok(KvArena { layout, fill, gpu, cpu, written_per_token, copies: Recycled::default() })
     }
 
     /// Shape of the two pools.
@@ -443,9 +491,15 @@ impl KvArena {
         Ok(h.finish())
     }
 
-    /// The bytes of one block (a live migration's source reads whole blocks).
+    /// The bytes of one block.
     pub fn block(&self, tier: Tier, block: u32) -> Result<&[u8], ArenaError> {
         self.block_bytes_of(tier, block)
+    }
+
+    /// A copy of one block that outlives this borrow (a live migration's source hands whole
+    /// blocks to the transport), in a recycled buffer.
+    pub fn copy_out(&self, tier: Tier, block: u32) -> Result<Bytes, ArenaError> {
+        Ok(self.copies.copy(self.block_bytes_of(tier, block)?))
     }
 
     /// Overwrite one block with `data` (a live migration's target landing a received block, from
@@ -631,6 +685,24 @@ mod tests {
         write_block(&mut f, Tier::Gpu, 0, RequestId(1), 0, 2);
         f.verify_stamps(Tier::Gpu, 0, RequestId(1), 0, 2).unwrap();
         assert_eq!(&f.block_bytes_of(Tier::Gpu, 0).unwrap()[..STAMP_BYTES], &bytes[..STAMP_BYTES]);
+    }
+
+    /// A block copied out is the block; once its copy is dropped the next copy reuses the
+    /// buffer (no fresh allocation per block), and at most RECYCLED_BUFFERS wait for reuse.
+    #[test]
+    fn copies_out_are_exact_and_reuse_returned_buffers() {
+        let mut a = small(KvFill::Full);
+        write_block(&mut a, Tier::Gpu, 2, RequestId(5), 0, 4);
+        let first = a.copy_out(Tier::Gpu, 2).unwrap();
+        assert_eq!(&first[..], a.block(Tier::Gpu, 2).unwrap());
+        let ptr = first.as_ptr();
+        drop(first);
+        let second = a.copy_out(Tier::Gpu, 3).unwrap();
+        assert_eq!(second.as_ptr(), ptr, "the returned buffer is reused");
+        assert_eq!(&second[..], a.block(Tier::Gpu, 3).unwrap());
+        let held: Vec<Bytes> = (0..RECYCLED_BUFFERS + 4).map(|_| a.copy_out(Tier::Gpu, 2).unwrap()).collect();
+        drop(held);
+        assert_eq!(a.copies.free.lock().unwrap().len(), RECYCLED_BUFFERS);
     }
 
     #[test]

@@ -246,7 +246,7 @@ impl Driver {
                 .blocks
                 .get(i as usize)
                 .ok_or_else(|| DriverError::Kv { request, message: format!("logical block {i} is not written") })?;
-            blocks.push(Bytes::copy_from_slice(self.arena.block(table.tier, b)?));
+            blocks.push(self.arena.copy_out(table.tier, b)?);
         }
         Ok(BlockRead { kv_tokens: final_tokens, blocks })
     }
