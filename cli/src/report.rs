@@ -237,13 +237,14 @@ fn migration_row(m: &MigrationRecord) -> String {
 
 /// The columns of `live-migrations*.csv`, the simulator's and the emulator's alike.
 pub const LIVE_MIGRATIONS_HEADER: &str =
-    "request,source,target,outcome,kv_tokens,stages,blocks,bytes,total_ms,downtime_ms,goodput_gbps,stage_bytes,abort_reason";
+    "request,source,target,outcome,kv_tokens,stages,blocks,bytes,total_ms,downtime_ms,goodput_gbps,stage_bytes,stage_ms,abort_reason";
 
 /// One row of `live-migrations*.csv` ([`LIVE_MIGRATIONS_HEADER`]), without newline.
 pub fn live_migration_row(m: &MigrationRecord) -> String {
     let stage_bytes: Vec<String> = m.stage_bytes.iter().map(u64::to_string).collect();
+    let stage_ms: Vec<String> = m.stage_times.iter().map(|t| format!("{:.3}", t.as_secs_f64() * 1e3)).collect();
     format!(
-        "{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},\"{}\"",
+        "{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},{},\"{}\"",
         m.request.0,
         m.from.0,
         m.to.0,
@@ -256,6 +257,7 @@ pub fn live_migration_row(m: &MigrationRecord) -> String {
         m.downtime.map_or(0.0, |d| d.as_secs_f64() * 1e3),
         m.goodput_gbps(),
         stage_bytes.join(";"),
+        stage_ms.join(";"),
         m.abort_reason().map(|r| r.replace('"', "'")).unwrap_or_default(),
     )
 }

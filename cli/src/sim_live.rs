@@ -103,6 +103,14 @@ mod tests {
         assert_eq!(rows[0], LIVE_MIGRATIONS_HEADER);
         assert_eq!(rows.len() - 1, runs[0].migrations.len());
         let committed = rows[1..].iter().filter(|r| r.split(',').nth(3) == Some("committed")).count();
+        // Every stage's bytes come with its time, and the stages fit in the migration.
+        for row in rows[1..].iter().filter(|r| r.split(',').nth(3) == Some("committed")) {
+            let cells: Vec<&str> = row.split(',').collect();
+            let ms: Vec<f64> = cells[12].split(';').map(|t| t.parse().unwrap()).collect();
+            assert_eq!(ms.len(), cells[11].split(';').count(), "{row}");
+            assert!(ms.iter().all(|&t| t > 0.0), "{row}");
+            assert!(ms.iter().sum::<f64>() <= cells[8].parse::<f64>().unwrap() + 1e-3, "{row}");
+        }
         assert_eq!(committed as u64, live.committed);
         assert_eq!(table, super::table(&[run("pascal"), run("fcfs")]), "the same run prints the same");
     }

@@ -643,6 +643,7 @@ impl LiveMigration {
             end,
             live_stages: report.live_stages(),
             stage_bytes: sent.iter().map(|s| s.bytes.saturating_mul(scale)).collect(),
+            stage_times: sent.iter().map(|s| s.ended.unwrap_or(s.started).saturating_since(s.started)).collect(),
             blocks: sent.iter().map(|s| u64::from(s.blocks)).sum(),
             kv_tokens_start: Some(report.kv_tokens_start),
             kv_tokens_final: report.kv_tokens_final,

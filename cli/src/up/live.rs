@@ -39,6 +39,7 @@ fn record(m: &MigrationStats) -> MigrationRecord {
         end: Timestamp(m.ended_ns.max(m.started_ns)),
         live_stages: if paused_at.is_some() { stages.saturating_sub(1) } else { stages },
         stage_bytes: m.stage_bytes.clone(),
+        stage_times: m.stage_ns.iter().map(|&ns| TimeSpan(ns)).collect(),
         blocks: m.blocks,
         kv_tokens_start: paused_at.is_none().then_some(m.kv_tokens),
         kv_tokens_final: paused_at.map(|_| m.kv_tokens),
@@ -127,7 +128,7 @@ mod tests {
             downtime_ns: if paused_ns != 0 { 500_000 } else { 0 },
             kv_tokens: 480,
             stage_bytes: vec![bytes / 2, bytes - bytes / 2],
-            stage_ns: vec![1, 2],
+            stage_ns: vec![12_000_000, 7_500_000],
             abort_reason: abort_reason.into(),
             in_doubt: false,
         }
@@ -167,7 +168,7 @@ mod tests {
         let text = std::fs::read_to_string(&path).unwrap();
         let rows: Vec<&str> = text.lines().collect();
         assert_eq!(rows[0], LIVE_MIGRATIONS_HEADER);
-        assert_eq!(rows[1], "7,0,1,committed,480,2,30,134217728,20.000,0.500,53.687,67108864;67108864,\"\"");
-        assert_eq!(rows[2], "7,0,1,aborted,480,2,30,4096,20.000,0.000,0.000,2048;2048,\"timed out 'copying'\"");
+        assert_eq!(rows[1], "7,0,1,committed,480,2,30,134217728,20.000,0.500,53.687,67108864;67108864,12.000;7.500,\"\"");
+        assert_eq!(rows[2], "7,0,1,aborted,480,2,30,4096,20.000,0.000,0.000,2048;2048,12.000;7.500,\"timed out 'copying'\"");
     }
 }

@@ -73,6 +73,11 @@ pub struct MigrationRecord {
     /// Bytes of each copy stage put on the wire, in order: the live stages, then the
     /// stop-and-copy. Its length is the stage count the reports show.
     pub stage_bytes: Vec<u64>,
+    /// Each of those stages' time, in their order: its blocks handed to the transport → the
+    /// target acknowledged them (`StageAck`; `CommitReply` for the stop-and-copy). Empty where a
+    /// log predates it.
+    #[serde(default)]
+    pub stage_times: Vec<TimeSpan>,
     /// KV blocks those stages carried.
     pub blocks: u64,
     /// The request's KV tokens when the migration started; `None` where the backend did not log
