@@ -1,22 +1,22 @@
 //! Link shaping over any transport: a NIC's rate limit, in and out, and an added one-way latency.
 //!
 //! [`Shaped`] wraps a [`KvTransport`] as one full-duplex NIC, the simulator's fabric model
-//! (`kvfleet_netmodel::link`): every connection's writes share one egress [`TokenBucket`]
-//! (`kvfleet_netmodel::shaping`) and every connection's reads one ingress bucket of the same rate,
-//! so a worker sending two migrations at once gives each half its rate, and a worker receiving two
-//! gives each half its rate too. Every stream's writer is a [`ShapedWriter`]: it waits until the
-//! egress bucket lets its bytes leave, then hands them to a delay line that delivers them
-//! `latency` later. The latency is therefore paid once per byte, not once per write: a long
-//! transfer runs at the full rate, shifted by the latency. Every stream's reader is a
-//! [`ShapedReader`]: it takes bytes in only as fast as the ingress bucket allows (the sender's
-//! flow control then slows it down).
+//! (`kvfleet_netmodel::link`): each direction is a [`ShapedLink`] whose rate the connections
+//! moving bytes through it share equally, whatever their number of streams, so a worker sending
+//! two migrations at once gives each half its rate, and a worker receiving two gives each half
+//! its rate too (each connection paces its bytes in a token bucket of its own at `rate / n`,
+//! `kvfleet_netmodel::shaping`'s GCRA). Every stream's writer is a [`ShapedWriter`]: it waits
+//! until its connection's share lets its bytes leave, then hands them to a delay line that
+//! delivers them `latency` later. The latency is therefore paid once per byte, not once per
+//! write: a long transfer runs at the full rate, shifted by the latency. Every stream's reader is
+//! a [`ShapedReader`]: it takes bytes in only as fast as its connection's ingress share allows
+//! (the sender's flow control then slows it down).
 //!
 //! Shaping can only slow a link down: on a host slower than the emulated fabric, the host's own
 //! speed is the limit.
 
 use crate::{BoxFuture, KvConnection, KvStream, KvTransport, StreamWriter, TransportError};
 use bytes::Bytes;
-use kvfleet_core::Timestamp;
 use kvfleet_netmodel::shaping::{ShapeError, ShapeParams, TokenBucket};
 use std::collections::HashMap;
 use std::future::Future;
@@ -37,29 +37,71 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// One shaped link: the token bucket its streams share, and its latency.
+/// One shaped link (a NIC's direction): its rate, shared by the connections moving bytes
+/// through it, and its latency.
 #[derive(Debug)]
 pub struct ShapedLink {
-    bucket: Mutex<TokenBucket>,
     latency: Duration,
-    epoch: Instant,
+    /// Bytes per second (the bucket's rounding), when limited.
+    rate: Option<f64>,
+    /// The burst a connection may send ahead of its share, as time at the full rate.
+    tolerance: Duration,
+    /// Connections with bytes on the link, by id: until when their reserved bytes occupy it.
+    flows: Mutex<HashMap<u64, Instant>>,
 }
+
+/// How long after its last bytes passed a connection still counts as moving bytes: a
+/// migration's connection pauses between stages for a round trip and the next stage's reads.
+const FLOW_GRACE: Duration = Duration::from_millis(2);
 
 impl ShapedLink {
     /// A link shaped by `params` (validated).
     pub fn new(params: &ShapeParams) -> Result<Arc<ShapedLink>, ShapeError> {
+        let rate = TokenBucket::new(params)?.rate_bytes_per_s().map(|r| r as f64);
+        let tolerance = rate.map_or(Duration::ZERO, |r| Duration::from_secs_f64(params.burst_bytes as f64 / r));
         Ok(Arc::new(ShapedLink {
-            bucket: Mutex::new(TokenBucket::new(params)?),
             latency: Duration::from_nanos(params.latency.as_nanos()),
-            epoch: Instant::now(),
+            rate,
+            tolerance,
+            flows: Mutex::new(HashMap::new()),
         }))
     }
 
-    /// Reserve `bytes` now; the instant they may leave.
+    /// Reserve `bytes` of connection `flow` now; the instant they may pass.
+    ///
+    /// Each connection moving bytes gets an equal share of the rate, whatever its number of
+    /// streams (as the simulator's fabric shares a port per transfer; shared per stream, a
+    /// 4-stream migration would get four times a 1-stream one's rate): a connection's bytes pass
+    /// at `rate / n` with `n` connections on the link, in a token bucket of its own (GCRA, the
+    /// link's burst as tolerance). Together they keep to the rate; one connection alone gets all
+    /// of it, without waiting on reservations others made ahead of their share.
+    fn reserve(&self, flow: u64, bytes: usize) -> Instant {
+        let now = Instant::now();
+        let Some(rate) = self.rate else { return now };
+        let mut flows = lock(&self.flows);
+        flows.retain(|&id, busy_until| id == flow || *busy_until + FLOW_GRACE >= now);
+        let sharing = flows.len() + usize::from(!flows.contains_key(&flow));
+        let busy_until = flows.entry(flow).or_insert(now);
+        *busy_until = (*busy_until).max(now) + Duration::from_secs_f64(bytes as f64 * sharing as f64 / rate);
+        busy_until.checked_sub(self.tolerance).unwrap_or(now).max(now)
+    }
+}
+
+/// A connection's side of a [`ShapedLink`]: what its streams reserve through.
+#[derive(Debug, Clone)]
+struct Flow {
+    link: Arc<ShapedLink>,
+    id: u64,
+}
+
+impl Flow {
+    fn new(link: Arc<ShapedLink>) -> Flow {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        Flow { link, id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) }
+    }
+
     fn reserve(&self, bytes: usize) -> Instant {
-        let now = Timestamp(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX));
-        let leave = lock(&self.bucket).reserve(now, bytes as u64);
-        self.epoch + Duration::from_nanos(leave.as_nanos())
+        self.link.reserve(self.id, bytes)
     }
 }
 
@@ -122,7 +164,7 @@ enum Output<W> {
 /// Bytes paid for on a [`ShapedLink`], as one stream draws them: a reservation of at most
 /// [`MAX_RESERVATION_BYTES`] at a time, so concurrent streams of a link interleave.
 struct Credit {
-    link: Arc<ShapedLink>,
+    link: Flow,
     /// Bytes paid for whose time has come.
     paid: usize,
     /// A reservation waiting for its time, and its size.
@@ -130,7 +172,7 @@ struct Credit {
 }
 
 impl Credit {
-    fn new(link: Arc<ShapedLink>) -> Credit {
+    fn new(link: Flow) -> Credit {
         Credit { link, paid: 0, waiting: None }
     }
 
@@ -161,13 +203,13 @@ impl Credit {
 }
 
 /// A reader limited by a [`ShapedLink`]'s rate (a NIC's ingress). It pays after reading: each read
-/// takes what has arrived (at most [`MAX_RESERVATION_BYTES`]) and reserves that many bytes on the
+/// takes what has arrived (at most 256 KiB) and reserves that many bytes on the
 /// link, and the next read waits until they have passed. Paying ahead instead would leave link
 /// time reserved by a stream with nothing to read while another's bytes wait (QUIC's shared
 /// connection window then stalls both): measured, three migrations into one worker moved 20–30 %
 /// below the shared rate.
 pub struct ShapedReader<R> {
-    link: Arc<ShapedLink>,
+    link: Flow,
     /// Until when the bytes read last occupy the link.
     debt: Option<Pin<Box<Sleep>>>,
     inner: R,
@@ -180,8 +222,14 @@ impl<R> std::fmt::Debug for ShapedReader<R> {
 }
 
 impl<R> ShapedReader<R> {
-    /// Shape `inner` by `link` (shared with the link's other streams).
+    /// Shape `inner` by `link` (shared with the link's other streams), as a connection of its
+    /// own.
     pub fn new(inner: R, link: Arc<ShapedLink>) -> ShapedReader<R> {
+        ShapedReader::in_flow(inner, Flow::new(link))
+    }
+
+    /// Shape `inner` as one stream of `flow`'s connection.
+    fn in_flow(inner: R, link: Flow) -> ShapedReader<R> {
         ShapedReader { link, debt: None, inner }
     }
 }
@@ -261,13 +309,20 @@ impl<W> std::fmt::Debug for ShapedWriter<W> {
 }
 
 impl<W: crate::SendHalf + 'static> ShapedWriter<W> {
-    /// Shape `inner` by `link` (shared with the link's other streams).
+    /// Shape `inner` by `link` (shared with the link's other streams), as a connection of its
+    /// own.
     pub fn new(inner: W, link: Arc<ShapedLink>) -> ShapedWriter<W> {
+        ShapedWriter::in_flow(inner, Flow::new(link))
+    }
+
+    /// Shape `inner` as one stream of `flow`'s connection.
+    fn in_flow(inner: W, flow: Flow) -> ShapedWriter<W> {
+        let link = &flow.link;
         let out = if link.latency.is_zero() {
             Output::Direct(inner)
         } else {
             // Enough chunks in flight to cover the latency at the rate, bounded.
-            let rate = lock(&link.bucket).rate_bytes_per_s().unwrap_or(u64::MAX) as f64;
+            let rate = link.rate.unwrap_or(u64::MAX as f64);
             let in_flight = rate * link.latency.as_secs_f64() / MAX_RESERVATION_BYTES as f64;
             let chunks = (in_flight.ceil() as usize).clamp(4, 1024);
             let (tx, rx) = mpsc::channel(chunks);
@@ -275,7 +330,7 @@ impl<W: crate::SendHalf + 'static> ShapedWriter<W> {
             tokio::spawn(run_delay_line(inner, rx, failure.clone()));
             Output::Delayed(DelayLine { tx, permit: None, op: None, failure })
         };
-        ShapedWriter { credit: Credit::new(link), out }
+        ShapedWriter { credit: Credit::new(flow), out }
     }
 }
 
@@ -291,7 +346,7 @@ impl<W: crate::SendHalf + 'static> crate::SendHalf for ShapedWriter<W> {
                     Output::Direct(w) => w.write_chunk(piece).await?,
                     Output::Delayed(line) => {
                         let permit = line.tx.clone().reserve_owned().await.map_err(|_| line_gone(&line.failure))?;
-                        permit.send(Cmd::Data(Instant::now() + self.credit.link.latency, piece));
+                        permit.send(Cmd::Data(Instant::now() + self.credit.link.link.latency, piece));
                     }
                 }
                 self.credit.spend(n);
@@ -319,7 +374,7 @@ impl<W: crate::SendHalf + 'static> AsyncWrite for ShapedWriter<W> {
                 let permit = ready!(permit.as_mut().poll(cx));
                 line.permit = None;
                 let permit = permit.map_err(|_| line_gone(&line.failure))?;
-                permit.send(Cmd::Data(Instant::now() + this.credit.link.latency, Bytes::copy_from_slice(&buf[..n])));
+                permit.send(Cmd::Data(Instant::now() + this.credit.link.link.latency, Bytes::copy_from_slice(&buf[..n])));
                 n
             }
         };
@@ -409,8 +464,8 @@ impl<T: KvTransport> Shaped<T> {
     fn wrap(&self, inner: Arc<dyn KvConnection>) -> Result<Arc<ShapedConnection>, TransportError> {
         Ok(Arc::new(ShapedConnection {
             inner,
-            egress: self.egress.clone(),
-            ingress: self.ingress.clone(),
+            egress: Flow::new(self.egress.clone()),
+            ingress: self.ingress.clone().map(Flow::new),
             shape: self.params.is_shaping(),
         }))
     }
@@ -448,11 +503,12 @@ impl<T: KvTransport> KvTransport for Shaped<T> {
     }
 }
 
-/// A connection of a [`Shaped`] transport: its streams draw on the NIC's buckets.
+/// A connection of a [`Shaped`] transport: its streams draw on the NIC's buckets, together one
+/// share of each direction's rate.
 pub struct ShapedConnection {
     inner: Arc<dyn KvConnection>,
-    egress: Arc<ShapedLink>,
-    ingress: Option<Arc<ShapedLink>>,
+    egress: Flow,
+    ingress: Option<Flow>,
     /// False when the parameters shape nothing: streams pass through untouched.
     shape: bool,
 }
@@ -462,9 +518,9 @@ impl ShapedConnection {
         if !self.shape {
             return (w, r);
         }
-        let w: StreamWriter = Box::new(ShapedWriter::new(w, self.egress.clone()));
+        let w: StreamWriter = Box::new(ShapedWriter::in_flow(w, self.egress.clone()));
         let r: crate::StreamReader = match &self.ingress {
-            Some(link) => Box::new(ShapedReader::new(r, link.clone())),
+            Some(flow) => Box::new(ShapedReader::in_flow(r, flow.clone())),
             None => r,
         };
         (w, r)

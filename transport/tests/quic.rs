@@ -48,8 +48,11 @@ async fn the_kv_port_takes_worker_certificates_only() {
     let counter = accepted.clone();
     let server = b.clone();
     let _srv = tokio::spawn(async move {
-        while let Ok(_conn) = server.accept().await {
+        // Kept open: a dropped connection is closed, which the worker's stream below would see.
+        let mut held = Vec::new();
+        while let Ok(conn) = server.accept().await {
             counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            held.push(conn);
         }
     });
     for role in [Role::Client, Role::Coordinator, Role::Operator] {
