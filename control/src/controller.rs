@@ -64,13 +64,16 @@ pub enum Event {
     },
     /// An instance published its load (an instance that was [`Event::Silent`] is heard again).
     Load(LoadReport),
-    /// Nothing has been heard from a joined instance for a while (its reports stopped, its RPCs
-    /// fail: stopped, partitioned, or registered at an address nobody can reach). It looked
-    /// idle, so it would draw every placement; until it reports again no request is placed on it
-    /// and no move goes to it. What it holds stays: [`Event::Left`] re-places that.
-    Silent {
-        /// The instance.
-        instance: InstanceId,
+    /// When the driver last heard from each instance (any message, not only load reports), for
+    /// the [`Silence`] rule: an instance quiet for `silent_after` looked idle, so it would draw
+    /// every placement; until it is heard again no request is placed on it and no move goes to
+    /// it, and what it holds stays. Quiet for `abandon_after` (registered, but nobody can reach
+    /// it), it is given up as if it left: its requests are re-placed. Heard again, it is back
+    /// (a given-up instance rejoins, empty). Without a rule ([`Controller::watch_silence`]) only
+    /// the times are noted.
+    Heard {
+        /// (instance, last heard from) pairs; unknown instances are ignored.
+        heard: Vec<(InstanceId, Timestamp)>,
     },
     /// A client submitted a request.
     Arrival(RequestSpec),
@@ -83,10 +86,16 @@ pub enum Event {
         /// KV it holds now, in blocks.
         kv_blocks: u32,
     },
-    /// A move decided by [`Action::Migrate`] ended.
+    /// A move decided by [`Action::Migrate`] ended. The end of a move superseded meanwhile (its
+    /// request re-placed, or the move settled otherwise, before its driver heard back from the
+    /// source) is ignored: it says nothing about the request's copy now.
     MigrationEnded {
         /// The request.
         request: RequestId,
+        /// The move's source, as in its [`Action::Migrate`].
+        from: InstanceId,
+        /// The move's target, as in its [`Action::Migrate`].
+        to: InstanceId,
         /// How it ended.
         outcome: MoveOutcome,
     },
@@ -102,6 +111,10 @@ pub enum Event {
     Settled {
         /// The request.
         request: RequestId,
+        /// The move's source, as in its [`Action::Settle`].
+        from: InstanceId,
+        /// The move's target, as in its [`Action::Settle`].
+        to: InstanceId,
         /// Whether the target holds it (the move committed).
         held: bool,
     },
@@ -135,6 +148,15 @@ pub enum Event {
     Tick,
 }
 
+/// When a quiet instance stops drawing placements, and when it is given up ([`Event::Heard`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Silence {
+    /// Quiet this long: no placement, no move goes to it.
+    pub silent_after: TimeSpan,
+    /// Quiet this long: its requests are re-placed.
+    pub abandon_after: TimeSpan,
+}
+
 /// How a move ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoveOutcome {
@@ -144,6 +166,9 @@ pub enum MoveOutcome {
     Aborted,
     /// The target declined before anything moved (no room): try the policy's next choice.
     Refused,
+    /// Neither end holds the request any more (the target refused it after the source had let it
+    /// go, and handing it back failed): it starts over on a live instance.
+    Lost,
 }
 
 /// What a driver must do.
@@ -269,8 +294,12 @@ struct Instance {
     base: LoadReport,
     charges: Vec<Charge>,
     alive: bool,
-    /// Not heard from lately ([`Event::Silent`]): out of `live` until its next report.
+    /// Not heard from lately ([`Event::Heard`]): out of `live` until it is heard again (or
+    /// reports).
     silent: bool,
+    /// Given up after a long silence ([`Event::Heard`]): not alive, its requests re-placed;
+    /// heard again, it rejoins.
+    abandoned: bool,
     /// Position in `Controller::live` while alive and not silent.
     live_slot: Option<usize>,
 }
@@ -340,6 +369,7 @@ pub struct Controller {
     actions: VecDeque<Action>,
     /// Where prompts' prefixes are predicted cached (kept only for a policy that reads it).
     prefix: Option<PrefixIndex>,
+    silence: Option<Silence>,
 }
 
 impl Controller {
@@ -362,7 +392,20 @@ impl Controller {
             retain_finished: false,
             now: Timestamp::ZERO,
             actions: VecDeque::new(),
+            silence: None,
         }
+    }
+
+    /// Apply `rule` to the times [`Event::Heard`] reports (a driver that cannot lose touch with
+    /// its instances, like the simulator, sets none).
+    pub fn watch_silence(mut self, rule: Silence) -> Controller {
+        self.silence = Some(rule);
+        self
+    }
+
+    /// Replace the silence rule (a driver's tests shorten it).
+    pub fn set_silence(&mut self, rule: Silence) {
+        self.silence = Some(rule);
     }
 
     /// Refuse instances that serve another model (name and KV bytes per token).
@@ -440,8 +483,8 @@ impl Controller {
                 self.on_load(load);
                 Ok(())
             }
-            Event::Silent { instance } => {
-                self.on_silent(instance);
+            Event::Heard { heard } => {
+                self.on_heard(&heard);
                 Ok(())
             }
             Event::Arrival(spec) => self.on_arrival(spec),
@@ -449,9 +492,33 @@ impl Controller {
                 self.on_boundary(request, instance, kv_blocks);
                 Ok(())
             }
-            Event::MigrationEnded { request, outcome } => self.on_migration_ended(request, outcome),
+            Event::MigrationEnded { request, from, to, outcome } => {
+                if !self.moving(request, from, to) {
+                    tracing::debug!(
+                        request = request.0,
+                        from = from.0,
+                        to = to.0,
+                        ?outcome,
+                        "the end of a superseded move; ignored"
+                    );
+                    return Ok(());
+                }
+                self.on_migration_ended(request, outcome)
+            }
             Event::Lost { request } => self.on_lost(request),
-            Event::Settled { request, held } => self.on_settled(request, held),
+            Event::Settled { request, from, to, held } => {
+                if !self.moving(request, from, to) {
+                    tracing::debug!(
+                        request = request.0,
+                        from = from.0,
+                        to = to.0,
+                        held,
+                        "an answer for a superseded move; ignored"
+                    );
+                    return Ok(());
+                }
+                self.on_settled(request, held)
+            }
             Event::Finished { request, from } => self.on_finished(request, from),
             Event::Cancelled { request } => self.on_cancelled(request),
             Event::KvEvents { instance, events } => {
@@ -494,12 +561,14 @@ impl Controller {
             charges: Vec::new(),
             alive: false,
             silent: false,
+            abandoned: false,
             live_slot: None,
         });
         inst.address = address;
         if !inst.alive {
             inst.alive = true;
             inst.silent = false;
+            inst.abandoned = false;
             self.rebuild_live();
             self.retry_stranded();
         }
@@ -592,11 +661,49 @@ impl Controller {
         }
     }
 
-    fn on_silent(&mut self, id: InstanceId) {
-        let Some(inst) = self.instances.get_mut(&id).filter(|i| i.alive && !i.silent) else { return };
-        inst.silent = true;
-        tracing::warn!(instance = id.0, "instance silent: no placement or move goes to it until it reports again");
-        self.rebuild_live();
+    /// The silence rule ([`Event::Heard`]) over the driver's last-heard times.
+    fn on_heard(&mut self, heard: &[(InstanceId, Timestamp)]) {
+        let Some(rule) = self.silence else { return };
+        let now = self.now;
+        for &(id, at) in heard {
+            let Some(inst) = self.instances.get_mut(&id) else { continue };
+            let quiet = now.saturating_since(at);
+            if quiet < rule.silent_after {
+                if std::mem::take(&mut inst.abandoned) {
+                    tracing::info!(instance = id.0, "instance heard again after it was given up: it rejoins, empty");
+                    inst.alive = true;
+                } else if inst.silent {
+                    tracing::info!(instance = id.0, "instance heard again: placements resume");
+                } else {
+                    continue;
+                }
+                inst.silent = false;
+                self.rebuild_live();
+                self.retry_stranded();
+                continue;
+            }
+            let alive = inst.alive;
+            let newly_silent = alive && !inst.silent;
+            if newly_silent {
+                inst.silent = true;
+                tracing::warn!(
+                    instance = id.0,
+                    quiet_ms = quiet.as_millis_f64(),
+                    "instance silent: no placement or move goes to it until it is heard again"
+                );
+            }
+            if quiet >= rule.abandon_after && alive {
+                inst.abandoned = true;
+                tracing::warn!(
+                    instance = id.0,
+                    quiet_ms = quiet.as_millis_f64(),
+                    "instance unreachable while it is still a member: its requests are re-placed"
+                );
+                self.leave(id);
+            } else if newly_silent {
+                self.rebuild_live();
+            }
+        }
     }
 
     /// Re-placements that found no instance to go to, tried again (one joined, or was heard again).
@@ -810,6 +917,13 @@ impl Controller {
         self.actions.push_back(Action::Migrate { request: id, from: m.from, to, kv_blocks: m.kv_blocks });
     }
 
+    /// Whether `id`'s open move is the one from `from` to `to` (an unknown request is, so that
+    /// the caller's handler names it). Ended, a move clears `migrating_to`, and a re-placement
+    /// does too: a driver's late report of an older move must not end the current one.
+    fn moving(&self, id: RequestId, from: InstanceId, to: InstanceId) -> bool {
+        self.requests.get(&id).is_none_or(|o| o.instance == from && o.migrating_to == Some(to))
+    }
+
     fn on_migration_ended(&mut self, id: RequestId, outcome: MoveOutcome) -> Result<(), ControlError> {
         let Some(o) = self.requests.get_mut(&id) else { return Err(ControlError::NotInFlight(id)) };
         let departed = self.departed.get(&id).copied();
@@ -836,8 +950,11 @@ impl Controller {
                 self.uncharge(to, id);
             }
         }
-        // It committed to a target that has left since: the only copy left with it.
-        let lost_with_target = departed == Some(Departed::Target) && outcome == MoveOutcome::Committed && unfinished;
+        // Neither end holds it, or it committed to a target that has left since (the only copy
+        // left with it): it starts over.
+        let lost_with_target = unfinished
+            && (outcome == MoveOutcome::Lost
+                || (departed == Some(Departed::Target) && outcome == MoveOutcome::Committed));
         let cancelling = self.cancelling.remove(&id);
         let retry = outcome == MoveOutcome::Refused
             && unfinished

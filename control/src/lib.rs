@@ -21,5 +21,5 @@ pub mod controller;
 pub mod ownership;
 pub mod prefix;
 
-pub use controller::{Action, ControlError, Controller, Event, MoveOutcome, RejectReason, MAX_RETARGETS};
+pub use controller::{Action, ControlError, Controller, Event, MoveOutcome, RejectReason, Silence, MAX_RETARGETS};
 pub use ownership::{OwnedPhase, Ownership};

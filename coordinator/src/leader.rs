@@ -13,10 +13,10 @@
 //! - a refused fenced write means another coordinator leads: this one stops at once (`deposed`).
 
 use crate::trace::{PlacementNote, RequestTraces};
-use kvfleet_control::{Action, ControlError, Controller, Event, MoveOutcome, OwnedPhase, Ownership};
+use kvfleet_control::{Action, ControlError, Controller, Event, MoveOutcome, OwnedPhase, Ownership, Silence};
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::LoadReport;
-use kvfleet_core::{InstanceId, RequestId, RequestSpec};
+use kvfleet_core::{InstanceId, RequestId, RequestSpec, TimeSpan, Timestamp};
 use kvfleet_meta::layout::{self as keys, ClusterTime, WorkerRecord};
 use kvfleet_meta::{Condition, LeaderKey, MetaStore};
 use kvfleet_proto::v1;
@@ -63,15 +63,8 @@ struct WorkerLink {
     /// The process this link follows: another under the same number means this one is gone.
     incarnation: u64,
     address: String,
-    /// Its model, as registered (to rejoin it after [`Leader::watch_silence`] gave it up).
-    model: String,
-    kv_bytes_per_token: u64,
     /// When the pump last heard from it, ms on the leader's clock ([`Leader::ms_now`]).
     heard_ms: Arc<AtomicU64>,
-    /// Marked [`Event::Silent`] (no placement goes to it until it reports again).
-    silent: bool,
-    /// Given up ([`Event::Left`]) while still registered: its requests were re-placed.
-    abandoned: bool,
 }
 
 /// How long a worker may go unheard (no event, not even a load heartbeat) before no placement
@@ -81,6 +74,12 @@ pub const SILENT_AFTER: Duration = Duration::from_secs(2);
 /// from here) before its requests are re-placed elsewhere. A worker that is merely stopped loses
 /// its registration first (2 s lease) and is evicted then.
 pub const ABANDON_AFTER: Duration = Duration::from_secs(10);
+
+/// The controller's silence rule for these bounds.
+fn silence_rule(silent_after: Duration, abandon_after: Duration) -> Silence {
+    let span = |d: Duration| TimeSpan::from_nanos(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    Silence { silent_after: span(silent_after), abandon_after: span(abandon_after) }
+}
 
 /// The elected coordinator's side of the cluster: drives the [`Controller`], holds a link (RPC
 /// client and event pump) per registered worker, and persists ownership fenced on its leader key.
@@ -166,7 +165,7 @@ impl Leader {
         Arc::new(Leader {
             store,
             fence,
-            control: Mutex::new(control),
+            control: Mutex::new(control.watch_silence(silence_rule(SILENT_AFTER, ABANDON_AFTER))),
             links: Mutex::new(BTreeMap::new()),
             subscribers: Mutex::new(HashMap::new()),
             stats: LeaderStats::default(),
@@ -185,6 +184,7 @@ impl Leader {
     /// [`Leader::watch_silence`] starts.
     pub fn set_silence(&self, silent_after: Duration, abandon_after: Duration) {
         *self.silence.lock().expect("silence lock") = (silent_after, abandon_after);
+        self.control().set_silence(silence_rule(silent_after, abandon_after));
     }
 
     /// Milliseconds since this leader started (when a worker was last heard).
@@ -205,64 +205,32 @@ impl Leader {
         });
     }
 
-    /// Marks workers not heard from for [`SILENT_AFTER`] [`Event::Silent`] (no placement goes to
-    /// a worker that looks idle only because it cannot answer), and re-places the requests of
-    /// one still unheard after [`ABANDON_AFTER`] while its registration holds (registered, but
-    /// unreachable from here). One heard again is back in the choice with its next report (and
-    /// rejoins if it was given up). Runs until the leader is deposed or stopped.
+    /// Tells the controller when each worker was last heard from ([`Event::Heard`]): its silence
+    /// rule ([`SILENT_AFTER`], [`ABANDON_AFTER`]) keeps placements off a worker that looks idle
+    /// only because it cannot answer, and re-places the requests of one unheard for long while
+    /// its registration holds (registered, but unreachable from here); heard again, it is back.
+    /// Runs until the leader is deposed or stopped.
     pub async fn watch_silence(self: Arc<Self>) {
-        let (quiet_bound, abandon_bound) = *self.silence.lock().expect("silence lock");
-        let (silent_after, abandon_after) = (quiet_bound.as_millis() as u64, abandon_bound.as_millis() as u64);
+        let (quiet_bound, _) = *self.silence.lock().expect("silence lock");
         let mut tick = tokio::time::interval((quiet_bound / 8).max(Duration::from_millis(10)));
         loop {
             tick.tick().await;
             if self.is_deposed() {
                 return;
             }
-            let now = self.ms_now();
-            let (mut silent, mut abandon, mut rejoin) = (Vec::new(), Vec::new(), Vec::new());
-            for (&id, l) in self.links.lock().expect("links lock").iter_mut() {
-                let quiet = now.saturating_sub(l.heard_ms.load(Ordering::Relaxed));
-                if quiet < silent_after {
-                    if std::mem::take(&mut l.abandoned) {
-                        rejoin.push(Event::Joined {
-                            instance: id,
-                            address: l.address.clone(),
-                            model: l.model.clone(),
-                            kv_bytes_per_token: l.kv_bytes_per_token,
-                        });
-                    }
-                    l.silent = false;
-                    continue;
-                }
-                if !l.silent {
-                    l.silent = true;
-                    silent.push(id);
-                }
-                if quiet >= abandon_after && !l.abandoned {
-                    l.abandoned = true;
-                    abandon.push(id);
-                }
-            }
-            for id in silent {
-                tracing::warn!(instance = id.0, "worker silent (no event for {quiet_bound:?}): placing nothing on it");
-                let _ = self.decide(Event::Silent { instance: id });
-            }
-            for id in abandon {
-                let actions = self.decide(Event::Left { instance: id }).unwrap_or_default();
-                tracing::warn!(
-                    instance = id.0,
-                    orphans = actions.len(),
-                    "worker unreachable for {abandon_bound:?} while registered: re-placing its requests"
-                );
-                self.execute_in_background(actions);
-            }
-            for joined in rejoin {
-                tracing::info!(?joined, "worker reachable again: it rejoins");
-                if let Ok(actions) = self.decide(joined) {
-                    self.execute_in_background(actions);
-                }
-            }
+            let (now_ms, now) = (self.ms_now(), self.cluster_now());
+            let heard: Vec<(InstanceId, Timestamp)> = self
+                .links
+                .lock()
+                .expect("links lock")
+                .iter()
+                .map(|(&id, l)| {
+                    let quiet_ms = now_ms.saturating_sub(l.heard_ms.load(Ordering::Relaxed));
+                    (id, Timestamp(now.as_nanos().saturating_sub(quiet_ms.saturating_mul(1_000_000))))
+                })
+                .collect();
+            let actions = self.decide(Event::Heard { heard }).unwrap_or_default();
+            self.execute_in_background(actions);
         }
     }
 
@@ -402,11 +370,7 @@ impl Leader {
             kv_address: rec.kv_address.clone(),
             incarnation: rec.incarnation,
             address: rec.address.clone(),
-            model: rec.model.clone(),
-            kv_bytes_per_token: rec.kv_bytes_per_token,
             heard_ms,
-            silent: false,
-            abandoned: false,
         };
         links.insert(id, link);
         tracing::info!(instance = id.0, address = %rec.address, incarnation = rec.incarnation, "worker joined");
@@ -501,7 +465,7 @@ impl Leader {
     async fn settle_departed_source(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId) {
         let held = settle_by_asking(id, self.client(to), None).await;
         tracing::warn!(request = id.0, from = from.0, to = to.0, held, "settled the move of a worker that left");
-        let actions = match self.decide(Event::Settled { request: id, held }) {
+        let actions = match self.decide(Event::Settled { request: id, from, to, held }) {
             Ok(actions) => actions,
             Err(e) => {
                 tracing::debug!(request = id.0, "settled a move for a request no longer in flight: {e}");
@@ -806,9 +770,10 @@ impl Leader {
             let outcome = match moved {
                 Moved::Yes => MoveOutcome::Committed,
                 Moved::Refused => MoveOutcome::Refused,
-                Moved::No | Moved::Lost => MoveOutcome::Aborted,
+                Moved::No => MoveOutcome::Aborted,
+                Moved::Lost => MoveOutcome::Lost,
             };
-            let actions = match self.decide(Event::MigrationEnded { request: id, outcome }) {
+            let actions = match self.decide(Event::MigrationEnded { request: id, from, to, outcome }) {
                 Ok(actions) => actions,
                 Err(e) => {
                     tracing::debug!(request = id.0, "move ended for a request no longer in flight: {e}");
@@ -820,10 +785,6 @@ impl Leader {
             }
             if moved != Moved::Refused {
                 let _ = self.persist_ownership(id).await;
-            }
-            if moved == Moved::Lost {
-                // Source and target both gone: start it over elsewhere rather than lose it.
-                self.replace(id).await;
             }
             let mut others = Vec::new();
             for action in actions {
@@ -838,7 +799,7 @@ impl Leader {
                         );
                         next = Some((from, next_to));
                     }
-                    // It committed to a target that left meanwhile: re-placed.
+                    // Lost by both ends, or committed to a target that left meanwhile: re-placed.
                     other => others.push(other),
                 }
             }
@@ -999,7 +960,8 @@ impl Leader {
                         "settled a move the previous leader left open"
                     );
                     let outcome = if held { MoveOutcome::Committed } else { MoveOutcome::Aborted };
-                    let actions = leader.decide(Event::MigrationEnded { request: id, outcome }).unwrap_or_default();
+                    let actions =
+                        leader.decide(Event::MigrationEnded { request: id, from, to, outcome }).unwrap_or_default();
                     if held {
                         leader.stats.migrations.fetch_add(1, Ordering::Relaxed);
                     }

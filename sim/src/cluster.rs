@@ -450,7 +450,9 @@ impl Cluster {
                 self.after_migration_call(key);
             }
             Err(_) => {
-                let _ = self.control.handle(now, Control::MigrationEnded { request, outcome: MoveOutcome::Aborted });
+                let _ = self
+                    .control
+                    .handle(now, Control::MigrationEnded { request, from, to, outcome: MoveOutcome::Aborted });
             }
         }
     }
@@ -511,7 +513,10 @@ impl Cluster {
                 };
                 // The policy may pick the next target: it must see every load as of now.
                 self.refresh_touched_loads(now);
-                let _ = self.control.handle(now, Control::MigrationEnded { request: record.request, outcome });
+                let _ = self.control.handle(
+                    now,
+                    Control::MigrationEnded { request: record.request, from: record.from, to: record.to, outcome },
+                );
                 self.live_migrations.push(record);
                 while let Some(action) = self.control.poll_action() {
                     match action {

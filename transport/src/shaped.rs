@@ -374,7 +374,8 @@ impl<W: crate::SendHalf + 'static> AsyncWrite for ShapedWriter<W> {
                 let permit = ready!(permit.as_mut().poll(cx));
                 line.permit = None;
                 let permit = permit.map_err(|_| line_gone(&line.failure))?;
-                permit.send(Cmd::Data(Instant::now() + this.credit.link.link.latency, Bytes::copy_from_slice(&buf[..n])));
+                permit
+                    .send(Cmd::Data(Instant::now() + this.credit.link.link.latency, Bytes::copy_from_slice(&buf[..n])));
                 n
             }
         };

@@ -15,10 +15,10 @@
 //! each slot (the same bytes a full fill starts with), for hosts running many workers: it keeps
 //! resident memory at 1/64 of the arena while still letting every token be identified.
 
+use bytes::Bytes;
 use kvfleet_core::kv::{KvMove, Tier};
 use kvfleet_core::RequestId;
 use kvfleet_netmodel::Payload;
-use bytes::Bytes;
 use memmap2::{MmapMut, MmapOptions};
 use std::sync::{Arc, Mutex};
 

@@ -168,7 +168,13 @@ mod tests {
         let text = std::fs::read_to_string(&path).unwrap();
         let rows: Vec<&str> = text.lines().collect();
         assert_eq!(rows[0], LIVE_MIGRATIONS_HEADER);
-        assert_eq!(rows[1], "7,0,1,committed,480,2,30,134217728,20.000,0.500,53.687,67108864;67108864,12.000;7.500,\"\"");
-        assert_eq!(rows[2], "7,0,1,aborted,480,2,30,4096,20.000,0.000,0.000,2048;2048,12.000;7.500,\"timed out 'copying'\"");
+        assert_eq!(
+            rows[1],
+            "7,0,1,committed,480,2,30,134217728,20.000,0.500,53.687,67108864;67108864,12.000;7.500,\"\""
+        );
+        assert_eq!(
+            rows[2],
+            "7,0,1,aborted,480,2,30,4096,20.000,0.000,0.000,2048;2048,12.000;7.500,\"timed out 'copying'\""
+        );
     }
 }

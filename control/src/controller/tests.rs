@@ -174,8 +174,11 @@ fn boundary_migrates_to_fewest_reasoning_and_charges_the_target() {
     let o = c.ownership(RequestId(7)).unwrap();
     assert_eq!((o.phase, o.migrating_to), (OwnedPhase::Migrating, Some(InstanceId(1))), "where to, for a successor");
     assert_eq!(published(&c, 1).gpu_used_blocks, 11, "the move is charged to its target at once");
-    c.handle(Timestamp::ZERO, Event::MigrationEnded { request: RequestId(7), outcome: MoveOutcome::Committed })
-        .unwrap();
+    c.handle(
+        Timestamp::ZERO,
+        Event::MigrationEnded { request: RequestId(7), from: at, to: InstanceId(1), outcome: MoveOutcome::Committed },
+    )
+    .unwrap();
     assert_eq!(c.ownership(RequestId(7)).unwrap().instance, InstanceId(1));
     assert_eq!(c.ownership(RequestId(7)).unwrap().migrations, 1);
     c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(7), from: Some(InstanceId(1)) }).unwrap();
@@ -212,34 +215,63 @@ fn only_the_owner_s_final_record_counts() {
     assert_eq!(late(&mut c, at.0), Err(ControlError::NotInFlight(RequestId(7))), "and only once");
 }
 
-/// A silent instance (reports stopped: paused, partitioned, unreachable) looks idle, so without
-/// the mark it would draw every placement; marked, it draws none and is no move's target, keeps
-/// what it holds, and is back in the choice with its next report.
+/// A silent instance (not heard from: paused, partitioned, unreachable) looks idle, so without
+/// the rule it would draw every placement; silent, it draws none and is no move's target, keeps
+/// what it holds, and is back in the choice once heard again (or with its next report). Unheard
+/// past the second bound while still a member, it is given up: its requests are re-placed; heard
+/// again, it rejoins.
 #[test]
-fn a_silent_instance_draws_no_placement_until_it_reports_again() {
-    let mut c = ctl("least-kv", 2);
+fn a_silent_instance_draws_no_placement_until_it_is_heard_again() {
+    let rule = Silence { silent_after: TimeSpan::from_secs_f64(2.0), abandon_after: TimeSpan::from_secs_f64(10.0) };
+    let mut c = ctl("least-kv", 2).watch_silence(rule);
+    let at = |s: f64| Timestamp::ZERO + TimeSpan::from_secs_f64(s);
+    let heard = |c: &mut Controller, now: f64, zero: f64, one: f64| {
+        c.decide(at(now), Event::Heard { heard: vec![(InstanceId(0), at(zero)), (InstanceId(1), at(one))] }).unwrap()
+    };
     c.handle(Timestamp::ZERO, Event::Load(load(1, 50, 0))).unwrap();
     let held = place(&mut c, spec(1, 10));
     assert_eq!(held, InstanceId(0), "idle instance 0 draws it");
-    c.handle(Timestamp::ZERO, Event::Silent { instance: InstanceId(0) }).unwrap();
+    assert!(heard(&mut c, 1.9, 0.0, 1.9).is_empty());
+    assert_eq!(c.loads().len(), 2, "quiet for less than the bound: still in the choice");
+    assert!(heard(&mut c, 2.0, 0.0, 2.0).is_empty());
     for id in 2..6 {
         assert_eq!(place(&mut c, spec(id, 10)), InstanceId(1), "request {id}: not on the silent instance");
     }
     assert_eq!(c.ownership(RequestId(1)).unwrap().instance, InstanceId(0), "what it holds stays");
     assert!(c.loads().iter().all(|l| l.instance != InstanceId(0)), "out of the policies' view");
-    // Its report brings it back (and it is idle again: the next placement is its).
-    c.handle(Timestamp::ZERO, Event::Load(load(0, 0, 0))).unwrap();
+    // Heard again (its report, or any message) brings it back: it is idle, the next one is its.
+    assert!(heard(&mut c, 3.0, 2.9, 3.0).is_empty());
     assert_eq!(place(&mut c, spec(6, 10)), InstanceId(0));
+    // Unheard for the second bound: given up, its requests re-placed on the instance still heard.
+    assert!(heard(&mut c, 5.0, 2.9, 5.0).is_empty(), "silent again");
+    assert!(heard(&mut c, 12.8, 2.9, 12.8).is_empty(), "not yet given up");
+    let moved = heard(&mut c, 12.9, 2.9, 12.9);
+    let again: Vec<u64> = moved
+        .iter()
+        .map(|a| match a {
+            Action::Place { request, on: InstanceId(1), replaced: 1 } => request.0,
+            other => panic!("expected re-placements on 1, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(again, vec![1, 6], "its requests, once each");
+    assert!(!c.is_live(InstanceId(0)));
+    assert!(heard(&mut c, 13.0, 2.9, 13.0).is_empty(), "given up once");
+    assert!(heard(&mut c, 14.0, 13.9, 14.0).is_empty());
+    assert!(c.is_live(InstanceId(0)), "heard again: it rejoins");
+    assert_eq!(place(&mut c, spec(7, 10)), InstanceId(0), "empty: it draws the next");
     // Every instance silent: a re-placement waits (stranded) until one is heard again.
-    c.handle(Timestamp::ZERO, Event::Silent { instance: InstanceId(0) }).unwrap();
-    c.handle(Timestamp::ZERO, Event::Silent { instance: InstanceId(1) }).unwrap();
-    let none = c.decide(Timestamp::ZERO, Event::Lost { request: RequestId(6) }).unwrap();
+    assert!(heard(&mut c, 20.0, 14.0, 14.0).is_empty());
+    let none = c.decide(at(20.0), Event::Lost { request: RequestId(6) }).unwrap();
     assert!(matches!(none.as_slice(), [Action::Reject { request: RequestId(6), .. }]), "{none:?}");
-    let back = c.decide(Timestamp::ZERO, Event::Load(load(1, 50, 0))).unwrap();
+    let back = heard(&mut c, 20.5, 14.0, 20.4);
     assert!(
         matches!(back.as_slice(), [Action::Place { request: RequestId(6), on: InstanceId(1), .. }]),
         "the stranded request goes to the first instance heard again: {back:?}"
     );
+    // Without a rule the times change nothing.
+    let mut c = ctl("least-kv", 2);
+    c.handle(at(100.0), Event::Heard { heard: vec![(InstanceId(0), Timestamp::ZERO)] }).unwrap();
+    assert_eq!(c.loads().len(), 2);
 }
 
 #[test]
@@ -266,7 +298,16 @@ fn a_request_that_finishes_during_its_move_stays_finished() {
     c.handle(Timestamp::ZERO, Event::Boundary { request: RequestId(8), instance: at, kv_blocks: 1 }).unwrap();
     assert!(matches!(c.poll_action(), Some(Action::Migrate { .. })));
     c.handle(Timestamp::ZERO, Event::Finished { request: RequestId(8), from: None }).unwrap();
-    c.handle(Timestamp::ZERO, Event::MigrationEnded { request: RequestId(8), outcome: MoveOutcome::Aborted }).unwrap();
+    c.handle(
+        Timestamp::ZERO,
+        Event::MigrationEnded {
+            request: RequestId(8),
+            from: at,
+            to: InstanceId(1 - at.0),
+            outcome: MoveOutcome::Aborted,
+        },
+    )
+    .unwrap();
     assert_eq!(c.ownership(RequestId(8)).unwrap().phase, OwnedPhase::Finished);
     assert_eq!(c.in_flight(), 0);
     assert!(c.decide(Timestamp::ZERO, Event::Left { instance: at }).unwrap().is_empty(), "not re-placed");
@@ -284,11 +325,11 @@ fn a_declined_move_goes_to_the_next_choice_then_stays() {
     let mut actions =
         c.decide(Timestamp::ZERO, Event::Boundary { request: RequestId(7), instance: at, kv_blocks: 1 }).unwrap();
     while let [Action::Migrate { to, .. }] = actions.as_slice() {
+        let to = *to;
         targets.push(to.0);
-        assert_eq!(c.ownership(RequestId(7)).unwrap().migrating_to, Some(*to));
-        actions = c
-            .decide(Timestamp::ZERO, Event::MigrationEnded { request: RequestId(7), outcome: MoveOutcome::Refused })
-            .unwrap();
+        assert_eq!(c.ownership(RequestId(7)).unwrap().migrating_to, Some(to));
+        let refused = Event::MigrationEnded { request: RequestId(7), from: at, to, outcome: MoveOutcome::Refused };
+        actions = c.decide(Timestamp::ZERO, refused).unwrap();
     }
     assert_eq!(targets, vec![1, 2, 3], "fewest reasoning first, then the next, at most 1 + MAX_RETARGETS tries");
     let o = c.ownership(RequestId(7)).unwrap();
@@ -300,7 +341,12 @@ fn a_declined_move_goes_to_the_next_choice_then_stays() {
 fn events_for_unknown_requests_are_errors_that_change_nothing() {
     let mut c = ctl("pascal", 1);
     for ev in [
-        Event::MigrationEnded { request: RequestId(5), outcome: MoveOutcome::Committed },
+        Event::MigrationEnded {
+            request: RequestId(5),
+            from: InstanceId(0),
+            to: InstanceId(1),
+            outcome: MoveOutcome::Committed,
+        },
         Event::Lost { request: RequestId(5) },
         Event::Finished { request: RequestId(5), from: None },
     ] {
@@ -336,6 +382,11 @@ fn moving_from_0_to_1(instances: u32) -> Controller {
     c
 }
 
+/// The end of request `id`'s move from instance 0 to 1.
+fn ended_0_to_1(id: RequestId, outcome: MoveOutcome) -> Event {
+    Event::MigrationEnded { request: id, from: InstanceId(0), to: InstanceId(1), outcome }
+}
+
 fn owner(c: &Controller, id: u64) -> (InstanceId, OwnedPhase, Option<InstanceId>) {
     let o = c.ownership(RequestId(id)).unwrap();
     (o.instance, o.phase, o.migrating_to)
@@ -365,19 +416,65 @@ fn a_source_leaving_mid_move_is_settled_by_its_target_not_re_placed() {
         );
         assert_eq!(owner(&c, 7), (InstanceId(0), OwnedPhase::Migrating, Some(InstanceId(1))), "undecided until asked");
         // The source's side of the move fails with it: that proves nothing about the COMMIT.
-        assert!(c
-            .decide(Timestamp::ZERO, Event::MigrationEnded { request: id, outcome: MoveOutcome::Aborted })
-            .unwrap()
-            .is_empty());
+        assert!(c.decide(Timestamp::ZERO, ended_0_to_1(id, MoveOutcome::Aborted)).unwrap().is_empty());
         assert_eq!(owner(&c, 7), (InstanceId(0), OwnedPhase::Migrating, Some(InstanceId(1))), "held={held}");
-        assert_eq!(c.decide(Timestamp::ZERO, Event::Settled { request: id, held }).unwrap(), then, "held={held}");
+        assert_eq!(
+            c.decide(Timestamp::ZERO, Event::Settled { request: id, from: InstanceId(0), to: InstanceId(1), held })
+                .unwrap(),
+            then,
+            "held={held}"
+        );
         let o = c.ownership(id).unwrap();
         assert_eq!((o.instance, o.phase, o.migrating_to, o.replaced), (runs_on, phase, None, replaced));
         assert!(
-            c.decide(Timestamp::ZERO, Event::Settled { request: id, held: !held }).unwrap().is_empty(),
+            c.decide(
+                Timestamp::ZERO,
+                Event::Settled { request: id, from: InstanceId(0), to: InstanceId(1), held: !held }
+            )
+            .unwrap()
+            .is_empty(),
             "a late answer"
         );
         assert_eq!(c.ownership(id).unwrap().instance, runs_on, "held={held}: changes nothing");
+    }
+}
+
+/// The chaos run's lost request: its source left mid-move, the target did not hold it, so it was
+/// re-placed and moved on from there; the driver's late report of the first move (its source's
+/// MigrateOut failing at last) then ended the second one, whose commit was lost, and the owner's
+/// final record was refused as a late copy. A report names its move; a superseded one changes
+/// nothing, whatever it says.
+#[test]
+fn a_late_report_of_a_superseded_move_changes_nothing() {
+    let id = RequestId(7);
+    for stale in [MoveOutcome::Aborted, MoveOutcome::Committed, MoveOutcome::Refused, MoveOutcome::Lost] {
+        let mut c = moving_from_0_to_1(4);
+        c.decide(Timestamp::ZERO, Event::Left { instance: InstanceId(0) }).unwrap();
+        let settled = |held| Event::Settled { request: id, from: InstanceId(0), to: InstanceId(1), held };
+        let [Action::Place { on: again, replaced: 1, .. }] = c.decide(Timestamp::ZERO, settled(false)).unwrap()[..]
+        else {
+            panic!("re-placed once")
+        };
+        let target = InstanceId((1..4).rev().find(|&i| i != again.0).unwrap());
+        for i in 1..4 {
+            let reasoning = if i == target.0 { 0 } else { 4 };
+            c.handle(Timestamp::ZERO, Event::Load(load(i, 10, reasoning))).unwrap();
+        }
+        let boundary = Event::Boundary { request: id, instance: again, kv_blocks: 1 };
+        let [Action::Migrate { from, to, .. }] = c.decide(Timestamp::ZERO, boundary).unwrap()[..] else {
+            panic!("{stale:?}: the second move")
+        };
+        assert_eq!((from, to), (again, target), "{stale:?}");
+        let moving = (again, OwnedPhase::Migrating, Some(target));
+        assert!(c.decide(Timestamp::ZERO, ended_0_to_1(id, stale)).unwrap().is_empty(), "{stale:?}");
+        assert_eq!(owner(&c, 7), moving, "{stale:?}: the first move's late end");
+        assert!(c.decide(Timestamp::ZERO, settled(true)).unwrap().is_empty(), "{stale:?}");
+        assert_eq!(owner(&c, 7), moving, "{stale:?}: the first move's late answer");
+        let ended = Event::MigrationEnded { request: id, from: again, to, outcome: MoveOutcome::Committed };
+        assert!(c.decide(Timestamp::ZERO, ended).unwrap().is_empty(), "{stale:?}");
+        assert_eq!(owner(&c, 7), (target, OwnedPhase::Answering, None), "{stale:?}");
+        c.handle(Timestamp::ZERO, Event::Finished { request: id, from: Some(target) })
+            .unwrap_or_else(|e| panic!("{stale:?}: the owner's record refused: {e}"));
     }
 }
 
@@ -387,14 +484,13 @@ fn a_target_leaving_mid_move_leaves_the_request_on_its_source() {
     let mut c = moving_from_0_to_1(3);
     assert!(c.decide(Timestamp::ZERO, Event::Left { instance: InstanceId(1) }).unwrap().is_empty());
     assert_eq!(owner(&c, 7), (InstanceId(0), OwnedPhase::Migrating, Some(InstanceId(1))), "still its source's");
-    c.handle(Timestamp::ZERO, Event::MigrationEnded { request: id, outcome: MoveOutcome::Aborted }).unwrap();
+    c.handle(Timestamp::ZERO, ended_0_to_1(id, MoveOutcome::Aborted)).unwrap();
     assert_eq!(owner(&c, 7), (InstanceId(0), OwnedPhase::Answering, None), "the move aborted: runs on at its source");
 
     // Had the COMMIT gone through before the target left, the only copy left with it.
     let mut c = moving_from_0_to_1(3);
     c.handle(Timestamp::ZERO, Event::Left { instance: InstanceId(1) }).unwrap();
-    let actions =
-        c.decide(Timestamp::ZERO, Event::MigrationEnded { request: id, outcome: MoveOutcome::Committed }).unwrap();
+    let actions = c.decide(Timestamp::ZERO, ended_0_to_1(id, MoveOutcome::Committed)).unwrap();
     assert!(
         matches!(actions.as_slice(), [Action::Place { on, replaced: 1, .. }] if *on != InstanceId(1)),
         "{actions:?}"
@@ -413,7 +509,10 @@ fn a_target_leaving_mid_move_leaves_the_request_on_its_source() {
             vec![&Action::Place { request: id, on: InstanceId(2), replaced: 1 }],
             "{order:?}: {actions:?}"
         );
-        assert!(c.decide(Timestamp::ZERO, Event::Settled { request: id, held: true }).unwrap().is_empty());
+        assert!(c
+            .decide(Timestamp::ZERO, Event::Settled { request: id, from: InstanceId(0), to: InstanceId(1), held: true })
+            .unwrap()
+            .is_empty());
         assert_eq!(owner(&c, 7), (InstanceId(2), OwnedPhase::Reasoning, None), "{order:?}");
     }
 }
@@ -437,7 +536,7 @@ fn a_re_placement_without_a_live_instance_is_retried_when_one_joins() {
 fn a_cancelled_request_is_stopped_where_it_runs_once() {
     let id = RequestId(7);
     let cancel = Event::Cancelled { request: id };
-    let ended = |outcome| Event::MigrationEnded { request: id, outcome };
+    let ended = |outcome| ended_0_to_1(id, outcome);
     // (events after the move to 1 started, then the cancel's actions, then those of `after`)
     type Case = (&'static str, Vec<Event>, Vec<Event>, Vec<Action>);
     let table: Vec<Case> = vec![
@@ -452,17 +551,18 @@ fn a_cancelled_request_is_stopped_where_it_runs_once() {
         ("refused", vec![], vec![ended(MoveOutcome::Refused)], vec![Action::Cancel { request: id, on: InstanceId(0) }]),
         // Both ends failed it: no copy left, nothing to stop (and no re-placement).
         ("lost", vec![], vec![Event::Lost { request: id }], vec![]),
+        ("lost by both ends of the move", vec![], vec![ended(MoveOutcome::Lost)], vec![]),
         // The source left; the target does not hold it: the copy went with the source.
         (
             "settled, not held",
             vec![Event::Left { instance: InstanceId(0) }],
-            vec![Event::Settled { request: id, held: false }],
+            vec![Event::Settled { request: id, from: InstanceId(0), to: InstanceId(1), held: false }],
             vec![],
         ),
         (
             "settled, held",
             vec![Event::Left { instance: InstanceId(0) }],
-            vec![Event::Settled { request: id, held: true }],
+            vec![Event::Settled { request: id, from: InstanceId(0), to: InstanceId(1), held: true }],
             vec![Action::Cancel { request: id, on: InstanceId(1) }],
         ),
     ];
