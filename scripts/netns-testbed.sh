@@ -20,6 +20,9 @@
 #   --config F    link and workload config (default scripts/netns-testbed.conf)
 #   --out DIR     results directory (default results/netns-<timestamp>)
 #   --requests N  requests to replay; --arrivals R  arrival rate, req/s; --seed S  workload seed
+#   --partition W:AT:FOR  cut worker W off the network AT s into the replay, for FOR s (every packet
+#                 in or out of its namespace dropped, loopback aside); longer than the 2 s
+#                 registration lease, its requests are re-placed and its late copies must not count
 #   --bound PCT   link-model check: the largest median |error| that passes (default 25)
 #
 # `up` leaves the testbed running (its state is in /run/kvfleet-netns/<prefix>/); `run` replays a
@@ -755,6 +758,11 @@ load_state() {
 validate_workload() {
   REQUESTS=${OPT_REQUESTS:-${CONF[requests]:-24}} ARRIVALS=${OPT_ARRIVALS:-${CONF[arrivals]:-4}} SEED=${OPT_SEED:-${CONF[seed]:-7}}
   positive_int "$REQUESTS" "requests"
+  if [ -n "$OPT_PARTITION" ]; then
+    [[ "$OPT_PARTITION" =~ ^([0-9]+):([0-9]+(\.[0-9]+)?):([0-9]+(\.[0-9]+)?)$ ]] \
+      || die "--partition must be WORKER:AT_S:FOR_S (e.g. 1:2:5), got '$OPT_PARTITION'"
+    PART_W=${BASH_REMATCH[1]} PART_AT=${BASH_REMATCH[2]} PART_FOR=${BASH_REMATCH[4]}
+  fi
   [[ "$ARRIVALS" =~ ^[0-9]+(\.[0-9]+)?$ && ! "$ARRIVALS" =~ ^0+(\.0+)?$ ]] || die "arrivals must be a positive number of requests per second, got '$ARRIVALS'"
   [[ "$SEED" =~ ^[0-9]+$ ]] || die "seed must be a non-negative integer, got '$SEED'"
   local k
@@ -795,6 +803,32 @@ answer_max = $((4 * a))
 TOML
 }
 
+# A network partition: every packet into or out of worker W's namespace dropped (its loopback
+# aside), from AT s to AT + FOR s; each step logged with its time into FILE.
+partition() {
+  local w=$1 at=$2 span=$3 file=$4 ns
+  ns=$(worker_ns "$w")
+  ((w < N)) || { echo "partition: no worker $w (the testbed has $N)" >>"$file"; return; }
+  sleep "$at"
+  in_ns "$ns" iptables -I INPUT 1 ! -i lo -j DROP
+  in_ns "$ns" iptables -I OUTPUT 1 ! -o lo -j DROP
+  echo "$(date +%s.%N) cut worker $w off ($ns) for $span s" >>"$file"
+  say "partition: worker $w cut off for $span s"
+  sleep "$span"
+  heal "$w" "$file"
+}
+
+# End worker W's partition (nothing to do when none is on).
+heal() {
+  local ns
+  ns=$(worker_ns "$1")
+  if in_ns "$ns" iptables -D INPUT ! -i lo -j DROP 2>/dev/null; then
+    in_ns "$ns" iptables -D OUTPUT ! -o lo -j DROP 2>/dev/null || true
+    echo "$(date +%s.%N) healed worker $1" >>"$2"
+    say "partition: worker $1 reachable again"
+  fi
+}
+
 cmd_run() {
   load_state
   local requests=$REQUESTS arrivals=$ARRIVALS seed=$SEED run=$((RUNS + 1)) dir i rc=0
@@ -809,7 +843,18 @@ cmd_run() {
   # In the background and waited for, so that a signal to this script is handled at once (bash
   # runs traps only after a foreground command ends); `down` kills it with the namespace.
   ip netns exec "$CTL" env RUST_LOG=warn "$BIN_DIR/kvfleet" "${args[@]}" >"$dir.log" 2>&1 &
-  wait $! || rc=$?
+  local replay_pid=$! cut_pid=""
+  if [ -n "$OPT_PARTITION" ]; then
+    partition "$PART_W" "$PART_AT" "$PART_FOR" "$dir-partition.txt" &
+    cut_pid=$!
+  fi
+  wait "$replay_pid" || rc=$?
+  if [ -n "$cut_pid" ]; then
+    # A replay that ended inside the partition: heal it before anything reads the workers.
+    kill "$cut_pid" 2>/dev/null || true
+    wait "$cut_pid" 2>/dev/null || true
+    heal "$PART_W" "$dir-partition.txt"
+  fi
   cat "$dir.log"
   in_ns "$CTL" "$BIN_DIR/kvfleet" status --coordinator "${COORD_IPS[0]}:7000,${COORD_IPS[1]}:7000" \
     --tls-dir "$OUT/pki/client" >"$dir-status.txt" 2>&1 || true
@@ -952,7 +997,7 @@ CMD=${1:-}
 [ -n "$CMD" ] || { sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2; }
 [[ "$CMD" != -h && "$CMD" != --help ]] || { sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0; }
 shift
-UP_STARTED=0 ARG_N="" OPT_RATE="" OPT_DELAY="" OPT_LOSS="" OPT_OUT="" OPT_REQUESTS="" OPT_ARRIVALS="" OPT_SEED=""
+UP_STARTED=0 ARG_N="" OPT_RATE="" OPT_DELAY="" OPT_LOSS="" OPT_OUT="" OPT_REQUESTS="" OPT_ARRIVALS="" OPT_SEED="" OPT_PARTITION=""
 CONFIG=$ROOT/scripts/netns-testbed.conf CONFIG_GIVEN=0 BOUND=25 CHECK_DIR=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -964,6 +1009,7 @@ while [ $# -gt 0 ]; do
     --requests) OPT_REQUESTS=${2:?--requests needs a number}; shift 2 ;;
     --arrivals) OPT_ARRIVALS=${2:?--arrivals needs a number}; shift 2 ;;
     --seed) OPT_SEED=${2:?--seed needs a number}; shift 2 ;;
+    --partition) OPT_PARTITION=${2:?--partition needs WORKER:AT_S:FOR_S}; shift 2 ;;
     --bound) BOUND=${2:?--bound needs a percentage}; shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;

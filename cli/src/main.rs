@@ -15,6 +15,7 @@ mod bench_migration;
 mod bench_parity;
 mod certs;
 mod comparison;
+mod experiment;
 mod plots;
 mod replay_cmd;
 mod report;

@@ -8,16 +8,14 @@
 //! `replay.json` (the exactly-once accounting), and exits non-zero unless every request completed
 //! exactly once: one final record per request, none failed, none rejected, none duplicated.
 
+use crate::experiment::{Plan, PlanArgs, Progress, Replayed};
 use crate::up::replay::{replay, schedule, GiveUp, LeaderFinder, ReplayStats};
-use crate::up::{live, DEFAULT_CONFIG};
 use crate::{report, say, InputError};
 use anyhow::{bail, Context};
 use clap::Args;
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::{RequestId, RequestSpec, Timestamp};
-use kvfleet_sim::config::{resolve_policy, SimConfig};
-use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -120,39 +118,19 @@ pub fn account(submitted: &[RequestSpec], records: &[RequestRecord], failed: usi
 }
 
 pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
-    let mut cfg = match &args.config {
-        Some(p) => SimConfig::load(p).map_err(|e| InputError(e.to_string()))?,
-        None => SimConfig::parse(DEFAULT_CONFIG, "<embedded default>").map_err(|e| InputError(e.to_string()))?,
-    };
-    let base_dir = args.config.as_ref().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default();
-    if let Some(n) = args.requests {
-        cfg.workload.num_requests = Some(n);
-    }
-    if let Some(s) = args.seed {
-        cfg.workload.seed = s;
-    }
-    cfg.sweep = None;
-    cfg.validate().map_err(|e| InputError(e.to_string()))?;
+    let mut plan = Plan::load(&PlanArgs {
+        config: args.config.as_deref(),
+        requests: args.requests,
+        seed: args.seed,
+        rate: args.rate,
+        ..PlanArgs::default()
+    })?;
     for (flag, v) in [("--wait-s", args.wait_s), ("--timeout-s", args.timeout_s)] {
         if !(v.is_finite() && v > 0.0) {
             return Err(InputError(format!("{flag} must be a positive number of seconds, got {v}")).into());
         }
     }
-    let mut workload = cfg.workload.clone();
-    if let Some(r) = args.rate {
-        if !(r.is_finite() && r > 0.0) {
-            return Err(InputError(format!("--rate must be a positive number, got {r}")).into());
-        }
-        match &mut workload.arrivals {
-            kvfleet_core::workload::ArrivalConfig::Poisson { rate }
-            | kvfleet_core::workload::ArrivalConfig::Gamma { rate, .. } => *rate = r,
-            _ => return Err(InputError("--rate needs a poisson or gamma workload".into()).into()),
-        }
-    }
-    let (intra, instance_policy) = resolve_policy(&cfg.scheduler.policy).map_err(|e| InputError(e.to_string()))?;
-    let mut requests =
-        kvfleet_core::workload::generate(&workload, &base_dir).map_err(|e| InputError(format!("workload: {e}")))?;
-    for r in &mut requests {
+    for r in &mut plan.requests {
         r.id =
             r.id.0
                 .checked_add(args.id_base)
@@ -161,7 +139,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     }
     let tls = args.tls.load().map_err(|e| InputError(e.to_string()))?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
-    let want_workers = args.min_workers.unwrap_or(cfg.cluster.instances) as usize;
+    let want_workers = args.min_workers.unwrap_or(plan.cfg.cluster.instances) as usize;
     let finder = LeaderFinder::new(args.coordinators.clone(), tls);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let wait = Duration::from_secs_f64(args.wait_s);
@@ -189,40 +167,21 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     if !clock.dilation.is_none() {
         say!("time        the cluster runs at time dilation {}: every time reported is emulated", clock.dilation);
     }
-    schedule(&mut requests, clock, Duration::from_millis(500));
-    let total = requests.len();
-    say!("replaying   {total} requests ({}, seed {})", cfg.scheduler.policy, cfg.workload.seed);
+    schedule(&mut plan.requests, clock, Duration::from_millis(500));
+    let total = plan.requests.len();
+    say!("replaying   {total} requests ({}, seed {})", plan.cfg.scheduler.policy, plan.cfg.workload.seed);
     let stats = Arc::new(ReplayStats::default());
-    let interactive = std::io::stderr().is_terminal() && !args.quiet;
-    let bar = if interactive { indicatif::ProgressBar::new(total as u64) } else { indicatif::ProgressBar::hidden() };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests finished {msg}",
-        )
-        .expect("static template"),
-    );
-    let started = Instant::now();
+    let mut progress = Progress::new(total as u64, args.quiet);
     let timeout = Duration::from_secs_f64(args.timeout_s);
     let give_up = GiveUp::default();
     let mut timed_out = false;
     let results = rt.block_on(async {
-        let task = tokio::spawn(replay(finder.clone(), requests.clone(), clock, stats.clone(), wait, give_up.clone()));
-        let mut next_line = Instant::now() + Duration::from_secs(5);
+        let requests = plan.requests.clone();
+        let task = tokio::spawn(replay(finder.clone(), requests, clock, stats.clone(), wait, give_up.clone()));
         while !task.is_finished() {
             tokio::time::sleep(Duration::from_millis(100)).await;
-            let finished = stats.finished.load(Ordering::Relaxed);
-            bar.set_position(finished);
-            bar.set_message(format!("({} tokens streamed)", stats.tokens.load(Ordering::Relaxed)));
-            if !interactive && !args.quiet && Instant::now() >= next_line {
-                next_line += Duration::from_secs(5);
-                say!(
-                    "progress    {finished}/{total} finished, {} resumed, {} retries ({:.0} s)",
-                    stats.resumed.load(Ordering::Relaxed),
-                    stats.retries.load(Ordering::Relaxed),
-                    started.elapsed().as_secs_f64()
-                );
-            }
-            if started.elapsed() > timeout && !timed_out {
+            progress.update(&stats);
+            if progress.elapsed() > timeout && !timed_out {
                 // Every unfinished request ends with an error naming where it was.
                 timed_out = true;
                 give_up.give_up(format!("--timeout-s {:.0} passed", args.timeout_s));
@@ -230,9 +189,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         }
         task.await.ok()
     });
-    bar.finish_and_clear();
-    // In emulated time, as every time the records hold.
-    let wall = clock.dilation.emulated(started.elapsed()).as_secs_f64();
+    progress.finish();
     let Some(results) = results else { bail!("the replay's client task failed") };
     if timed_out {
         say!(
@@ -242,29 +199,21 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         );
     }
     let (ok, failed) = crate::up::replay::partition(results);
-    let mut outcome = account(&requests, &ok, failed.len());
+    // The leader's view after the run: live migrations and the instances it knows.
+    let end = rt.block_on(finder.leader(Duration::from_secs(10))).map(|(_, s)| s).ok();
+    let replayed = Replayed {
+        ok,
+        failed,
+        live_log: end.as_ref().map(|s| s.migration_log.clone()).unwrap_or_default(),
+        // In emulated time, as every time the records hold.
+        span_s: clock.dilation.emulated(progress.elapsed()).as_secs_f64(),
+    };
+    let wall = replayed.span_s;
+    let mut outcome = account(&plan.requests, &replayed.ok, replayed.failed.len());
     outcome.resumed = stats.resumed.load(Ordering::Relaxed);
     outcome.retries = stats.retries.load(Ordering::Relaxed);
     outcome.wall_s = wall;
-
-    // The leader's view after the run: live migrations and the instances it knows.
-    let end = rt.block_on(finder.leader(Duration::from_secs(10))).map(|(_, s)| s).ok();
-    let live_log = end.as_ref().map(|s| s.migration_log.clone()).unwrap_or_default();
-    let migrations = live::records(&live_log);
-    let run = kvfleet_sim::RunResult::new(
-        kvfleet_sim::RunIdentity {
-            policy: cfg.scheduler.policy.clone(),
-            intra,
-            instance_policy,
-            rate: args.rate.or_else(|| kvfleet_sim::arrival_rate(&workload.arrivals)),
-            timing: cfg.cluster.timing.clone(),
-            seed: cfg.workload.seed,
-        },
-        ok.clone(),
-        migrations,
-        &cfg.slo,
-        wall,
-    );
+    let run = replayed.run_result(&plan);
     say!("{}", report::summary_table(std::slice::from_ref(&run)));
     say!(
         "{} of {total} requests completed exactly once ({} failed, {} rejected, {} duplicated, {} stale) in {wall:.1} s; {} migrated at </think>; {} resumed after a leader change; {} client retries",
@@ -273,38 +222,27 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         outcome.rejected,
         outcome.duplicates,
         outcome.stale,
-        ok.iter().filter(|r| r.migrations > 0).count(),
+        replayed.migrated(),
         outcome.resumed,
         outcome.retries,
     );
-    say!("{}", live::table(&live_log).trim_end());
     if let Some(s) = &end {
-        let alive: Vec<String> = s
-            .instances
-            .iter()
-            .filter(|i| i.alive)
-            .filter_map(|i| i.info.as_ref())
-            .map(|w| w.instance.to_string())
-            .collect();
-        let gone: Vec<String> = s
-            .instances
-            .iter()
-            .filter(|i| !i.alive)
-            .filter_map(|i| i.info.as_ref())
-            .map(|w| w.instance.to_string())
-            .collect();
-        say!("leader      {} at the end; instances alive [{}], gone [{}]", s.leader, alive.join(","), gone.join(","));
+        let ids = |alive: bool| -> Vec<String> {
+            s.instances
+                .iter()
+                .filter(|i| i.alive == alive)
+                .filter_map(|i| i.info.as_ref())
+                .map(|w| w.instance.to_string())
+                .collect()
+        };
+        say!(
+            "leader      {} at the end; instances alive [{}], gone [{}]",
+            s.leader,
+            ids(true).join(","),
+            ids(false).join(",")
+        );
     }
-    for e in failed.iter().take(5) {
-        say!("  failed: {e}");
-    }
-    if !live_log.is_empty() {
-        live::write_csv(&args.out.join("live-migrations.csv"), &live_log)?;
-    }
-    let mut written = report::write_outputs(&args.out, std::slice::from_ref(&run))?;
-    if !args.no_plots {
-        written.extend(crate::plots::write_plots(&args.out, std::slice::from_ref(&run))?);
-    }
+    let written = replayed.report(&args.out, &run, !args.no_plots)?;
     let json = serde_json::to_string_pretty(&outcome).expect("plain data");
     std::fs::write(args.out.join("replay.json"), json + "\n").context("writing replay.json")?;
     say!("wrote {} files to {}", written.len() + 1, args.out.display());

@@ -4,6 +4,8 @@
 //! loss: every request completes exactly once (`kvfleet replay`'s accounting), no worker counts a
 //! KV error, at least one migration commits, and every token of every committed migration had its
 //! content stamp verified by its target — while the links really did drop and delay packets.
+//! In the 1 % case worker 1 is also cut off the network for 5 s mid-replay (longer than its 2 s
+//! registration lease): its requests are re-placed, and its late copies must not count.
 //!
 //! It needs root, iproute2, nft, iptables and etcd (`scripts/netns-testbed.sh preflight` checks
 //! each by trying it); elsewhere it is skipped with the preflight's message. The two cases run
@@ -86,8 +88,9 @@ fn stop_field(stop_line: &str, name: &str) -> u64 {
     value.parse().unwrap_or_else(|e| panic!("{name}={value}: {e}"))
 }
 
-/// One experiment with every link at 10 ms and `loss_pct` % loss; checks everything that must hold.
-fn lossy_experiment(prefix: &str, loss_pct: f64) {
+/// One experiment with every link at 10 ms and `loss_pct` % loss, and the `--partition` given;
+/// checks everything that must hold.
+fn lossy_experiment(prefix: &str, loss_pct: f64, partition: Option<&str>) {
     let dir = TempDir::new("netns");
     let config = dir.write("testbed.conf", CONFIG);
     let out_dir = dir.join("out");
@@ -99,6 +102,7 @@ fn lossy_experiment(prefix: &str, loss_pct: f64) {
         .arg("--out")
         .arg(&out_dir)
         .args(["--delay", "10ms", "--loss", &loss])
+        .args(partition.map(|p| ["--partition", p]).into_iter().flatten())
         .output()
         .expect("run scripts/netns-testbed.sh");
     let took = started.elapsed();
@@ -111,6 +115,14 @@ fn lossy_experiment(prefix: &str, loss_pct: f64) {
     assert_eq!(replay["exactly_once"], true, "{loss}: {replay}\n{log}");
     assert_eq!(replay["completed"], REQUESTS, "{loss}: {replay}");
     assert_eq!(replay["failed"], 0, "{loss}: {replay}");
+
+    // The partition happened and healed, and the leader gave the cut-off worker up meanwhile.
+    if let Some(p) = partition {
+        let steps = read(&out_dir.join("replay-partition.txt"));
+        assert!(steps.contains(" cut worker ") && steps.contains(" healed worker "), "{p}: {steps}\n{log}");
+        let leaders: String = (0..2).map(|i| read(&out_dir.join(format!("logs/coordinator-{i}.log")))).collect();
+        assert!(leaders.contains("worker left; re-placing its requests"), "{p}: no worker was given up\n{log}");
+    }
 
     // No KV error: the workers' counter after the run, and their stop lines.
     for i in 0..WORKERS {
@@ -181,7 +193,7 @@ fn migrations_cross_lossy_links_without_losing_kv_or_requests() {
         println!("SKIPPED netns testbed test: {why}");
         return;
     }
-    for (case, loss_pct) in [1.0, 5.0].into_iter().enumerate() {
-        lossy_experiment(&format!("{prefix}-{case}"), loss_pct);
+    for (case, (loss_pct, partition)) in [(1.0, Some("1:3:5")), (5.0, None)].into_iter().enumerate() {
+        lossy_experiment(&format!("{prefix}-{case}"), loss_pct, partition);
     }
 }

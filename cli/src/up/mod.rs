@@ -11,14 +11,13 @@ pub mod procs;
 pub mod replay;
 mod scrape;
 
+use crate::experiment::{Plan, PlanArgs, Progress, Replayed};
 use crate::{report, say, InputError};
 use anyhow::bail;
 use clap::Args;
 use cluster::{Cluster, ClusterSpec, Started};
-use indicatif::{ProgressBar, ProgressStyle};
 use kvfleet_core::TimeSpan;
 use kvfleet_meta::layout::ClusterTime;
-use kvfleet_sim::config::{resolve_policy, SimConfig};
 use replay::{replay, schedule, GiveUp, ReplayStats};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -138,48 +137,20 @@ pub struct UpArgs {
 }
 
 pub fn run(args: UpArgs) -> anyhow::Result<()> {
-    let mut cfg = match &args.config {
-        Some(p) => SimConfig::load(p).map_err(|e| InputError(e.to_string()))?,
-        None => SimConfig::parse(DEFAULT_CONFIG, "<embedded default>").map_err(|e| InputError(e.to_string()))?,
-    };
-    let base_dir = args.config.as_ref().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default();
-    if let Some(p) = &args.policy {
-        cfg.scheduler.policy = p.clone();
-    }
-    if let Some(n) = args.requests {
-        cfg.workload.num_requests = Some(n);
-    }
-    if let Some(s) = args.seed {
-        cfg.workload.seed = s;
-    }
-    if let Some(w) = args.workers {
-        cfg.cluster.instances = w;
-    }
-    cfg.sweep = None;
-    cfg.validate().map_err(|e| InputError(e.to_string()))?;
+    let mut plan = Plan::load(&PlanArgs {
+        config: args.config.as_deref(),
+        policy: args.policy.as_deref(),
+        requests: args.requests,
+        seed: args.seed,
+        workers: args.workers,
+        rate: args.rate,
+    })?;
     if let Some(g) = args.link_gbps.filter(|g| !(g.is_finite() && *g > 0.0)) {
         return Err(InputError(format!("--link-gbps must be a positive number, got {g}")).into());
     }
     if !(args.link_latency_us.is_finite() && args.link_latency_us >= 0.0) {
         return Err(InputError(format!("--link-latency-us must be ≥ 0, got {}", args.link_latency_us)).into());
     }
-    let rate = match args.rate {
-        Some(r) if !(r.is_finite() && r > 0.0) => {
-            return Err(InputError(format!("--rate must be a positive number, got {r}")).into())
-        }
-        r => r,
-    };
-    let (intra, instance_policy) = resolve_policy(&cfg.scheduler.policy).map_err(|e| InputError(e.to_string()))?;
-    let mut workload = cfg.workload.clone();
-    if let Some(r) = rate {
-        match &mut workload.arrivals {
-            kvfleet_core::workload::ArrivalConfig::Poisson { rate }
-            | kvfleet_core::workload::ArrivalConfig::Gamma { rate, .. } => *rate = r,
-            _ => return Err(InputError("--rate needs a poisson or gamma workload".into()).into()),
-        }
-    }
-    let mut requests =
-        kvfleet_core::workload::generate(&workload, &base_dir).map_err(|e| InputError(format!("workload: {e}")))?;
 
     let dilation = args.time_dilation.resolve(args.link_gbps, &args.out)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
@@ -187,9 +158,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     let mut cluster = Cluster::default();
     let result = (|| -> anyhow::Result<()> {
         let spec = ClusterSpec {
-            cfg: &cfg,
-            intra: &intra,
-            instance_policy: &instance_policy,
+            cfg: &plan.cfg,
+            intra: &plan.intra,
+            instance_policy: &plan.instance_policy,
             out: &args.out,
             coordinators: args.coordinators,
             no_etcd: args.no_etcd,
@@ -208,50 +179,26 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             clock,
             own_groups: false,
         };
-        // Faults: the single ones asked for, and a seeded schedule.
-        let mut faults: Vec<chaos::Scheduled> = [
-            (args.kill_leader_after_s, chaos::Fault::KillLeader),
-            (args.kill_worker_after_s, chaos::Fault::KillWorker(0)),
-            (args.restart_etcd_after_s, chaos::Fault::RestartEtcd),
-            (args.pause_worker_after_s, chaos::Fault::PauseWorker(0, args.pause_for_s)),
-            (args.pause_leader_after_s, chaos::Fault::PauseLeader(args.pause_for_s)),
-        ]
-        .into_iter()
-        .filter_map(|(at, fault)| at.map(|at_s| chaos::Scheduled { at_s, fault }))
-        .collect();
-        if let Some(seed) = args.chaos {
-            let etcd = !args.no_etcd && procs::find_etcd().is_some();
-            let workers = cfg.cluster.instances as usize;
-            faults.extend(chaos::random_schedule(seed, args.chaos_faults, args.chaos_span_s, workers, etcd));
-            say!("chaos       seed {seed}: {} faults within {} s", args.chaos_faults, args.chaos_span_s);
-            for f in &faults {
-                say!("            {:>5.1} s  {}", f.at_s, f.fault);
-            }
-        }
+        let faults = faults(&args, plan.cfg.cluster.instances as usize);
         let Started { finder, metric_pages, etcd_url, etcd_options, logs } = cluster::start(&spec, &rt, &mut cluster)?;
         // Replay.
-        schedule(&mut requests, clock, Duration::from_millis(300));
-        let total = requests.len() as u64;
+        schedule(&mut plan.requests, clock, Duration::from_millis(300));
+        let total = plan.requests.len() as u64;
         let stats = Arc::new(ReplayStats::default());
-        let bar = if args.quiet { ProgressBar::hidden() } else { ProgressBar::new(total) };
-        bar.set_style(
-            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests finished {msg}")
-                .expect("static template"),
-        );
-        let started = Instant::now();
+        let mut progress = Progress::new(total, args.quiet);
         let give_up = GiveUp::default();
         // Given in emulated seconds, like every other time of a dilated run.
         let mut stall = StallWatch::new(dilation.real(TimeSpan::from_secs_f64(args.stall_timeout_s)));
         let (records, chaos_log) = rt.block_on(async {
             let replay_task = tokio::spawn(replay(
                 finder.clone(),
-                requests.clone(),
+                plan.requests.clone(),
                 clock,
                 stats.clone(),
                 dilation.real(TimeSpan::from_secs_f64(30.0)),
                 give_up.clone(),
             ));
-            let mut chaos = chaos::Chaos::new(faults.clone());
+            let mut chaos = chaos::Chaos::new(faults);
             // SIGINT / SIGTERM end the replay (its requests reported unfinished) and the run then
             // stops every process it started, instead of leaving them behind.
             let mut interrupted = Box::pin(crate::traces::stop_signal());
@@ -261,85 +208,66 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                     _ = tokio::time::sleep(Duration::from_millis(100)) => {}
                     () = &mut interrupted, if !stopping => {
                         stopping = true;
-                        bar.suspend(|| say!("interrupted: stopping the replay and every process"));
+                        progress.say("interrupted: stopping the replay and every process");
                         give_up.give_up("interrupted (SIGINT or SIGTERM)");
                     }
                 }
-                let (finished, tokens) = (stats.finished.load(Ordering::Relaxed), stats.tokens.load(Ordering::Relaxed));
-                bar.set_position(finished);
-                bar.set_message(format!("({tokens} tokens streamed)"));
-                if let Some(idle) = stall.check((finished, tokens)) {
+                progress.update(&stats);
+                let counters = (stats.finished.load(Ordering::Relaxed), stats.tokens.load(Ordering::Relaxed));
+                if let Some(idle) = stall.check(counters) {
                     let why = format!("no request finished and no token streamed for {:.0} s", idle.as_secs_f64());
-                    bar.suspend(|| say!("stalled: {why} (--stall-timeout-s); giving up on the unfinished requests"));
+                    progress.say(&format!("stalled: {why} (--stall-timeout-s); giving up on the unfinished requests"));
                     give_up.give_up(why);
                 }
-                chaos.step(&mut cluster, &finder, &bar).await;
+                chaos.step(&mut cluster, &finder, progress.bar()).await;
             }
             chaos.finish();
             (replay_task.await.unwrap_or_default(), chaos.log)
         });
-        bar.finish_and_clear();
-        let wall = started.elapsed().as_secs_f64();
-        // The run's span as the cluster lived it: what every other reported time is in.
-        let span = dilation.emulated(started.elapsed()).as_secs_f64();
+        progress.finish();
+        let wall = progress.elapsed().as_secs_f64();
         let (ok, failed) = replay::partition(records);
-        // The leader's record of live migrations (each source's measurements).
-        let live_log =
-            rt.block_on(finder.leader(Duration::from_secs(10))).map(|(_, s)| s.migration_log).unwrap_or_default();
-        let migrations = live::records(&live_log);
+        let replayed = Replayed {
+            ok,
+            failed,
+            // The leader's record of live migrations (each source's measurements).
+            live_log: rt
+                .block_on(finder.leader(Duration::from_secs(10)))
+                .map(|(_, s)| s.migration_log)
+                .unwrap_or_default(),
+            // The run's span as the cluster lived it: what every other reported time is in.
+            span_s: dilation.emulated(progress.elapsed()).as_secs_f64(),
+        };
         // What each worker counted itself, before it stops.
         scrape::save_all(&args.out.join("metrics"), &metric_pages)?;
-        let migrated = ok.iter().filter(|r| r.migrations > 0).count();
-        let run = kvfleet_sim::RunResult::new(
-            kvfleet_sim::RunIdentity {
-                policy: cfg.scheduler.policy.clone(),
-                intra: intra.clone(),
-                instance_policy: instance_policy.clone(),
-                rate: rate.or_else(|| kvfleet_sim::arrival_rate(&workload.arrivals)),
-                timing: cfg.cluster.timing.clone(),
-                seed: cfg.workload.seed,
-            },
-            ok.clone(),
-            migrations,
-            &cfg.slo,
-            span,
-        );
+        let run = replayed.run_result(&plan);
         say!("{}", report::summary_table(std::slice::from_ref(&run)));
-        let rejected = ok.iter().filter(|r| r.rejected).count();
+        let rejected = replayed.rejected();
         say!(
             "{} of {} requests finished, {} rejected (never fit an instance), {} failed, in {:.1} s; {} migrated at </think>; \
              {} resumed after a leader change; {} client retries",
-            ok.len() - rejected,
+            replayed.ok.len() - rejected,
             total,
             rejected,
-            failed.len(),
-            span,
-            migrated,
+            replayed.failed.len(),
+            replayed.span_s,
+            replayed.migrated(),
             stats.resumed.load(Ordering::Relaxed),
             stats.retries.load(Ordering::Relaxed)
         );
         if !dilation.is_none() {
             say!(
-                "time dilation {dilation}: {wall:.1} s of real time emulated {span:.1} s; every time above is emulated"
+                "time dilation {dilation}: {wall:.1} s of real time emulated {:.1} s; every time above is emulated",
+                replayed.span_s
             );
-        }
-        say!("{}", live::table(&live_log).trim_end());
-        if !live_log.is_empty() {
-            live::write_csv(&args.out.join("live-migrations.csv"), &live_log)?;
         }
         for ms in &chaos_log.failovers_ms {
             say!("leader failover took {ms} ms (the leader killed or stopped → a new leader answering)");
         }
-        for e in failed.iter().take(5) {
-            say!("  failed: {e}");
-        }
-        if !failed.is_empty() {
-            std::fs::write(args.out.join("failed.txt"), failed.join("\n") + "\n")?;
-            say!("  (all {} failures in {})", failed.len(), args.out.join("failed.txt").display());
-        }
+        let written = replayed.report(&args.out, &run, true)?;
         // The cluster's own record of the run must be what the clients got.
         let audited = match &etcd_url {
-            Some(url) => match rt.block_on(audit::audit(url, &etcd_options, &ok)) {
+            Some(url) => match rt.block_on(audit::audit(url, &etcd_options, &replayed.ok)) {
                 Ok(a) => {
                     say!("{}", a.line());
                     for d in a.differ.iter().take(5) {
@@ -355,19 +283,18 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             None => None,
         };
         if let Some(seed) = args.chaos {
-            let report = chaos::report(seed, &chaos_log, total, &ok, &failed, audited.as_ref(), &run.migrations);
+            let (ok, failed) = (&replayed.ok, &replayed.failed);
+            let report = chaos::report(seed, &chaos_log, total, ok, failed, audited.as_ref(), &run.migrations);
             say!("{}", report.table().trim_end());
             std::fs::write(args.out.join("chaos.json"), serde_json::to_string_pretty(&report)? + "\n")?;
         }
-        let mut written = report::write_outputs(&args.out, std::slice::from_ref(&run))?;
-        written.extend(crate::plots::write_plots(&args.out, std::slice::from_ref(&run))?);
         say!("wrote {} files to {} (process logs in {})", written.len(), args.out.display(), logs.display());
-        if !failed.is_empty() {
-            bail!("{} requests did not complete", failed.len());
+        if !replayed.failed.is_empty() {
+            bail!("{} requests did not complete", replayed.failed.len());
         }
-        let mut ids: Vec<u64> = ok.iter().map(|r| r.id.0).collect();
+        let mut ids: Vec<u64> = replayed.ok.iter().map(|r| r.id.0).collect();
         ids.dedup();
-        if ids.len() != ok.len() {
+        if ids.len() != replayed.ok.len() {
             bail!("duplicate records: a request completed more than once");
         }
         if let Some(a) = audited.filter(|a| !a.clean()) {
@@ -385,6 +312,29 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         }
     }
     result
+}
+
+/// The faults to inject: the single ones asked for, and a seeded schedule (printed).
+fn faults(args: &UpArgs, workers: usize) -> Vec<chaos::Scheduled> {
+    let mut faults: Vec<chaos::Scheduled> = [
+        (args.kill_leader_after_s, chaos::Fault::KillLeader),
+        (args.kill_worker_after_s, chaos::Fault::KillWorker(0)),
+        (args.restart_etcd_after_s, chaos::Fault::RestartEtcd),
+        (args.pause_worker_after_s, chaos::Fault::PauseWorker(0, args.pause_for_s)),
+        (args.pause_leader_after_s, chaos::Fault::PauseLeader(args.pause_for_s)),
+    ]
+    .into_iter()
+    .filter_map(|(at, fault)| at.map(|at_s| chaos::Scheduled { at_s, fault }))
+    .collect();
+    if let Some(seed) = args.chaos {
+        let etcd = !args.no_etcd && procs::find_etcd().is_some();
+        faults.extend(chaos::random_schedule(seed, args.chaos_faults, args.chaos_span_s, workers, etcd));
+        say!("chaos       seed {seed}: {} faults within {} s", args.chaos_faults, args.chaos_span_s);
+        for f in &faults {
+            say!("            {:>5.1} s  {}", f.at_s, f.fault);
+        }
+    }
+    faults
 }
 
 /// `kvfleet traces analyze OUT/traces.jsonl --out OUT/traces`, with a one-line summary.
