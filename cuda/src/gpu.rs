@@ -375,8 +375,11 @@ impl Gpu {
             ],
         )?;
         if sig.decode_seqs > 0 {
+            // Four times the blocks `decode_splits` aims at per SM (16 per SM): the kernel holds
+            // three blocks per SM and a block's split is short, so the grid runs in ~5 waves and the
+            // last one's tail is a small part of the time.
             let splits = Self::decode_splits(
-                self.info.sm_count as u64,
+                4 * self.info.sm_count as u64,
                 sig.decode_seqs as u64,
                 s.kv_heads,
                 sig.decode_context as u64,
@@ -403,8 +406,9 @@ impl Gpu {
             let row0 = sig.decode_seqs as u64;
             self.launch(
                 &self.kernels.prefill_attention,
-                (sig.prompt_len.div_ceil(64), s.q_heads as u32, sig.prompts),
-                128,
+                // 128 query rows per block, 8 warps (PF_ROWS, PF_WARPS in kernels.cu).
+                (sig.prompt_len.div_ceil(128), s.q_heads as u32, sig.prompts),
+                256,
                 vec![
                     Arg::Ptr(b.qkv.ptr),
                     Arg::I32(qkv_w),
