@@ -30,6 +30,7 @@
 
 use crate::ownership::{initial_phase, OwnedPhase, Ownership};
 use crate::prefix::PrefixIndex;
+use crate::roles::Role;
 use kvfleet_core::kv::KvEvent;
 use kvfleet_core::policy::{InstancePolicy, LoadReport, PhaseChange, PhaseDecision};
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimRng, TimeSpan, Timestamp};
@@ -37,6 +38,13 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 /// Other targets tried after a target declined a move for lack of room.
 pub const MAX_RETARGETS: usize = 2;
+
+/// Handoffs of one request that may end without committing (aborted, or refused by every decode
+/// instance asked) before it decodes where it was prefilled instead.
+pub const MAX_HANDOFF_FAILURES: u32 = 8;
+
+/// Free blocks a decode instance must have beyond a handoff's KV to be asked to take it.
+pub const HANDOFF_HEADROOM_BLOCKS: u32 = 16;
 
 /// How long a decision counts in its target's published load when no report shows it (a submit
 /// that never arrived, a worker that restarted and counts from zero again).
@@ -62,7 +70,7 @@ pub enum Event {
         /// The instance.
         instance: InstanceId,
     },
-    /// An instance published its load (an instance that was [`Event::Silent`] is heard again).
+    /// An instance published its load (a silent instance, [`Event::Heard`], is heard again).
     Load(LoadReport),
     /// When the driver last heard from each instance (any message, not only load reports), for
     /// the [`Silence`] rule: an instance quiet for `silent_after` looked idle, so it would draw
@@ -84,6 +92,16 @@ pub enum Event {
         /// Where it crossed the boundary.
         instance: InstanceId,
         /// KV it holds now, in blocks.
+        kv_blocks: u32,
+    },
+    /// On a prefill instance ([`Role::Prefill`]) the request's prefill produced its first token;
+    /// it is held there, KV in place, for its handoff to a decode instance.
+    PrefillDone {
+        /// The request.
+        request: RequestId,
+        /// Where it was prefilled.
+        instance: InstanceId,
+        /// KV it holds, in blocks (what the handoff moves).
         kv_blocks: u32,
     },
     /// A move decided by [`Action::Migrate`] ended. The end of a move superseded meanwhile (its
@@ -212,6 +230,22 @@ pub enum Action {
         /// Where it runs.
         on: InstanceId,
     },
+    /// Let `request`, held on prefill instance `on` after its prefill, decode there after all: no
+    /// decode instance took it.
+    Release {
+        /// The request.
+        request: RequestId,
+        /// The prefill instance holding it.
+        on: InstanceId,
+    },
+    /// Serve `role` on `instance` from now on (a prefill instance holds each request after its
+    /// first token for a handoff; going back to decoding releases what it holds).
+    SetRole {
+        /// The instance.
+        instance: InstanceId,
+        /// Its role.
+        role: Role,
+    },
     /// `from` left while moving `request` out to `to`, which is live: the move may have committed.
     /// Ask `to` whether it holds the request (it refuses a late COMMIT from then on) and answer
     /// with [`Event::Settled`]: held, it runs there; not held, it is re-placed.
@@ -294,6 +328,7 @@ struct Instance {
     base: LoadReport,
     charges: Vec<Charge>,
     alive: bool,
+    role: Role,
     /// Not heard from lately ([`Event::Heard`]): out of `live` until it is heard again (or
     /// reports).
     silent: bool,
@@ -335,6 +370,12 @@ struct Move {
     from: InstanceId,
     kv_blocks: u32,
     declined: Vec<InstanceId>,
+    /// A prefill-to-decode handoff (else a move at `</think>`).
+    handoff: bool,
+    /// The request's phase once the move ends.
+    after: OwnedPhase,
+    /// Handoffs of this request that ended without committing.
+    failed: u32,
 }
 
 /// Which end of a request's open move left the cluster.
@@ -364,12 +405,17 @@ pub struct Controller {
     cancelling: BTreeSet<RequestId>,
     /// Requests whose re-placement found no live instance: retried when one joins.
     stranded: BTreeSet<RequestId>,
+    /// Requests held after their prefill that no decode instance has room for yet, in the order
+    /// they became ready: handed off as decode instances report room (first come, first served).
+    waiting_handoffs: VecDeque<RequestId>,
     retain_finished: bool,
     now: Timestamp,
     actions: VecDeque<Action>,
     /// Where prompts' prefixes are predicted cached (kept only for a policy that reads it).
     prefix: Option<PrefixIndex>,
     silence: Option<Silence>,
+    /// Some instance has a role other than [`Role::Mixed`]: placements and handoffs respect roles.
+    disaggregated: bool,
 }
 
 impl Controller {
@@ -389,11 +435,38 @@ impl Controller {
             departed: BTreeMap::new(),
             cancelling: BTreeSet::new(),
             stranded: BTreeSet::new(),
+            waiting_handoffs: VecDeque::new(),
             retain_finished: false,
             now: Timestamp::ZERO,
             actions: VecDeque::new(),
             silence: None,
+            disaggregated: false,
         }
+    }
+
+    /// Give `instance` (joined or not yet) the role `role`; an [`Action::SetRole`] tells the
+    /// driver. New requests go only to instances that prefill ([`Role::prefills`]); a request
+    /// prefilled on a [`Role::Prefill`] instance is handed off ([`Event::PrefillDone`]) to one
+    /// that decodes.
+    pub fn set_role(&mut self, instance: InstanceId, role: Role) {
+        let inst = self.instances.entry(instance).or_insert_with(|| Instance {
+            address: String::new(),
+            base: LoadReport { instance, answering_slo_ok: true, ..LoadReport::default() },
+            charges: Vec::new(),
+            alive: false,
+            role: Role::Mixed,
+            silent: false,
+            abandoned: false,
+            live_slot: None,
+        });
+        inst.role = role;
+        self.disaggregated = self.instances.values().any(|i| i.role != Role::Mixed);
+        self.actions.push_back(Action::SetRole { instance, role });
+    }
+
+    /// `instance`'s role ([`Role::Mixed`] unless set).
+    pub fn role(&self, instance: InstanceId) -> Role {
+        self.instances.get(&instance).map_or(Role::Mixed, |i| i.role)
     }
 
     /// Apply `rule` to the times [`Event::Heard`] reports (a driver that cannot lose touch with
@@ -492,6 +565,10 @@ impl Controller {
                 self.on_boundary(request, instance, kv_blocks);
                 Ok(())
             }
+            Event::PrefillDone { request, instance, kv_blocks } => {
+                self.on_prefill_done(request, instance, kv_blocks);
+                Ok(())
+            }
             Event::MigrationEnded { request, from, to, outcome } => {
                 if !self.moving(request, from, to) {
                     tracing::debug!(
@@ -560,6 +637,7 @@ impl Controller {
             base: LoadReport { instance, answering_slo_ok: true, ..LoadReport::default() },
             charges: Vec::new(),
             alive: false,
+            role: Role::Mixed,
             silent: false,
             abandoned: false,
             live_slot: None,
@@ -652,12 +730,30 @@ impl Controller {
         let admitted = load.admitted;
         inst.base = load;
         inst.charges.retain(|c| c.covered_at > admitted && now.saturating_since(c.at) < CHARGE_TTL);
+        let decodes = inst.role.decodes();
         if std::mem::take(&mut inst.silent) {
             tracing::info!(instance = id.0, "instance heard again: placements resume");
             self.rebuild_live();
             self.retry_stranded();
         } else {
             self.republish(id);
+        }
+        if decodes && !self.waiting_handoffs.is_empty() {
+            self.retry_handoffs();
+        }
+    }
+
+    /// Hand off the waiting requests, first come first served, while a decode instance has room
+    /// for the first.
+    fn retry_handoffs(&mut self) {
+        while let Some(&id) = self.waiting_handoffs.front() {
+            let Some(m) = self.moves.get(&id).cloned() else {
+                self.waiting_handoffs.pop_front();
+                continue;
+            };
+            let Some(to) = self.choose_decoder(&m) else { return };
+            self.waiting_handoffs.pop_front();
+            self.start_move(id, &m, to);
         }
     }
 
@@ -749,21 +845,31 @@ impl Controller {
     /// The policy's placement, or the least-loaded live instance when it names one that is not
     /// live. `None` only when no instance is live.
     fn choose(&mut self, spec: &RequestSpec) -> Option<InstanceId> {
-        if self.live.is_empty() {
+        // Disaggregated: only the instances that prefill take new requests.
+        let pool: Option<Vec<LoadReport>> = self.disaggregated.then(|| {
+            let instances = &self.instances;
+            self.live
+                .iter()
+                .filter(|l| instances.get(&l.instance).is_some_and(|i| i.role.prefills()))
+                .cloned()
+                .collect()
+        });
+        let live = pool.as_deref().unwrap_or(&self.live);
+        if live.is_empty() {
             return None;
         }
         let to = match &self.prefix {
             Some(index) => {
-                let overlap = index.overlaps(spec, &self.live, self.now);
-                self.policy.place_with_overlap(spec, &self.live, &overlap, &mut self.rng)
+                let overlap = index.overlaps(spec, live, self.now);
+                self.policy.place_with_overlap(spec, live, &overlap, &mut self.rng)
             }
-            None => self.policy.place(spec, &self.live, &mut self.rng),
+            None => self.policy.place(spec, live, &mut self.rng),
         };
-        if self.is_live(to) {
+        if live.iter().any(|l| l.instance == to) {
             self.note_prefix(spec, to);
             return Some(to);
         }
-        let fallback = self.live.iter().min_by_key(|l| (l.kv_footprint_bytes(), l.instance)).map(|l| l.instance);
+        let fallback = live.iter().min_by_key(|l| (l.kv_footprint_bytes(), l.instance)).map(|l| l.instance);
         tracing::warn!(
             request = spec.id.0,
             picked = to.0,
@@ -873,7 +979,17 @@ impl Controller {
         }
         o.phase = OwnedPhase::Answering;
         if self.policy.migrates_at_phase_boundary() {
-            self.moves.insert(id, Move { from: instance, kv_blocks, declined: Vec::new() });
+            self.moves.insert(
+                id,
+                Move {
+                    from: instance,
+                    kv_blocks,
+                    declined: Vec::new(),
+                    handoff: false,
+                    after: OwnedPhase::Answering,
+                    failed: 0,
+                },
+            );
             self.decide_move(id);
         }
     }
@@ -881,12 +997,39 @@ impl Controller {
     /// Ask the policy where `id` should answer, among the live instances not declined yet.
     fn decide_move(&mut self, id: RequestId) {
         let Some(m) = self.moves.get(&id).cloned() else { return };
+        if m.handoff {
+            match self.choose_decoder(&m) {
+                Some(to) => self.start_move(id, &m, to),
+                None if self.decoders_live() => {
+                    // Every decode instance is full: held, it waits for one to report room.
+                    if let Some(m) = self.moves.get_mut(&id) {
+                        m.declined.clear();
+                    }
+                    if !self.waiting_handoffs.contains(&id) {
+                        self.waiting_handoffs.push_back(id);
+                    }
+                }
+                None => {
+                    tracing::debug!(request = id.0, "no decode instance is live: it decodes where it was prefilled");
+                    self.moves.remove(&id);
+                    self.actions.push_back(Action::Release { request: id, on: m.from });
+                }
+            }
+            return;
+        }
         let change = PhaseChange { request: id, current: m.from, kv_blocks: m.kv_blocks };
-        let decision = if m.declined.is_empty() {
+        let decision = if m.declined.is_empty() && !self.disaggregated {
             self.policy.on_phase_change(&change, &self.live, &mut self.rng)
         } else {
-            let loads: Vec<LoadReport> =
-                self.live.iter().filter(|l| !m.declined.contains(&l.instance)).cloned().collect();
+            // Not the targets that declined it, and, disaggregated, only instances that decode.
+            let instances = &self.instances;
+            let loads: Vec<LoadReport> = self
+                .live
+                .iter()
+                .filter(|l| !m.declined.contains(&l.instance))
+                .filter(|l| !self.disaggregated || instances.get(&l.instance).is_some_and(|i| i.role.decodes()))
+                .cloned()
+                .collect();
             self.policy.on_phase_change(&change, &loads, &mut self.rng)
         };
         let PhaseDecision::Migrate { to } = decision else {
@@ -906,6 +1049,11 @@ impl Controller {
             self.moves.remove(&id);
             return;
         }
+        self.start_move(id, &m, to);
+    }
+
+    /// Move `id` as `m` says, to `to`: charged to `to` at once, recorded for a successor.
+    fn start_move(&mut self, id: RequestId, m: &Move, to: InstanceId) {
         let o = self.requests.get_mut(&id).expect("a move exists only for a known request");
         o.phase = OwnedPhase::Migrating;
         o.migrating_to = Some(to);
@@ -915,6 +1063,52 @@ impl Controller {
             mv.declined.push(to);
         }
         self.actions.push_back(Action::Migrate { request: id, from: m.from, to, kv_blocks: m.kv_blocks });
+    }
+
+    /// The decode instance a handoff goes to: among the live instances that decode and have not
+    /// declined it, the one with the least KV in use or promised (fewest requests, then lowest id,
+    /// on a tie).
+    fn choose_decoder(&self, m: &Move) -> Option<InstanceId> {
+        self.live
+            .iter()
+            .filter(|l| l.instance != m.from && !m.declined.contains(&l.instance))
+            .filter(|l| self.instances.get(&l.instance).is_some_and(|i| i.role.decodes()))
+            .filter(|l| {
+                // Room for its KV and some growth, counting what was promised to it already.
+                let used = u64::from(l.gpu_used_blocks) + u64::from(l.waiting_blocks);
+                used + u64::from(m.kv_blocks) + u64::from(HANDOFF_HEADROOM_BLOCKS) <= u64::from(l.gpu_total_blocks)
+            })
+            .min_by_key(|l| {
+                let blocks = u64::from(l.gpu_used_blocks) + u64::from(l.waiting_blocks);
+                (blocks, l.answering_requests + l.reasoning_requests, l.instance)
+            })
+            .map(|l| l.instance)
+    }
+
+    /// Whether any live instance decodes (else a held request can only decode where it is).
+    fn decoders_live(&self) -> bool {
+        self.live.iter().any(|l| self.instances.get(&l.instance).is_some_and(|i| i.role.decodes()))
+    }
+
+    /// A request's prefill ended on a prefill instance, where it is held: hand it off.
+    fn on_prefill_done(&mut self, id: RequestId, instance: InstanceId, kv_blocks: u32) {
+        let Some(o) = self.requests.get(&id) else {
+            tracing::debug!(request = id.0, "prefill done for an unknown request; ignored");
+            return;
+        };
+        if o.instance != instance || !o.unfinished() || o.migrating_to.is_some() {
+            tracing::debug!(
+                request = id.0,
+                instance = instance.0,
+                owner = o.instance.0,
+                "stale prefill-done event; ignored"
+            );
+            return;
+        }
+        let after = o.phase;
+        self.moves
+            .insert(id, Move { from: instance, kv_blocks, declined: Vec::new(), handoff: true, after, failed: 0 });
+        self.decide_move(id);
     }
 
     /// Whether `id`'s open move is the one from `from` to `to` (an unknown request is, so that
@@ -935,10 +1129,13 @@ impl Controller {
         }
         self.departed.remove(&id);
         let to = o.migrating_to.take();
+        let moved_blocks = self.moves.get(&id).map_or(0, |m| m.kv_blocks);
+        let (handoff, after, failed) =
+            self.moves.get(&id).map_or((false, OwnedPhase::Answering, 0), |m| (m.handoff, m.after, m.failed));
         // A request can finish on its source while its move is still being settled: it stays
         // finished (else it would count as in flight and be re-placed if its instance died).
         if o.unfinished() {
-            o.phase = OwnedPhase::Answering;
+            o.phase = after;
             if let (MoveOutcome::Committed, Some(to)) = (outcome, to) {
                 o.instance = to;
                 o.migrations += 1;
@@ -956,7 +1153,9 @@ impl Controller {
             && (outcome == MoveOutcome::Lost
                 || (departed == Some(Departed::Target) && outcome == MoveOutcome::Committed));
         let cancelling = self.cancelling.remove(&id);
+        // A handoff is retried its own way (below): it waits for a decode instance with room.
         let retry = outcome == MoveOutcome::Refused
+            && !handoff
             && unfinished
             && !cancelling
             && self.moves.get(&id).is_some_and(|m| m.declined.len() <= MAX_RETARGETS);
@@ -980,6 +1179,25 @@ impl Controller {
         }
         if lost_with_target {
             self.replace(id);
+        } else if handoff && !retry && unfinished && outcome != MoveOutcome::Committed {
+            // No decode instance took it: held, it waits for one with room (each may be asked
+            // again), until its handoffs failed too often: then it decodes where it is.
+            let from = self.requests.get(&id).map_or(InstanceId(0), |o| o.instance);
+            if failed + 1 >= MAX_HANDOFF_FAILURES {
+                tracing::warn!(
+                    request = id.0,
+                    failed = failed + 1,
+                    "handoffs keep failing: it decodes where it was prefilled"
+                );
+                self.actions.push_back(Action::Release { request: id, on: from });
+            } else {
+                let kv_blocks = moved_blocks;
+                // Not the one that just failed it, this time.
+                let declined = to.into_iter().collect();
+                let m = Move { from, kv_blocks, declined, handoff: true, after, failed: failed + 1 };
+                self.moves.insert(id, m);
+                self.decide_move(id);
+            }
         }
         Ok(())
     }

@@ -11,15 +11,20 @@
 //!
 //! | module | what lives there |
 //! |---|---|
+//! | [`arrow`] | Arrow's prefill/decode decisions: TTFT prediction, SLO-aware placement, role flips |
 //! | [`controller`] | [`Controller`], its [`Event`]s and [`Action`]s, charge-on-place, fallback |
 //! | [`ownership`] | who owns a request in which phase (persisted by the coordinator) |
+//! | [`roles`] | instance roles for prefill/decode disaggregation |
 //! | [`prefix`] | where prompts' prefixes are predicted cached (for prefix-aware policies) |
 
 #![warn(missing_docs)]
 
+pub mod arrow;
 pub mod controller;
 pub mod ownership;
 pub mod prefix;
+pub mod roles;
 
 pub use controller::{Action, ControlError, Controller, Event, MoveOutcome, RejectReason, Silence, MAX_RETARGETS};
 pub use ownership::{OwnedPhase, Ownership};
+pub use roles::Role;

@@ -19,7 +19,7 @@
 //! slice are broken by insertion order, so a seed gives byte-identical results.
 
 use crate::migration::{Engines, LiveMigration, LiveMigrationSpec};
-use kvfleet_control::{Action, Controller, Event as Control, MoveOutcome};
+use kvfleet_control::{Action, Controller, Event as Control, MoveOutcome, Role};
 use kvfleet_core::engine::sched::build_scheduler;
 use kvfleet_core::engine::{Engine, EngineConfig, EngineEvent, EngineStats};
 use kvfleet_core::metrics::{MigrationRecord, RequestRecord};
@@ -181,6 +181,43 @@ impl Cluster {
         })
     }
 
+    /// Disaggregate prefill and decode: instances `0..prefill` prefill new requests and hand each
+    /// off after its first token to one of the others, which decode (0: every instance does both).
+    pub fn split_prefill_decode(&mut self, prefill: u32) {
+        if prefill == 0 {
+            return;
+        }
+        for i in 0..self.engines.len() as u32 {
+            let role = if i < prefill { Role::Prefill } else { Role::Decode };
+            self.control.set_role(InstanceId(i), role);
+        }
+        self.follow_decisions(Timestamp::ZERO);
+    }
+
+    /// Carry out what the controller decided after a move, a handoff or a role change: moves start
+    /// (or wait for their source's iteration), held requests are released, roles applied.
+    fn follow_decisions(&mut self, now: Timestamp) {
+        while let Some(action) = self.control.poll_action() {
+            self.follow(now, action);
+        }
+    }
+
+    /// Carry out one decision other than a placement.
+    fn follow(&mut self, now: Timestamp, action: Action) {
+        match action {
+            Action::Migrate { request, from, to, .. } => self.begin_move(now, request, from, to),
+            Action::Release { request, on } => {
+                let _ = self.engines[on.0 as usize].release_held(request);
+                self.touch(on.0);
+            }
+            Action::SetRole { instance, role } => {
+                self.engines[instance.0 as usize].set_hand_off(role.hands_off());
+                self.touch(instance.0);
+            }
+            other => debug_assert!(false, "the simulator cannot execute {other:?}"),
+        }
+    }
+
     fn push(&mut self, at: Timestamp, ev: Event) {
         self.seq += 1;
         self.queue.push(Reverse((at, self.seq, ev)));
@@ -295,6 +332,14 @@ impl Cluster {
                                 EngineEvent::PhaseBoundary { request, kv_blocks } => {
                                     self.on_phase_boundary(now, i, request, kv_blocks, &mut records);
                                 }
+                                EngineEvent::PrefillDone { request, kv_blocks } => {
+                                    // Loads as of this instant, as for a phase boundary.
+                                    self.refresh_load(now, i);
+                                    self.refresh_touched_loads(now);
+                                    let done = Control::PrefillDone { request, instance: InstanceId(i), kv_blocks };
+                                    let _ = self.control.handle(now, done);
+                                    self.follow_decisions(now);
+                                }
                             }
                         }
                         for (request, to) in decided {
@@ -338,20 +383,33 @@ impl Cluster {
             if std::mem::take(&mut self.fabric_dirty) {
                 self.schedule_fabric_wake();
             }
-            // Plan every instance touched in this slice, in a deterministic order.
+            // Plan every instance touched in this slice, in a deterministic order. Their reports
+            // may let the controller hand off requests waiting for a decode instance: those moves
+            // touch instances in turn.
             let mut touched = std::mem::take(&mut self.touched);
-            touched.sort_unstable();
-            touched.dedup();
-            for &i in &touched {
-                if self.engines[i as usize].needs_step() {
-                    if let Some(end) = self.engines[i as usize].plan_iteration(now) {
-                        self.push(end, Event::IterationEnd(i));
+            loop {
+                touched.sort_unstable();
+                touched.dedup();
+                for &i in &touched {
+                    if self.engines[i as usize].needs_step() {
+                        if let Some(end) = self.engines[i as usize].plan_iteration(now) {
+                            self.push(end, Event::IterationEnd(i));
+                        }
                     }
+                    self.refresh_load(now, i);
                 }
-                self.refresh_load(now, i);
+                touched.clear();
+                self.follow_decisions(now);
+                if self.touched.is_empty() {
+                    break;
+                }
+                std::mem::swap(&mut touched, &mut self.touched);
             }
-            touched.clear();
             self.touched = touched;
+            // Handoffs started above put transfers on the fabric.
+            if std::mem::take(&mut self.fabric_dirty) {
+                self.schedule_fabric_wake();
+            }
             if events % 4096 < 8 {
                 progress(Progress { now, arrived, finished: records.len(), total });
             }
@@ -388,8 +446,7 @@ impl Cluster {
                     }
                 }
                 Action::Reject { .. } => records.push(rejected(arrival, InstanceId(0))),
-                Action::Migrate { request, from, to, .. } => self.begin_move(now, request, from, to),
-                other => debug_assert!(false, "the simulator cannot execute {other:?}"),
+                other => self.follow(now, other),
             }
         }
     }
@@ -423,10 +480,14 @@ impl Cluster {
     /// between iterations, and by the time the decision reaches it (the boundary that prompted it
     /// travelled to the leader, the move back) it has planned its next one — so a source that
     /// runs, or is about to run, an iteration starts the move when that iteration ends (the
-    /// request one token longer); an idle one starts it now.
+    /// request one token longer); an idle one starts it now. A handoff's request is held and does
+    /// not grow: it starts unless an iteration is in flight.
     fn begin_move(&mut self, now: Timestamp, request: RequestId, from: InstanceId, to: InstanceId) {
         let source = &self.engines[from.0 as usize];
-        if source.next_wake().is_some() || source.needs_step() {
+        // A request held after its prefill does not grow: its handoff starts as soon as no
+        // iteration is in flight there (an instance holding only handoffs may never run another).
+        let waits = if source.is_held(request) { source.next_wake().is_some() } else { source.needs_step() };
+        if source.next_wake().is_some() || waits {
             self.pending_moves[from.0 as usize].push((request, to));
         } else {
             self.start_migration(now, request, from, to);
@@ -453,6 +514,7 @@ impl Cluster {
                 let _ = self
                     .control
                     .handle(now, Control::MigrationEnded { request, from, to, outcome: MoveOutcome::Aborted });
+                self.follow_decisions(now);
             }
         }
     }
@@ -518,12 +580,7 @@ impl Cluster {
                     Control::MigrationEnded { request: record.request, from: record.from, to: record.to, outcome },
                 );
                 self.live_migrations.push(record);
-                while let Some(action) = self.control.poll_action() {
-                    match action {
-                        Action::Migrate { request, from, to, .. } => self.begin_move(now, request, from, to),
-                        other => debug_assert!(false, "unexpected decision after a move: {other:?}"),
-                    }
-                }
+                self.follow_decisions(now);
             }
         }
     }

@@ -62,6 +62,9 @@ pub struct SimConfig {
     pub link: LinkParams,
     /// Live migration tuning (the pipelined stop-and-copy protocol's knobs).
     pub migration: MigrationConfig,
+    /// Prefill/decode disaggregation (`[pd]`; off by default: every instance does both).
+    #[serde(skip_serializing_if = "PdConfig::is_off")]
+    pub pd: PdConfig,
     /// The requests: arrival process, length distributions, seed (`[workload]`).
     pub workload: WorkloadConfig,
     /// Optional sweep: policies × arrival rates. Without it, one run of `scheduler.policy`.
@@ -201,6 +204,23 @@ impl MigrationConfig {
     }
 }
 
+/// Prefill/decode disaggregation with a static split: the first `prefill_instances` instances
+/// prefill new requests and hand each off, after its first token, to one of the others, which
+/// decode (the handoff is a live migration of the request's KV over the `[link]` fabric).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PdConfig {
+    /// Prefill instances (0: no disaggregation).
+    pub prefill_instances: u32,
+}
+
+impl PdConfig {
+    /// No disaggregation.
+    pub fn is_off(&self) -> bool {
+        self.prefill_instances == 0
+    }
+}
+
 /// A grid of runs.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -320,6 +340,12 @@ impl SimConfig {
             return Err(ConfigError::Invalid(format!(
                 "`cluster.instances` must be in 1..={MAX_INSTANCES}, got {}",
                 c.instances
+            )));
+        }
+        if self.pd.prefill_instances >= c.instances && !self.pd.is_off() {
+            return Err(ConfigError::Invalid(format!(
+                "`pd.prefill_instances` must leave at least one decode instance: {} of {} instances",
+                self.pd.prefill_instances, c.instances
             )));
         }
         if !(c.gpu_memory_utilization > 0.0 && c.gpu_memory_utilization <= 1.0) {

@@ -121,7 +121,7 @@ pub fn run_one_until(
         )));
     }
     let policy_impl = build_policy(&inst, &cfg.scheduler.instance).map_err(|e| SimError::Setup(e.to_string()))?;
-    let cluster = Cluster::new(
+    let mut cluster = Cluster::new(
         cfg.cluster.instances,
         &engine,
         timing.clone(),
@@ -133,6 +133,7 @@ pub fn run_one_until(
         cfg.workload.seed,
     )
     .map_err(SimError::Setup)?;
+    cluster.split_prefill_decode(cfg.pd.prefill_instances);
     let ClusterOutcome { records, migrations, instances, events, end } =
         cluster.run_until(&requests, until.min(RUN_LIMIT), progress)?;
     let id = RunIdentity {

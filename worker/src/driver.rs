@@ -620,6 +620,14 @@ impl Driver {
                     });
                     out.push(LogEvent::Finished(Box::new(proto_record(&record, remat))));
                 }
+                // Only a prefill instance holds requests for a handoff (`Engine::set_hand_off`),
+                // and a worker is never one yet: prefill/decode roles run in the simulator.
+                EngineEvent::PrefillDone { request, .. } => {
+                    tracing::error!(
+                        request = request.0,
+                        "a prefill-done event on a worker that hands nothing off; ignored"
+                    );
+                }
             }
         }
         if out.iter().any(|e| matches!(e, LogEvent::Boundary(_))) {

@@ -1,6 +1,7 @@
 //! The controller's decisions as tables of events → expected actions.
 
 use super::*;
+use crate::roles::Role;
 use kvfleet_core::policy::registry::{build_policy, PolicyParams};
 use kvfleet_core::policy::InstancePolicy;
 
@@ -599,4 +600,94 @@ fn a_cancelled_request_is_stopped_where_it_runs_once() {
         c.decide(Timestamp::ZERO, Event::Cancelled { request: RequestId(99) }),
         Err(ControlError::NotInFlight(RequestId(99)))
     );
+}
+
+/// Disaggregated (instances 0, 1 prefill; 2, 3 decode): new requests go to prefill instances only;
+/// a prefill done hands the request to the decode instance with the least KV, a refusal to the
+/// other, and after `MAX_HANDOFF_FAILURES` it decodes where it was prefilled. After the handoff it is in the phase
+/// it was in (still reasoning), owned by its decode instance.
+#[test]
+fn handoffs_go_from_prefill_to_decode_instances() {
+    let setup = || {
+        let mut c = ctl("least-kv", 4);
+        for (i, role) in [Role::Prefill, Role::Prefill, Role::Decode, Role::Decode].into_iter().enumerate() {
+            c.set_role(InstanceId(i as u32), role);
+            c.handle(Timestamp::ZERO, Event::Load(load(i as u32, [30, 0, 20, 10][i], 0))).unwrap();
+        }
+        let roles: Vec<Action> = std::iter::from_fn(|| c.poll_action()).collect();
+        assert_eq!(roles.len(), 4, "one SetRole each: {roles:?}");
+        assert_eq!(roles[0], Action::SetRole { instance: InstanceId(0), role: Role::Prefill });
+        c
+    };
+    let mut c = setup();
+    for id in 1..4 {
+        assert!(place(&mut c, spec(id, 10)).0 < 2, "request {id}: a prefill instance");
+    }
+    let mut c = setup();
+    let at = place(&mut c, spec(7, 10));
+    assert_eq!(at, InstanceId(1), "the emptier prefill instance, not the idle-looking decoders");
+    let done = |instance| Event::PrefillDone { request: RequestId(7), instance, kv_blocks: 1 };
+    assert!(c.decide(Timestamp::ZERO, done(InstanceId(0))).unwrap().is_empty(), "not from its instance: stale");
+    let done = done(at);
+    let actions = c.decide(Timestamp::ZERO, done).unwrap();
+    assert_eq!(actions, vec![Action::Migrate { request: RequestId(7), from: at, to: InstanceId(3), kv_blocks: 1 }]);
+    // Refused (or aborted): the other decode instance, then back, until MAX_HANDOFF_FAILURES.
+    let mut tried = vec![3];
+    let mut to = InstanceId(3);
+    loop {
+        let refused = Event::MigrationEnded { request: RequestId(7), from: at, to, outcome: MoveOutcome::Refused };
+        match c.decide(Timestamp::ZERO, refused).unwrap().as_slice() {
+            [Action::Migrate { from, to: next, .. }] if *from == at => {
+                to = *next;
+                tried.push(next.0);
+            }
+            [Action::Release { request: RequestId(7), on }] if *on == at => break,
+            other => panic!("after {tried:?}: {other:?}"),
+        }
+    }
+    assert_eq!(tried, vec![3, 2, 3, 2, 3, 2, 3, 2], "never a prefill instance, at most {MAX_HANDOFF_FAILURES} tries");
+    assert_eq!(owner(&c, 7), (at, OwnedPhase::Reasoning, None), "decodes where it was prefilled");
+
+    let mut c = setup();
+    let at = place(&mut c, spec(8, 10));
+    c.decide(Timestamp::ZERO, Event::PrefillDone { request: RequestId(8), instance: at, kv_blocks: 1 }).unwrap();
+    let committed =
+        Event::MigrationEnded { request: RequestId(8), from: at, to: InstanceId(3), outcome: MoveOutcome::Committed };
+    assert!(c.decide(Timestamp::ZERO, committed).unwrap().is_empty());
+    assert_eq!(owner(&c, 8), (InstanceId(3), OwnedPhase::Reasoning, None), "owned by its decoder, still reasoning");
+    assert_eq!(c.ownership(RequestId(8)).unwrap().migrations, 1);
+}
+
+/// A handoff no decode instance has room for waits, held, and goes first come first served to the
+/// first decode instance that reports room.
+#[test]
+fn a_handoff_waits_for_a_decode_instance_with_room() {
+    let mut c = ctl("least-kv", 3);
+    for (i, role) in [Role::Prefill, Role::Decode, Role::Decode].into_iter().enumerate() {
+        c.set_role(InstanceId(i as u32), role);
+    }
+    // Decoders 1 and 2 full (100 blocks each, 16 kept as headroom).
+    for i in 0..3 {
+        c.handle(Timestamp::ZERO, Event::Load(load(i, [0, 90, 95][i as usize], 0))).unwrap();
+    }
+    while c.poll_action().is_some() {}
+    for id in [7, 8] {
+        assert_eq!(place(&mut c, spec(id, 10)), InstanceId(0));
+        let done = Event::PrefillDone { request: RequestId(id), instance: InstanceId(0), kv_blocks: 2 };
+        assert!(c.decide(Timestamp::ZERO, done).unwrap().is_empty(), "request {id}: no room, it waits");
+    }
+    assert_eq!(owner(&c, 7).2, None, "not moving yet");
+    // Decoder 2 frees room for one: the first to wait goes.
+    let actions = c.decide(Timestamp::ZERO, Event::Load(load(2, 81, 0))).unwrap();
+    assert_eq!(
+        actions,
+        vec![Action::Migrate { request: RequestId(7), from: InstanceId(0), to: InstanceId(2), kv_blocks: 2 }]
+    );
+    // Decoder 1 frees room: the next.
+    let actions = c.decide(Timestamp::ZERO, Event::Load(load(1, 10, 0))).unwrap();
+    assert_eq!(
+        actions,
+        vec![Action::Migrate { request: RequestId(8), from: InstanceId(0), to: InstanceId(1), kv_blocks: 2 }]
+    );
+    assert!(c.decide(Timestamp::ZERO, Event::Load(load(1, 10, 0))).unwrap().is_empty(), "nothing left waiting");
 }

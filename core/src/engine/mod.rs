@@ -73,6 +73,15 @@ pub enum EngineEvent {
     },
     /// The request produced its last token; its KV is freed.
     Finished(Box<RequestRecord>),
+    /// On a prefill instance ([`Engine::set_hand_off`]): the request's prefill produced its first
+    /// token and it is held, KV in place, until it is migrated out to a decode instance
+    /// ([`Engine::begin_migration_out`]) or released to decode here ([`Engine::release_held`]).
+    PrefillDone {
+        /// The held request.
+        request: RequestId,
+        /// KV blocks it holds (what the handoff moves).
+        kv_blocks: u32,
+    },
 }
 
 /// Why the engine refused a request or a migration step.
@@ -100,6 +109,9 @@ pub enum EngineError {
     /// The request is frozen for a migration out; only the migration may end it.
     #[error("{0} is frozen for a migration out")]
     Migrating(RequestId),
+    /// The request is not held after its prefill (nothing to release).
+    #[error("{0} is not held for a handoff")]
+    NotHeld(RequestId),
     /// The call is only allowed between iterations, and one is in flight.
     #[error("an iteration is in flight; call between iterations")]
     IterationInFlight,
@@ -298,6 +310,10 @@ pub struct Engine {
     inflight: Option<(Timestamp, Timestamp)>,
     /// Requests frozen while their KV is copied out (they hold blocks but do not run).
     migrating_out: Vec<u32>,
+    /// A prefill instance: requests stop after their first token ([`Engine::set_hand_off`]).
+    hand_off: bool,
+    /// Requests held after their prefill for a handoff (they hold blocks but do not run).
+    held: Vec<u32>,
     /// Incoming live migrations holding reserved GPU blocks (not yet requests here).
     reserved: Vec<RequestId>,
     /// Something changed that can alter the batch: the next plan must be a full one.
@@ -337,6 +353,8 @@ impl Engine {
             batch: Vec::new(),
             inflight: None,
             migrating_out: Vec::new(),
+            hand_off: false,
+            held: Vec::new(),
             reserved: Vec::new(),
             dirty: false,
             epoch: 0,
@@ -549,6 +567,10 @@ impl Engine {
             self.batch.retain(|e| slots[e.slot as usize].is_some());
             self.dirty = true;
         }
+        if !self.held.is_empty() {
+            let held = &self.held;
+            self.batch.retain(|e| !held.contains(&e.slot));
+        }
         let overdue = self.switches.ttfat_starvation;
         self.slo_ok = !self.active.iter().any(|&s| {
             let req = self.req(s);
@@ -593,6 +615,14 @@ impl Engine {
             changed |= self.sched.on_phase_change(&mut req.sched);
             let kv_blocks = self.kv.table(req.spec.id).map_or(0, |t| t.blocks.len() as u32);
             events.push(EngineEvent::PhaseBoundary { request: req.spec.id, kv_blocks });
+        }
+        if self.hand_off && req.generated == 1 {
+            // Prefill done on a prefill instance: held for its handoff, out of the schedule.
+            let kv_blocks = self.kv.table(req.spec.id).map_or(0, |t| t.blocks.len() as u32);
+            events.push(EngineEvent::PrefillDone { request: req.spec.id, kv_blocks });
+            self.active.retain(|&s| s != slot);
+            self.held.push(slot);
+            changed = true;
         }
         (changed, false)
     }
@@ -702,8 +732,9 @@ impl Engine {
             Some(t) if t.tier == Tier::Gpu => t.blocks.len() as u32,
             _ => 0,
         };
-        let frozen: u32 = self.migrating_out.iter().map(|&s| gpu_blocks_of(self.req(s).spec.id)).sum::<u32>()
-            + self.reserved.iter().map(|&id| gpu_blocks_of(id)).sum::<u32>();
+        let frozen: u32 =
+            self.migrating_out.iter().chain(&self.held).map(|&s| gpu_blocks_of(self.req(s).spec.id)).sum::<u32>()
+                + self.reserved.iter().map(|&id| gpu_blocks_of(id)).sum::<u32>();
         let mut budget = self.cfg.gpu_blocks.saturating_sub(frozen);
         // Protected residents (every one with `admission = free-memory`, a request at its
         // boundary with `boundary_hold`) keep what they need for this iteration against waiting
@@ -908,6 +939,7 @@ impl Engine {
         req.residence = Residence::MigratingOut;
         let kv_tokens = req.context();
         self.active.retain(|&s| s != slot);
+        self.held.retain(|&s| s != slot);
         self.batch.retain(|e| e.slot != slot);
         self.migrating_out.push(slot);
         self.dirty = true;
@@ -945,6 +977,7 @@ impl Engine {
             return Err(EngineError::Migrating(request));
         }
         self.active.retain(|&s| s != slot);
+        self.held.retain(|&s| s != slot);
         self.batch.retain(|e| e.slot != slot);
         self.remove(slot);
         self.kv.free_request(request);
@@ -989,6 +1022,46 @@ impl Engine {
         };
         self.req_mut(slot).residence = residence;
         self.migrating_out.retain(|&s| s != slot);
+        if self.hand_off && self.req(slot).generated == 1 {
+            // A handoff that failed: held again, for the next decode instance or a release.
+            self.held.push(slot);
+        } else {
+            self.active.push(slot);
+        }
+        self.dirty = true;
+        Ok(())
+    }
+
+    /// Make this a prefill instance (`true`): every request stops after its first token and is
+    /// held for a handoff ([`EngineEvent::PrefillDone`]); or a decoding one again (`false`: the
+    /// requests held now are released to run here).
+    pub fn set_hand_off(&mut self, on: bool) {
+        self.hand_off = on;
+        if !on {
+            for slot in std::mem::take(&mut self.held) {
+                self.active.push(slot);
+            }
+            self.dirty = true;
+        }
+    }
+
+    /// Whether `request` is held here after its prefill, waiting for its handoff.
+    pub fn is_held(&self, request: RequestId) -> bool {
+        self.index.get(&request).is_some_and(|slot| self.held.contains(slot))
+    }
+
+    /// Whether this is a prefill instance ([`Engine::set_hand_off`]).
+    pub fn hands_off(&self) -> bool {
+        self.hand_off
+    }
+
+    /// Let a request held after its prefill decode here after all (no decode instance took it).
+    pub fn release_held(&mut self, request: RequestId) -> Result<(), EngineError> {
+        let slot = *self.index.get(&request).ok_or(EngineError::Unknown(request))?;
+        if !self.held.contains(&slot) {
+            return Err(EngineError::NotHeld(request));
+        }
+        self.held.retain(|&s| s != slot);
         self.active.push(slot);
         self.dirty = true;
         Ok(())
@@ -1198,8 +1271,12 @@ impl Engine {
                 return Err(format!("{id} is {:?} but its KV is on {tier:?}", req.residence));
             }
             let in_active = self.active.contains(&slot);
-            if in_active == (req.residence == Residence::MigratingOut) {
-                return Err(format!("{id} active={in_active} while {:?}", req.residence));
+            let held = self.held.contains(&slot);
+            if in_active == (req.residence == Residence::MigratingOut || held) {
+                return Err(format!("{id} active={in_active} held={held} while {:?}", req.residence));
+            }
+            if held && (req.residence != Residence::Gpu || req.generated != 1) {
+                return Err(format!("{id} is held after {} tokens while {:?}", req.generated, req.residence));
             }
         }
         if self.kv.requests() > self.index.len() + self.reserved.len() {

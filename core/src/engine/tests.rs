@@ -403,6 +403,59 @@ fn migration_moves_state_and_abort_keeps_request() {
     assert_eq!(r.finish, Some(Timestamp(6 * UNIT)));
 }
 
+/// A prefill instance holds each request after its first token, KV in place and out of the
+/// schedule (it would decode on forever otherwise), until a handoff takes it out; a failed handoff
+/// holds it again; a release, or the instance turning to decode, lets it decode here.
+#[test]
+fn a_prefill_instance_holds_each_request_after_its_first_token() {
+    let mut src = engine("fcfs", 64, 0, 500);
+    src.set_hand_off(true);
+    let mut ev = Vec::new();
+    for id in 1..=3 {
+        src.submit(Timestamp(0), spec(id, 0, 30, 2, 3)).unwrap();
+    }
+    src.step(Timestamp(0), &mut ev);
+    assert_eq!(src.step(Timestamp(UNIT), &mut ev), None, "all three held after one prefill iteration: idle");
+    let held: Vec<(u64, u32)> = ev
+        .iter()
+        .map(|e| match e {
+            EngineEvent::PrefillDone { request, kv_blocks } => (request.0, *kv_blocks),
+            other => panic!("only prefill-done events: {other:?}"),
+        })
+        .collect();
+    assert_eq!(held, vec![(1, 2), (2, 2), (3, 2)], "31 tokens of KV each: 2 blocks");
+    src.check_invariants().unwrap();
+    assert_eq!(src.kv().used(Tier::Gpu), 6, "their KV stays");
+    // Request 1 handed off; 2's handoff fails (held again); 3 is released and decodes here.
+    src.begin_migration_out(RequestId(1)).unwrap();
+    let m = src.finish_migration_out(RequestId(1)).unwrap();
+    assert_eq!((m.generated, m.kv_tokens()), (1, 31));
+    src.begin_migration_out(RequestId(2)).unwrap();
+    src.abort_migration_out(RequestId(2)).unwrap();
+    src.check_invariants().unwrap();
+    assert_eq!(src.release_held(RequestId(1)), Err(EngineError::Unknown(RequestId(1))));
+    src.release_held(RequestId(3)).unwrap();
+    assert_eq!(src.release_held(RequestId(3)), Err(EngineError::NotHeld(RequestId(3))));
+    ev.clear();
+    let mut t = src.step(Timestamp(2 * UNIT), &mut ev).expect("3 decodes");
+    while let Some(next) = src.step(t, &mut ev) {
+        t = next;
+    }
+    let finished: Vec<u64> =
+        ev.iter().filter_map(|e| if let EngineEvent::Finished(r) = e { Some(r.id.0) } else { None }).collect();
+    assert_eq!(finished, vec![3], "2 still held");
+    src.check_invariants().unwrap();
+    // A decoding instance again: what it held runs here.
+    src.set_hand_off(false);
+    ev.clear();
+    let mut t = src.step(t, &mut ev).expect("2 decodes");
+    while let Some(next) = src.step(t, &mut ev) {
+        t = next;
+    }
+    assert!(matches!(ev.last(), Some(EngineEvent::Finished(r)) if r.id == RequestId(2)), "{ev:?}");
+    assert!(src.is_empty());
+}
+
 /// A cancelled request is gone at once, mid-iteration too: its KV freed, no token and no record
 /// from it, the others unaffected; a request frozen for a migration is the migration's.
 #[test]

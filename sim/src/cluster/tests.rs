@@ -11,13 +11,23 @@ use std::path::Path;
 
 /// `cfg`'s cluster (its intra-instance scheduler: that of `scheduler.policy`) under `policy`.
 fn run_with(cfg: &SimConfig, policy: Box<dyn InstancePolicy>, requests: &[RequestSpec]) -> ClusterOutcome {
+    run_split(cfg, policy, 0, requests)
+}
+
+/// [`run_with`], instances `0..prefill` prefilling and the others decoding.
+fn run_split(
+    cfg: &SimConfig,
+    policy: Box<dyn InstancePolicy>,
+    prefill: u32,
+    requests: &[RequestSpec],
+) -> ClusterOutcome {
     let (intra, _) = resolve_policy(&cfg.scheduler.policy).unwrap();
     let (model, gpu) = cfg.specs().unwrap();
     let engine = cfg.engine_config(&model, &gpu).unwrap();
     let timing = crate::timing_model(cfg, Path::new(".")).unwrap();
     let link = cfg.link.clone();
     let intra_params = &cfg.scheduler.intra;
-    let cluster = Cluster::new(
+    let mut cluster = Cluster::new(
         cfg.cluster.instances,
         &engine,
         timing,
@@ -29,6 +39,7 @@ fn run_with(cfg: &SimConfig, policy: Box<dyn InstancePolicy>, requests: &[Reques
         0,
     )
     .unwrap();
+    cluster.split_prefill_decode(prefill);
     cluster.run(requests, |_| {}).expect("the run ends within RUN_LIMIT")
 }
 
@@ -195,4 +206,62 @@ fn the_same_input_gives_the_same_migrations() {
     let (a, b) = (go(), go());
     assert!(!a.migrations.is_empty());
     assert_eq!((a.records, a.migrations, a.events, a.end), (b.records, b.migrations, b.events, b.end));
+}
+
+/// Disaggregated: every request is prefilled on a prefill instance (0 or 1), handed off after its
+/// first token by a live migration of exactly its prompt's KV plus that token, and decoded and
+/// finished on a decode instance (2 or 3), which takes no new request.
+#[test]
+fn prefill_instances_hand_every_request_to_a_decode_instance() {
+    let mut cfg = SimConfig::default();
+    cfg.cluster.instances = 4;
+    let (model, gpu) = cfg.specs().unwrap();
+    let engine = cfg.engine_config(&model, &gpu).unwrap();
+    let requests: Vec<RequestSpec> =
+        (0..12).map(|i| request(i, 0.2 * i as f64, 500 + 100 * i as u32, 30, 20)).collect();
+    let policy = build_policy("least-kv", &cfg.scheduler.instance).unwrap();
+    let out = run_split(&cfg, policy, 2, &requests);
+
+    assert_eq!(out.records.len(), 12);
+    for r in &out.records {
+        assert!(r.placed_on.0 < 2, "{}: placed on {}", r.id, r.placed_on);
+        assert!(r.finished_on.is_some_and(|i| i.0 >= 2), "{}: finished on {:?}", r.id, r.finished_on);
+        assert_eq!(r.migrations, 1, "{}", r.id);
+        assert!(r.first_token.is_some_and(|t| r.finish.is_some_and(|f| t < f)));
+    }
+    assert_eq!(out.migrations.len(), 12);
+    for m in &out.migrations {
+        let prompt = requests[m.request.0 as usize].prompt_tokens;
+        let blocks = (prompt + 1).div_ceil(engine.block_size);
+        assert_eq!(m.outcome_name(), "committed", "{m:?}");
+        assert!(m.from.0 < 2 && m.to.0 >= 2, "{m:?}");
+        assert_eq!(m.bytes, u64::from(blocks) * engine.block_bytes(), "{}: the prompt's KV and one token", m.request);
+    }
+    let to: std::collections::BTreeSet<u32> = out.migrations.iter().map(|m| m.to.0).collect();
+    assert_eq!(to.len(), 2, "handoffs spread over both decode instances: {to:?}");
+    // Without the split the same run moves nothing and finishes where it was placed.
+    let out = run_split(&cfg, build_policy("least-kv", &cfg.scheduler.instance).unwrap(), 0, &requests);
+    assert!(out.migrations.is_empty());
+    assert!(out.records.iter().all(|r| r.finished_on == Some(r.placed_on)));
+}
+
+/// A handoff that cannot complete (every one times out here) leaves the request where it was
+/// prefilled, released to decode there: every request still finishes, once.
+#[test]
+fn a_failed_handoff_decodes_where_it_was_prefilled() {
+    let mut cfg = SimConfig::default();
+    cfg.cluster.instances = 3;
+    cfg.migration.timeout_ms = 0.015;
+    let requests: Vec<RequestSpec> = (0..6).map(|i| request(i, 0.3 * i as f64, 800, 30, 20)).collect();
+    let out = run_split(&cfg, build_policy("least-kv", &cfg.scheduler.instance).unwrap(), 1, &requests);
+
+    assert_eq!(out.records.len(), 6);
+    let mut ids: Vec<u64> = out.records.iter().map(|r| r.id.0).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, (0..6).collect::<Vec<_>>(), "each once");
+    for r in &out.records {
+        assert_eq!((r.placed_on, r.finished_on, r.migrations), (InstanceId(0), Some(InstanceId(0)), 0), "{}", r.id);
+    }
+    assert!(out.migrations.iter().all(|m| m.outcome_name() == "aborted"), "{:?}", out.migrations);
+    assert!(!out.migrations.is_empty());
 }
