@@ -159,6 +159,30 @@ fn stop_line_field(log: &std::path::Path, field: &str) -> Option<f64> {
     rest.split_whitespace().next()?.parse().ok()
 }
 
+/// Voluntary and involuntary context switches of every thread of `pid` so far (0 if unreadable).
+fn context_switches(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .flat_map(|status| {
+            status
+                .lines()
+                .filter(|l| l.starts_with("voluntary_ctxt_switches:") || l.starts_with("nonvoluntary_ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
+}
+
+/// Resident memory of `pid`, KiB (0 if unreadable).
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
+}
+
 fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
     use crate::up::procs::{sibling_binary, Proc};
     use kvfleet_proto::v1;
@@ -173,12 +197,14 @@ fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
         b.kv_memory
     );
     crate::say!(
-        "{:>8} {:>14} {:>14} {:>14} {:>12}",
+        "{:>8} {:>14} {:>14} {:>14} {:>12} {:>12} {:>16}",
         "workers",
         "p99 median us",
         "p99 worst us",
         "max worst us",
-        "iterations"
+        "iterations",
+        "RSS MiB/wkr",
+        "wake-ups/s/wkr"
     );
     let mut best = None;
     for &n in &b.counts {
@@ -209,6 +235,8 @@ fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
         }
         let addrs: Vec<String> = procs.iter().filter_map(|(p, _)| p.addr.clone()).collect();
         let duration = Duration::from_secs_f64(b.duration_s);
+        let switches_before: u64 = procs.iter().map(|(p, _)| context_switches(p.pid())).sum();
+        let load_started = std::time::Instant::now();
         let per_worker = b.per_worker;
         rt.block_on(async {
             let mut tasks = Vec::new();
@@ -244,6 +272,10 @@ fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
                 let _ = t.await;
             }
         });
+        // Wake-ups: context switches of every thread (each sleep that ends is one), over the load.
+        let switches: u64 = procs.iter().map(|(p, _)| context_switches(p.pid())).sum();
+        let wakeups = switches.saturating_sub(switches_before) as f64 / load_started.elapsed().as_secs_f64() / f64::from(n);
+        let rss_mib = procs.iter().map(|(p, _)| rss_kib(p.pid())).sum::<u64>() as f64 / 1024.0 / f64::from(n);
         let mut p99s = Vec::new();
         let mut maxes = Vec::new();
         let mut iterations = 0.0;
@@ -257,7 +289,7 @@ fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
         let median = p99s.get(p99s.len() / 2).copied().unwrap_or(f64::NAN);
         let worst = p99s.last().copied().unwrap_or(f64::NAN);
         let max = maxes.iter().cloned().fold(f64::NAN, f64::max);
-        crate::say!("{n:>8} {median:>14.0} {worst:>14.0} {max:>14.0} {iterations:>12.0}");
+        crate::say!("{n:>8} {median:>14.0} {worst:>14.0} {max:>14.0} {iterations:>12.0} {rss_mib:>12.0} {wakeups:>16.0}");
         if p99s.len() == n as usize && worst < 1000.0 {
             best = Some(n);
         }
