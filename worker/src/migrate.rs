@@ -389,10 +389,12 @@ impl Migrator {
     ) -> (Vec<Writer>, Result<u32, String>) {
         let n = writers.len().max(1) as u32;
         let bs = self.cfg.params.block_size;
+        // Scoped: a copy aborted mid-stage (the migration timed out or its target refused)
+        // takes its per-stream tasks, and with them their read-ahead, down with it.
         let mut tasks = Vec::new();
         for (k, mut w) in writers.into_iter().enumerate() {
             let mut read = self.clone().read_ahead(request, (blocks.start + k as u32..blocks.end).step_by(n as usize));
-            tasks.push(tokio::spawn(async move {
+            tasks.push(Scoped(tokio::spawn(async move {
                 while let Some(next) = read.recv().await {
                     let (i, data) = match next {
                         Ok(block) => block,
@@ -409,12 +411,12 @@ impl Migrator {
                     return (w, Err(format!("send: {e}")));
                 }
                 (w, Ok(()))
-            }));
+            })));
         }
         let mut writers = Vec::new();
         let mut result = Ok(stage);
-        for t in tasks {
-            match t.await {
+        for mut t in tasks {
+            match (&mut t.0).await {
                 Ok((w, r)) => {
                     writers.push(w);
                     if let Err(e) = r {
@@ -427,7 +429,8 @@ impl Migrator {
         (writers, result)
     }
 
-    /// Read `indices` of `request` from the engine in a task of their own, at most
+    /// Read `indices` of `request` from the engine in a task of their own (it ends when the
+    /// receiver is dropped), at most
     /// [`READ_AHEAD_BLOCKS`] ahead of the receiver; the first failure (`read: …`) ends the
     /// sequence, and so does dropping the receiver.
     fn read_ahead(
@@ -704,5 +707,37 @@ pub fn stats_proto(r: &MigrationReport, source: u32, target: u32) -> v1::Migrati
             _ => String::new(),
         },
         in_doubt: matches!(r.outcome, Some(Outcome::Unknown(_))),
+    }
+}
+
+/// A spawned task aborted when this handle is dropped (a plain `JoinHandle` detaches it).
+struct Scoped<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for Scoped<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Scoped;
+    use std::time::Duration;
+
+    /// A stage's per-stream tasks die with the copy that spawned them; a finished one still
+    /// hands its result back.
+    #[tokio::test]
+    async fn a_dropped_scoped_task_is_aborted_and_an_awaited_one_returns() {
+        // The task holds `alive` and never ends by itself: only an abort drops it.
+        let (alive, gone) = tokio::sync::oneshot::channel::<()>();
+        let task = Scoped(tokio::spawn(async move {
+            let _alive = alive;
+            std::future::pending::<()>().await;
+        }));
+        drop(task);
+        let ended = tokio::time::timeout(Duration::from_secs(10), gone).await;
+        assert!(matches!(ended, Ok(Err(_))), "still running after its handle was dropped");
+        let mut done = Scoped(tokio::spawn(async { 7 }));
+        assert_eq!((&mut done.0).await.unwrap(), 7);
     }
 }
