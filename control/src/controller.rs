@@ -340,6 +340,20 @@ struct Instance {
 }
 
 impl Instance {
+    /// One not joined yet: no address, no report, no charges, [`Role::Mixed`].
+    fn new(instance: InstanceId) -> Instance {
+        Instance {
+            address: String::new(),
+            base: LoadReport { instance, answering_slo_ok: true, ..LoadReport::default() },
+            charges: Vec::new(),
+            alive: false,
+            role: Role::Mixed,
+            silent: false,
+            abandoned: false,
+            live_slot: None,
+        }
+    }
+
     /// The last report plus every decision it does not show yet.
     fn published(&self) -> LoadReport {
         let mut l = self.base.clone();
@@ -449,16 +463,7 @@ impl Controller {
     /// prefilled on a [`Role::Prefill`] instance is handed off ([`Event::PrefillDone`]) to one
     /// that decodes.
     pub fn set_role(&mut self, instance: InstanceId, role: Role) {
-        let inst = self.instances.entry(instance).or_insert_with(|| Instance {
-            address: String::new(),
-            base: LoadReport { instance, answering_slo_ok: true, ..LoadReport::default() },
-            charges: Vec::new(),
-            alive: false,
-            role: Role::Mixed,
-            silent: false,
-            abandoned: false,
-            live_slot: None,
-        });
+        let inst = self.instances.entry(instance).or_insert_with(|| Instance::new(instance));
         inst.role = role;
         self.disaggregated = self.instances.values().any(|i| i.role != Role::Mixed);
         self.actions.push_back(Action::SetRole { instance, role });
@@ -632,16 +637,7 @@ impl Controller {
                 });
             }
         }
-        let inst = self.instances.entry(instance).or_insert_with(|| Instance {
-            address: String::new(),
-            base: LoadReport { instance, answering_slo_ok: true, ..LoadReport::default() },
-            charges: Vec::new(),
-            alive: false,
-            role: Role::Mixed,
-            silent: false,
-            abandoned: false,
-            live_slot: None,
-        });
+        let inst = self.instances.entry(instance).or_insert_with(|| Instance::new(instance));
         inst.address = address;
         if !inst.alive {
             inst.alive = true;
