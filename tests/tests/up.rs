@@ -237,6 +237,33 @@ fn up_with_etcd_moves_the_clients_of_a_paused_leader() {
 /// `--chaos SEED`: a seeded schedule of leader kills and pauses, worker kills, pauses and
 /// restarts, and etcd restarts; the cluster must complete every request exactly once with etcd
 /// holding what the clients got, and say so in its chaos table and `chaos.json`.
+/// Every process's log lines about the requests `out/failed.txt` names (a run's temporary folder
+/// is gone once the test ends: a failure must carry its evidence).
+fn failed_requests_in_logs(out: &Path) -> String {
+    let Ok(failed) = std::fs::read_to_string(out.join("failed.txt")) else { return String::new() };
+    let ids: Vec<String> =
+        failed.lines().filter_map(|l| l.strip_prefix("request ")?.split(':').next().map(str::to_string)).collect();
+    let mut text = String::from("\n--- log lines of the failed requests\n");
+    let Ok(logs) = std::fs::read_dir(out.join("logs")) else { return text };
+    let mut logs: Vec<_> = logs.flatten().map(|e| e.path()).collect();
+    logs.sort();
+    for log in logs {
+        let Ok(body) = std::fs::read_to_string(&log) else { continue };
+        let name = log.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        for line in body.lines() {
+            let about = ids.iter().any(|id| {
+                line.contains(&format!("request={id} "))
+                    || line.contains(&format!("req-{id} "))
+                    || line.contains(&format!("request_id={id} "))
+            });
+            if about {
+                text.push_str(&format!("{name}: {line}\n"));
+            }
+        }
+    }
+    text
+}
+
 fn survives_chaos(seed: u64) {
     if !etcd_installed() {
         eprintln!("skipping: etcd not installed (apt-get install etcd-server)");
@@ -255,7 +282,7 @@ fn survives_chaos(seed: u64) {
     ]);
     let o = run_kvfleet(&args);
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{}", describe(&o));
+    assert!(o.status.success(), "{}{}", describe(&o), failed_requests_in_logs(&out));
     assert!(stdout.contains(&format!("chaos (seed {seed}, 4 faults): survived")), "{stdout}");
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("chaos.json")).expect("chaos.json")).unwrap();
