@@ -279,14 +279,25 @@ pub struct KvArena {
 /// block until the peer has it) land in recycled buffers. A fresh allocation of a block's size is
 /// a fresh mapping whose pages the kernel zeroes on first touch: measured, as much CPU as the
 /// copy itself on the source of a migration.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 struct Recycled {
     free: Arc<Mutex<Vec<Vec<u8>>>>,
+    /// How many it keeps ([`KvArena::keep_copies`]); more in flight are freed when they come back.
+    keep: Arc<std::sync::atomic::AtomicUsize>,
 }
 
-/// Buffers [`Recycled`] keeps for reuse (more in flight are freed when they come back): four
-/// data streams with two blocks read ahead each and as many in the transport.
-const RECYCLED_BUFFERS: usize = 16;
+impl Default for Recycled {
+    fn default() -> Recycled {
+        Recycled { free: Arc::default(), keep: Arc::new(RECYCLED_BUFFERS.into()) }
+    }
+}
+
+/// Buffers [`Recycled`] keeps by default: four data streams with two blocks read ahead each and
+/// as many in the transport ([`RECYCLED_PER_STREAM`] each).
+const RECYCLED_BUFFERS: usize = 4 * RECYCLED_PER_STREAM;
+
+/// Buffers one migration data stream keeps in flight: its read-ahead and as many in the transport.
+pub const RECYCLED_PER_STREAM: usize = 4;
 
 /// A block's copy; its buffer goes back to the pool when the last [`Bytes`] of it drops.
 struct RecycledBuf {
@@ -303,7 +314,7 @@ impl AsRef<[u8]> for RecycledBuf {
 impl Drop for RecycledBuf {
     fn drop(&mut self) {
         let mut free = self.home.free.lock().unwrap_or_else(|e| e.into_inner());
-        if free.len() < RECYCLED_BUFFERS {
+        if free.len() < self.home.keep.load(std::sync::atomic::Ordering::Relaxed) {
             free.push(std::mem::take(&mut self.buf));
         }
     }
@@ -494,6 +505,14 @@ impl KvArena {
     /// The bytes of one block.
     pub fn block(&self, tier: Tier, block: u32) -> Result<&[u8], ArenaError> {
         self.block_bytes_of(tier, block)
+    }
+
+    /// Keep up to `buffers` returned block copies for reuse (a migration's data streams times
+    /// [`RECYCLED_PER_STREAM`]); the default suits four streams.
+    pub fn keep_copies(&self, buffers: usize) {
+        self.copies.keep.store(buffers.max(1), std::sync::atomic::Ordering::Relaxed);
+        let mut free = self.copies.free.lock().unwrap_or_else(|e| e.into_inner());
+        free.truncate(buffers.max(1));
     }
 
     /// A copy of one block that outlives this borrow (a live migration's source hands whole
@@ -703,6 +722,13 @@ mod tests {
         let held: Vec<Bytes> = (0..RECYCLED_BUFFERS + 4).map(|_| a.copy_out(Tier::Gpu, 2).unwrap()).collect();
         drop(held);
         assert_eq!(a.copies.free.lock().unwrap().len(), RECYCLED_BUFFERS);
+        // Eight streams keep twice as many; one keeps its own four.
+        for (streams, kept) in [(8, 8 * RECYCLED_PER_STREAM), (1, RECYCLED_PER_STREAM)] {
+            a.keep_copies(streams * RECYCLED_PER_STREAM);
+            let held: Vec<Bytes> = (0..40).map(|_| a.copy_out(Tier::Gpu, 2).unwrap()).collect();
+            drop(held);
+            assert_eq!(a.copies.free.lock().unwrap().len(), kept, "{streams} streams");
+        }
     }
 
     #[test]
