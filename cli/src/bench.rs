@@ -274,7 +274,8 @@ fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
         });
         // Wake-ups: context switches of every thread (each sleep that ends is one), over the load.
         let switches: u64 = procs.iter().map(|(p, _)| context_switches(p.pid())).sum();
-        let wakeups = switches.saturating_sub(switches_before) as f64 / load_started.elapsed().as_secs_f64() / f64::from(n);
+        let wakeups =
+            switches.saturating_sub(switches_before) as f64 / load_started.elapsed().as_secs_f64() / f64::from(n);
         let rss_mib = procs.iter().map(|(p, _)| rss_kib(p.pid())).sum::<u64>() as f64 / 1024.0 / f64::from(n);
         let mut p99s = Vec::new();
         let mut maxes = Vec::new();
@@ -289,7 +290,9 @@ fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
         let median = p99s.get(p99s.len() / 2).copied().unwrap_or(f64::NAN);
         let worst = p99s.last().copied().unwrap_or(f64::NAN);
         let max = maxes.iter().cloned().fold(f64::NAN, f64::max);
-        crate::say!("{n:>8} {median:>14.0} {worst:>14.0} {max:>14.0} {iterations:>12.0} {rss_mib:>12.0} {wakeups:>16.0}");
+        crate::say!(
+            "{n:>8} {median:>14.0} {worst:>14.0} {max:>14.0} {iterations:>12.0} {rss_mib:>12.0} {wakeups:>16.0}"
+        );
         if p99s.len() == n as usize && worst < 1000.0 {
             best = Some(n);
         }
