@@ -469,11 +469,6 @@ impl Controller {
         self.actions.push_back(Action::SetRole { instance, role });
     }
 
-    /// `instance`'s role ([`Role::Mixed`] unless set).
-    pub fn role(&self, instance: InstanceId) -> Role {
-        self.instances.get(&instance).map_or(Role::Mixed, |i| i.role)
-    }
-
     /// Apply `rule` to the times [`Event::Heard`] reports (a driver that cannot lose touch with
     /// its instances, like the simulator, sets none).
     pub fn watch_silence(mut self, rule: Silence) -> Controller {
@@ -484,6 +479,11 @@ impl Controller {
     /// Replace the silence rule (a driver's tests shorten it).
     pub fn set_silence(&mut self, rule: Silence) {
         self.silence = Some(rule);
+    }
+
+    /// The silence rule in force, if any.
+    pub fn silence(&self) -> Option<Silence> {
+        self.silence
     }
 
     /// Refuse instances that serve another model (name and KV bytes per token).
@@ -575,28 +575,14 @@ impl Controller {
                 Ok(())
             }
             Event::MigrationEnded { request, from, to, outcome } => {
-                if !self.moving(request, from, to) {
-                    tracing::debug!(
-                        request = request.0,
-                        from = from.0,
-                        to = to.0,
-                        ?outcome,
-                        "the end of a superseded move; ignored"
-                    );
+                if self.superseded(request, from, to) {
                     return Ok(());
                 }
                 self.on_migration_ended(request, outcome)
             }
             Event::Lost { request } => self.on_lost(request),
             Event::Settled { request, from, to, held } => {
-                if !self.moving(request, from, to) {
-                    tracing::debug!(
-                        request = request.0,
-                        from = from.0,
-                        to = to.0,
-                        held,
-                        "an answer for a superseded move; ignored"
-                    );
+                if self.superseded(request, from, to) {
                     return Ok(());
                 }
                 self.on_settled(request, held)
@@ -1107,11 +1093,16 @@ impl Controller {
         self.decide_move(id);
     }
 
-    /// Whether `id`'s open move is the one from `from` to `to` (an unknown request is, so that
-    /// the caller's handler names it). Ended, a move clears `migrating_to`, and a re-placement
-    /// does too: a driver's late report of an older move must not end the current one.
-    fn moving(&self, id: RequestId, from: InstanceId, to: InstanceId) -> bool {
-        self.requests.get(&id).is_none_or(|o| o.instance == from && o.migrating_to == Some(to))
+    /// Whether a report of `id`'s move from `from` to `to` is about a move superseded meanwhile
+    /// (logged): `id`'s open move is another one, or none. Ended, a move clears `migrating_to`,
+    /// and a re-placement does too: a driver's late report of an older move must not end the
+    /// current one. An unknown request is not superseded, so that its handler names it.
+    fn superseded(&self, id: RequestId, from: InstanceId, to: InstanceId) -> bool {
+        let current = self.requests.get(&id).is_none_or(|o| o.instance == from && o.migrating_to == Some(to));
+        if !current {
+            tracing::debug!(request = id.0, from = from.0, to = to.0, "a report of a superseded move; ignored");
+        }
+        !current
     }
 
     fn on_migration_ended(&mut self, id: RequestId, outcome: MoveOutcome) -> Result<(), ControlError> {

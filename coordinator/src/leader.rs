@@ -102,8 +102,6 @@ pub struct Leader {
     clock: ClusterTime,
     /// Origin of [`Leader::ms_now`].
     started: std::time::Instant,
-    /// [`SILENT_AFTER`] and [`ABANDON_AFTER`] (shorter in tests).
-    silence: Mutex<(Duration, Duration)>,
 }
 
 /// Why the leader could not carry out a client's or a worker's request.
@@ -176,14 +174,12 @@ impl Leader {
             traces,
             clock,
             started: std::time::Instant::now(),
-            silence: Mutex::new((SILENT_AFTER, ABANDON_AFTER)),
         })
     }
 
     /// Other silence bounds than [`SILENT_AFTER`] / [`ABANDON_AFTER`] (tests), before
     /// [`Leader::watch_silence`] starts.
     pub fn set_silence(&self, silent_after: Duration, abandon_after: Duration) {
-        *self.silence.lock().expect("silence lock") = (silent_after, abandon_after);
         self.control().set_silence(silence_rule(silent_after, abandon_after));
     }
 
@@ -211,7 +207,7 @@ impl Leader {
     /// its registration holds (registered, but unreachable from here); heard again, it is back.
     /// Runs until the leader is deposed or stopped.
     pub async fn watch_silence(self: Arc<Self>) {
-        let (quiet_bound, _) = *self.silence.lock().expect("silence lock");
+        let quiet_bound = self.control().silence().map_or(SILENT_AFTER, |r| Duration::from_nanos(r.silent_after.0));
         let mut tick = tokio::time::interval((quiet_bound / 8).max(Duration::from_millis(10)));
         loop {
             tick.tick().await;

@@ -486,8 +486,7 @@ impl Cluster {
         let source = &self.engines[from.0 as usize];
         // A request held after its prefill does not grow: its handoff starts as soon as no
         // iteration is in flight there (an instance holding only handoffs may never run another).
-        let waits = if source.is_held(request) { source.next_wake().is_some() } else { source.needs_step() };
-        if source.next_wake().is_some() || waits {
+        if source.next_wake().is_some() || (!source.is_held(request) && source.needs_step()) {
             self.pending_moves[from.0 as usize].push((request, to));
         } else {
             self.start_migration(now, request, from, to);

@@ -543,6 +543,8 @@ impl Engine {
         self.stats.iterations += 1;
         self.stats.busy_ns += (end - start).as_nanos();
         let mut finished_any = false;
+        // Requests held in this iteration (earlier ones left the batch when they were held).
+        let held_before = self.held.len();
         for i in 0..self.batch.len() {
             let BatchEntry { slot, prefill } = self.batch[i];
             self.batch[i].prefill = false;
@@ -567,8 +569,8 @@ impl Engine {
             self.batch.retain(|e| slots[e.slot as usize].is_some());
             self.dirty = true;
         }
-        if !self.held.is_empty() {
-            let held = &self.held;
+        if self.held.len() > held_before {
+            let held = &self.held[held_before..];
             self.batch.retain(|e| !held.contains(&e.slot));
         }
         let overdue = self.switches.ttfat_starvation;
