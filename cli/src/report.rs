@@ -69,6 +69,7 @@ const COLUMNS: &[(&str, &str, Align)] = &[
     ("E2E", "p50 s", Align::Right),
     ("blocking", "p99 s", Align::Right),
     ("SLO viol", "%", Align::Right),
+    ("SLO attain", "%", Align::Right),
     ("output", "tok/s", Align::Right),
     ("migr", "#", Align::Right),
     ("migr xfer", "p99 s", Align::Right),
@@ -98,6 +99,7 @@ fn row_cells(run: &RunResult, seeds: bool) -> Vec<String> {
         opt(s.e2e_p50_s, 3),
         opt(s.blocking_latency_p99_s, 3),
         opt(s.slo_violation_rate.map(|r| r * 100.0), 2),
+        opt(s.slo_attainment.map(|r| r * 100.0), 1),
         opt(s.throughput_output_tokens_per_s, 1),
         s.migrations_total.to_string(),
         opt(s.migration_transfer_p99_s, 3),
@@ -118,7 +120,8 @@ fn fit(text: &str, width: usize) -> String {
 
 /// A fixed-width table, one row per run: policy (with ` s<seed>` when the runs use several
 /// seeds), rate, finished/total, TTFT p50/p99, the worst
-/// tail-bin TTFT, TTFAT p99, TPOT p50, E2E p50, blocking p99, SLO violation %, output
+/// tail-bin TTFT, TTFAT p99, TPOT p50, E2E p50, blocking p99, SLO violation %, SLO attainment %
+/// (TTFT and TPOT within target, with a TTFT target set), output
 /// throughput, migrations (count, P99 transfer), preemptions and the prefix-cache hit rate.
 /// Missing values print as `-`.
 /// Columns size to their content; the policy column is shortened (ending in `~`) when the table
@@ -488,18 +491,19 @@ mod tests {
         let empty = lines.last().expect("row");
         let cells: Vec<&str> = empty.split_whitespace().collect();
         assert_eq!(cells.len(), COLUMNS.len(), "{empty}");
-        // policy, rate, done/total, 9 latencies/rates, migr, migr p99, preempt, prefix hit.
+        // policy, rate, done/total, 10 latencies/rates, migr, migr p99, preempt, prefix hit.
         assert_eq!(cells[1], "-");
         assert_eq!(cells[2], "0/0");
-        assert!(cells[3..12].iter().all(|c| *c == "-"), "{empty}");
-        assert_eq!(&cells[12..], ["0", "-", "0", "-"]);
+        assert!(cells[3..13].iter().all(|c| *c == "-"), "{empty}");
+        assert_eq!(&cells[13..], ["0", "-", "0", "-"]);
         // A full row: pascal at 1 req/s, 39 of 40 finished, 3 migrations.
         let pascal: Vec<&str> = lines[2].split_whitespace().collect();
         assert_eq!(&pascal[..3], ["pascal", "1.00", "39/40"]);
-        assert_eq!(pascal[12], "3");
-        // Every cell but the prefix-cache hit rate: these prompts share no content.
-        assert!(pascal[..pascal.len() - 1].iter().all(|c| *c != "-"), "{}", lines[2]);
-        assert_eq!(pascal.last(), Some(&"-"), "{}", lines[2]);
+        assert_eq!(pascal[13], "3");
+        // Every cell but the SLO attainment (no TTFT target) and the prefix-cache hit rate (these
+        // prompts share no content).
+        let blank: Vec<usize> = (0..pascal.len()).filter(|&i| pascal[i] == "-").collect();
+        assert_eq!(blank, [11, pascal.len() - 1], "{}", lines[2]);
         assert!(lines.iter().all(|l| l.chars().count() <= MAX_TABLE_COLUMNS), "{table}");
     }
 

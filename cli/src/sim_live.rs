@@ -42,6 +42,28 @@ pub fn table(runs: &[RunResult]) -> String {
         }
         out.push('\n');
     }
+    out.push_str(&flips(runs));
+    out
+}
+
+/// One line per run whose instances changed roles (Arrow's flips): how many each way.
+fn flips(runs: &[RunResult]) -> String {
+    let mut out = String::new();
+    for run in runs.iter().filter(|r| !r.role_changes.is_empty()) {
+        if out.is_empty() {
+            out.push_str("role flips (prefill/decode pools):\n");
+        }
+        let to = |role: &str| run.role_changes.iter().filter(|c| c.role == role).count();
+        let rate = run.rate.map_or_else(|| rate_label(None), |r| format!("{} req/s", rate_label(Some(r))));
+        let _ = writeln!(
+            out,
+            "  {} @ {rate}: {} flips, {} to decode, {} to prefill",
+            run.policy,
+            run.role_changes.len(),
+            to("decode"),
+            to("prefill")
+        );
+    }
     out
 }
 

@@ -95,7 +95,7 @@ pub enum ArrowError {
 
 /// Arrow's knobs (defaults: ours, the paper gives no values).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct ArrowParams {
     /// Alg. 2's update interval, and the window decode loads average token latency over (1 s).
     pub interval_s: f64,
@@ -129,8 +129,8 @@ impl ArrowParams {
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<(), ArrowError> {
         let bad = |field: &'static str, problem: String| Err(ArrowError::InvalidParam { field, problem });
-        if !(self.interval_s.is_finite() && self.interval_s > 0.0) {
-            return bad("interval_s", format!("{} is not a positive number of seconds", self.interval_s));
+        if !(self.interval_s.is_finite() && self.interval_s >= 1e-3) {
+            return bad("interval_s", format!("{} is not a number of seconds of at least 0.001", self.interval_s));
         }
         if !(self.cooldown_s.is_finite() && self.cooldown_s >= 0.0) {
             return bad("cooldown_s", format!("{} is not a non-negative number of seconds", self.cooldown_s));
@@ -218,7 +218,8 @@ impl Quadratic {
         (self.a * l + self.b) * l + self.c
     }
 
-    fn is_finite(&self) -> bool {
+    /// Whether every coefficient is a finite number.
+    pub fn is_finite(&self) -> bool {
         self.a.is_finite() && self.b.is_finite() && self.c.is_finite()
     }
 }
@@ -328,10 +329,15 @@ impl InstanceLoad {
         self.prefill_s / params.slo_ttft_s
     }
 
-    /// Decode load (§5.5): mean inter-token latency over the last interval / SLO_TPOT; 0 for an
-    /// instance that generated no token.
+    /// Decode load: the larger of §5.5's mean inter-token latency over the last interval /
+    /// SLO_TPOT (0 for an instance that generated no token) and, ours, Σ_{r_d ∈ D} L(r_d) /
+    /// MT(i, SLO_TPOT). The paper's latency ratio alone stays low on an instance whose KV is full
+    /// (its batch is capped by memory, not time), so the decode pool would look idle while
+    /// handed-off requests wait for room, and prefill placements would flip its instances away.
     pub fn decode_load(&self, params: &ArrowParams) -> f64 {
-        self.itl_mean_s.unwrap_or(0.0) / params.slo_tpot_s
+        let latency = self.itl_mean_s.unwrap_or(0.0) / params.slo_tpot_s;
+        let tokens = self.decode_tokens as f64 / self.max_tokens.max(1) as f64;
+        latency.max(tokens)
     }
 }
 

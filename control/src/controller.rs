@@ -36,6 +36,10 @@ use kvfleet_core::policy::{InstancePolicy, LoadReport, PhaseChange, PhaseDecisio
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimRng, TimeSpan, Timestamp};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
+mod pd;
+use pd::Handoff;
+pub use pd::{ArrowProfile, DECODE_PROFILE_CONTEXT};
+
 /// Other targets tried after a target declined a move for lack of room.
 pub const MAX_RETARGETS: usize = 2;
 
@@ -316,6 +320,8 @@ struct Charge {
     request: RequestId,
     kind: ChargeKind,
     blocks: u32,
+    /// The tokens it brings: a prompt to prefill, or the KV of a move.
+    tokens: u32,
     at: Timestamp,
     /// The instance's `admitted` counter once it has taken this one in.
     covered_at: u64,
@@ -362,8 +368,12 @@ impl Instance {
                 ChargeKind::Reasoning | ChargeKind::Answering => {
                     l.waiting_blocks = l.waiting_blocks.saturating_add(c.blocks);
                     l.waiting_requests += 1;
+                    l.prefill_queue.add(c.tokens);
                 }
-                ChargeKind::MoveIn => l.gpu_used_blocks = l.gpu_used_blocks.saturating_add(c.blocks),
+                ChargeKind::MoveIn => {
+                    l.gpu_used_blocks = l.gpu_used_blocks.saturating_add(c.blocks);
+                    l.decode_context_tokens = l.decode_context_tokens.saturating_add(u64::from(c.tokens));
+                }
             }
             if c.kind == ChargeKind::Reasoning {
                 // PASCAL's high queue takes these blocks before any answering request.
@@ -430,6 +440,8 @@ pub struct Controller {
     silence: Option<Silence>,
     /// Some instance has a role other than [`Role::Mixed`]: placements and handoffs respect roles.
     disaggregated: bool,
+    /// Arrow places requests and flips roles ([`Controller::use_arrow`]).
+    arrow: Option<pd::ArrowDriver>,
 }
 
 impl Controller {
@@ -455,6 +467,7 @@ impl Controller {
             actions: VecDeque::new(),
             silence: None,
             disaggregated: false,
+            arrow: None,
         }
     }
 
@@ -467,6 +480,18 @@ impl Controller {
         inst.role = role;
         self.disaggregated = self.instances.values().any(|i| i.role != Role::Mixed);
         self.actions.push_back(Action::SetRole { instance, role });
+        if !role.hands_off() {
+            // The requests it held for a handoff decode here now (the driver's engine lets them
+            // go with the new role): their handoffs are off.
+            let moves = &mut self.moves;
+            self.waiting_handoffs.retain(|id| {
+                let here = moves.get(id).is_some_and(|m| m.from == instance);
+                if here {
+                    moves.remove(id);
+                }
+                !here
+            });
+        }
     }
 
     /// Apply `rule` to the times [`Event::Heard`] reports (a driver that cannot lose touch with
@@ -540,6 +565,11 @@ impl Controller {
         }
     }
 
+    /// Requests held after their prefill that wait for a decode instance with room.
+    pub fn waiting_handoffs(&self) -> usize {
+        self.waiting_handoffs.len()
+    }
+
     /// The next action to execute, in the order decided.
     pub fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop_front()
@@ -600,6 +630,7 @@ impl Controller {
                 for id in ids {
                     self.expire_charges(id);
                 }
+                self.arrow_tick();
                 Ok(())
             }
         }
@@ -733,9 +764,19 @@ impl Controller {
                 self.waiting_handoffs.pop_front();
                 continue;
             };
-            let Some(to) = self.choose_decoder(&m) else { return };
-            self.waiting_handoffs.pop_front();
-            self.start_move(id, &m, to);
+            // An Arrow flip on the way may drop other waiting requests (their instance decodes
+            // now): `id` is taken out by name, not as the front.
+            match self.handoff_target(id, &m) {
+                Handoff::To(to) => {
+                    self.waiting_handoffs.retain(|&w| w != id);
+                    self.start_move(id, &m, to);
+                }
+                Handoff::Here => {
+                    self.waiting_handoffs.retain(|&w| w != id);
+                    self.decode_here(id, m.from);
+                }
+                Handoff::Wait | Handoff::NoDecoder => return,
+            }
         }
     }
 
@@ -810,7 +851,7 @@ impl Controller {
         let Some(inst) = self.instances.get_mut(&on) else { return };
         let blocks = inst.base.blocks_for(tokens);
         let covered_at = inst.charges.last().map_or(inst.base.admitted, |c| c.covered_at.max(inst.base.admitted)) + 1;
-        inst.charges.push(Charge { request, kind, blocks, at: now, covered_at });
+        inst.charges.push(Charge { request, kind, blocks, tokens, at: now, covered_at });
         self.republish(on);
     }
 
@@ -827,6 +868,10 @@ impl Controller {
     /// The policy's placement, or the least-loaded live instance when it names one that is not
     /// live. `None` only when no instance is live.
     fn choose(&mut self, spec: &RequestSpec) -> Option<InstanceId> {
+        if let Some(to) = self.arrow_place_prefill(spec.prompt_tokens) {
+            self.note_prefix(spec, to);
+            return Some(to);
+        }
         // Disaggregated: only the instances that prefill take new requests.
         let pool: Option<Vec<LoadReport>> = self.disaggregated.then(|| {
             let instances = &self.instances;
@@ -980,9 +1025,10 @@ impl Controller {
     fn decide_move(&mut self, id: RequestId) {
         let Some(m) = self.moves.get(&id).cloned() else { return };
         if m.handoff {
-            match self.choose_decoder(&m) {
-                Some(to) => self.start_move(id, &m, to),
-                None if self.decoders_live() => {
+            match self.handoff_target(id, &m) {
+                Handoff::To(to) => self.start_move(id, &m, to),
+                Handoff::Here => self.decode_here(id, m.from),
+                Handoff::Wait => {
                     // Every decode instance is full: held, it waits for one to report room.
                     if let Some(m) = self.moves.get_mut(&id) {
                         m.declined.clear();
@@ -991,10 +1037,9 @@ impl Controller {
                         self.waiting_handoffs.push_back(id);
                     }
                 }
-                None => {
+                Handoff::NoDecoder => {
                     tracing::debug!(request = id.0, "no decode instance is live: it decodes where it was prefilled");
-                    self.moves.remove(&id);
-                    self.actions.push_back(Action::Release { request: id, on: m.from });
+                    self.decode_here(id, m.from);
                 }
             }
             return;
@@ -1047,19 +1092,21 @@ impl Controller {
         self.actions.push_back(Action::Migrate { request: id, from: m.from, to, kv_blocks: m.kv_blocks });
     }
 
-    /// The decode instance a handoff goes to: among the live instances that decode and have not
-    /// declined it, the one with the least KV in use or promised (fewest requests, then lowest id,
-    /// on a tie).
+    /// A held request's handoff is off: it decodes on `on`, where it was prefilled.
+    fn decode_here(&mut self, id: RequestId, on: InstanceId) {
+        self.moves.remove(&id);
+        self.actions.push_back(Action::Release { request: id, on });
+    }
+
+    /// The decode instance a handoff goes to: among the live instances that decode, have not
+    /// declined it and have room for it, the one with the least KV in use or promised (fewest
+    /// requests, then lowest id, on a tie).
     fn choose_decoder(&self, m: &Move) -> Option<InstanceId> {
         self.live
             .iter()
             .filter(|l| l.instance != m.from && !m.declined.contains(&l.instance))
             .filter(|l| self.instances.get(&l.instance).is_some_and(|i| i.role.decodes()))
-            .filter(|l| {
-                // Room for its KV and some growth, counting what was promised to it already.
-                let used = u64::from(l.gpu_used_blocks) + u64::from(l.waiting_blocks);
-                used + u64::from(m.kv_blocks) + u64::from(HANDOFF_HEADROOM_BLOCKS) <= u64::from(l.gpu_total_blocks)
-            })
+            .filter(|l| pd::has_room(l, m.kv_blocks))
             .min_by_key(|l| {
                 let blocks = u64::from(l.gpu_used_blocks) + u64::from(l.waiting_blocks);
                 (blocks, l.answering_requests + l.reasoning_requests, l.instance)
@@ -1176,7 +1223,7 @@ impl Controller {
                     failed = failed + 1,
                     "handoffs keep failing: it decodes where it was prefilled"
                 );
-                self.actions.push_back(Action::Release { request: id, on: from });
+                self.decode_here(id, from);
             } else {
                 let kv_blocks = moved_blocks;
                 // Not the one that just failed it, this time.

@@ -25,6 +25,8 @@ pub mod ownership;
 pub mod prefix;
 pub mod roles;
 
-pub use controller::{Action, ControlError, Controller, Event, MoveOutcome, RejectReason, Silence, MAX_RETARGETS};
+pub use controller::{
+    Action, ArrowProfile, ControlError, Controller, Event, MoveOutcome, RejectReason, Silence, MAX_RETARGETS,
+};
 pub use ownership::{OwnedPhase, Ownership};
 pub use roles::Role;

@@ -69,6 +69,9 @@ const BUILTIN_MODELS: &[&str] = &[
     include_str!("../specs/models/r1-distill-qwen-32b.toml"),
     include_str!("../specs/models/llama-3-8b.toml"),
     include_str!("../specs/models/qwen-7b.toml"),
+    include_str!("../specs/models/qwen3-8b.toml"),
+    include_str!("../specs/models/qwen3-32b.toml"),
+    include_str!("../specs/models/llama-3.1-70b.toml"),
 ];
 
 impl ModelSpec {
@@ -102,7 +105,8 @@ impl ModelSpec {
         BUILTIN_MODELS.iter().map(|s| parse_model(s, "<builtin>").expect("builtin model spec").name).collect()
     }
 
-    /// A built-in name (`r1-distill-qwen-32b`, `llama-3-8b`, `qwen-7b`) or a path to a TOML file.
+    /// A built-in name (`r1-distill-qwen-32b`, `llama-3-8b`, `qwen-7b`, `qwen3-8b`, `qwen3-32b`,
+    /// `llama-3.1-70b`) or a path to a TOML file.
     pub fn load(name_or_path: &str) -> Result<ModelSpec, SpecError> {
         for text in BUILTIN_MODELS {
             let spec = parse_model(text, "<builtin>")?;
@@ -211,7 +215,7 @@ impl GpuSpec {
         file.gpu
     }
 
-    /// A built-in name (`h100-80gb`, `h100-96gb`, `a100-80gb`, `v100-32gb`, `l40s`) or a TOML path
+    /// A built-in name (`h100-80gb`, `h100-96gb`, `a100-80gb`, `v100-32gb`, `l40s`, `h20-141gb`) or a TOML path
     /// holding one `[[gpu]]` table or the fields at top level.
     pub fn load(name_or_path: &str) -> Result<GpuSpec, SpecError> {
         if let Some(g) = Self::builtins().into_iter().find(|g| g.name == name_or_path) {
@@ -279,6 +283,18 @@ mod tests {
         assert_eq!(m.kv_bytes_per_token(), 262_144);
         assert_eq!(ModelSpec::load("llama-3-8b").unwrap().kv_bytes_per_token(), 131_072);
         assert_eq!(ModelSpec::load("qwen-7b").unwrap().kv_bytes_per_token(), 57_344);
+        // Arrow's models, from their public config.json; parameters as published (8.2 B, 32.8 B,
+        // 70.6 B).
+        for (name, kv, params) in [
+            ("qwen3-8b", 147_456, 8.0..8.4),
+            ("qwen3-32b", 262_144, 32.5..33.0),
+            ("llama-3.1-70b", 327_680, 70.4..70.8),
+        ] {
+            let m = ModelSpec::load(name).unwrap();
+            assert_eq!(m.kv_bytes_per_token(), kv, "{name}");
+            let p = m.params() as f64 / 1e9;
+            assert!(params.contains(&p), "{name}: {p} B parameters");
+        }
         // Qwen2.5-32B has 32.8 B parameters.
         let p = m.params() as f64 / 1e9;
         assert!((32.0..33.5).contains(&p), "params {p} B");

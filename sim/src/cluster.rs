@@ -19,10 +19,11 @@
 //! slice are broken by insertion order, so a seed gives byte-identical results.
 
 use crate::migration::{Engines, LiveMigration, LiveMigrationSpec};
-use kvfleet_control::{Action, Controller, Event as Control, MoveOutcome, Role};
+use kvfleet_control::arrow::ArrowParams;
+use kvfleet_control::{Action, ArrowProfile, Controller, Event as Control, MoveOutcome, Role};
 use kvfleet_core::engine::sched::build_scheduler;
 use kvfleet_core::engine::{Engine, EngineConfig, EngineEvent, EngineStats};
-use kvfleet_core::metrics::{MigrationRecord, RequestRecord};
+use kvfleet_core::metrics::{MigrationRecord, RequestRecord, RoleChange};
 use kvfleet_core::policy::InstancePolicy;
 use kvfleet_core::time::RUN_LIMIT;
 use kvfleet_core::timing::TimingModel;
@@ -43,6 +44,8 @@ enum Event {
     FabricWake(u64),
     /// A deadline of this live migration (stale if it ended or its deadline changed).
     MigrationTimeout(u64),
+    /// The controller's periodic pass ([`Controller::next_tick`]; stale if re-armed since).
+    Tick,
 }
 
 /// Progress callback payload, every few thousand events.
@@ -71,6 +74,8 @@ pub struct ClusterOutcome {
     pub events: u64,
     /// Virtual time of the last event.
     pub end: Timestamp,
+    /// Roles given after the start (Arrow's flips), in order.
+    pub role_changes: Vec<RoleChange>,
 }
 
 /// A run whose virtual clock passed [`RUN_LIMIT`]: an iteration or a transfer lasting longer than
@@ -124,6 +129,9 @@ pub struct Cluster {
     ended: Vec<MigrationRecord>,
     live_migrations: Vec<MigrationRecord>,
     touched: Vec<u32>,
+    /// When the controller's next periodic pass is queued for.
+    tick_at: Option<Timestamp>,
+    role_changes: Vec<RoleChange>,
 }
 
 impl Cluster {
@@ -178,6 +186,8 @@ impl Cluster {
             ended: Vec::new(),
             live_migrations: Vec::new(),
             touched: Vec::new(),
+            tick_at: None,
+            role_changes: Vec::new(),
         })
     }
 
@@ -192,6 +202,23 @@ impl Cluster {
             self.control.set_role(InstanceId(i), role);
         }
         self.follow_decisions(Timestamp::ZERO);
+    }
+
+    /// Let Arrow place prefills and handoffs and flip roles (after
+    /// [`Cluster::split_prefill_decode`] set its initial pools), profiling `timing` as its
+    /// profiler would profile the instances.
+    pub fn use_arrow(&mut self, params: ArrowParams, timing: &dyn TimingModel) -> Result<(), String> {
+        let profile = ArrowProfile::measure(timing, params.slo_tpot_s).map_err(|e| format!("arrow profile: {e}"))?;
+        self.control.use_arrow(params, profile).map_err(|e| e.to_string())
+    }
+
+    /// Queue the controller's next periodic pass, while the run has work left.
+    fn arm_tick(&mut self, busy: bool) {
+        let Some(at) = self.control.next_tick().filter(|_| busy) else { return };
+        if self.tick_at != Some(at) {
+            self.tick_at = Some(at);
+            self.push(at, Event::Tick);
+        }
     }
 
     /// Carry out what the controller decided after a move, a handoff or a role change: moves start
@@ -213,6 +240,10 @@ impl Cluster {
             Action::SetRole { instance, role } => {
                 self.engines[instance.0 as usize].set_hand_off(role.hands_off());
                 self.touch(instance.0);
+                if now > Timestamp::ZERO {
+                    let change = RoleChange { at_s: now.as_secs_f64(), instance: instance.0, role: role.to_string() };
+                    self.role_changes.push(change);
+                }
             }
             other => debug_assert!(false, "the simulator cannot execute {other:?}"),
         }
@@ -295,6 +326,9 @@ impl Cluster {
                         continue;
                     }
                 }
+                if ev == Event::Tick && self.tick_at != Some(now) {
+                    continue;
+                }
                 events += 1;
                 last_event = now;
                 // The engine of the next event is cache-cold: start fetching its data now.
@@ -366,6 +400,12 @@ impl Cluster {
                         }
                         self.fabric_dirty = true;
                     }
+                    Event::Tick => {
+                        self.tick_at = None;
+                        self.refresh_touched_loads(now);
+                        let _ = self.control.handle(now, Control::Tick);
+                        self.follow_decisions(now);
+                    }
                     Event::MigrationTimeout(key) => {
                         if let Some(f) = self.migrations.get_mut(&key) {
                             f.armed = None;
@@ -410,6 +450,10 @@ impl Cluster {
             if std::mem::take(&mut self.fabric_dirty) {
                 self.schedule_fabric_wake();
             }
+            // Periodic passes while anything can still happen: an event is queued besides the
+            // pass itself, or a held request waits for a decode instance (a flip may free one).
+            let queued = self.queue.len() > usize::from(self.tick_at.is_some());
+            self.arm_tick(arrived < total || queued || self.control.waiting_handoffs() > 0);
             if events % 4096 < 8 {
                 progress(Progress { now, arrived, finished: records.len(), total });
             }
@@ -424,6 +468,7 @@ impl Cluster {
             instances: self.engines.iter().map(|e| e.stats().clone()).collect(),
             events,
             end: last_event,
+            role_changes: self.role_changes,
         })
     }
 

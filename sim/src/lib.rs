@@ -19,7 +19,7 @@ pub mod config;
 pub mod migration;
 
 use cluster::{Cluster, ClusterOutcome, Progress};
-use config::{resolve_policy, ConfigError, SimConfig};
+use config::{resolve_policy, ConfigError, PdPolicy, SimConfig};
 pub use kvfleet_core::metrics::{LiveMigrations, RunIdentity, RunResult};
 use kvfleet_core::policy::registry::build_policy;
 use kvfleet_core::time::{Timestamp, RUN_LIMIT};
@@ -134,7 +134,10 @@ pub fn run_one_until(
     )
     .map_err(SimError::Setup)?;
     cluster.split_prefill_decode(cfg.pd.prefill_instances);
-    let ClusterOutcome { records, migrations, instances, events, end } =
+    if cfg.pd.policy == PdPolicy::Arrow {
+        cluster.use_arrow(cfg.pd.arrow, timing.as_ref()).map_err(SimError::Setup)?;
+    }
+    let ClusterOutcome { records, migrations, instances, events, end, role_changes } =
         cluster.run_until(&requests, until.min(RUN_LIMIT), progress)?;
     let id = RunIdentity {
         policy: policy.to_string(),
@@ -144,5 +147,7 @@ pub fn run_one_until(
         timing: timing.name().to_string(),
         seed: cfg.workload.seed,
     };
-    Ok(RunResult::new(id, records, migrations, &cfg.slo, end.as_secs_f64()).with_engine_counters(instances, events))
+    Ok(RunResult::new(id, records, migrations, &cfg.slo, end.as_secs_f64())
+        .with_engine_counters(instances, events)
+        .with_role_changes(role_changes))
 }

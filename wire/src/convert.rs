@@ -2,7 +2,7 @@
 //! and per-request records.
 
 use kvfleet_core::metrics::RequestRecord;
-use kvfleet_core::policy::LoadReport;
+use kvfleet_core::policy::{LoadReport, PrefillQueue};
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, Timestamp};
 
 use crate::{v1, InvalidField};
@@ -68,6 +68,12 @@ impl From<&LoadReport> for v1::LoadReport {
             waiting_blocks: l.waiting_blocks,
             admitted: l.admitted,
             reasoning_demand_blocks: l.reasoning_demand_blocks,
+            prefill_queue_requests: l.prefill_queue.requests,
+            prefill_queue_tokens: l.prefill_queue.tokens,
+            prefill_queue_tokens_sq: l.prefill_queue.tokens_sq,
+            decode_context_tokens: l.decode_context_tokens,
+            decode_tokens_total: l.decode_tokens_total,
+            decode_latency_ns_total: l.decode_latency_ns_total,
         }
     }
 }
@@ -89,6 +95,14 @@ impl From<&v1::LoadReport> for LoadReport {
             waiting_blocks: l.waiting_blocks,
             admitted: l.admitted,
             reasoning_demand_blocks: l.reasoning_demand_blocks,
+            prefill_queue: PrefillQueue {
+                requests: l.prefill_queue_requests,
+                tokens: l.prefill_queue_tokens,
+                tokens_sq: l.prefill_queue_tokens_sq,
+            },
+            decode_context_tokens: l.decode_context_tokens,
+            decode_tokens_total: l.decode_tokens_total,
+            decode_latency_ns_total: l.decode_latency_ns_total,
         }
     }
 }

@@ -169,6 +169,9 @@ fn loads_are_ratios_to_the_slos() {
     assert_eq!(busy_prefill.prefill_load(&p), 0.5);
     assert!((busy_decode.decode_load(&p) - 0.8).abs() < 1e-12);
     assert_eq!(idle(2, Role::Decode).decode_load(&p), 0.0, "no token in the interval");
+    // Ours: a decode batch at its token limit is loaded, however fast its tokens come.
+    let full = InstanceLoad { decode_tokens: 950, itl_mean_s: Some(0.01), ..idle(5, Role::Decode) };
+    assert!((full.decode_load(&p) - 0.95).abs() < 1e-12);
     let snap = snapshot(vec![
         busy_prefill,
         idle(2, Role::Prefill),
@@ -495,7 +498,8 @@ fn half_finished_flips_are_undone_first() {
     assert_eq!(choose_flip(&snap, Direction::PrefillToDecode, 0.0, None, &pr), Ok(InstanceId(1)));
     // Instance 4 was a prefill instance flipped to decode and still prefills.
     let busy = InstanceLoad { decode_tokens: 10, ..idle(3, Role::Decode) };
-    let draining = InstanceLoad { decode_tokens: 5000, prefill_tokens: 64, ..idle(4, Role::Decode) };
+    let draining =
+        InstanceLoad { decode_tokens: 5000, prefill_tokens: 64, max_tokens: 100_000, ..idle(4, Role::Decode) };
     let snap = snapshot(vec![p(0, 0, 0.0), busy, draining]);
     assert_eq!(choose_flip(&snap, Direction::DecodeToPrefill, 0.0, None, &pr), Ok(InstanceId(4)));
     assert_eq!(flip_cost(&draining, Direction::DecodeToPrefill), FlipCost { other_empty: false, work: 5000.0 });

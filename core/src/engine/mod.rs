@@ -323,6 +323,10 @@ pub struct Engine {
     slo_ok: bool,
     /// Requests taken in so far ([`LoadReport::admitted`]).
     admitted: u64,
+    /// Decode tokens produced so far, and the sum of their iterations' durations in ns
+    /// ([`LoadReport::decode_tokens_total`]).
+    decode_tokens_total: u64,
+    decode_latency_ns_total: u64,
     stats: EngineStats,
 }
 
@@ -360,6 +364,8 @@ impl Engine {
             epoch: 0,
             slo_ok: true,
             admitted: 0,
+            decode_tokens_total: 0,
+            decode_latency_ns_total: 0,
             stats: EngineStats::default(),
         }
     }
@@ -545,10 +551,12 @@ impl Engine {
         let mut finished_any = false;
         // Requests held in this iteration (earlier ones left the batch when they were held).
         let held_before = self.held.len();
+        let mut decoded = 0u64;
         for i in 0..self.batch.len() {
             let BatchEntry { slot, prefill } = self.batch[i];
             self.batch[i].prefill = false;
             self.stats.tokens += 1;
+            decoded += u64::from(!prefill);
             if let Some(out) = tokens.as_deref_mut() {
                 let r = self.req(slot);
                 let phase = if r.generated >= r.spec.reasoning_tokens { Phase::Answering } else { Phase::Reasoning };
@@ -563,6 +571,8 @@ impl Engine {
             self.dirty |= changed;
             finished_any |= finished;
         }
+        self.decode_tokens_total += decoded;
+        self.decode_latency_ns_total += decoded * (end - start).as_nanos();
         if finished_any {
             let slots = &self.slots;
             self.active.retain(|&s| slots[s as usize].is_some());
@@ -1211,10 +1221,17 @@ impl Engine {
             answering_slo_ok: self.slo_ok,
             block_tokens: self.cfg.block_size,
             admitted: self.admitted,
+            decode_tokens_total: self.decode_tokens_total,
+            decode_latency_ns_total: self.decode_latency_ns_total,
             ..LoadReport::default()
         };
         for &s in &self.active {
             let req = self.req(s);
+            if req.generated == 0 {
+                r.prefill_queue.add(req.spec.prompt_tokens);
+            } else {
+                r.decode_context_tokens += u64::from(req.context());
+            }
             if req.residence == Residence::Waiting {
                 if req.generated == 0 {
                     r.waiting_requests += 1;

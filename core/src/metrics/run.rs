@@ -67,6 +67,20 @@ pub struct RunResult {
     /// How long the run lasted, seconds: virtual time of the last event in the simulator,
     /// wall-clock time from the first submit to the last answer in the emulator.
     pub span_s: f64,
+    /// Every role an instance was given after the start (prefill/decode flips), in order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub role_changes: Vec<RoleChange>,
+}
+
+/// An instance given a new role during a run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RoleChange {
+    /// When, seconds from the run's start.
+    pub at_s: f64,
+    /// The instance.
+    pub instance: u32,
+    /// Its new role (`prefill`, `decode`, …).
+    pub role: String,
 }
 
 impl RunResult {
@@ -95,6 +109,7 @@ impl RunResult {
             instances: Vec::new(),
             events: 0,
             span_s,
+            role_changes: Vec::new(),
         }
     }
 
@@ -102,6 +117,12 @@ impl RunResult {
     pub fn with_engine_counters(mut self, instances: Vec<EngineStats>, events: u64) -> RunResult {
         self.instances = instances;
         self.events = events;
+        self
+    }
+
+    /// The run's role changes ([`RunResult::role_changes`]).
+    pub fn with_role_changes(mut self, role_changes: Vec<RoleChange>) -> RunResult {
+        self.role_changes = role_changes;
         self
     }
 }

@@ -40,11 +40,15 @@ pub struct SloTargets {
     pub ttfat_s: f64,
     /// A request violates its SLO when its QoE is below this.
     pub qoe_threshold: f64,
+    /// Target time to first token (arrival → first answer token). Set, a request attains its SLO
+    /// when it finished with TTFT and TPOT both within target ([`RunSummary::slo_attainment`],
+    /// Arrow's and DistServe's goodput criterion).
+    pub ttft_s: Option<f64>,
 }
 
 impl Default for SloTargets {
     fn default() -> Self {
-        SloTargets { tpot_s: 0.1, ttfat_s: 0.25, qoe_threshold: 0.95 }
+        SloTargets { tpot_s: 0.1, ttfat_s: 0.25, qoe_threshold: 0.95, ttft_s: None }
     }
 }
 
@@ -136,6 +140,14 @@ pub struct RunSummary {
     #[serde(default)]
     pub ttft_p50_high_hit_s: Option<f64>,
 
+    /// With a TTFT target ([`SloTargets::ttft_s`]): the share of all requests (rejected and
+    /// unfinished ones missing it) that finished with TTFT ≤ `slo_ttft_s` and TPOT ≤ `slo_tpot_s`.
+    #[serde(default)]
+    pub slo_attainment: Option<f64>,
+    /// [`SloTargets::ttft_s`] used.
+    #[serde(default)]
+    pub slo_ttft_s: Option<f64>,
+
     /// KV-cache migrations logged, aborted ones included.
     pub migrations_total: u64,
     /// Migrations that did not commit (the request stayed on its source): aborted ones and
@@ -211,6 +223,8 @@ impl RunSummary {
             ("ttft_p50_no_hit_s", V(self.ttft_p50_no_hit_s)),
             ("ttft_p50_low_hit_s", V(self.ttft_p50_low_hit_s)),
             ("ttft_p50_high_hit_s", V(self.ttft_p50_high_hit_s)),
+            ("slo_attainment", V(self.slo_attainment)),
+            ("slo_ttft_s", V(self.slo_ttft_s)),
         ]
     }
 
@@ -252,6 +266,7 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
     let mut reasoning = Vec::new();
     let mut blocking = Vec::new();
     let mut qoe = Vec::with_capacity(records.len());
+    let mut attained = 0u64;
     let mut finished = 0u64;
     let mut rejected = 0u64;
     let mut output_tokens = 0u64;
@@ -296,8 +311,17 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
         last_finish = Some(last_finish.map_or(finish, |f| f.max(finish)));
         output_tokens += u64::from(r.reasoning_tokens) + u64::from(r.answer_tokens);
         e2e.push(span_s(r.arrival, finish));
-        if let (Some(fat), true) = (r.first_answer_token, r.answer_tokens >= 2) {
-            tpot.push(span_s(fat, finish) / f64::from(r.answer_tokens - 1));
+        let request_tpot = match (r.first_answer_token, r.answer_tokens >= 2) {
+            (Some(fat), true) => Some(span_s(fat, finish) / f64::from(r.answer_tokens - 1)),
+            _ => None,
+        };
+        if let Some(t) = request_tpot {
+            tpot.push(t);
+        }
+        if let (Some(target), Some(fat)) = (slo.ttft_s, r.first_answer_token) {
+            if span_s(r.arrival, fat) <= target && request_tpot.is_none_or(|t| t <= slo.tpot_s) {
+                attained += 1;
+            }
         }
         if let Some(q) = r.qoe {
             qoe.push(q);
@@ -354,6 +378,7 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
         blocking_latency_max_s: blocking.max(),
         qoe_mean: qoe.mean(),
         slo_violation_rate,
+        slo_attainment: slo.ttft_s.filter(|_| !records.is_empty()).map(|_| attained as f64 / records.len() as f64),
         makespan_s,
         throughput_output_tokens_per_s: per_s(output_tokens),
         throughput_requests_per_s: per_s(finished),
@@ -371,6 +396,7 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
         slo_tpot_s: slo.tpot_s,
         slo_ttfat_s: slo.ttfat_s,
         slo_qoe_threshold: slo.qoe_threshold,
+        slo_ttft_s: slo.ttft_s,
     }
 }
 
@@ -464,6 +490,20 @@ mod tests {
             // A refusal: nothing sent; counted among the aborted ones, not in the transfer times.
             m(5, 0, 7.0, 7.0, MigrationOutcome::Refused("refused by the target: no room".into())),
         ]
+    }
+
+    #[test]
+    fn attainment_needs_both_targets_and_counts_every_request() {
+        // (TTFT target, TPOT target, attainment): requests 0 (TTFT 2.1, TPOT 0.1), 1 (4.6, 0.5)
+        // and 2 (0.5, no TPOT) finished; the rejected and the unfinished one never attain.
+        let table = [(2.5, 0.2, 0.4), (5.0, 0.5, 0.6), (5.0, 0.2, 0.4), (2.0, 1.0, 0.2), (0.4, 1.0, 0.0)];
+        for (ttft, tpot, want) in table {
+            let slo = SloTargets { ttft_s: Some(ttft), tpot_s: tpot, ..SloTargets::default() };
+            let s = summarize(&hand_records(), &[], &slo);
+            assert!(close(s.slo_attainment, want), "TTFT ≤ {ttft}, TPOT ≤ {tpot}: {:?}", s.slo_attainment);
+            assert_eq!(s.slo_ttft_s, Some(ttft));
+        }
+        assert_eq!(summarize(&hand_records(), &[], &SloTargets::default()).slo_attainment, None, "no TTFT target");
     }
 
     #[test]
@@ -561,7 +601,7 @@ mod tests {
         assert!(json["ttft_p99_s"].is_null());
         let row = s.csv_row();
         assert!(row.starts_with("0,0,0,,,,"), "{row}");
-        assert!(row.ends_with(",0.1,0.25,0.95,0,,,,"), "{row}");
+        assert!(row.ends_with(",0.1,0.25,0.95,0,,,,,,"), "{row}");
     }
 
     #[test]

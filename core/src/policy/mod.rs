@@ -58,6 +58,44 @@ pub struct LoadReport {
     /// of either queue. 0 in reports from builds that did not send it.
     #[serde(default)]
     pub reasoning_demand_blocks: u32,
+    /// The requests here that have not produced their first token (waiting or prefilling): a
+    /// prefill queue's sums, from which any quadratic prefill-time profile's total follows.
+    #[serde(default)]
+    pub prefill_queue: PrefillQueue,
+    /// Σ context tokens (prompt + output so far) of the requests here past their first token
+    /// (decoding, or waiting to resume; not those held for a handoff or migrating out).
+    #[serde(default)]
+    pub decode_context_tokens: u64,
+    /// Decode tokens (after each request's first) this instance has produced so far.
+    #[serde(default)]
+    pub decode_tokens_total: u64,
+    /// Σ over those tokens of the duration of the iteration that produced each, in ns: the
+    /// difference of two reports over the difference of `decode_tokens_total` is the mean
+    /// latency between a running request's tokens in between.
+    #[serde(default)]
+    pub decode_latency_ns_total: u64,
+}
+
+/// Sums over a queue of prompts: count, Σ tokens and Σ tokens², so that Σ T(l) of a quadratic
+/// T(l) = a·l² + b·l + c is a·Σl² + b·Σl + c·n without listing the prompts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefillQueue {
+    /// Prompts in the queue.
+    pub requests: u32,
+    /// Σ prompt tokens.
+    pub tokens: u64,
+    /// Σ prompt tokens².
+    pub tokens_sq: u64,
+}
+
+impl PrefillQueue {
+    /// One more prompt of `tokens` tokens.
+    pub fn add(&mut self, tokens: u32) {
+        let t = u64::from(tokens);
+        self.requests = self.requests.saturating_add(1);
+        self.tokens = self.tokens.saturating_add(t);
+        self.tokens_sq = self.tokens_sq.saturating_add(t * t);
+    }
 }
 
 impl LoadReport {

@@ -265,3 +265,76 @@ fn a_failed_handoff_decodes_where_it_was_prefilled() {
     assert!(out.migrations.iter().all(|m| m.outcome_name() == "aborted"), "{:?}", out.migrations);
     assert!(!out.migrations.is_empty());
 }
+
+/// Arrow on 2 prefill + 2 decode instances, over bursts that flip roles both ways (seeded random
+/// workloads): every request finishes exactly once, every committed handoff moves exactly its KV,
+/// and neither pool is ever empty.
+#[test]
+fn arrow_flips_roles_and_every_request_finishes_once() {
+    use kvfleet_control::arrow::ArrowParams;
+    let mut cfg = SimConfig::default();
+    cfg.cluster.instances = 4;
+    let (intra, _) = resolve_policy(&cfg.scheduler.policy).unwrap();
+    let (model, gpu) = cfg.specs().unwrap();
+    let engine = cfg.engine_config(&model, &gpu).unwrap();
+    let timing = crate::timing_model(&cfg, Path::new(".")).unwrap();
+    let params =
+        ArrowParams { interval_s: 0.25, cooldown_s: 1.0, slo_ttft_s: 1.0, slo_tpot_s: 0.05, ..Default::default() };
+    let mut flips = 0;
+    for seed in 0..6u64 {
+        let mut rng = SimRng::seed_from_u64(seed);
+        // A burst of long prompts (prefill-heavy), a lull, then a stream of long answers.
+        let mut requests = Vec::new();
+        for i in 0..60u64 {
+            let (at, prompt, answer) = if i < 30 {
+                (0.05 * i as f64, 2000 + rng.below(6000) as u32, 20)
+            } else {
+                (8.0 + 0.3 * (i - 30) as f64, 200 + rng.below(300) as u32, 200 + rng.below(300) as u32)
+            };
+            requests.push(request(i, at, prompt, 0, answer));
+        }
+        let policy = build_policy("least-kv", &cfg.scheduler.instance).unwrap();
+        let link = cfg.link.clone();
+        let mut cluster = Cluster::new(
+            4,
+            &engine,
+            timing.clone(),
+            &intra,
+            &cfg.scheduler.intra,
+            policy,
+            link,
+            cfg.migration.params(),
+            seed,
+        )
+        .unwrap();
+        cluster.split_prefill_decode(2);
+        cluster.use_arrow(params, timing.as_ref()).unwrap();
+        let out = cluster.run(&requests, |_| {}).expect("the run ends");
+
+        let ids: Vec<u64> = out.records.iter().map(|r| r.id.0).collect();
+        assert_eq!(ids, (0..60).collect::<Vec<_>>(), "seed {seed}: each request once");
+        assert!(out.records.iter().all(|r| r.finish.is_some() && !r.rejected), "seed {seed}: all finished");
+        for m in out.migrations.iter().filter(|m| m.outcome_name() == "committed") {
+            // Its prompt and first token; more when its instance flipped to decode and it ran on
+            // until its move began.
+            let r = &out.records[m.request.0 as usize];
+            let tokens = m.kv_tokens_final.expect("a committed move knows its KV");
+            assert!(tokens > r.prompt_tokens, "seed {seed}: {m:?}");
+            assert_eq!(
+                m.bytes,
+                u64::from(tokens.div_ceil(engine.block_size)) * engine.block_bytes(),
+                "seed {seed}: {m:?}"
+            );
+        }
+        let mut roles = [Role::Prefill, Role::Prefill, Role::Decode, Role::Decode];
+        for c in &out.role_changes {
+            roles[c.instance as usize] = if c.role == "prefill" { Role::Prefill } else { Role::Decode };
+            assert!(
+                roles.contains(&Role::Prefill) && roles.contains(&Role::Decode),
+                "seed {seed}: a pool emptied at {c:?}"
+            );
+        }
+        flips += out.role_changes.len();
+    }
+    assert!(flips >= 6, "the bursts flip roles ({flips} flips in 6 runs)");
+}

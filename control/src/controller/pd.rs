@@ -1,0 +1,258 @@
+//! Arrow driving the prefill and decode pools: the controller's glue between its instances'
+//! published loads and the pure decisions of [`crate::arrow`] (Alg. 1 for each new request and
+//! each handoff, Alg. 2 on every [`Event::Tick`](super::Event::Tick) once an interval has passed,
+//! Alg. 3 for which instance flips). A flip is an [`Action::SetRole`](super::Action::SetRole).
+
+use super::{Controller, Move};
+use crate::arrow::{self, ArrowError, ArrowParams, Choice, DecodeRequest, InstanceLoad, Quadratic, Snapshot};
+use crate::roles::Role;
+use kvfleet_core::policy::LoadReport;
+use kvfleet_core::timing::{BatchShape, TimingModel};
+use kvfleet_core::{InstanceId, RequestId, TimeSpan, Timestamp};
+use std::collections::BTreeMap;
+
+/// Context tokens per sequence of the decode batches MT(i, SLO_TPOT) is measured on (ours: the
+/// paper profiles TPOT against batch tokens and does not say how they split into sequences).
+pub const DECODE_PROFILE_CONTEXT: u32 = 2048;
+
+/// The most decode-batch tokens [`ArrowProfile::measure`] searches (the instance's KV capacity
+/// caps MT further when its load is read).
+const DECODE_PROFILE_CAP: u64 = 1 << 24;
+
+/// What Arrow knows of an instance's speed: T(l), its prefill time for an l-token prompt, and
+/// the most decode-batch tokens whose iteration meets SLO_TPOT (before the KV cap).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ArrowProfile {
+    /// T(l), seconds.
+    pub prefill: Quadratic,
+    /// MT(SLO_TPOT) before the instance's KV capacity caps it.
+    pub decode_max_tokens: u64,
+}
+
+impl ArrowProfile {
+    /// The profiler (§5.2) run against a timing model instead of start-up requests: one prefill
+    /// iteration per length in [`arrow::PROFILE_PROMPT_TOKENS`] fitted by least squares, and MT
+    /// by binary search over decode batches of [`DECODE_PROFILE_CONTEXT`]-token sequences.
+    pub fn measure(timing: &dyn TimingModel, slo_tpot_s: f64) -> Result<ArrowProfile, ArrowError> {
+        let points: Vec<(f64, f64)> = arrow::PROFILE_PROMPT_TOKENS
+            .iter()
+            .map(|&l| {
+                let mut shape = BatchShape::default();
+                shape.add_prefill(l);
+                (f64::from(l), timing.iteration(&shape).as_secs_f64())
+            })
+            .collect();
+        let prefill = Quadratic::fit(&points)?;
+        let decode_s = |tokens: u64| {
+            let per = u64::from(DECODE_PROFILE_CONTEXT);
+            let shape = BatchShape {
+                decode_seqs: u32::try_from(tokens.div_ceil(per)).unwrap_or(u32::MAX),
+                decode_context_tokens: tokens,
+                ..BatchShape::default()
+            };
+            timing.iteration(&shape).as_secs_f64()
+        };
+        let decode_max_tokens = arrow::max_tokens(decode_s, slo_tpot_s, DECODE_PROFILE_CAP);
+        Ok(ArrowProfile { prefill, decode_max_tokens })
+    }
+}
+
+/// Decode-token counters of one instance at the last monitoring pass, and the mean inter-token
+/// latency over the interval that ended there.
+#[derive(Clone, Copy, Debug, Default)]
+struct ItlMark {
+    tokens: u64,
+    latency_ns: u64,
+    mean_s: Option<f64>,
+}
+
+/// Arrow's state in the controller.
+#[derive(Debug)]
+pub(super) struct ArrowDriver {
+    params: ArrowParams,
+    profile: ArrowProfile,
+    /// When any instance last flipped, seconds (the P→D cooldown counts from it).
+    last_flip_s: Option<f64>,
+    /// The next monitoring pass.
+    next_pass: Timestamp,
+    marks: BTreeMap<InstanceId, ItlMark>,
+}
+
+/// Where a held request's handoff goes.
+pub(super) enum Handoff {
+    /// Migrate it to this decode instance.
+    To(InstanceId),
+    /// Its prefill instance decodes now: it decodes there.
+    Here,
+    /// Every decode instance is full: it waits for one to report room.
+    Wait,
+    /// No instance decodes: it decodes where it was prefilled.
+    NoDecoder,
+}
+
+fn secs(t: Timestamp) -> f64 {
+    t.as_secs_f64()
+}
+
+impl Controller {
+    /// Drive the prefill and decode pools with Arrow: new requests and handoffs are placed by its
+    /// Alg. 1 (which may flip an instance's role), and every `params.interval_s` an
+    /// [`Event::Tick`](super::Event::Tick) runs its monitoring pass (Alg. 2), which may flip a
+    /// prefill instance to decode. Roles are set with [`Controller::set_role`] first; Arrow only
+    /// flips instances between [`Role::Prefill`] and [`Role::Decode`].
+    pub fn use_arrow(&mut self, params: ArrowParams, profile: ArrowProfile) -> Result<(), ArrowError> {
+        params.validate()?;
+        if !profile.prefill.is_finite() {
+            return Err(ArrowError::InvalidParam { field: "profile", problem: "not finite".into() });
+        }
+        let next_pass = self.now + TimeSpan::from_secs_f64(params.interval_s);
+        self.arrow = Some(ArrowDriver { params, profile, last_flip_s: None, next_pass, marks: BTreeMap::new() });
+        Ok(())
+    }
+
+    /// When the controller next needs an [`Event::Tick`](super::Event::Tick) (Arrow's monitoring
+    /// pass); `None` when nothing it runs is periodic.
+    pub fn next_tick(&self) -> Option<Timestamp> {
+        self.arrow.as_ref().map(|a| a.next_pass)
+    }
+
+    /// Arrow's view of the live instances now: their published loads (charges included).
+    fn arrow_snapshot(&self, skip: &[InstanceId]) -> Option<Snapshot> {
+        let a = self.arrow.as_ref()?;
+        let loads = self
+            .live
+            .iter()
+            .filter(|l| !skip.contains(&l.instance))
+            .filter_map(|l| {
+                let role = self.instances.get(&l.instance)?.role;
+                let itl = a.marks.get(&l.instance).and_then(|m| m.mean_s);
+                Some(instance_load(l, role, &a.profile, itl))
+            })
+            .collect();
+        match Snapshot::new(loads) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(error = %e, "arrow: a load is not a number; deciding without arrow");
+                None
+            }
+        }
+    }
+
+    /// Record a flip Arrow decided, and apply it.
+    fn arrow_flip(&mut self, instance: InstanceId, to_role: Role) {
+        if let Some(a) = self.arrow.as_mut() {
+            a.last_flip_s = Some(secs(self.now));
+        }
+        tracing::info!(instance = instance.0, role = %to_role, "arrow flips an instance");
+        self.set_role(instance, to_role);
+    }
+
+    /// Alg. 1 for a new request: the prefill instance it queues on (flipping a decode instance if
+    /// none meets SLO_TTFT). `None` without Arrow, or when it finds no instance (the caller falls
+    /// back).
+    pub(super) fn arrow_place_prefill(&mut self, prompt_tokens: u32) -> Option<InstanceId> {
+        let snapshot = self.arrow_snapshot(&[])?;
+        let a = self.arrow.as_ref()?;
+        match arrow::place_prefill(&snapshot, u64::from(prompt_tokens), secs(self.now), a.last_flip_s, &a.params)? {
+            Choice::Instance(id) => Some(id),
+            Choice::Flip { instance, to_role } => {
+                self.arrow_flip(instance, to_role);
+                Some(instance)
+            }
+        }
+    }
+
+    /// Where held request `id`'s handoff goes: Arrow's Alg. 1 for a decode request when Arrow
+    /// runs, else the decode instance with the least KV and room for it.
+    pub(super) fn handoff_target(&mut self, id: RequestId, m: &Move) -> Handoff {
+        if self.arrow.is_none() {
+            return match self.choose_decoder(m) {
+                Some(to) => Handoff::To(to),
+                None if self.decoders_live() => Handoff::Wait,
+                None => Handoff::NoDecoder,
+            };
+        }
+        let Some(snapshot) = self.arrow_snapshot(&m.declined) else { return Handoff::NoDecoder };
+        let tokens = self.requests.get(&id).map_or(0, |o| u64::from(o.spec.prompt_tokens) + 1);
+        let request = DecodeRequest { tokens, prefill_instance: Some(m.from) };
+        let a = self.arrow.as_ref().expect("checked above");
+        let choice = arrow::place_decode(&snapshot, request, secs(self.now), a.last_flip_s, &a.params);
+        let to = match choice {
+            None => return if self.decoders_live() { Handoff::Wait } else { Handoff::NoDecoder },
+            Some(Choice::Instance(to)) => to,
+            Some(Choice::Flip { instance, to_role }) => {
+                self.arrow_flip(instance, to_role);
+                instance
+            }
+        };
+        if to == m.from {
+            return Handoff::Here;
+        }
+        // Alg. 1's pick may be full (no instance met SLO_TPOT): it would refuse the KV.
+        let room = self.live.iter().find(|l| l.instance == to).is_some_and(|l| has_room(l, m.kv_blocks));
+        if room {
+            Handoff::To(to)
+        } else {
+            Handoff::Wait
+        }
+    }
+
+    /// Alg. 2, when its interval has passed: each instance's mean inter-token latency over the
+    /// interval, the pool loads, and maybe a P→D flip.
+    pub(super) fn arrow_tick(&mut self) {
+        let now = self.now;
+        let Some(a) = self.arrow.as_mut() else { return };
+        if now < a.next_pass {
+            return;
+        }
+        a.next_pass = now + TimeSpan::from_secs_f64(a.params.interval_s);
+        for l in &self.live {
+            let mark = a.marks.entry(l.instance).or_default();
+            // A restarted worker counts from zero again: no interval to measure.
+            let tokens = l.decode_tokens_total.checked_sub(mark.tokens);
+            let latency = l.decode_latency_ns_total.checked_sub(mark.latency_ns);
+            mark.mean_s = match (tokens, latency) {
+                (Some(t), Some(ns)) if t > 0 => Some(ns as f64 / t as f64 / 1e9),
+                _ => None,
+            };
+            mark.tokens = l.decode_tokens_total;
+            mark.latency_ns = l.decode_latency_ns_total;
+        }
+        let Some(snapshot) = self.arrow_snapshot(&[]) else { return };
+        let a = self.arrow.as_ref().expect("checked above");
+        if let Some(instance) = arrow::monitor(&snapshot, secs(now), a.last_flip_s, &a.params) {
+            self.arrow_flip(instance, Role::Decode);
+            self.retry_handoffs();
+        }
+    }
+}
+
+/// Whether `load`'s instance has room for a handoff of `kv_blocks` blocks and some growth,
+/// counting what was promised to it already.
+pub(super) fn has_room(load: &LoadReport, kv_blocks: u32) -> bool {
+    let used = u64::from(load.gpu_used_blocks) + u64::from(load.waiting_blocks);
+    used + u64::from(kv_blocks) + u64::from(super::HANDOFF_HEADROOM_BLOCKS) <= u64::from(load.gpu_total_blocks)
+}
+
+/// Arrow's [`InstanceLoad`] of one published load.
+fn instance_load(l: &LoadReport, role: Role, profile: &ArrowProfile, itl_mean_s: Option<f64>) -> InstanceLoad {
+    let q = l.prefill_queue;
+    let t = profile.prefill;
+    // Σ T(l_j) = a·Σl² + b·Σl + c·n; the running prefill counts whole (an iteration prefills a
+    // prompt at once).
+    let prefill_s = (t.a * q.tokens_sq as f64 + t.b * q.tokens as f64 + t.c * f64::from(q.requests)).max(0.0);
+    let kv_cap = u64::from(l.gpu_total_blocks) * u64::from(l.block_tokens);
+    InstanceLoad {
+        instance: l.instance,
+        role,
+        prefill_s,
+        prefill_tokens: q.tokens,
+        decode_tokens: l.decode_context_tokens,
+        max_tokens: profile.decode_max_tokens.min(kv_cap),
+        itl_mean_s,
+        profile: t,
+    }
+}
+
+#[cfg(test)]
+mod tests;

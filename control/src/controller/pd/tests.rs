@@ -1,0 +1,209 @@
+//! Arrow driving the controller: placements, handoffs and flips as events → actions.
+
+use super::*;
+use crate::controller::{Event, HANDOFF_HEADROOM_BLOCKS};
+use crate::Action;
+use kvfleet_core::policy::registry::{build_policy, PolicyParams};
+use kvfleet_core::policy::PrefillQueue;
+use kvfleet_core::{RequestSpec, SimRng};
+
+const KV: u64 = 147_456;
+/// KV blocks per instance in these tests.
+const TOTAL: u32 = 1000;
+
+/// T(l) = 1 s for any prompt; MT = 16,000 tokens (the KV holds 16,000 too).
+fn profile() -> ArrowProfile {
+    ArrowProfile { prefill: Quadratic { a: 0.0, b: 0.0, c: 1.0 }, decode_max_tokens: 16_000 }
+}
+
+fn report(i: u32) -> LoadReport {
+    LoadReport {
+        instance: InstanceId(i),
+        gpu_total_blocks: TOTAL,
+        block_bytes: 1,
+        block_tokens: 16,
+        answering_slo_ok: true,
+        ..LoadReport::default()
+    }
+}
+
+/// Instances `0..prefill` prefill, the rest up to `instances` decode; Arrow with its defaults
+/// (SLO_TTFT 3 s, SLO_TPOT 0.15 s, interval 1 s, cooldown 5 s).
+fn arrow(prefill: u32, instances: u32) -> Controller {
+    let policy = build_policy("least-kv", &PolicyParams::default()).unwrap();
+    let mut c = Controller::new(policy, SimRng::seed_from_u64(1)).retain_finished();
+    for i in 0..instances {
+        let joined = Event::Joined {
+            instance: InstanceId(i),
+            address: format!("w{i}"),
+            model: String::new(),
+            kv_bytes_per_token: KV,
+        };
+        c.handle(Timestamp::ZERO, joined).unwrap();
+        c.handle(Timestamp::ZERO, Event::Load(report(i))).unwrap();
+        c.set_role(InstanceId(i), if i < prefill { Role::Prefill } else { Role::Decode });
+    }
+    c.use_arrow(ArrowParams::default(), profile()).unwrap();
+    while c.poll_action().is_some() {}
+    c
+}
+
+fn at(s: f64) -> Timestamp {
+    Timestamp::from_secs_f64(s)
+}
+
+fn spec(id: u64, prompt: u32) -> RequestSpec {
+    RequestSpec {
+        content_ids: Vec::new(),
+        id: RequestId(id),
+        arrival: Timestamp::ZERO,
+        prompt_tokens: prompt,
+        reasoning_tokens: 0,
+        answer_tokens: 10,
+    }
+}
+
+/// `n` one-second prompts queued on instance `i`.
+fn queued(i: u32, n: u32) -> LoadReport {
+    let mut r = report(i);
+    for _ in 0..n {
+        r.prefill_queue.add(100);
+    }
+    r
+}
+
+#[test]
+fn a_prompt_goes_where_its_predicted_ttft_meets_the_slo() {
+    let mut c = arrow(2, 4);
+    // Instance 0 holds the least KV (least-kv's pick) but 3 s of prefill: a new prompt would wait
+    // past SLO_TTFT there. Instance 1 holds more KV and no queue.
+    c.handle(at(0.0), Event::Load(queued(0, 3))).unwrap();
+    c.handle(at(0.0), Event::Load(LoadReport { gpu_used_blocks: 500, ..report(1) })).unwrap();
+    let actions = c.decide(at(0.0), Event::Arrival(spec(1, 100))).unwrap();
+    assert_eq!(actions, vec![Action::Place { request: RequestId(1), on: InstanceId(1), replaced: 0 }]);
+    // Charged at once: the next prompt sees 1 s queued on instance 1 (2 s in all: still in SLO).
+    assert_eq!(c.loads()[1].prefill_queue, PrefillQueue { requests: 1, tokens: 100, tokens_sq: 10_000 });
+}
+
+#[test]
+fn no_prefill_instance_in_slo_flips_a_decode_instance_to_prefill() {
+    let mut c = arrow(2, 4);
+    c.handle(at(0.0), Event::Load(queued(0, 3))).unwrap();
+    c.handle(at(0.0), Event::Load(queued(1, 4))).unwrap();
+    // Instance 3 decodes less than instance 2: it flips (Alg. 3's argmin).
+    c.handle(at(0.0), Event::Load(LoadReport { decode_context_tokens: 4000, ..report(2) })).unwrap();
+    c.handle(at(0.0), Event::Load(LoadReport { decode_context_tokens: 1000, ..report(3) })).unwrap();
+    let actions = c.decide(at(0.0), Event::Arrival(spec(1, 100))).unwrap();
+    assert_eq!(
+        actions,
+        vec![
+            Action::SetRole { instance: InstanceId(3), role: Role::Prefill },
+            Action::Place { request: RequestId(1), on: InstanceId(3), replaced: 0 },
+        ]
+    );
+    // Decode load high (instance 2 near its 16,000-token MT): the next such prompt flips nothing
+    // and waits on the instance with the least work.
+    c.handle(at(0.0), Event::Load(LoadReport { decode_context_tokens: 15_500, ..report(2) })).unwrap();
+    c.handle(at(0.0), Event::Load(queued(3, 4))).unwrap();
+    let actions = c.decide(at(0.0), Event::Arrival(spec(2, 100))).unwrap();
+    assert_eq!(actions, vec![Action::Place { request: RequestId(2), on: InstanceId(0), replaced: 0 }]);
+}
+
+/// Instance `i`'s decode counters: `tokens` produced so far, their latencies summing to `s`.
+fn decoded(i: u32, tokens: u64, s: f64) -> LoadReport {
+    LoadReport { decode_tokens_total: tokens, decode_latency_ns_total: (s * 1e9) as u64, ..report(i) }
+}
+
+#[test]
+fn the_monitor_flips_a_prefill_instance_when_decoding_slows_past_l_expand() {
+    let mut c = arrow(3, 4);
+    assert_eq!(c.next_tick(), Some(at(1.0)), "one pass per interval");
+    // 1000 tokens 0.03 s apart: L_D = 0.2, below L_SHRINK and L_EXPAND.
+    c.handle(at(0.5), Event::Load(decoded(3, 1000, 30.0))).unwrap();
+    assert_eq!(c.decide(at(1.0), Event::Tick).unwrap(), vec![], "fast tokens: no flip");
+    // The next 100 tokens came 0.14 s apart: L_D = 0.93 ≥ L_EXPAND.
+    c.handle(at(1.5), Event::Load(decoded(3, 1100, 44.0))).unwrap();
+    assert_eq!(c.decide(at(1.5), Event::Tick).unwrap(), vec![], "not a pass before the interval ends");
+    c.handle(at(1.8), Event::Load(queued(0, 1))).unwrap();
+    let actions = c.decide(at(2.0), Event::Tick).unwrap();
+    // Instances 1 and 2 have no prefill work, instance 0 has 1 s: the lowest id of the two flips.
+    assert_eq!(actions, vec![Action::SetRole { instance: InstanceId(1), role: Role::Decode }]);
+    assert_eq!(c.next_tick(), Some(at(3.0)));
+    // Both decoders slow at the next pass: within COOLDOWN of the flip, nothing flips ...
+    c.handle(at(2.5), Event::Load(decoded(3, 1200, 58.0))).unwrap();
+    c.handle(at(2.5), Event::Load(decoded(1, 100, 14.0))).unwrap();
+    assert_eq!(c.decide(at(3.0), Event::Tick).unwrap(), vec![], "cooldown");
+    // ... after it, instance 2 flips too.
+    c.handle(at(7.5), Event::Load(decoded(3, 1300, 72.0))).unwrap();
+    c.handle(at(7.5), Event::Load(decoded(1, 200, 28.0))).unwrap();
+    let actions = c.decide(at(8.0), Event::Tick).unwrap();
+    assert_eq!(actions, vec![Action::SetRole { instance: InstanceId(2), role: Role::Decode }]);
+}
+
+/// Request `id` (prompt 100) arrives; returns where it was placed.
+fn arrive(c: &mut Controller, now: Timestamp, id: u64) -> InstanceId {
+    c.handle(now, Event::Arrival(spec(id, 100))).unwrap();
+    let actions = std::iter::from_fn(|| c.poll_action()).collect::<Vec<_>>();
+    match actions.last() {
+        Some(Action::Place { on, .. }) => *on,
+        _ => panic!("not placed: {actions:?}"),
+    }
+}
+
+/// Request `id`, placed on `on`, produced its first token there and is held (7 KV blocks).
+fn prefilled(c: &mut Controller, now: Timestamp, id: u64, on: InstanceId) -> Vec<Action> {
+    c.decide(now, Event::PrefillDone { request: RequestId(id), instance: on, kv_blocks: 7 }).unwrap()
+}
+
+#[test]
+fn a_handoff_goes_to_a_decoder_with_room_under_the_tpot_slo() {
+    let mut c = arrow(1, 3);
+    // Instance 1 is over its MT; instance 2 is not.
+    c.handle(at(0.0), Event::Load(LoadReport { decode_context_tokens: 16_500, ..report(1) })).unwrap();
+    c.handle(at(0.0), Event::Load(LoadReport { decode_context_tokens: 9_000, gpu_used_blocks: 600, ..report(2) }))
+        .unwrap();
+    let on = arrive(&mut c, at(0.0), 1);
+    let actions = prefilled(&mut c, at(0.0), 1, on);
+    assert_eq!(
+        actions,
+        vec![Action::Migrate { request: RequestId(1), from: InstanceId(0), to: InstanceId(2), kv_blocks: 7 }]
+    );
+}
+
+#[test]
+fn a_flip_to_decode_keeps_every_other_waiting_handoff() {
+    let mut c = arrow(2, 5);
+    // Decoders 2 and 3 are full (over MT, no free block); decoder 4 is idle.
+    let full =
+        LoadReport { decode_context_tokens: 20_000, gpu_used_blocks: TOTAL - HANDOFF_HEADROOM_BLOCKS, ..report(2) };
+    for i in [2, 3] {
+        c.handle(at(0.0), Event::Load(LoadReport { instance: InstanceId(i), ..full.clone() })).unwrap();
+    }
+    // Both prefill instances are past SLO_TTFT: the first prompt flips decoder 4 to prefill (at
+    // t = 0, starting the cooldown) ...
+    c.handle(at(0.0), Event::Load(queued(0, 3))).unwrap();
+    c.handle(at(0.0), Event::Load(queued(1, 4))).unwrap();
+    assert_eq!(arrive(&mut c, at(0.0), 1), InstanceId(4));
+    // ... and once 4 is past it too, the next waits on the one with the least work (decode load is
+    // high now: no flip).
+    c.handle(at(0.0), Event::Load(queued(4, 3))).unwrap();
+    assert_eq!(arrive(&mut c, at(0.0), 2), InstanceId(0));
+    // Both prefilled; the decoders are full and a P→D flip is in cooldown: both wait.
+    assert_eq!(prefilled(&mut c, at(0.0), 1, InstanceId(4)), vec![]);
+    assert_eq!(prefilled(&mut c, at(0.0), 2, InstanceId(0)), vec![]);
+    assert_eq!(c.waiting_handoffs(), 2);
+    // Past the cooldown a decoder reports, still full: request 1's handoff flips its own prefill
+    // instance 4 (no prefill work left) to decode, and it decodes there; then request 2, next in
+    // line, goes to instance 4, the one decoder with room now.
+    c.handle(at(10.0), Event::Load(report(4))).unwrap();
+    let actions = c.decide(at(10.0), Event::Load(full.clone())).unwrap();
+    assert_eq!(
+        actions,
+        vec![
+            Action::SetRole { instance: InstanceId(4), role: Role::Decode },
+            Action::Release { request: RequestId(1), on: InstanceId(4) },
+            Action::Migrate { request: RequestId(2), from: InstanceId(0), to: InstanceId(4), kv_blocks: 7 },
+        ]
+    );
+    assert_eq!(c.waiting_handoffs(), 0);
+}
