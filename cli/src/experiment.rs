@@ -80,6 +80,14 @@ impl Plan {
         }
         cfg.sweep = None;
         cfg.validate().map_err(|e| InputError(e.to_string()))?;
+        if !cfg.pd.is_off() {
+            return Err(InputError(
+                "`[pd]` (prefill/decode disaggregation) runs in `kvfleet sim` only: the emulator's workers do not \
+                 hand requests off yet; remove `[pd]` or set `pd.prefill_instances = 0`"
+                    .into(),
+            )
+            .into());
+        }
         let mut workload = cfg.workload.clone();
         if let Some(r) = a.rate {
             if !(r.is_finite() && r > 0.0) {

@@ -529,9 +529,10 @@ impl Cluster {
     /// not grow: it starts unless an iteration is in flight.
     fn begin_move(&mut self, now: Timestamp, request: RequestId, from: InstanceId, to: InstanceId) {
         let source = &self.engines[from.0 as usize];
-        // A request held after its prefill does not grow: its handoff starts as soon as no
-        // iteration is in flight there (an instance holding only handoffs may never run another).
-        if source.next_wake().is_some() || (!source.is_held(request) && source.needs_step()) {
+        // A request held after its prefill runs in no iteration and does not grow: its handoff
+        // starts at once, whatever the source runs (an instance holding only handoffs may never
+        // run another iteration).
+        if !source.is_held(request) && (source.next_wake().is_some() || source.needs_step()) {
             self.pending_moves[from.0 as usize].push((request, to));
         } else {
             self.start_migration(now, request, from, to);

@@ -478,11 +478,12 @@ impl LiveMigration {
             self.pause_pending = false;
             return;
         }
-        if e.source.next_wake().is_some() {
+        let request = self.spec.request;
+        // A request held after its prefill runs in no iteration: it pauses at once.
+        if e.source.next_wake().is_some() && !e.source.is_held(request) {
             return;
         }
         self.pause_pending = false;
-        let request = self.spec.request;
         if !e.source.contains(request) {
             self.source.cancel(now, format!("{request} left the source before the pause"));
             return;

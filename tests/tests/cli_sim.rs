@@ -170,6 +170,36 @@ const BAD_INPUTS: &[BadInput] = &[
     },
     BadInput { name: "unknown table", config: Some("[clutser]\ninstances = 2\n"), args: &[], mentions: &["`clutser`"] },
     BadInput {
+        name: "arrow without a prefill pool",
+        config: Some("[pd]\npolicy = \"arrow\"\n"),
+        args: &[],
+        mentions: &["pd.policy", "pd.prefill_instances"],
+    },
+    BadInput {
+        name: "arrow: l_shrink above l_expand",
+        config: Some("[cluster]\ninstances = 4\n[pd]\nprefill_instances = 2\npolicy = \"arrow\"\n[pd.arrow]\nl_shrink = 0.95\n"),
+        args: &[],
+        mentions: &["[pd.arrow]", "l_shrink", "l_expand"],
+    },
+    BadInput {
+        name: "arrow: negative cooldown",
+        config: Some("[cluster]\ninstances = 4\n[pd]\nprefill_instances = 2\npolicy = \"arrow\"\n[pd.arrow]\ncooldown_s = -1\n"),
+        args: &[],
+        mentions: &["cooldown_s", "-1"],
+    },
+    BadInput {
+        name: "arrow: unknown knob",
+        config: Some("[cluster]\ninstances = 4\n[pd]\nprefill_instances = 2\npolicy = \"arrow\"\n[pd.arrow]\ncool_down = 1\n"),
+        args: &[],
+        mentions: &["`cool_down`"],
+    },
+    BadInput {
+        name: "unknown pd policy",
+        config: Some("[cluster]\ninstances = 4\n[pd]\nprefill_instances = 2\npolicy = \"flippy\"\n"),
+        args: &[],
+        mentions: &["`flippy`"],
+    },
+    BadInput {
         name: "unknown model",
         config: Some("[cluster]\nmodel = \"gpt-9\"\n"),
         args: &[],
@@ -287,6 +317,19 @@ fn invalid_input_exits_2_with_one_line_naming_the_problem() {
     for case in BAD_INPUTS {
         assert_refused(case);
     }
+}
+
+/// The emulator does not hand requests off yet: `kvfleet up` refuses a `[pd]` config in one line,
+/// before it starts anything, instead of running it aggregated.
+#[test]
+fn up_refuses_prefill_decode_disaggregation() {
+    let dir = TempDir::new("up-pd");
+    let config = dir.write("pd.toml", "[cluster]\ninstances = 2\n[pd]\nprefill_instances = 1\n");
+    let out = run_kvfleet(["up", "--config", path_str(&config), "--no-etcd", "-q"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    assert_eq!(stderr.lines().count(), 1, "{}", describe(&out));
+    assert!(stderr.contains("[pd]") && stderr.contains("kvfleet sim"), "{}", describe(&out));
 }
 
 /// `--rate -1` (the value as a separate word) is the natural spelling; it must be refused the same

@@ -939,10 +939,11 @@ impl Engine {
 
     /// Freeze a request for migration; its KV stays put until [`Engine::finish_migration_out`].
     pub fn begin_migration_out(&mut self, request: RequestId) -> Result<MigrationOut, EngineError> {
-        if self.inflight.is_some() {
+        let slot = *self.index.get(&request).ok_or(EngineError::Unknown(request))?;
+        // A request held after its prefill is in no batch: its KV is final whatever runs.
+        if self.inflight.is_some() && !self.held.contains(&slot) {
             return Err(EngineError::IterationInFlight);
         }
-        let slot = *self.index.get(&request).ok_or(EngineError::Unknown(request))?;
         if self.req(slot).residence == Residence::MigratingOut {
             return Err(EngineError::Duplicate(request));
         }
