@@ -456,6 +456,27 @@ fn a_prefill_instance_holds_each_request_after_its_first_token() {
     assert!(src.is_empty());
 }
 
+/// A held request's handoff may begin while the instance runs an iteration (it is in no batch, its
+/// KV is final); a request in the batch may not.
+#[test]
+fn a_held_request_leaves_mid_iteration_a_running_one_does_not() {
+    let mut src = engine("fcfs", 64, 0, 500);
+    src.set_hand_off(true);
+    let mut ev = Vec::new();
+    src.submit(Timestamp(0), spec(1, 0, 30, 2, 3)).unwrap();
+    src.step(Timestamp(0), &mut ev);
+    src.step(Timestamp(UNIT), &mut ev);
+    assert!(src.is_held(RequestId(1)));
+    // Request 2's prefill runs now.
+    src.submit(Timestamp(UNIT), spec(2, 0, 30, 2, 3)).unwrap();
+    assert!(src.step(Timestamp(UNIT), &mut ev).is_some(), "an iteration in flight");
+    assert_eq!(src.begin_migration_out(RequestId(2)), Err(EngineError::IterationInFlight));
+    let out = src.begin_migration_out(RequestId(1)).expect("the held one leaves");
+    assert_eq!(out.kv_tokens, 31);
+    src.finish_migration_out(RequestId(1)).unwrap();
+    src.check_invariants().unwrap();
+}
+
 /// A cancelled request is gone at once, mid-iteration too: its KV freed, no token and no record
 /// from it, the others unaffected; a request frozen for a migration is the migration's.
 #[test]
