@@ -25,6 +25,9 @@ SETUPS = {
     "arrow": ["--set", "pd.policy=arrow"],
     "static": ["--set", "pd.policy=static"],
     "aggregated": ["--set", "pd.policy=static", "--set", "pd.prefill_instances=0"],
+    # Arrow's request scheduling baselines (§6.3): its pools, no SLO filter, no flips.
+    "minimal-load": ["--set", "pd.policy=arrow", "--set", "pd.arrow.placement=minimal-load"],
+    "round-robin": ["--set", "pd.policy=arrow", "--set", "pd.arrow.placement=round-robin"],
 }
 
 
@@ -94,7 +97,8 @@ def svg(series, target, path):
     w, h, m = 640, 400, 50
     rates = [r for pts in series.values() for r, _ in pts]
     xmax = max(rates) * 1.05
-    colors = {"arrow": "#d62728", "static": "#1f77b4", "aggregated": "#2ca02c"}
+    colors = {"arrow": "#d62728", "static": "#1f77b4", "aggregated": "#2ca02c", "minimal-load": "#9467bd",
+              "round-robin": "#8c564b"}
     x = lambda r: m + (w - 2 * m) * r / xmax
     y = lambda a: h - m - (h - 2 * m) * a
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',

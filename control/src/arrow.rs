@@ -110,6 +110,22 @@ pub struct ArrowParams {
     pub slo_ttft_s: f64,
     /// SLO_TPOT (0.15 s: Table 1, Azure Conversation on Qwen3-8B).
     pub slo_tpot_s: f64,
+    /// How requests are placed (§6.3's three strategies); only `slo-aware` flips roles.
+    pub placement: Placement,
+}
+
+/// Arrow's request scheduling strategies (§6.3, Fig. 7).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Placement {
+    /// Alg. 1–3: SLO-aware placement and role flips (Arrow).
+    #[default]
+    SloAware,
+    /// The least-loaded instance of the pool (least queued prefill time for a prompt, fewest
+    /// decode tokens for a handoff); roles never change.
+    MinimalLoad,
+    /// The pool's instances in turn; roles never change.
+    RoundRobin,
 }
 
 impl Default for ArrowParams {
@@ -121,6 +137,7 @@ impl Default for ArrowParams {
             cooldown_s: 5.0,
             slo_ttft_s: 3.0,
             slo_tpot_s: 0.15,
+            placement: Placement::SloAware,
         }
     }
 }

@@ -4,7 +4,9 @@
 //! Alg. 3 for which instance flips). A flip is an [`Action::SetRole`](super::Action::SetRole).
 
 use super::{Controller, Move};
-use crate::arrow::{self, ArrowError, ArrowParams, Choice, DecodeRequest, InstanceLoad, Quadratic, Snapshot};
+use crate::arrow::{
+    self, ArrowError, ArrowParams, Choice, DecodeRequest, InstanceLoad, Placement, Quadratic, Snapshot,
+};
 use crate::roles::Role;
 use kvfleet_core::policy::LoadReport;
 use kvfleet_core::timing::{BatchShape, TimingModel};
@@ -76,6 +78,8 @@ pub(super) struct ArrowDriver {
     /// The next monitoring pass.
     next_pass: Timestamp,
     marks: BTreeMap<InstanceId, ItlMark>,
+    /// Placements so far into each pool ([`Placement::RoundRobin`]'s turn).
+    turns: [usize; 2],
 }
 
 /// Where a held request's handoff goes.
@@ -106,7 +110,8 @@ impl Controller {
             return Err(ArrowError::InvalidParam { field: "profile", problem: "not finite".into() });
         }
         let next_pass = self.now + TimeSpan::from_secs_f64(params.interval_s);
-        self.arrow = Some(ArrowDriver { params, profile, last_flip_s: None, next_pass, marks: BTreeMap::new() });
+        self.arrow =
+            Some(ArrowDriver { params, profile, last_flip_s: None, next_pass, marks: BTreeMap::new(), turns: [0, 0] });
         Ok(())
     }
 
@@ -152,7 +157,10 @@ impl Controller {
     /// back).
     pub(super) fn arrow_place_prefill(&mut self, prompt_tokens: u32) -> Option<InstanceId> {
         let snapshot = self.arrow_snapshot(&[])?;
-        let a = self.arrow.as_ref()?;
+        let a = self.arrow.as_mut()?;
+        if a.params.placement != Placement::SloAware {
+            return static_pick(&snapshot, Role::Prefill, a, |l| l.prefill_s);
+        }
         match arrow::place_prefill(&snapshot, u64::from(prompt_tokens), secs(self.now), a.last_flip_s, &a.params)? {
             Choice::Instance(id) => Some(id),
             Choice::Flip { instance, to_role } => {
@@ -175,8 +183,12 @@ impl Controller {
         let Some(snapshot) = self.arrow_snapshot(&m.declined) else { return Handoff::NoDecoder };
         let tokens = self.requests.get(&id).map_or(0, |o| u64::from(o.spec.prompt_tokens) + 1);
         let request = DecodeRequest { tokens, prefill_instance: Some(m.from) };
-        let a = self.arrow.as_ref().expect("checked above");
-        let choice = arrow::place_decode(&snapshot, request, secs(self.now), a.last_flip_s, &a.params);
+        let a = self.arrow.as_mut().expect("checked above");
+        let choice = if a.params.placement == Placement::SloAware {
+            arrow::place_decode(&snapshot, request, secs(self.now), a.last_flip_s, &a.params)
+        } else {
+            static_pick(&snapshot, Role::Decode, a, |l| l.decode_tokens as f64).map(Choice::Instance)
+        };
         let to = match choice {
             None => return if self.decoders_live() { Handoff::Wait } else { Handoff::NoDecoder },
             Some(Choice::Instance(to)) => to,
@@ -218,11 +230,39 @@ impl Controller {
             mark.tokens = l.decode_tokens_total;
             mark.latency_ns = l.decode_latency_ns_total;
         }
+        if self.arrow.as_ref().is_some_and(|a| a.params.placement != Placement::SloAware) {
+            return;
+        }
         let Some(snapshot) = self.arrow_snapshot(&[]) else { return };
         let a = self.arrow.as_ref().expect("checked above");
         if let Some(instance) = arrow::monitor(&snapshot, secs(now), a.last_flip_s, &a.params) {
             self.arrow_flip(instance, Role::Decode);
             self.retry_handoffs();
+        }
+    }
+}
+
+/// §6.3's baselines: the `role` pool's least-loaded instance by `load` (lowest id on a tie), or
+/// its instances in turn.
+fn static_pick(
+    snapshot: &Snapshot,
+    role: Role,
+    a: &mut ArrowDriver,
+    load: impl Fn(&InstanceLoad) -> f64,
+) -> Option<InstanceId> {
+    let pool: Vec<&InstanceLoad> = snapshot.pool(role).collect();
+    if pool.is_empty() {
+        return None;
+    }
+    match a.params.placement {
+        Placement::RoundRobin => {
+            let turn = &mut a.turns[usize::from(role == Role::Decode)];
+            let pick = pool[*turn % pool.len()].instance;
+            *turn += 1;
+            Some(pick)
+        }
+        _ => {
+            pool.iter().min_by(|x, y| load(x).total_cmp(&load(y)).then(x.instance.cmp(&y.instance))).map(|l| l.instance)
         }
     }
 }

@@ -207,3 +207,42 @@ fn a_flip_to_decode_keeps_every_other_waiting_handoff() {
     );
     assert_eq!(c.waiting_handoffs(), 0);
 }
+
+#[test]
+fn the_baselines_place_by_load_or_in_turn_and_never_flip() {
+    use crate::arrow::Placement;
+    for placement in [Placement::MinimalLoad, Placement::RoundRobin] {
+        let policy = build_policy("least-kv", &PolicyParams::default()).unwrap();
+        let mut c = Controller::new(policy, SimRng::seed_from_u64(1)).retain_finished();
+        for i in 0..4 {
+            let joined = Event::Joined {
+                instance: InstanceId(i),
+                address: String::new(),
+                model: String::new(),
+                kv_bytes_per_token: KV,
+            };
+            c.handle(Timestamp::ZERO, joined).unwrap();
+            c.set_role(InstanceId(i), if i < 2 { Role::Prefill } else { Role::Decode });
+        }
+        c.use_arrow(ArrowParams { placement, ..ArrowParams::default() }, profile()).unwrap();
+        // Both prefill instances past SLO_TTFT (Arrow would flip a decoder); instance 1 less so.
+        c.handle(at(0.0), Event::Load(queued(0, 5))).unwrap();
+        c.handle(at(0.0), Event::Load(queued(1, 4))).unwrap();
+        for i in [2, 3] {
+            c.handle(at(0.0), Event::Load(report(i))).unwrap();
+        }
+        while c.poll_action().is_some() {}
+        let on: Vec<u32> = (1..=4).map(|id| arrive(&mut c, at(0.0), id).0).collect();
+        let want = match placement {
+            // 1 s each: 4 s, then 5 s on both (tie: lowest id), then 6 s on 0 ...
+            Placement::MinimalLoad => vec![1, 0, 1, 0],
+            _ => vec![0, 1, 0, 1],
+        };
+        assert_eq!(on, want, "{placement:?}");
+        // Decode instances slow (L_D ≥ L_EXPAND): still no flip.
+        c.handle(at(0.5), Event::Load(decoded(2, 100, 14.0))).unwrap();
+        c.handle(at(0.5), Event::Load(decoded(3, 100, 14.0))).unwrap();
+        assert_eq!(c.decide(at(1.0), Event::Tick).unwrap(), vec![], "{placement:?}");
+        assert_eq!(c.decide(at(2.0), Event::Tick).unwrap(), vec![], "{placement:?}");
+    }
+}
