@@ -45,9 +45,13 @@ pub struct SimBench {
     /// Simulated span of arrivals, seconds.
     #[arg(long, default_value_t = 3600.0)]
     duration_s: f64,
-    /// Cluster-wide Poisson arrival rate, requests/s (default: 0.1 req/s per instance).
+    /// Cluster-wide Poisson arrival rate, requests/s (default: 0.1 req/s per instance);
+    /// several, comma-separated, run one after another (the controller's decision time per rate).
+    #[arg(long, value_delimiter = ',')]
+    rate: Vec<f64>,
+    /// Disaggregate with Arrow: half the instances start as prefill instances.
     #[arg(long)]
-    rate: Option<f64>,
+    arrow: bool,
     /// Policy preset or INTRA+INSTANCE pair.
     #[arg(long, default_value = "pascal")]
     policy: String,
@@ -91,7 +95,32 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
 }
 
 fn bench_sim(b: SimBench) -> anyhow::Result<()> {
-    let rate = b.rate.unwrap_or(0.1 * b.instances as f64);
+    let rates = if b.rate.is_empty() { vec![0.1 * b.instances as f64] } else { b.rate.clone() };
+    let mut latency = Vec::new();
+    for &rate in &rates {
+        if !(rate.is_finite() && rate > 0.0) {
+            return Err(InputError(format!("--rate must be positive numbers, got {rate}")).into());
+        }
+        latency.push((rate, bench_sim_at(&b, rate)?));
+    }
+    crate::say!("controller decision time (wall, per decision; p50 / p99 / max µs):");
+    crate::say!("  {:>10}  {:>26}  {:>26}", "rate req/s", "placing an arrival", "handing off a prefill");
+    for (rate, d) in latency {
+        crate::say!("  {rate:>10.1}  {:>26}  {:>26}", micros(&d.arrival_ns), micros(&d.handoff_ns));
+    }
+    Ok(())
+}
+
+/// p50 / p99 / max of `ns` in µs, `-` for none.
+fn micros(ns: &[u32]) -> String {
+    let d = kvfleet_core::metrics::Distribution::new(ns.iter().map(|&v| f64::from(v) / 1e3).collect());
+    match (d.percentile(0.5), d.percentile(0.99), d.max()) {
+        (Some(p50), Some(p99), Some(max)) => format!("{p50:.1} / {p99:.1} / {max:.0}"),
+        _ => "-".into(),
+    }
+}
+
+fn bench_sim_at(b: &SimBench, rate: f64) -> anyhow::Result<kvfleet_core::metrics::DecisionTimes> {
     let mut cfg = SimConfig::default();
     cfg.cluster.instances = b.instances;
     cfg.scheduler.policy = b.policy.clone();
@@ -103,6 +132,10 @@ fn bench_sim(b: SimBench) -> anyhow::Result<()> {
         max_output_tokens: Some(16_384),
         ..WorkloadConfig::default()
     };
+    if b.arrow {
+        cfg.pd.prefill_instances = (b.instances / 2).max(1);
+        cfg.pd.policy = kvfleet_sim::config::PdPolicy::Arrow;
+    }
     if let Some(path) = &b.azure_trace {
         cfg.workload.lengths = LengthConfig::Trace(kvfleet_core::workload::TraceLengths {
             path: path.clone(),
@@ -116,11 +149,12 @@ fn bench_sim(b: SimBench) -> anyhow::Result<()> {
     let requests = kvfleet_core::workload::generate(&cfg.workload, &base).map_err(|e| InputError(e.to_string()))?;
     let gen_s = t0.elapsed().as_secs_f64();
     crate::say!(
-        "bench sim: {} instances, {:.0} s of Poisson arrivals at {rate} req/s = {} requests, policy {}, lengths {}",
+        "bench sim: {} instances, {:.0} s of Poisson arrivals at {rate} req/s = {} requests, policy {}{}, lengths {}",
         b.instances,
         b.duration_s,
         requests.len(),
         b.policy,
+        if b.arrow { " with Arrow's prefill/decode pools" } else { "" },
         b.azure_trace.as_ref().map_or("ServeGen DeepSeek-R1".to_string(), |p| p.display().to_string())
     );
     let results = crate::run_parallel(
@@ -147,7 +181,10 @@ fn bench_sim(b: SimBench) -> anyhow::Result<()> {
     crate::say!("  tokens generated   {:>12} ({:.1} M tokens/s)", tokens, tokens as f64 / wall / 1e6);
     crate::say!("  speed-up vs real   {:>12.0}×", r.span_s / wall);
     crate::say!("  finished requests  {:>12} of {}", r.summary.requests_finished, r.summary.requests_total);
-    Ok(())
+    if b.arrow {
+        crate::say!("  role flips         {:>12}", r.role_changes.len());
+    }
+    Ok(r.decisions.clone())
 }
 
 /// `lateness_p99_us=N` etc. from a worker's final stderr line.

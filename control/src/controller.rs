@@ -764,6 +764,19 @@ impl Controller {
                 self.waiting_handoffs.pop_front();
                 continue;
             };
+            if self.arrow.is_none() || self.choose_decoder(&m).is_none() {
+                // Without Arrow that is the choice; with it, no decoder has room: it waits on
+                // (Arrow could flip one, but its monitoring pass does that: every decoder's report
+                // would otherwise rebuild its snapshot).
+                match self.choose_decoder(&m) {
+                    Some(to) => {
+                        self.waiting_handoffs.pop_front();
+                        self.start_move(id, &m, to);
+                        continue;
+                    }
+                    None => return,
+                }
+            }
             // An Arrow flip on the way may drop other waiting requests (their instance decodes
             // now): `id` is taken out by name, not as the front.
             match self.handoff_target(id, &m) {

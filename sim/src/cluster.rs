@@ -23,7 +23,7 @@ use kvfleet_control::arrow::ArrowParams;
 use kvfleet_control::{Action, ArrowProfile, Controller, Event as Control, MoveOutcome, Role};
 use kvfleet_core::engine::sched::build_scheduler;
 use kvfleet_core::engine::{Engine, EngineConfig, EngineEvent, EngineStats};
-use kvfleet_core::metrics::{MigrationRecord, RequestRecord, RoleChange};
+use kvfleet_core::metrics::{DecisionTimes, MigrationRecord, RequestRecord, RoleChange};
 use kvfleet_core::policy::InstancePolicy;
 use kvfleet_core::time::RUN_LIMIT;
 use kvfleet_core::timing::TimingModel;
@@ -33,6 +33,12 @@ use kvfleet_netmodel::{Fabric, LinkParams, TransferId};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::sync::Arc;
+use std::time::Instant;
+
+/// Wall time since `started`, ns (saturating: a decision never takes 4 s).
+fn elapsed_ns(started: Instant) -> u32 {
+    u32::try_from(started.elapsed().as_nanos()).unwrap_or(u32::MAX)
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
@@ -76,6 +82,8 @@ pub struct ClusterOutcome {
     pub end: Timestamp,
     /// Roles given after the start (Arrow's flips), in order.
     pub role_changes: Vec<RoleChange>,
+    /// Wall time of the controller's placements and handoff decisions.
+    pub decisions: DecisionTimes,
 }
 
 /// A run whose virtual clock passed [`RUN_LIMIT`]: an iteration or a transfer lasting longer than
@@ -132,6 +140,7 @@ pub struct Cluster {
     /// When the controller's next periodic pass is queued for.
     tick_at: Option<Timestamp>,
     role_changes: Vec<RoleChange>,
+    decisions: DecisionTimes,
 }
 
 impl Cluster {
@@ -188,6 +197,7 @@ impl Cluster {
             touched: Vec::new(),
             tick_at: None,
             role_changes: Vec::new(),
+            decisions: DecisionTimes::default(),
         })
     }
 
@@ -344,7 +354,10 @@ impl Cluster {
                         }
                         self.refresh_touched_loads(now);
                         debug_assert!(self.loads_are_fresh(), "policy would see a stale load report");
-                        if let Err(e) = self.control.handle(now, Control::Arrival(spec.clone())) {
+                        let started = Instant::now();
+                        let placed = self.control.handle(now, Control::Arrival(spec.clone()));
+                        self.decisions.arrival_ns.push(elapsed_ns(started));
+                        if let Err(e) = placed {
                             // A duplicate id in the workload: it ran once already.
                             records.push(rejected(spec, InstanceId(0)));
                             debug_assert!(false, "{e}");
@@ -371,7 +384,9 @@ impl Cluster {
                                     self.refresh_load(now, i);
                                     self.refresh_touched_loads(now);
                                     let done = Control::PrefillDone { request, instance: InstanceId(i), kv_blocks };
+                                    let started = Instant::now();
                                     let _ = self.control.handle(now, done);
+                                    self.decisions.handoff_ns.push(elapsed_ns(started));
                                     self.follow_decisions(now);
                                 }
                             }
@@ -469,6 +484,7 @@ impl Cluster {
             events,
             end: last_event,
             role_changes: self.role_changes,
+            decisions: self.decisions,
         })
     }
 

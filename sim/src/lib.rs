@@ -137,7 +137,7 @@ pub fn run_one_until(
     if cfg.pd.policy == PdPolicy::Arrow {
         cluster.use_arrow(cfg.pd.arrow, timing.as_ref()).map_err(SimError::Setup)?;
     }
-    let ClusterOutcome { records, migrations, instances, events, end, role_changes } =
+    let ClusterOutcome { records, migrations, instances, events, end, role_changes, decisions } =
         cluster.run_until(&requests, until.min(RUN_LIMIT), progress)?;
     let id = RunIdentity {
         policy: policy.to_string(),
@@ -149,5 +149,5 @@ pub fn run_one_until(
     };
     Ok(RunResult::new(id, records, migrations, &cfg.slo, end.as_secs_f64())
         .with_engine_counters(instances, events)
-        .with_role_changes(role_changes))
+        .with_control(role_changes, decisions))
 }

@@ -200,12 +200,13 @@ impl Controller {
         if to == m.from {
             return Handoff::Here;
         }
-        // Alg. 1's pick may be full (no instance met SLO_TPOT): it would refuse the KV.
+        // Alg. 1's pick may be full (no instance met SLO_TPOT): it would refuse the KV. Ours: then
+        // the decoder with the least KV that has room, else wait for one.
         let room = self.live.iter().find(|l| l.instance == to).is_some_and(|l| has_room(l, m.kv_blocks));
-        if room {
-            Handoff::To(to)
-        } else {
-            Handoff::Wait
+        match (room, self.choose_decoder(m)) {
+            (true, _) => Handoff::To(to),
+            (false, Some(other)) => Handoff::To(other),
+            (false, None) => Handoff::Wait,
         }
     }
 

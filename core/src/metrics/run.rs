@@ -70,6 +70,19 @@ pub struct RunResult {
     /// Every role an instance was given after the start (prefill/decode flips), in order.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub role_changes: Vec<RoleChange>,
+    /// Wall time the cluster controller took per decision (the simulator's; for benchmarks).
+    #[serde(skip)]
+    pub decisions: DecisionTimes,
+}
+
+/// Wall time of the cluster controller's decisions in one run, ns (the simulator measures them;
+/// nothing in a result depends on them).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DecisionTimes {
+    /// Placing each arrival.
+    pub arrival_ns: Vec<u32>,
+    /// Handing off each request whose prefill ended on a prefill instance.
+    pub handoff_ns: Vec<u32>,
 }
 
 /// An instance given a new role during a run.
@@ -110,6 +123,7 @@ impl RunResult {
             events: 0,
             span_s,
             role_changes: Vec::new(),
+            decisions: DecisionTimes::default(),
         }
     }
 
@@ -120,9 +134,10 @@ impl RunResult {
         self
     }
 
-    /// The run's role changes ([`RunResult::role_changes`]).
-    pub fn with_role_changes(mut self, role_changes: Vec<RoleChange>) -> RunResult {
+    /// The run's role changes ([`RunResult::role_changes`]) and decision times.
+    pub fn with_control(mut self, role_changes: Vec<RoleChange>, decisions: DecisionTimes) -> RunResult {
         self.role_changes = role_changes;
+        self.decisions = decisions;
         self
     }
 }

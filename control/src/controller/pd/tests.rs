@@ -192,11 +192,13 @@ fn a_flip_to_decode_keeps_every_other_waiting_handoff() {
     assert_eq!(prefilled(&mut c, at(0.0), 1, InstanceId(4)), vec![]);
     assert_eq!(prefilled(&mut c, at(0.0), 2, InstanceId(0)), vec![]);
     assert_eq!(c.waiting_handoffs(), 2);
-    // Past the cooldown a decoder reports, still full: request 1's handoff flips its own prefill
-    // instance 4 (no prefill work left) to decode, and it decodes there; then request 2, next in
-    // line, goes to instance 4, the one decoder with room now.
+    // Past the cooldown decoder 3 reports room, though its decoding is over MT: request 1's
+    // handoff (Alg. 1: no decoder within SLO_TPOT) flips its own prefill instance 4 (no prefill
+    // work left) to decode, and it decodes there; then request 2, next in line, goes to instance
+    // 4, the one decoder within SLO_TPOT now.
     c.handle(at(10.0), Event::Load(report(4))).unwrap();
-    let actions = c.decide(at(10.0), Event::Load(full.clone())).unwrap();
+    let over = LoadReport { decode_context_tokens: 20_000, ..report(3) };
+    let actions = c.decide(at(10.0), Event::Load(over)).unwrap();
     assert_eq!(
         actions,
         vec![
@@ -206,6 +208,28 @@ fn a_flip_to_decode_keeps_every_other_waiting_handoff() {
         ]
     );
     assert_eq!(c.waiting_handoffs(), 0);
+}
+
+#[test]
+fn a_handoff_waits_while_every_decoder_is_full_then_takes_one_with_room() {
+    // Both decoders full: a report from one (still full) leaves the waiting handoff waiting and
+    // flips nothing (the monitoring pass decides flips then).
+    let mut c = arrow(1, 3);
+    let full =
+        LoadReport { decode_context_tokens: 20_000, gpu_used_blocks: TOTAL - HANDOFF_HEADROOM_BLOCKS, ..report(1) };
+    for i in [1, 2] {
+        c.handle(at(0.0), Event::Load(LoadReport { instance: InstanceId(i), ..full.clone() })).unwrap();
+    }
+    let on = arrive(&mut c, at(0.0), 1);
+    assert_eq!(prefilled(&mut c, at(0.0), 1, on), vec![], "pool of one prefill instance: no flip");
+    assert_eq!(c.decide(at(9.0), Event::Load(full.clone())).unwrap(), vec![]);
+    assert_eq!(c.waiting_handoffs(), 1);
+    // Room on decoder 2: it goes there.
+    let actions = c.decide(at(9.5), Event::Load(report(2))).unwrap();
+    assert_eq!(
+        actions,
+        vec![Action::Migrate { request: RequestId(1), from: InstanceId(0), to: InstanceId(2), kv_blocks: 7 }]
+    );
 }
 
 #[test]
