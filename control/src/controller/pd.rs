@@ -173,14 +173,12 @@ impl Controller {
     /// Where held request `id`'s handoff goes: Arrow's Alg. 1 for a decode request when Arrow
     /// runs, else the decode instance with the least KV and room for it.
     pub(super) fn handoff_target(&mut self, id: RequestId, m: &Move) -> Handoff {
-        if self.arrow.is_none() {
-            return match self.choose_decoder(m) {
-                Some(to) => Handoff::To(to),
-                None if self.decoders_live() => Handoff::Wait,
-                None => Handoff::NoDecoder,
-            };
-        }
-        let Some(snapshot) = self.arrow_snapshot(&m.declined) else { return Handoff::NoDecoder };
+        let least_kv = |c: &Controller| match c.choose_decoder(m) {
+            Some(to) => Handoff::To(to),
+            None if c.decoders_live() => Handoff::Wait,
+            None => Handoff::NoDecoder,
+        };
+        let Some(snapshot) = self.arrow_snapshot(&m.declined) else { return least_kv(self) };
         let tokens = self.requests.get(&id).map_or(0, |o| u64::from(o.spec.prompt_tokens) + 1);
         let request = DecodeRequest { tokens, prefill_instance: Some(m.from) };
         let a = self.arrow.as_mut().expect("checked above");
