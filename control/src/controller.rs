@@ -764,22 +764,13 @@ impl Controller {
                 self.waiting_handoffs.pop_front();
                 continue;
             };
-            if self.arrow.is_none() || self.choose_decoder(&m).is_none() {
-                // Without Arrow that is the choice; with it, no decoder has room: it waits on
-                // (Arrow could flip one, but its monitoring pass does that: every decoder's report
-                // would otherwise rebuild its snapshot).
-                match self.choose_decoder(&m) {
-                    Some(to) => {
-                        self.waiting_handoffs.pop_front();
-                        self.start_move(id, &m, to);
-                        continue;
-                    }
-                    None => return,
-                }
-            }
+            // No decoder has room: it waits on. With Arrow too (a flip could make room, but its
+            // monitoring pass does that: every decoder's report would otherwise rebuild its view).
+            let Some(least_kv) = self.choose_decoder(&m) else { return };
+            let target = if self.arrow.is_none() { Handoff::To(least_kv) } else { self.handoff_target(id, &m) };
             // An Arrow flip on the way may drop other waiting requests (their instance decodes
             // now): `id` is taken out by name, not as the front.
-            match self.handoff_target(id, &m) {
+            match target {
                 Handoff::To(to) => {
                     self.waiting_handoffs.retain(|&w| w != id);
                     self.start_move(id, &m, to);
