@@ -212,6 +212,8 @@ impl Cluster {
             self.control.set_role(InstanceId(i), role);
         }
         self.follow_decisions(Timestamp::ZERO);
+        // The split is where the run starts, not a change: a flip at t = 0 is one.
+        self.role_changes.clear();
     }
 
     /// Let Arrow place prefills and handoffs and flip roles (after
@@ -250,10 +252,8 @@ impl Cluster {
             Action::SetRole { instance, role } => {
                 self.engines[instance.0 as usize].set_hand_off(role.hands_off());
                 self.touch(instance.0);
-                if now > Timestamp::ZERO {
-                    let change = RoleChange { at_s: now.as_secs_f64(), instance: instance.0, role: role.to_string() };
-                    self.role_changes.push(change);
-                }
+                let change = RoleChange { at_s: now.as_secs_f64(), instance: instance.0, role: role.to_string() };
+                self.role_changes.push(change);
             }
             other => debug_assert!(false, "the simulator cannot execute {other:?}"),
         }
