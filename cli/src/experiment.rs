@@ -17,7 +17,7 @@ use crate::up::replay::ReplayStats;
 use crate::up::{live, DEFAULT_CONFIG};
 use crate::{report, say, InputError};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvfleet_core::metrics::{RequestRecord, RunIdentity, RunResult};
+use kvfleet_core::metrics::{RequestRecord, RoleChange, RunIdentity, RunResult};
 use kvfleet_core::workload::{ArrivalConfig, WorkloadConfig};
 use kvfleet_core::RequestSpec;
 use kvfleet_proto::v1;
@@ -80,14 +80,6 @@ impl Plan {
         }
         cfg.sweep = None;
         cfg.validate().map_err(|e| InputError(e.to_string()))?;
-        if !cfg.pd.is_off() {
-            return Err(InputError(
-                "`[pd]` (prefill/decode disaggregation) runs in `kvfleet sim` only: the emulator's workers do not \
-                 hand requests off yet; remove `[pd]` or set `pd.prefill_instances = 0`"
-                    .into(),
-            )
-            .into());
-        }
         let mut workload = cfg.workload.clone();
         if let Some(r) = a.rate {
             if !(r.is_finite() && r > 0.0) {
@@ -189,12 +181,40 @@ pub struct Replayed {
     pub live_log: Vec<v1::MigrationStats>,
     /// The run's span in emulated seconds (what every reported time is in).
     pub span_s: f64,
+    /// Prefill/decode disaggregation, from the leader: roles changed after the start, handoffs
+    /// committed, held requests released to decode where they were prefilled.
+    pub role_changes: Vec<v1::RoleChange>,
+    pub handoffs: u64,
+    pub handoffs_released: u64,
 }
 
 impl Replayed {
     /// Records → one [`RunResult`] under `plan`'s identity and SLO.
     pub fn run_result(&self, plan: &Plan) -> RunResult {
-        RunResult::new(plan.identity(), self.ok.clone(), live::records(&self.live_log), &plan.cfg.slo, self.span_s)
+        let run =
+            RunResult::new(plan.identity(), self.ok.clone(), live::records(&self.live_log), &plan.cfg.slo, self.span_s);
+        let changes = self
+            .role_changes
+            .iter()
+            .map(|c| RoleChange { at_s: c.at_ns as f64 / 1e9, instance: c.instance, role: c.role.clone() })
+            .collect();
+        run.with_control(changes, Default::default())
+    }
+
+    /// The line on prefill/decode handoffs and role flips (`None` when the run had neither).
+    pub fn pd_line(&self) -> Option<String> {
+        if self.handoffs + self.handoffs_released == 0 && self.role_changes.is_empty() {
+            return None;
+        }
+        let to = |role: &str| self.role_changes.iter().filter(|c| c.role == role).count();
+        Some(format!(
+            "prefill/decode: {} handoffs moved to a decoder, {} decoded where prefilled; {} role flips ({} to decode, {} to prefill)",
+            self.handoffs,
+            self.handoffs_released,
+            self.role_changes.len(),
+            to("decode"),
+            to("prefill")
+        ))
     }
 
     /// Requests that migrated at least once.

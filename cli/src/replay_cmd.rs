@@ -207,6 +207,9 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         live_log: end.as_ref().map(|s| s.migration_log.clone()).unwrap_or_default(),
         // In emulated time, as every time the records hold.
         span_s: clock.dilation.emulated(progress.elapsed()).as_secs_f64(),
+        role_changes: end.as_ref().map(|s| s.role_changes.clone()).unwrap_or_default(),
+        handoffs: end.as_ref().map_or(0, |s| s.handoffs),
+        handoffs_released: end.as_ref().map_or(0, |s| s.handoffs_released),
     };
     let wall = replayed.span_s;
     let mut outcome = account(&plan.requests, &replayed.ok, replayed.failed.len());

@@ -57,18 +57,19 @@ pub fn render(s: &v1::ClusterStatus) -> String {
     );
     let _ = writeln!(
         out,
-        "\n{:>8} {:<22} {:>5} {:>14} {:>6} {:>9} {:>9} {:>7} {:>6}",
-        "instance", "address", "alive", "GPU blocks", "CPU", "reasoning", "answering", "waiting", "SLO"
+        "\n{:>8} {:<22} {:>5} {:>8} {:>14} {:>6} {:>9} {:>9} {:>7} {:>6}",
+        "instance", "address", "alive", "role", "GPU blocks", "CPU", "reasoning", "answering", "waiting", "SLO"
     );
     for i in &s.instances {
         let (id, addr) = i.info.as_ref().map_or((0, ""), |w| (w.instance, w.advertise.as_str()));
         let l = i.load.unwrap_or_default();
         let _ = writeln!(
             out,
-            "{:>8} {:<22} {:>5} {:>14} {:>6} {:>9} {:>9} {:>7} {:>6}",
+            "{:>8} {:<22} {:>5} {:>8} {:>14} {:>6} {:>9} {:>9} {:>7} {:>6}",
             id,
             addr,
             if i.alive { "yes" } else { "NO" },
+            if i.role.is_empty() { "mixed" } else { i.role.as_str() },
             format!("{}/{}", l.gpu_used_blocks, l.gpu_total_blocks),
             l.cpu_used_blocks,
             l.reasoning_requests,
@@ -76,6 +77,18 @@ pub fn render(s: &v1::ClusterStatus) -> String {
             l.waiting_requests,
             if l.answering_slo_ok { "ok" } else { "LATE" }
         );
+    }
+    if s.handoffs + s.handoffs_released > 0 || !s.role_changes.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nprefill/decode: {} handoffs to a decoder, {} decoded where prefilled, {} role flips",
+            s.handoffs,
+            s.handoffs_released,
+            s.role_changes.len()
+        );
+        for c in s.role_changes.iter().rev().take(5) {
+            let _ = writeln!(out, "  instance {:>3} -> {:<8} at {:.3} s", c.instance, c.role, c.at_ns as f64 / 1e9);
+        }
     }
     let ok: Vec<&v1::MigrationStats> = s.migration_log.iter().filter(|m| m.committed()).collect();
     if !s.migration_log.is_empty() {
@@ -104,4 +117,31 @@ pub fn render(s: &v1::ClusterStatus) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_screen_shows_roles_handoffs_and_flips() {
+        let instance = |i, role: &str| v1::InstanceStatus {
+            info: Some(v1::WorkerInfo { instance: i, ..Default::default() }),
+            alive: true,
+            role: role.into(),
+            ..Default::default()
+        };
+        let s = v1::ClusterStatus {
+            instances: vec![instance(0, "prefill"), instance(1, "")],
+            role_changes: vec![v1::RoleChange { at_ns: 2_500_000_000, instance: 1, role: "prefill".into() }],
+            handoffs: 7,
+            ..Default::default()
+        };
+        let screen = render(&s);
+        let row = |i: u32| screen.lines().find(|l| l.trim_start().starts_with(&format!("{i} "))).unwrap().to_string();
+        assert!(row(0).contains("prefill"), "{screen}");
+        assert!(row(1).contains("mixed"), "{screen}");
+        assert!(screen.contains("7 handoffs to a decoder, 0 decoded where prefilled, 1 role flips"), "{screen}");
+        assert!(screen.contains("instance   1 -> prefill  at 2.500 s"), "{screen}");
+    }
 }

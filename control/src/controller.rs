@@ -442,6 +442,9 @@ pub struct Controller {
     disaggregated: bool,
     /// Arrow places requests and flips roles ([`Controller::use_arrow`]).
     arrow: Option<pd::ArrowDriver>,
+    /// The initial prefill/decode split, for instances that join later
+    /// ([`Controller::split_prefill_decode`]).
+    split: Option<crate::roles::PdConfig>,
 }
 
 impl Controller {
@@ -468,6 +471,7 @@ impl Controller {
             silence: None,
             disaggregated: false,
             arrow: None,
+            split: None,
         }
     }
 
@@ -492,6 +496,33 @@ impl Controller {
                 !here
             });
         }
+    }
+
+    /// Disaggregate prefill and decode as `pd` splits the instances ([`PdConfig::initial_role`]):
+    /// the known ones now, each that joins later without a role of its own when it joins (a
+    /// driver whose instances join over time, like the coordinator's, needs no list of them).
+    /// Off: nothing changes.
+    ///
+    /// [`PdConfig::initial_role`]: crate::roles::PdConfig::initial_role
+    pub fn split_prefill_decode(&mut self, pd: &crate::roles::PdConfig) {
+        if pd.is_off() {
+            return;
+        }
+        let known: Vec<InstanceId> = self.instances.keys().copied().collect();
+        for id in known {
+            self.set_role(id, pd.initial_role(id.0));
+        }
+        self.split = Some(pd.clone());
+    }
+
+    /// The role of every instance given one other than [`Role::Mixed`], in id order.
+    pub fn roles(&self) -> impl Iterator<Item = (InstanceId, Role)> + '_ {
+        self.instances.iter().filter(|(_, i)| i.role != Role::Mixed).map(|(&id, i)| (id, i.role))
+    }
+
+    /// The role of `instance` ([`Role::Mixed`] when unknown).
+    pub fn role(&self, instance: InstanceId) -> Role {
+        self.instances.get(&instance).map_or(Role::Mixed, |i| i.role)
     }
 
     /// Apply `rule` to the times [`Event::Heard`] reports (a driver that cannot lose touch with
@@ -660,6 +691,14 @@ impl Controller {
             inst.alive = true;
             inst.silent = false;
             inst.abandoned = false;
+            let role = match (inst.role, &self.split) {
+                (Role::Mixed, Some(split)) => split.initial_role(instance.0),
+                (role, _) => role,
+            };
+            if role != Role::Mixed {
+                // Its process may be new (a restarted worker starts mixed): told its role again.
+                self.set_role(instance, role);
+            }
             self.rebuild_live();
             self.retry_stranded();
         }

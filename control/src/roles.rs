@@ -1,6 +1,7 @@
 //! Instance roles for prefill/decode disaggregation: what each instance takes (new prompts, handed
 //! off decodes, or both), as the controller assigns them ([`crate::Action::SetRole`]).
 
+use crate::arrow::ArrowParams;
 use serde::{Deserialize, Serialize};
 
 /// What an instance serves.
@@ -46,6 +47,77 @@ impl std::fmt::Display for Role {
             Role::Convertible => "convertible",
             Role::Standby => "standby",
         })
+    }
+}
+
+/// Prefill/decode disaggregation: the first `prefill_instances` instances prefill new requests
+/// and hand each off, after its first token, to one of the others, which decode (the handoff is a
+/// live migration of the request's KV over the fabric). With `policy = "arrow"` that
+/// split is where Arrow starts: it places prefills and handoffs by its SLO-aware rule and flips
+/// instances between the pools as their loads change (`[pd.arrow]`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PdConfig {
+    /// Prefill instances (0: no disaggregation).
+    pub prefill_instances: u32,
+    /// How prefills and handoffs are placed and whether roles change.
+    pub policy: PdPolicy,
+    /// Arrow's knobs (`policy = "arrow"`).
+    #[serde(skip_serializing_if = "is_default_arrow")]
+    pub arrow: ArrowParams,
+}
+
+/// Who places prefills and handoffs under disaggregation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PdPolicy {
+    /// Roles never change: prefills by `[scheduler] policy` among the prefill instances, each
+    /// handoff to the decode instance with the least KV and room for it.
+    #[default]
+    Static,
+    /// Arrow: SLO-aware placement of prefills and handoffs, and role flips.
+    Arrow,
+}
+
+fn is_default_arrow(p: &ArrowParams) -> bool {
+    *p == ArrowParams::default()
+}
+
+impl PdConfig {
+    /// No disaggregation.
+    pub fn is_off(&self) -> bool {
+        self.prefill_instances == 0
+    }
+
+    /// Checks what can be checked for a cluster of `instances`; the error names the field.
+    pub fn validate(&self, instances: u32) -> Result<(), String> {
+        if self.prefill_instances >= instances && !self.is_off() {
+            return Err(format!(
+                "`pd.prefill_instances` must leave at least one decode instance: {} of {} instances",
+                self.prefill_instances, instances
+            ));
+        }
+        if self.policy == PdPolicy::Arrow {
+            if self.is_off() {
+                return Err(
+                    "`pd.policy = \"arrow\"` needs `pd.prefill_instances` (its initial prefill pool) of at least 1".into()
+                );
+            }
+            self.arrow.validate().map_err(|e| format!("[pd.arrow] {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// The role of instance `instance` in the initial split: the first `prefill_instances`
+    /// prefill, every other decodes (every one is [`Role::Mixed`] when off).
+    pub fn initial_role(&self, instance: u32) -> Role {
+        if self.is_off() {
+            Role::Mixed
+        } else if instance < self.prefill_instances {
+            Role::Prefill
+        } else {
+            Role::Decode
+        }
     }
 }
 

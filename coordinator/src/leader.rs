@@ -30,6 +30,9 @@ use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 use tonic::Status;
 
+mod roles;
+pub use roles::PdSetup;
+
 /// Where a client's stream of events goes.
 pub type ClientTx = mpsc::Sender<Result<v1::ClientEvent, Status>>;
 
@@ -53,6 +56,10 @@ pub struct LeaderStats {
     pub late_results: AtomicU64,
     /// Requests cancelled because their client left.
     pub cancelled: AtomicU64,
+    /// Handoffs committed: a request moved from the prefill instance that held it to a decoder.
+    pub handoffs: AtomicU64,
+    /// Held requests released to decode where they were prefilled.
+    pub handoffs_released: AtomicU64,
 }
 
 struct WorkerLink {
@@ -102,6 +109,8 @@ pub struct Leader {
     clock: ClusterTime,
     /// Origin of [`Leader::ms_now`].
     started: std::time::Instant,
+    /// Prefill/decode roles: what each instance was given, the changes, the handoffs open.
+    roles: roles::RoleBook,
 }
 
 /// Why the leader could not carry out a client's or a worker's request.
@@ -174,6 +183,7 @@ impl Leader {
             traces,
             clock,
             started: std::time::Instant::now(),
+            roles: roles::RoleBook::default(),
         })
     }
 
@@ -199,6 +209,11 @@ impl Leader {
             let moves = leader.execute(actions).await;
             leader.spawn_moves(moves);
         });
+    }
+
+    /// [`Leader::execute_in_background`]: every decision the controller returns is carried out.
+    fn act(self: &Arc<Self>, actions: Vec<Action>) {
+        self.execute_in_background(actions);
     }
 
     /// Tells the controller when each worker was last heard from ([`Event::Heard`]): its silence
@@ -294,6 +309,10 @@ impl Leader {
             self.traces.open(&o.spec, true);
         }
         self.control().restore(restored);
+        let roles = self.restore_roles().await?;
+        if roles > 0 {
+            tracing::info!(roles, "restored the instances' roles");
+        }
         Ok(n)
     }
 
@@ -348,7 +367,7 @@ impl Leader {
         }
         // Until its first load report, the instance is as big as it registered, and empty: a
         // burst of arrivals right after it joins is charged in its real block geometry.
-        let _ = self.decide(Event::Load(LoadReport {
+        let first_load = self.decide(Event::Load(LoadReport {
             instance: id,
             gpu_total_blocks: rec.gpu_blocks,
             block_tokens: rec.block_size,
@@ -356,6 +375,7 @@ impl Leader {
             answering_slo_ok: true,
             ..LoadReport::default()
         }));
+        self.act(first_load.unwrap_or_default());
         let channel = (self.connector)(&rec.address)?;
         let client = WorkerClient::new(channel).max_decoding_message_size(64 << 20);
         let heard_ms = Arc::new(AtomicU64::new(self.ms_now()));
@@ -391,7 +411,7 @@ impl Leader {
         match self.decide(Event::Lost { request: id }) {
             Ok(actions) => {
                 let moves = self.execute(actions).await;
-                debug_assert!(moves.is_empty(), "re-placing a request moves nothing");
+                self.spawn_moves(moves);
             }
             Err(e) => tracing::debug!(request = id.0, "not re-placed: {e}"),
         }
@@ -410,6 +430,10 @@ impl Leader {
                 }
                 Action::Cancel { request, on } => {
                     tokio::spawn(self.clone().cancel_on(request, on));
+                }
+                Action::SetRole { instance, role } => self.set_role(instance, role),
+                Action::Release { request, on } => {
+                    tokio::spawn(self.clone().release(request, on));
                 }
                 other => self.place_again(other).await,
             }
@@ -474,10 +498,7 @@ impl Leader {
             }
             let _ = self.persist_ownership(id).await;
         }
-        // Only re-placements follow (calling `execute` would make this future recursive).
-        for action in actions {
-            self.place_again(action).await;
-        }
+        self.act(actions);
     }
 
     fn client(&self, instance: InstanceId) -> Option<WorkerClient<Channel>> {
@@ -491,11 +512,17 @@ impl Leader {
         let (to, note) = {
             let mut control = self.control();
             let loads = control.loads().to_vec();
-            let placed = control.decide(now, Event::Arrival(spec.clone()))?;
-            let to = match placed.as_slice() {
-                [Action::Place { on, .. }] => *on,
-                _ => return Err(LeaderError::NoWorkers(spec.id)),
+            let mut placed = control.decide(now, Event::Arrival(spec.clone()))?;
+            // Beside the placement, decisions it led to (Arrow flips a decoder to prefill).
+            let at = placed.iter().position(|a| matches!(a, Action::Place { request, .. } if *request == spec.id));
+            let Some(Action::Place { on: to, .. }) = at.map(|i| placed.remove(i)) else {
+                drop(control);
+                self.act(placed);
+                return Err(LeaderError::NoWorkers(spec.id));
             };
+            drop(control);
+            self.act(placed);
+            let control = self.control();
             (to, PlacementNote::new(control.policy_name(), &loads, to))
         };
         if let Err(e) = self.persist_ownership(spec.id).await {
@@ -629,7 +656,11 @@ impl Leader {
     /// result is always the one the client got.
     async fn finish(&self, rec: RequestRecord, from: InstanceId) -> Result<(), LeaderError> {
         match self.decide(Event::Finished { request: rec.id, from: Some(from) }) {
-            Ok(_) => {}
+            Ok(actions) => {
+                if !actions.is_empty() {
+                    tracing::debug!(request = rec.id.0, ?actions, "decisions at a final record");
+                }
+            }
             Err(e @ ControlError::NotOwner { .. }) => {
                 tracing::warn!(request = rec.id.0, instance = from.0, "{e}");
                 self.stats.late_results.fetch_add(1, Ordering::Relaxed);
@@ -700,7 +731,13 @@ impl Leader {
                         true
                     }
                     Some(v1::worker_event::Event::Load(l)) => {
-                        let _ = self.decide(Event::Load(LoadReport::from(&l)));
+                        // A decoder with room again takes the handoffs waiting for one.
+                        let actions = self.decide(Event::Load(LoadReport::from(&l))).unwrap_or_default();
+                        self.act(actions);
+                        false
+                    }
+                    Some(v1::worker_event::Event::PrefillDone(p)) => {
+                        self.on_prefill_done(p);
                         false
                     }
                     None => false,
@@ -739,17 +776,7 @@ impl Leader {
             kv_blocks: b.kv_blocks,
         };
         if let Ok(actions) = self.decide(event) {
-            let moves = actions
-                .into_iter()
-                .filter_map(|a| match a {
-                    Action::Migrate { request, from, to, .. } => Some((request, from, to)),
-                    other => {
-                        tracing::error!(?other, "unexpected action at a phase boundary; ignored");
-                        None
-                    }
-                })
-                .collect();
-            self.spawn_moves(moves);
+            self.act(actions);
         }
     }
 
@@ -778,6 +805,7 @@ impl Leader {
             };
             if moved == Moved::Yes {
                 self.stats.migrations.fetch_add(1, Ordering::Relaxed);
+                self.handed_off(id);
             }
             if moved != Moved::Refused {
                 let _ = self.persist_ownership(id).await;
@@ -799,8 +827,9 @@ impl Leader {
                     other => others.push(other),
                 }
             }
+            // Moves of other requests: a decoder freed by this one takes a waiting handoff.
             let moves = self.execute(others).await;
-            debug_assert!(moves.is_empty(), "a move ends in at most one next move");
+            self.spawn_moves(moves);
         }
     }
 
@@ -909,6 +938,7 @@ impl Leader {
                 info: Some(v1::WorkerInfo { instance: id.0, advertise: address.to_string(), ..Default::default() }),
                 load: Some((&load).into()),
                 alive,
+                role: control.role(id).to_string(),
             })
             .collect();
         v1::ClusterStatus {
@@ -924,6 +954,9 @@ impl Leader {
             cancelled: self.stats.cancelled.load(Ordering::Relaxed),
             store: self.store.store_kind().to_string(),
             migration_log: self.migration_log.lock().expect("migration log lock").clone(),
+            role_changes: self.roles.changes(),
+            handoffs: self.stats.handoffs.load(Ordering::Relaxed),
+            handoffs_released: self.stats.handoffs_released.load(Ordering::Relaxed),
         }
     }
 
@@ -963,7 +996,7 @@ impl Leader {
                     }
                     let _ = leader.persist_ownership(id).await;
                     let moves = leader.execute(actions).await;
-                    debug_assert!(moves.is_empty(), "settling a move starts none");
+                    leader.spawn_moves(moves);
                 })
             })
             .collect();

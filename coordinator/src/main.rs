@@ -8,7 +8,11 @@ use kvfleet_coordinator::node::{serve, Node, NodeOptions};
 use kvfleet_core::policy::pascal::TieBreak;
 use kvfleet_core::policy::registry::PolicyParams;
 use kvfleet_core::policy::PrefixIndexMode;
-use kvfleet_core::spec::ModelSpec;
+use kvfleet_control::roles::{PdConfig, PdPolicy};
+use kvfleet_control::ArrowProfile;
+use kvfleet_coordinator::leader::PdSetup;
+use kvfleet_core::spec::{GpuSpec, ModelSpec};
+use kvfleet_core::timing::build_timing;
 use kvfleet_meta::{MemStore, MetaStore};
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,6 +53,17 @@ struct Args {
     /// Model the cluster serves (built-in name or TOML path); workers must match it.
     #[arg(long, default_value = "r1-distill-qwen-32b")]
     model: String,
+    /// Prefill/decode disaggregation, as the `[pd]` table of an experiment config in JSON, e.g.
+    /// `{"prefill_instances": 2, "policy": "arrow"}`: instances numbered below
+    /// `prefill_instances` prefill and hand each request off to a decode instance (default: off).
+    #[arg(long, value_name = "JSON")]
+    pd: Option<String>,
+    /// The GPU the workers emulate (Arrow profiles its prefill and decode times with `--timing`).
+    #[arg(long, default_value = "h100-80gb")]
+    gpu: String,
+    /// The workers' timing model, for Arrow's profile: analytic, profile or auto.
+    #[arg(long, default_value = "auto")]
+    timing: String,
     /// Leadership lease TTL in milliseconds (etcd rounds up to whole seconds, minimum ~2 s).
     #[arg(long, default_value_t = 2000)]
     lease_ttl_ms: u64,
@@ -109,6 +124,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         )
     };
     let spec = ModelSpec::load(&args.model).with_context(|| format!("--model {}", args.model))?;
+    let pd = pd_setup(&args, &spec)?;
     let listener =
         tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let bound = listener.local_addr()?;
@@ -146,6 +162,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         epoch_unix_ns: args.epoch_unix_ns,
         time_dilation: args.time_dilation,
         tls,
+        pd,
     };
     let node = Node::new(opts, store).await.context("joining the cluster")?;
     tracing::info!(%advertise, policy = %args.policy, "coordinator up; campaigning for leadership");
@@ -171,4 +188,25 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     serve(node, listener, stopped(stop_rx)).await.context("serving")?;
     Ok(())
+}
+
+/// `--pd`, checked; Arrow's profile measured on the workers' timing model (`--gpu`, `--timing`).
+fn pd_setup(args: &Args, model: &ModelSpec) -> anyhow::Result<PdSetup> {
+    let Some(json) = &args.pd else { return Ok(PdSetup::default()) };
+    let config: PdConfig = serde_json::from_str(json).context("--pd")?;
+    // How many instances there will be is not known here: only the pool of decoders being left
+    // non-empty is checked as workers join.
+    config.validate(u32::MAX).map_err(|e| anyhow::anyhow!("--pd: {e}"))?;
+    let arrow_profile = match config.policy {
+        PdPolicy::Static => None,
+        PdPolicy::Arrow => {
+            let gpu = GpuSpec::load(&args.gpu).with_context(|| format!("--gpu {}", args.gpu))?;
+            let timing = build_timing(&args.timing, model, &gpu, None).context("--timing")?;
+            let profile = ArrowProfile::measure(timing.as_ref(), config.arrow.slo_tpot_s)
+                .map_err(|e| anyhow::anyhow!("Arrow's profile: {e}"))?;
+            tracing::info!(?profile, "Arrow's profile of the instances");
+            Some(profile)
+        }
+    };
+    Ok(PdSetup { config, arrow_profile })
 }

@@ -1,7 +1,7 @@
 //! One coordinator process: serves the `Coordinator` gRPC API, campaigns for leadership, and
 //! while leader runs a [`Leader`]; standbys answer `Status` and point clients at the leader.
 
-use crate::leader::{worker_connector, ClientTx, Leader};
+use crate::leader::{worker_connector, ClientTx, Leader, PdSetup};
 use kvfleet_control::Controller;
 use kvfleet_core::policy::registry::{build_policy, PolicyParams};
 use kvfleet_core::SimRng;
@@ -44,6 +44,8 @@ pub struct NodeOptions {
     /// Time dilation to record if this coordinator founds the cluster; one that joins must agree
     /// with the record.
     pub time_dilation: Dilation,
+    /// Prefill/decode disaggregation (default: off, every instance does both).
+    pub pd: PdSetup,
     /// The cluster identity: the API is served, and workers are called, over mutual TLS with it
     /// (`None`: plain text, for local debugging).
     pub tls: Option<kvfleet_pki::NodeIdentity>,
@@ -86,6 +88,9 @@ pub enum NodeError {
     /// The policy name or its parameters are invalid.
     #[error("unknown policy: {0}")]
     Policy(String),
+    /// The prefill/decode setup could not be applied.
+    #[error("[pd]: {0}")]
+    Pd(String),
     /// This coordinator was started with another time dilation than the cluster's.
     #[error("this coordinator runs at time dilation {ours} but the cluster record says {theirs}")]
     DilationMismatch {
@@ -167,9 +172,10 @@ impl Node {
         let started = std::time::Instant::now();
         let policy =
             build_policy(&self.opts.policy, &self.opts.policy_params).map_err(|e| NodeError::Policy(e.to_string()))?;
-        let control = Controller::new(policy, SimRng::seed_from_u64(self.opts.seed))
+        let mut control = Controller::new(policy, SimRng::seed_from_u64(self.opts.seed))
             .expect_model(self.opts.model.model.clone(), self.opts.model.kv_bytes_per_token)
             .retain_finished();
+        self.opts.pd.apply(&mut control).map_err(NodeError::Pd)?;
         let leader = Leader::new(
             self.store.clone(),
             fence.clone(),
@@ -185,6 +191,7 @@ impl Node {
         }
         *self.leader.write().await = Some(leader.clone());
         let silence = tokio::spawn(leader.clone().watch_silence());
+        let ticks = tokio::spawn(leader.clone().run_ticks());
         // Where a move was left open, first learn which copy lives, then re-submit to the owner.
         let inherited_moves = leader.settle_inherited_moves().await;
         leader.resubmit_unfinished().await;
@@ -225,6 +232,7 @@ impl Node {
             }
         };
         silence.abort();
+        ticks.abort();
         leader.stop();
         *self.leader.write().await = None;
         let _ = self.store.resign(&fence).await;
@@ -403,6 +411,7 @@ mod tests {
             epoch_unix_ns: Some(5),
             time_dilation: Dilation::new(time_dilation).unwrap(),
             tls: None,
+            pd: PdSetup::default(),
         }
     }
 

@@ -7,6 +7,7 @@
 //! | `/kvfleet/instances/<instance>` | the claiming worker's owner token, on the same lease as its registration | worker started with `--instance auto` (create-if-absent) |
 //! | `/kvfleet/requests/<id>` | JSON `Ownership` (spec, instance, phase) | leader, fenced, before acknowledging |
 //! | `/kvfleet/results/<id>` | JSON `RequestRecord` | leader, fenced, before acknowledging to the worker |
+//! | `/kvfleet/roles/<instance>` | JSON role (`"prefill"`, `"decode"`, …) under prefill/decode disaggregation | leader, fenced, before telling the worker |
 //! | `/kvfleet/leader/…` | election keys (value: the leader's advertised address) | `campaign` |
 
 use kvfleet_core::{Dilation, Timestamp};
@@ -29,6 +30,8 @@ pub const WORKERS: &str = "/kvfleet/workers/";
 pub const REQUESTS: &str = "/kvfleet/requests/";
 /// Prefix of finished requests' records ([`result`]).
 pub const RESULTS: &str = "/kvfleet/results/";
+/// Prefix of instance roles under prefill/decode disaggregation ([`role`]).
+pub const ROLES: &str = "/kvfleet/roles/";
 /// Name (key prefix) of the coordinator election.
 pub const ELECTION: &str = "/kvfleet/leader";
 /// Instance numbers claimed by `--instance auto` workers (see [`instance_claim`]).
@@ -43,6 +46,10 @@ pub fn worker(instance: u32) -> String {
 /// the number is free again exactly when the registration lapses.
 pub fn instance_claim(instance: u32) -> String {
     format!("{INSTANCES}{instance}")
+}
+/// The role key of instance `instance`.
+pub fn role(instance: u32) -> String {
+    format!("{ROLES}{instance}")
 }
 /// The ownership key of request `id` (zero-padded to 20 digits so keys sort by id).
 pub fn request(id: u64) -> String {

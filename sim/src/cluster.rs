@@ -20,7 +20,8 @@
 
 use crate::migration::{Engines, LiveMigration, LiveMigrationSpec};
 use kvfleet_control::arrow::ArrowParams;
-use kvfleet_control::{Action, ArrowProfile, Controller, Event as Control, MoveOutcome, Role};
+use kvfleet_control::roles::PdConfig;
+use kvfleet_control::{Action, ArrowProfile, Controller, Event as Control, MoveOutcome};
 use kvfleet_core::engine::sched::build_scheduler;
 use kvfleet_core::engine::{Engine, EngineConfig, EngineEvent, EngineStats};
 use kvfleet_core::metrics::{DecisionTimes, MigrationRecord, RequestRecord, RoleChange};
@@ -201,16 +202,11 @@ impl Cluster {
         })
     }
 
-    /// Disaggregate prefill and decode: instances `0..prefill` prefill new requests and hand each
-    /// off after its first token to one of the others, which decode (0: every instance does both).
-    pub fn split_prefill_decode(&mut self, prefill: u32) {
-        if prefill == 0 {
-            return;
-        }
-        for i in 0..self.engines.len() as u32 {
-            let role = if i < prefill { Role::Prefill } else { Role::Decode };
-            self.control.set_role(InstanceId(i), role);
-        }
+    /// Disaggregate prefill and decode as `pd` splits the instances (the controller's rule:
+    /// the first `pd.prefill_instances` prefill new requests and hand each off after its first
+    /// token to one of the others, which decode). Off: every instance does both.
+    pub fn split_prefill_decode(&mut self, pd: &PdConfig) {
+        self.control.split_prefill_decode(pd);
         self.follow_decisions(Timestamp::ZERO);
         // The split is where the run starts, not a change: a flip at t = 0 is one.
         self.role_changes.clear();

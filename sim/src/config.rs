@@ -3,7 +3,7 @@
 //! Every field has a default, so a config file only states what differs from PASCAL's setup
 //! (8 × H100 96 GB, 100 Gbps, DeepSeek-R1-Distill-Qwen-32B, profile timing).
 
-use kvfleet_control::arrow::ArrowParams;
+pub use kvfleet_control::roles::{PdConfig, PdPolicy};
 use kvfleet_core::engine::sched::{build_scheduler, SchedulerParams, SCHEDULER_NAMES};
 use kvfleet_core::engine::sizing;
 use kvfleet_core::engine::EngineConfig;
@@ -207,46 +207,6 @@ impl MigrationConfig {
     }
 }
 
-/// Prefill/decode disaggregation: the first `prefill_instances` instances prefill new requests
-/// and hand each off, after its first token, to one of the others, which decode (the handoff is a
-/// live migration of the request's KV over the `[link]` fabric). With `policy = "arrow"` that
-/// split is where Arrow starts: it places prefills and handoffs by its SLO-aware rule and flips
-/// instances between the pools as their loads change (`[pd.arrow]`).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PdConfig {
-    /// Prefill instances (0: no disaggregation).
-    pub prefill_instances: u32,
-    /// How prefills and handoffs are placed and whether roles change.
-    pub policy: PdPolicy,
-    /// Arrow's knobs (`policy = "arrow"`).
-    #[serde(skip_serializing_if = "is_default_arrow")]
-    pub arrow: ArrowParams,
-}
-
-/// Who places prefills and handoffs under disaggregation.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PdPolicy {
-    /// Roles never change: prefills by `[scheduler] policy` among the prefill instances, each
-    /// handoff to the decode instance with the least KV and room for it.
-    #[default]
-    Static,
-    /// Arrow: SLO-aware placement of prefills and handoffs, and role flips.
-    Arrow,
-}
-
-fn is_default_arrow(p: &ArrowParams) -> bool {
-    *p == ArrowParams::default()
-}
-
-impl PdConfig {
-    /// No disaggregation.
-    pub fn is_off(&self) -> bool {
-        self.prefill_instances == 0
-    }
-}
-
 /// A grid of runs.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -368,21 +328,7 @@ impl SimConfig {
                 c.instances
             )));
         }
-        if self.pd.prefill_instances >= c.instances && !self.pd.is_off() {
-            return Err(ConfigError::Invalid(format!(
-                "`pd.prefill_instances` must leave at least one decode instance: {} of {} instances",
-                self.pd.prefill_instances, c.instances
-            )));
-        }
-        if self.pd.policy == PdPolicy::Arrow {
-            if self.pd.is_off() {
-                return Err(ConfigError::Invalid(
-                    "`pd.policy = \"arrow\"` needs `pd.prefill_instances` (its initial prefill pool) of at least 1"
-                        .into(),
-                ));
-            }
-            self.pd.arrow.validate().map_err(|e| ConfigError::Invalid(format!("[pd.arrow] {e}")))?;
-        }
+        self.pd.validate(c.instances).map_err(ConfigError::Invalid)?;
         if !(c.gpu_memory_utilization > 0.0 && c.gpu_memory_utilization <= 1.0) {
             return Err(ConfigError::Invalid(format!(
                 "`cluster.gpu_memory_utilization` must be in (0, 1], got {}",

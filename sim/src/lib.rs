@@ -133,7 +133,7 @@ pub fn run_one_until(
         cfg.workload.seed,
     )
     .map_err(SimError::Setup)?;
-    cluster.split_prefill_decode(cfg.pd.prefill_instances);
+    cluster.split_prefill_decode(&cfg.pd);
     if cfg.pd.policy == PdPolicy::Arrow {
         cluster.use_arrow(cfg.pd.arrow, timing.as_ref()).map_err(SimError::Setup)?;
     }

@@ -67,6 +67,19 @@ pub(crate) enum Command {
         request: RequestId,
         reply: oneshot::Sender<Result<bool, String>>,
     },
+    /// Prefill/decode disaggregation: hold every request after its prefill for a handoff
+    /// (`hand_off`), announcing the ones held already again; or decode them here. Replies how many
+    /// are held.
+    SetRole {
+        role: String,
+        hand_off: bool,
+        reply: oneshot::Sender<u32>,
+    },
+    /// Decode a request held after its prefill here after all.
+    Release {
+        request: RequestId,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
     /// Live migration (see [`live`]).
     Live(LiveCommand),
     /// The registration expired in etcd: drop what runs here ([`Ledger::lapse`]); replies how
@@ -447,6 +460,25 @@ impl Driver {
                 }
                 let _ = reply.send(dropped.len());
             }
+            Command::SetRole { role, hand_off, reply } => {
+                if hand_off != self.engine.hands_off() {
+                    tracing::info!(role, hand_off, "role set");
+                }
+                self.engine.set_hand_off(hand_off);
+                // Announced again: a leader that took over since may have missed the first event.
+                let held = self.engine.held_requests();
+                let at_ns = self.clock.now().0;
+                for &(request, kv_blocks) in &held {
+                    let done = v1::PrefillDone { request_id: request.0, instance: self.instance, kv_blocks, at_ns };
+                    self.log.push(LogEvent::PrefillDone(done));
+                }
+                let _ = reply.send(held.len() as u32);
+                self.plan_if_idle();
+            }
+            Command::Release { request, reply } => {
+                let _ = reply.send(self.engine.release_held(request).map_err(|e| e.to_string()));
+                self.plan_if_idle();
+            }
             Command::Shutdown { grace } => self.begin_stop(grace),
             #[cfg(test)]
             Command::VerifyAll { reply } => {
@@ -461,14 +493,17 @@ impl Driver {
                 self.plan_if_idle();
             }
             Command::MigrateOut { request, reply } => {
-                if self.engine.next_wake().is_some() {
+                // A request held for its handoff is out of the iteration in flight: it leaves now.
+                if self.engine.next_wake().is_some() && !self.engine.is_held(request) {
                     self.pending.push(Command::MigrateOut { request, reply });
                 } else {
                     let _ = reply.send(self.migrate_out(request));
                     self.plan_if_idle();
                 }
             }
-            Command::Live(cmd @ LiveCommand::PauseOut { .. }) if self.engine.next_wake().is_some() => {
+            Command::Live(cmd @ LiveCommand::PauseOut { request, .. })
+                if self.engine.next_wake().is_some() && !self.engine.is_held(request) =>
+            {
                 self.pending.push(Command::Live(cmd));
             }
             Command::Live(cmd) => {
@@ -620,14 +655,13 @@ impl Driver {
                     });
                     out.push(LogEvent::Finished(Box::new(proto_record(&record, remat))));
                 }
-                // Only a prefill instance holds requests for a handoff (`Engine::set_hand_off`),
-                // and a worker is never one yet: prefill/decode roles run in the simulator.
-                EngineEvent::PrefillDone { request, .. } => {
-                    tracing::error!(
-                        request = request.0,
-                        "a prefill-done event on a worker that hands nothing off; ignored"
-                    );
-                }
+                // A prefill instance (`Command::SetRole`) holds the request for its handoff.
+                EngineEvent::PrefillDone { request, kv_blocks } => out.push(LogEvent::PrefillDone(v1::PrefillDone {
+                    request_id: request.0,
+                    instance: self.instance,
+                    kv_blocks,
+                    at_ns: end.0,
+                })),
             }
         }
         if out.iter().any(|e| matches!(e, LogEvent::Boundary(_))) {

@@ -28,6 +28,8 @@ pub enum LogEvent {
     Finished(Box<v1::RequestRecord>),
     /// A periodic load report of this instance (droppable).
     Load(Box<v1::LoadReport>),
+    /// A request's prefill ended here and it is held for a handoff; never dropped.
+    PrefillDone(v1::PrefillDone),
 }
 
 impl LogEvent {
@@ -43,6 +45,7 @@ impl LogEvent {
             LogEvent::Boundary(b) => Event::Boundary(*b),
             LogEvent::Finished(r) => Event::Finished(**r),
             LogEvent::Load(l) => Event::Load(**l),
+            LogEvent::PrefillDone(p) => Event::PrefillDone(*p),
         };
         v1::WorkerEvent { seq, event: Some(event) }
     }

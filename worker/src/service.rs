@@ -322,6 +322,23 @@ impl Worker for WorkerService {
         Ok(Response::new(reply))
     }
 
+    async fn set_role(&self, request: Request<v1::SetRoleRequest>) -> Result<Response<v1::SetRoleReply>, Status> {
+        kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/SetRole")?;
+        let v1::SetRoleRequest { role, hand_off } = request.into_inner();
+        let held = self.ask(|reply| Command::SetRole { role, hand_off, reply }).await?;
+        Ok(Response::new(v1::SetRoleReply { held }))
+    }
+
+    async fn release(&self, request: Request<v1::ReleaseRequest>) -> Result<Response<v1::ReleaseReply>, Status> {
+        kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/Release")?;
+        let id = RequestId(request.get_ref().request_id);
+        let reply = match self.ask(|reply| Command::Release { request: id, reply }).await? {
+            Ok(()) => v1::ReleaseReply { released: true, reason: String::new() },
+            Err(reason) => v1::ReleaseReply { released: false, reason },
+        };
+        Ok(Response::new(reply))
+    }
+
     async fn shutdown(&self, request: Request<v1::ShutdownRequest>) -> Result<Response<v1::ShutdownReply>, Status> {
         kvfleet_pki::authorize(&request, &[Role::Coordinator, Role::Operator], "Worker/Shutdown")?;
         tracing::info!("shutdown requested over gRPC");

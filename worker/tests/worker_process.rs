@@ -290,3 +290,44 @@ async fn prometheus_metrics_use_vllm_names_and_count_what_happened() {
     assert!(sample(&body, "kvfleet_timer_lateness_seconds_count") > 0.0);
     assert!(body.contains("# TYPE vllm:time_to_first_token_seconds histogram"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_holds_each_request_after_its_first_token_until_released() {
+    let w = WorkerProc::start(&["--instance", "0"]);
+    let mut c = w.client().await;
+    let role = |role: &str, hand_off| v1::SetRoleRequest { role: role.into(), hand_off };
+    assert_eq!(c.set_role(role("prefill", true)).await.unwrap().into_inner().held, 0);
+    let now = w.cluster_now_ns();
+    for id in [7, 8] {
+        let s = spec(id, now, 64, 0, 30);
+        assert!(c.submit(v1::SubmitRequest { spec: Some(s) }).await.unwrap().into_inner().accepted);
+    }
+    let held = collect_until(&mut c, 0, EVENTS_TIMEOUT, |c| c.prefill_done.len() >= 2).await;
+    let mut ids: Vec<u64> = held.prefill_done.iter().map(|p| p.request_id).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, [7, 8]);
+    assert!(held.prefill_done.iter().all(|p| p.instance == 0 && p.kv_blocks >= 64 / 16), "{:?}", held.prefill_done);
+    // Held: one token each, however long we look.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let later = collect_until(&mut c, 0, EVENTS_TIMEOUT, |c| c.prefill_done.len() >= 2).await;
+    for id in [7, 8] {
+        let produced: u32 = later.tokens.get(&id).map_or(0, |t| t.iter().map(|t| t.count).sum());
+        assert_eq!(produced, 1, "request {id} ran past its prefill while held");
+    }
+    // Told its role again, it announces what it holds again (a new leader may have missed it).
+    assert_eq!(c.set_role(role("prefill", true)).await.unwrap().into_inner().held, 2);
+    collect_until(&mut c, 0, EVENTS_TIMEOUT, |c| c.prefill_done.len() >= 4).await;
+    // Released, 7 decodes here; a second release is refused with the reason.
+    assert!(c.release(v1::ReleaseRequest { request_id: 7 }).await.unwrap().into_inner().released);
+    let again = c.release(v1::ReleaseRequest { request_id: 7 }).await.unwrap().into_inner();
+    assert!(!again.released && !again.reason.is_empty(), "{again:?}");
+    let done = collect_until(&mut c, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&7)).await;
+    assert!(!done.finished.contains_key(&8), "8 is still held");
+    // A decode instance now: what it held decodes here.
+    assert_eq!(c.set_role(role("decode", false)).await.unwrap().into_inner().held, 0);
+    let all = collect_until(&mut c, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&8)).await;
+    for id in [7, 8] {
+        let produced: u32 = all.tokens[&id].iter().map(|t| t.count).sum();
+        assert_eq!(produced, 30, "request {id}: every token once");
+    }
+}

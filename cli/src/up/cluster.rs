@@ -376,6 +376,12 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         if args.cfg.scheduler.instance.demand_aware_memory {
             a.push("--demand-aware-memory".into());
         }
+        if !args.cfg.pd.is_off() {
+            // The split and the policy; Arrow profiles the workers' timing model.
+            let pd = serde_json::to_string(&args.cfg.pd).context("[pd] as JSON")?;
+            let gpu = args.cfg.cluster.gpu.clone();
+            a.extend(["--pd".into(), pd, "--gpu".into(), gpu, "--timing".into(), args.cfg.cluster.timing.clone()]);
+        }
         if let Some(u) = &etcd_url {
             a.extend(["--etcd".into(), u.clone()]);
             a.extend(Pki::etcd_client_args(pki.as_ref(), &format!("coordinator-{i}")));

@@ -227,16 +227,17 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         progress.finish();
         let wall = progress.elapsed().as_secs_f64();
         let (ok, failed) = replay::partition(records);
+        // The leader's record: live migrations (each source's measurements), roles, handoffs.
+        let last = rt.block_on(finder.leader(Duration::from_secs(10))).map(|(_, s)| s).unwrap_or_default();
         let replayed = Replayed {
             ok,
             failed,
-            // The leader's record of live migrations (each source's measurements).
-            live_log: rt
-                .block_on(finder.leader(Duration::from_secs(10)))
-                .map(|(_, s)| s.migration_log)
-                .unwrap_or_default(),
+            live_log: last.migration_log,
             // The run's span as the cluster lived it: what every other reported time is in.
             span_s: dilation.emulated(progress.elapsed()).as_secs_f64(),
+            role_changes: last.role_changes,
+            handoffs: last.handoffs,
+            handoffs_released: last.handoffs_released,
         };
         // What each worker counted itself, before it stops.
         scrape::save_all(&args.out.join("metrics"), &metric_pages)?;
@@ -255,6 +256,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             stats.resumed.load(Ordering::Relaxed),
             stats.retries.load(Ordering::Relaxed)
         );
+        if let Some(line) = replayed.pd_line() {
+            say!("{line}");
+        }
         if !dilation.is_none() {
             say!(
                 "time dilation {dilation}: {wall:.1} s of real time emulated {:.1} s; every time above is emulated",

@@ -1063,6 +1063,18 @@ impl Engine {
         self.index.get(&request).is_some_and(|slot| self.held.contains(slot))
     }
 
+    /// The requests held after their prefill for a handoff, in the order they were held, with
+    /// the KV blocks each holds (as its [`EngineEvent::PrefillDone`] said).
+    pub fn held_requests(&self) -> Vec<(RequestId, u32)> {
+        self.held
+            .iter()
+            .map(|&slot| {
+                let id = self.req(slot).spec.id;
+                (id, self.kv.table(id).map_or(0, |t| t.blocks.len() as u32))
+            })
+            .collect()
+    }
+
     /// Whether this is a prefill instance ([`Engine::set_hand_off`]).
     pub fn hands_off(&self) -> bool {
         self.hand_off

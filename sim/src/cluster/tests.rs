@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::config::{resolve_policy, SimConfig};
+use kvfleet_control::Role;
 use kvfleet_core::metrics::LiveMigrations;
 use kvfleet_core::policy::registry::build_policy;
 use kvfleet_core::policy::{LoadReport, PhaseChange, PhaseDecision};
@@ -39,7 +40,7 @@ fn run_split(
         0,
     )
     .unwrap();
-    cluster.split_prefill_decode(prefill);
+    cluster.split_prefill_decode(&PdConfig { prefill_instances: prefill, ..PdConfig::default() });
     cluster.run(requests, |_| {}).expect("the run ends within RUN_LIMIT")
 }
 
@@ -307,7 +308,7 @@ fn arrow_flips_roles_and_every_request_finishes_once() {
             seed,
         )
         .unwrap();
-        cluster.split_prefill_decode(2);
+        cluster.split_prefill_decode(&PdConfig { prefill_instances: 2, ..PdConfig::default() });
         cluster.use_arrow(params, timing.as_ref()).unwrap();
         let out = cluster.run(&requests, |_| {}).expect("the run ends");
 

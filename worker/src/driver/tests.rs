@@ -101,6 +101,7 @@ fn collect(log: &EventLog) -> Seen {
                 s.finished.insert(r.id, r);
             }
             v1::worker_event::Event::Load(_) => s.loads += 1,
+            v1::worker_event::Event::PrefillDone(p) => panic!("no role was set, yet {p:?}"),
         }
     }
     s

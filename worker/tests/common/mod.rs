@@ -215,6 +215,7 @@ pub struct Collected {
     pub boundaries: std::collections::BTreeMap<u64, v1::PhaseBoundary>,
     pub finished: std::collections::BTreeMap<u64, v1::RequestRecord>,
     pub loads: Vec<v1::LoadReport>,
+    pub prefill_done: Vec<v1::PrefillDone>,
 }
 
 impl Collected {
@@ -230,6 +231,7 @@ impl Collected {
                 self.finished.insert(r.id, r);
             }
             Event::Load(l) => self.loads.push(l),
+            Event::PrefillDone(p) => self.prefill_done.push(p),
         }
     }
 }

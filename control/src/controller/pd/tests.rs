@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::controller::{Event, HANDOFF_HEADROOM_BLOCKS};
+use crate::roles::PdConfig;
 use crate::Action;
 use kvfleet_core::policy::registry::{build_policy, PolicyParams};
 use kvfleet_core::policy::PrefillQueue;
@@ -269,4 +270,71 @@ fn the_baselines_place_by_load_or_in_turn_and_never_flip() {
         assert_eq!(c.decide(at(1.0), Event::Tick).unwrap(), vec![], "{placement:?}");
         assert_eq!(c.decide(at(2.0), Event::Tick).unwrap(), vec![], "{placement:?}");
     }
+}
+
+fn join(c: &mut Controller, i: u32) -> Vec<Action> {
+    let joined =
+        Event::Joined { instance: InstanceId(i), address: format!("w{i}"), model: String::new(), kv_bytes_per_token: KV };
+    let mut actions = c.decide(Timestamp::ZERO, joined).unwrap();
+    actions.extend(c.decide(Timestamp::ZERO, Event::Load(report(i))).unwrap());
+    actions
+}
+
+fn roles_set(actions: &[Action]) -> Vec<(u32, Role)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::SetRole { instance, role } => Some((instance.0, *role)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn instances_that_join_after_the_split_get_its_roles_and_a_returning_one_is_told_again() {
+    let policy = build_policy("least-kv", &PolicyParams::default()).unwrap();
+    let mut c = Controller::new(policy, SimRng::seed_from_u64(1));
+    // The coordinator knows no instance when it splits: each gets its role as it joins.
+    c.split_prefill_decode(&PdConfig { prefill_instances: 2, ..PdConfig::default() });
+    assert!(c.poll_action().is_none(), "no instance known yet");
+    let told: Vec<_> = (0..4).flat_map(|i| roles_set(&join(&mut c, i))).collect();
+    assert_eq!(told, [(0, Role::Prefill), (1, Role::Prefill), (2, Role::Decode), (3, Role::Decode)]);
+    // A flip sticks: the instance leaves (its process restarted) and joins again with the role it
+    // had, told again (a new process starts mixed), not the split's.
+    c.set_role(InstanceId(2), Role::Prefill);
+    while c.poll_action().is_some() {}
+    c.handle(at(1.0), Event::Left { instance: InstanceId(2) }).unwrap();
+    while c.poll_action().is_some() {}
+    assert_eq!(roles_set(&join(&mut c, 2)), [(2, Role::Prefill)]);
+    assert_eq!(c.role(InstanceId(2)), Role::Prefill);
+    let roles: Vec<_> = c.roles().map(|(i, r)| (i.0, r)).collect();
+    assert_eq!(roles, [(0, Role::Prefill), (1, Role::Prefill), (2, Role::Prefill), (3, Role::Decode)]);
+    // Off, nothing is split.
+    let policy = build_policy("least-kv", &PolicyParams::default()).unwrap();
+    let mut off = Controller::new(policy, SimRng::seed_from_u64(1));
+    off.split_prefill_decode(&PdConfig::default());
+    assert!(roles_set(&join(&mut off, 0)).is_empty());
+}
+
+#[test]
+fn a_prefill_done_announced_again_starts_no_second_handoff() {
+    let mut c = arrow(1, 2);
+    let placed = c.decide(at(0.0), Event::Arrival(spec(1, 100))).unwrap();
+    assert!(matches!(placed[..], [Action::Place { on: InstanceId(0), .. }]), "{placed:?}");
+    // Decoder 1 is full: the handoff waits.
+    let mut full = report(1);
+    full.gpu_used_blocks = TOTAL;
+    c.handle(at(0.1), Event::Load(full)).unwrap();
+    let done = || Event::PrefillDone { request: RequestId(1), instance: InstanceId(0), kv_blocks: 7 };
+    let first = c.decide(at(0.5), done()).unwrap();
+    assert!(first.iter().all(|a| !matches!(a, Action::Migrate { .. })), "{first:?}");
+    assert_eq!(c.waiting_handoffs(), 1);
+    // Announced again (the worker was told its role once more): still one waiting handoff.
+    let again = c.decide(at(0.6), done()).unwrap();
+    assert!(again.is_empty(), "{again:?}");
+    assert_eq!(c.waiting_handoffs(), 1);
+    // Room on the decoder: exactly one move.
+    let moves = c.decide(at(0.7), Event::Load(report(1))).unwrap();
+    let n = moves.iter().filter(|a| matches!(a, Action::Migrate { request: RequestId(1), .. })).count();
+    assert_eq!(n, 1, "{moves:?}");
 }
