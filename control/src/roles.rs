@@ -100,7 +100,8 @@ impl PdConfig {
         if self.policy == PdPolicy::Arrow {
             if self.is_off() {
                 return Err(
-                    "`pd.policy = \"arrow\"` needs `pd.prefill_instances` (its initial prefill pool) of at least 1".into()
+                    "`pd.policy = \"arrow\"` needs `pd.prefill_instances` (its initial prefill pool) of at least 1"
+                        .into(),
                 );
             }
             self.arrow.validate().map_err(|e| format!("[pd.arrow] {e}"))?;

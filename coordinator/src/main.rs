@@ -3,14 +3,14 @@
 
 use anyhow::Context;
 use clap::Parser;
+use kvfleet_control::roles::{PdConfig, PdPolicy};
+use kvfleet_control::ArrowProfile;
+use kvfleet_coordinator::leader::PdSetup;
 use kvfleet_coordinator::node::ClusterModel;
 use kvfleet_coordinator::node::{serve, Node, NodeOptions};
 use kvfleet_core::policy::pascal::TieBreak;
 use kvfleet_core::policy::registry::PolicyParams;
 use kvfleet_core::policy::PrefixIndexMode;
-use kvfleet_control::roles::{PdConfig, PdPolicy};
-use kvfleet_control::ArrowProfile;
-use kvfleet_coordinator::leader::PdSetup;
 use kvfleet_core::spec::{GpuSpec, ModelSpec};
 use kvfleet_core::timing::build_timing;
 use kvfleet_meta::{MemStore, MetaStore};

@@ -90,7 +90,8 @@ impl Leader {
             }
             let before = self.roles.given.lock().expect("roles lock").insert(instance, role);
             if let Some(before) = before.filter(|&b| b != role) {
-                let change = v1::RoleChange { at_ns: self.cluster_now().0, instance: instance.0, role: role.to_string() };
+                let change =
+                    v1::RoleChange { at_ns: self.cluster_now().0, instance: instance.0, role: role.to_string() };
                 self.roles.changes.lock().expect("role changes lock").push(change);
                 tracing::info!(instance = instance.0, from = %before, to = %role, "role flipped");
             }

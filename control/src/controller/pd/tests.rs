@@ -273,8 +273,12 @@ fn the_baselines_place_by_load_or_in_turn_and_never_flip() {
 }
 
 fn join(c: &mut Controller, i: u32) -> Vec<Action> {
-    let joined =
-        Event::Joined { instance: InstanceId(i), address: format!("w{i}"), model: String::new(), kv_bytes_per_token: KV };
+    let joined = Event::Joined {
+        instance: InstanceId(i),
+        address: format!("w{i}"),
+        model: String::new(),
+        kv_bytes_per_token: KV,
+    };
     let mut actions = c.decide(Timestamp::ZERO, joined).unwrap();
     actions.extend(c.decide(Timestamp::ZERO, Event::Load(report(i))).unwrap());
     actions
