@@ -1117,12 +1117,19 @@ mod tests {
     /// placed and recorded, never run.
     async fn leader_with_unserved_workers(policy: &str, workers: u32) -> Arc<Leader> {
         let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
+        leader_on(store, policy, &PdSetup::default(), workers).await
+    }
+
+    /// [`leader_with_unserved_workers`] on `store`, disaggregated as `pd` says, after restoring
+    /// what the store holds.
+    async fn leader_on(store: Arc<dyn MetaStore>, policy: &str, pd: &PdSetup, workers: u32) -> Arc<Leader> {
         let lease = store.grant_lease(Duration::from_secs(60)).await.unwrap();
         let fence = store.campaign(keys::ELECTION, b"here", lease).await.unwrap();
-        let control =
+        let mut control =
             Controller::new(build_policy(policy, &PolicyParams::default()).unwrap(), SimRng::seed_from_u64(1))
                 .expect_model(MODEL, KV_BYTES)
                 .retain_finished();
+        pd.apply(&mut control).unwrap();
         let leader = Leader::new(
             store,
             fence,
@@ -1130,6 +1137,7 @@ mod tests {
             worker_connector(None),
             ClusterTime { epoch_unix_ns: 0, dilation: kvfleet_core::Dilation::NONE },
         );
+        leader.restore().await.unwrap();
         let closed = closed_address();
         for instance in 0..workers {
             leader.admit(&registration(instance, &closed, 1)).await.unwrap();
@@ -1313,5 +1321,69 @@ mod tests {
             assert_eq!(leader.control().ownership(id).unwrap().replaced, replaced + 1, "request {id}");
         }
         leader.stop();
+    }
+
+    /// The role stored for `instance`, once it is `want` (the leader stores roles in a task of
+    /// its own); panics after 10 s.
+    async fn stored_role(store: &Arc<dyn MetaStore>, instance: u32, want: &str) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let got = store.get(&keys::role(instance)).await.unwrap().map(|kv| kv.value);
+            if got.as_deref() == Some(format!("\"{want}\"").as_bytes()) {
+                return;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "instance {instance}: stored {got:?}, not {want}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn roles_are_stored_fenced_and_a_new_leader_takes_them_over() {
+        use kvfleet_control::roles::PdConfig;
+        use kvfleet_control::Role;
+        let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
+        let pd = PdSetup { config: PdConfig { prefill_instances: 1, ..PdConfig::default() }, arrow_profile: None };
+        let a = leader_on(store.clone(), "least-kv", &pd, 3).await;
+        // The split, as the workers joined; then a flip decided by the controller.
+        stored_role(&store, 0, "prefill").await;
+        stored_role(&store, 1, "decode").await;
+        stored_role(&store, 2, "decode").await;
+        a.control().set_role(InstanceId(1), Role::Prefill);
+        let flip = a.decide(Event::Tick).unwrap();
+        assert!(matches!(flip[..], [Action::SetRole { instance: InstanceId(1), role: Role::Prefill }]), "{flip:?}");
+        a.act(flip);
+        stored_role(&store, 1, "prefill").await;
+        let changes = a.status("a", a.clock).role_changes;
+        assert_eq!(changes.iter().map(|c| (c.instance, c.role.as_str())).collect::<Vec<_>>(), [(1, "prefill")]);
+
+        // A takes no more decisions; B leads (A's lease is gone) and reads the roles back: the
+        // flip, not the split, for instance 1.
+        a.stop();
+        store.resign(&a.fence).await.unwrap();
+        let b = leader_on(store.clone(), "least-kv", &pd, 3).await;
+        for (i, role) in [(0, Role::Prefill), (1, Role::Prefill), (2, Role::Decode)] {
+            assert_eq!(b.control().role(InstanceId(i)), role, "instance {i}");
+        }
+        assert!(b.status("b", b.clock).role_changes.is_empty(), "taken over, not flipped");
+        stored_role(&store, 1, "prefill").await;
+
+        // A role A decides now is refused by the fence: stored nowhere, told to no worker.
+        let (store_a, fence_a) = (a.store.clone(), a.fence.clone());
+        drop(a);
+        let late = Leader::new(
+            store_a,
+            fence_a,
+            Controller::new(build_policy("least-kv", &PolicyParams::default()).unwrap(), SimRng::seed_from_u64(1)),
+            worker_connector(None),
+            ClusterTime { epoch_unix_ns: 0, dilation: kvfleet_core::Dilation::NONE },
+        );
+        late.set_role(InstanceId(2), Role::Prefill);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !late.is_deposed() {
+            assert!(tokio::time::Instant::now() < deadline, "the refused write deposes the old leader");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        stored_role(&store, 2, "decode").await;
+        b.stop();
     }
 }
