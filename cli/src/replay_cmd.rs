@@ -219,7 +219,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let run = replayed.run_result(&plan);
     say!("{}", report::summary_table(std::slice::from_ref(&run)));
     say!(
-        "{} of {total} requests completed exactly once ({} failed, {} rejected, {} duplicated, {} stale) in {wall:.1} s; {} migrated at </think>; {} resumed after a leader change; {} client retries",
+        "{} of {total} requests completed exactly once ({} failed, {} rejected, {} duplicated, {} stale) in {wall:.1} s; {} migrated (at </think> or handed off); {} resumed after a leader change; {} client retries",
         outcome.completed,
         outcome.failed,
         outcome.rejected,

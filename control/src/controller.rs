@@ -799,7 +799,9 @@ impl Controller {
     /// for the first.
     fn retry_handoffs(&mut self) {
         while let Some(&id) = self.waiting_handoffs.front() {
-            let Some(m) = self.moves.get(&id).cloned() else {
+            // Gone, or moving already: never a second move of one request.
+            let moving = self.requests.get(&id).is_none_or(|o| o.migrating_to.is_some());
+            let Some(m) = self.moves.get(&id).cloned().filter(|_| !moving) else {
                 self.waiting_handoffs.pop_front();
                 continue;
             };
@@ -1168,7 +1170,9 @@ impl Controller {
             tracing::debug!(request = id.0, "prefill done for an unknown request; ignored");
             return;
         };
-        if o.instance != instance || !o.unfinished() || o.migrating_to.is_some() {
+        // A driver may announce a held request again (a worker told its role once more, or whose
+        // move aborted): a handoff already open or waiting its turn is not started a second time.
+        if o.instance != instance || !o.unfinished() || o.migrating_to.is_some() || self.moves.contains_key(&id) {
             tracing::debug!(
                 request = id.0,
                 instance = instance.0,

@@ -788,9 +788,22 @@ impl Driver {
     }
 
     /// A move out of `request` by `migration` ended before COMMIT: it carries on here.
+    /// An outbound move of `request` failed: it carries on here. One held for its handoff is held
+    /// again, and announced again (the leader may have given up on the move meanwhile and must
+    /// learn that it waits for a decoder once more).
+    pub(super) fn abort_out(&mut self, request: RequestId) -> Result<(), EngineError> {
+        self.engine.abort_migration_out(request)?;
+        if let Some((_, kv_blocks)) = self.engine.held_requests().into_iter().find(|&(id, _)| id == request) {
+            let at_ns = self.clock.now().0;
+            let done = v1::PrefillDone { request_id: request.0, instance: self.instance, kv_blocks, at_ns };
+            self.log.push(LogEvent::PrefillDone(done));
+        }
+        Ok(())
+    }
+
     pub(super) fn resume_out(&mut self, request: RequestId, migration: MigrationId) -> Result<(), DriverError> {
         if self.ledger.abort_out(request, migration)? == Resume::Engine {
-            self.engine.abort_migration_out(request)?;
+            self.abort_out(request)?;
         }
         Ok(())
     }

@@ -245,7 +245,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         say!("{}", report::summary_table(std::slice::from_ref(&run)));
         let rejected = replayed.rejected();
         say!(
-            "{} of {} requests finished, {} rejected (never fit an instance), {} failed, in {:.1} s; {} migrated at </think>; \
+            "{} of {} requests finished, {} rejected (never fit an instance), {} failed, in {:.1} s; {} migrated (at </think> or handed off); \
              {} resumed after a leader change; {} client retries",
             replayed.ok.len() - rejected,
             total,

@@ -208,7 +208,7 @@ impl Driver {
                 Ok(true)
             }
             Settle::Resume => {
-                self.engine.abort_migration_out(request)?;
+                self.abort_out(request)?;
                 Ok(true)
             }
             Settle::NotInDoubt => Ok(false),
@@ -268,7 +268,7 @@ impl Driver {
         self.write_kv(request, out.kv_tokens);
         let have = self.written.get(&request).map_or(0, |w| w.tokens);
         if have != out.kv_tokens {
-            self.engine.abort_migration_out(request)?;
+            self.abort_out(request)?;
             return Err(DriverError::Kv {
                 request,
                 message: format!("{have} of {} KV tokens are resident", out.kv_tokens),
@@ -278,7 +278,7 @@ impl Driver {
             serde_json::to_vec(&s).map_err(|e| DriverError::Serialize { request, message: e.to_string() })
         });
         if state.is_err() {
-            self.engine.abort_migration_out(request)?;
+            self.abort_out(request)?;
         }
         Ok(PausedOut { kv_tokens: out.kv_tokens, state: state? })
     }

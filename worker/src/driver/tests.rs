@@ -83,6 +83,7 @@ struct Seen {
     boundaries: BTreeMap<u64, u64>,
     finished: BTreeMap<u64, v1::RequestRecord>,
     loads: usize,
+    prefill_done: Vec<u64>,
 }
 
 fn collect(log: &EventLog) -> Seen {
@@ -101,7 +102,7 @@ fn collect(log: &EventLog) -> Seen {
                 s.finished.insert(r.id, r);
             }
             v1::worker_event::Event::Load(_) => s.loads += 1,
-            v1::worker_event::Event::PrefillDone(p) => panic!("no role was set, yet {p:?}"),
+            v1::worker_event::Event::PrefillDone(p) => s.prefill_done.push(p.request_id),
         }
     }
     s
@@ -545,4 +546,26 @@ fn a_boundary_follows_a_load_that_includes_its_iteration() {
         })
         .expect("a load report before the boundary");
     assert_eq!(load_before.reasoning_requests, 0, "the load before the boundary: {load_before:?}");
+}
+
+/// A request held after its prefill whose handoff fails (the move aborts after the pause) is
+/// held again and announced again: the leader may have given up on that move and decided to let
+/// it decode here meanwhile (a release the worker refused, the request being on its way out).
+#[test]
+fn a_held_request_whose_handoff_aborts_is_announced_again() {
+    let a = start(0, "fcfs", 32, 8);
+    let held = ask(&a, |reply| Command::SetRole { role: "prefill".into(), hand_off: true, reply });
+    assert_eq!(held, 0);
+    ask(&a, |reply| Command::Submit { spec: spec(5, 9, 0, 10), reply });
+    wait_for(&a.log, "the prefill-done event", |s| s.prefill_done == [5]);
+    let (id, mig) = (RequestId(5), MigrationId(1));
+    begin_and_pause(&a, id, mig);
+    let refused = ask(&a, |reply| Command::Release { request: id, reply });
+    assert!(refused.is_err(), "moving out, it is not held: {refused:?}");
+    ask(&a, |reply| Command::Live(LiveCommand::ResumeOut { request: id, migration: mig, reply })).unwrap();
+    let s = wait_for(&a.log, "the request announced again", |s| s.prefill_done == [5, 5]);
+    assert_eq!(s.tokens[&5].len(), 1, "held again after its first token");
+    ask(&a, |reply| Command::Release { request: id, reply }).unwrap();
+    let s = wait_for(&a.log, "its record", |s| s.finished.contains_key(&5));
+    check_request(&s, 5, 0, 10);
 }

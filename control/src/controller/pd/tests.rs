@@ -342,3 +342,42 @@ fn a_prefill_done_announced_again_starts_no_second_handoff() {
     let n = moves.iter().filter(|a| matches!(a, Action::Migrate { request: RequestId(1), .. })).count();
     assert_eq!(n, 1, "{moves:?}");
 }
+
+/// A request waiting its turn behind a larger one, announced again when a decoder has room for
+/// it alone, keeps its place: one move for it, in FCFS order (a second, concurrent move of the
+/// same request would strand its first copy).
+#[test]
+fn a_waiting_handoff_announced_again_keeps_its_place_and_moves_once() {
+    let policy = build_policy("least-kv", &PolicyParams::default()).unwrap();
+    let mut c = Controller::new(policy, SimRng::seed_from_u64(1)).retain_finished();
+    c.split_prefill_decode(&PdConfig { prefill_instances: 1, ..PdConfig::default() });
+    join(&mut c, 0);
+    join(&mut c, 1);
+    let decoder = |used: u32| Event::Load(LoadReport { gpu_used_blocks: used, ..report(1) });
+    c.handle(at(0.0), decoder(TOTAL)).unwrap();
+    for id in [1, 2] {
+        let placed = c.decide(at(0.0), Event::Arrival(spec(id, 100))).unwrap();
+        assert!(matches!(placed[..], [Action::Place { on: InstanceId(0), .. }]), "{placed:?}");
+    }
+    let done = |id, kv_blocks| Event::PrefillDone { request: RequestId(id), instance: InstanceId(0), kv_blocks };
+    let mut moves = Vec::new();
+    let follow = |moves: &mut Vec<u64>, actions: Vec<Action>| {
+        moves.extend(actions.into_iter().filter_map(|a| match a {
+            Action::Migrate { request, .. } => Some(request.0),
+            _ => None,
+        }))
+    };
+    follow(&mut moves, c.decide(at(0.1), done(1, 400)).unwrap());
+    follow(&mut moves, c.decide(at(0.2), done(2, 10)).unwrap());
+    assert_eq!(c.waiting_handoffs(), 2, "the decoder is full");
+    // Room for 2, not for 1 ahead of it: both wait.
+    follow(&mut moves, c.decide(at(0.3), decoder(TOTAL - 100)).unwrap());
+    assert_eq!(c.waiting_handoffs(), 2);
+    // 2 announced again: no move out of turn.
+    follow(&mut moves, c.decide(at(0.4), done(2, 10)).unwrap());
+    assert!(moves.is_empty(), "{moves:?}");
+    // Room for both: each moves once, in order.
+    follow(&mut moves, c.decide(at(0.5), decoder(0)).unwrap());
+    assert_eq!(moves, [1, 2]);
+    assert_eq!(c.waiting_handoffs(), 0);
+}
