@@ -1364,7 +1364,8 @@ mod tests {
         for (i, role) in [(0, Role::Prefill), (1, Role::Prefill), (2, Role::Decode)] {
             assert_eq!(b.control().role(InstanceId(i)), role, "instance {i}");
         }
-        assert!(b.status("b", b.clock).role_changes.is_empty(), "taken over, not flipped");
+        let taken_over = b.status("b", b.clock).role_changes;
+        assert_eq!(taken_over, changes, "the run's flips so far, read back, not flips of B's");
         stored_role(&store, 1, "prefill").await;
 
         // A role A decides now is refused by the fence: stored nowhere, told to no worker.

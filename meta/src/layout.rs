@@ -8,6 +8,7 @@
 //! | `/kvfleet/requests/<id>` | JSON `Ownership` (spec, instance, phase) | leader, fenced, before acknowledging |
 //! | `/kvfleet/results/<id>` | JSON `RequestRecord` | leader, fenced, before acknowledging to the worker |
 //! | `/kvfleet/roles/<instance>` | JSON role (`"prefill"`, `"decode"`, …) under prefill/decode disaggregation | leader, fenced, before telling the worker |
+//! | `/kvfleet/role-changes/<at_ns>-<instance>` | JSON `{at_ns, instance, role}`: a role change after the first (a flip) | leader, fenced, after the role |
 //! | `/kvfleet/leader/…` | election keys (value: the leader's advertised address) | `campaign` |
 
 use kvfleet_core::{Dilation, Timestamp};
@@ -32,6 +33,8 @@ pub const REQUESTS: &str = "/kvfleet/requests/";
 pub const RESULTS: &str = "/kvfleet/results/";
 /// Prefix of instance roles under prefill/decode disaggregation ([`role`]).
 pub const ROLES: &str = "/kvfleet/roles/";
+/// Prefix of role changes ([`role_change`]).
+pub const ROLE_CHANGES: &str = "/kvfleet/role-changes/";
 /// Name (key prefix) of the coordinator election.
 pub const ELECTION: &str = "/kvfleet/leader";
 /// Instance numbers claimed by `--instance auto` workers (see [`instance_claim`]).
@@ -50,6 +53,11 @@ pub fn instance_claim(instance: u32) -> String {
 /// The role key of instance `instance`.
 pub fn role(instance: u32) -> String {
     format!("{ROLES}{instance}")
+}
+/// The key of instance `instance`'s role change at cluster time `at_ns` (zero-padded, so keys
+/// sort by time).
+pub fn role_change(at_ns: u64, instance: u32) -> String {
+    format!("{ROLE_CHANGES}{at_ns:020}-{instance}")
 }
 /// The ownership key of request `id` (zero-padded to 20 digits so keys sort by id).
 pub fn request(id: u64) -> String {

@@ -395,8 +395,10 @@ fn up_with_time_dilation_auto_measures_the_transport_and_says_its_k() {
 /// Prefill/decode disaggregation with Arrow on real processes: 4 workers start as 2 prefill + 2
 /// decode; each request is prefilled, held, and handed off (its KV copied live over QUIC) to a
 /// decoder. A TTFT SLO no prompt can meet forces Arrow to flip a decoder to prefill at the first
-/// arrival. Every request completes exactly once, the handoffs are counted, the flip is recorded
-/// (and etcd's results match the clients', or `kvfleet up` fails).
+/// arrival; the leader is killed mid-run (the new one reads the roles back from etcd and takes
+/// over the held requests and open handoffs). Every request completes exactly once, the handoffs
+/// are counted, the flip is recorded (and etcd's results match the clients', or `kvfleet up`
+/// fails).
 #[test]
 fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     if !etcd_installed() {
@@ -410,10 +412,13 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     assert!(cfg.contains("slo_ttft_s = 1.5"), "the example's Arrow TTFT SLO moved; update this test");
     let config = tmp.join("arrow.toml");
     std::fs::write(&config, cfg.replace("slo_ttft_s = 1.5", "slo_ttft_s = 0.001")).unwrap();
-    let args = ["up", "-c", config.to_str().unwrap(), "--requests", "60", "-q", "--out", out.to_str().unwrap()];
+    let config = config.to_str().unwrap();
+    let args =
+        ["up", "-c", config, "--requests", "60", "--kill-leader-after-s", "8", "-q", "--out", out.to_str().unwrap()];
     let o = run_kvfleet(args);
     assert!(o.status.success(), "{}", describe(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("failover: new leader"), "a standby took over: {stdout}");
     let s = summary(&out);
     assert_eq!(s["requests_finished"], 60, "{s}");
     assert_each_request_once(&out, 60);
@@ -423,6 +428,7 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     let runs: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
     let changes = runs[0]["role_changes"].as_array().cloned().unwrap_or_default();
+    // Flips made by either leader (the first one's at the first arrival, read back by the next).
     assert!(changes.iter().any(|c| c["role"] == "prefill"), "a decoder flipped to prefill: {changes:?}");
     let migrations = runs[0]["live_migrations"]["committed"].as_u64().unwrap_or(0);
     assert!(migrations >= handoffs, "each handoff is a committed live migration: {}", runs[0]["live_migrations"]);

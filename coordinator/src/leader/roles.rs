@@ -49,6 +49,20 @@ pub(super) struct RoleBook {
     queue: Mutex<Option<mpsc::UnboundedSender<(InstanceId, Role)>>>,
 }
 
+/// A role change as stored for the next leader.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StoredChange {
+    at_ns: u64,
+    instance: u32,
+    role: Role,
+}
+
+impl From<StoredChange> for v1::RoleChange {
+    fn from(c: StoredChange) -> v1::RoleChange {
+        v1::RoleChange { at_ns: c.at_ns, instance: c.instance, role: c.role.to_string() }
+    }
+}
+
 impl RoleBook {
     pub(super) fn changes(&self) -> Vec<v1::RoleChange> {
         self.changes.lock().expect("role changes lock").clone()
@@ -90,9 +104,13 @@ impl Leader {
             }
             let before = self.roles.given.lock().expect("roles lock").insert(instance, role);
             if let Some(before) = before.filter(|&b| b != role) {
-                let change =
-                    v1::RoleChange { at_ns: self.cluster_now().0, instance: instance.0, role: role.to_string() };
-                self.roles.changes.lock().expect("role changes lock").push(change);
+                let at_ns = self.cluster_now().0;
+                let change = StoredChange { at_ns, instance: instance.0, role };
+                // Kept for the next leader's report of the run's flips.
+                if let Err(e) = self.persist(&keys::role_change(at_ns, instance.0), &json(&change)).await {
+                    tracing::warn!(instance = instance.0, "role change not recorded: {e}");
+                }
+                self.roles.changes.lock().expect("role changes lock").push(change.into());
                 tracing::info!(instance = instance.0, from = %before, to = %role, "role flipped");
             }
             let Some(mut client) = self.client(instance) else { continue };
@@ -109,6 +127,7 @@ impl Leader {
     /// controller keeps them, and tells each worker its role again as it joins.
     pub(super) async fn restore_roles(&self) -> Result<usize, LeaderError> {
         let stored = self.store.get_prefix(keys::ROLES).await?;
+        let changes = self.store.get_prefix(keys::ROLE_CHANGES).await?;
         let mut n = 0;
         let mut control = self.control();
         for kv in stored.kvs {
@@ -121,6 +140,13 @@ impl Leader {
             control.set_role(InstanceId(instance), role);
             self.roles.given.lock().expect("roles lock").insert(InstanceId(instance), role);
             n += 1;
+        }
+        let mut book = self.roles.changes.lock().expect("role changes lock");
+        for kv in changes.kvs {
+            match serde_json::from_slice::<StoredChange>(&kv.value) {
+                Ok(c) => book.push(c.into()),
+                Err(e) => tracing::error!(key = %kv.key, "unreadable role change; skipped: {e}"),
+            }
         }
         Ok(n)
     }

@@ -1,0 +1,15 @@
+#!/bin/sh
+# Arrow in the emulator against the simulator, on examples/arrow-up.toml (4 workers, 2P + 2D at
+# the start, 60 requests): `kvfleet up` (real processes, etcd, live KV handoffs over QUIC) and
+# `kvfleet sim` (the same controller in virtual time), the migration links shaped to the same
+# rate in both. Needs target/release/{kvfleet,kvfleet-worker,kvfleet-coordinator}; writes the
+# printouts and summaries here.
+cd "$(dirname "$0")/../../../.."
+D=docs/results/pd-arrow/emulator
+B=target/release/kvfleet
+for g in 2 10; do
+  $B up -c examples/arrow-up.toml --link-gbps $g --out /tmp/arrow-emu/up-$g -q > $D/up-$g.txt 2>&1 || exit 1
+  $B sim -c examples/arrow-up.toml --set link.bandwidth_gbps=$g --out /tmp/arrow-emu/sim-$g > $D/sim-$g.txt 2>&1 || exit 1
+  cp /tmp/arrow-emu/up-$g/summary.csv $D/up-$g-summary.csv
+  cp /tmp/arrow-emu/sim-$g/summary.csv $D/sim-$g-summary.csv
+done
