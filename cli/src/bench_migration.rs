@@ -70,6 +70,11 @@ pub struct MigrationBench {
     /// Skip the blocking stop-and-copy comparison.
     #[arg(long)]
     no_blocking: bool,
+    /// Also hand off a request after its prefill, as prefill/decode disaggregation does: the
+    /// source is a prefill instance holding the request after its first token (nothing changes
+    /// during the copy), moved with the pipelined protocol (mode `handoff`).
+    #[arg(long)]
+    handoff: bool,
     /// Output directory (migrations.csv, goodput.json, process logs).
     #[arg(short, long, default_value = "results/bench-migration")]
     out: PathBuf,
@@ -316,8 +321,13 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
 
     // (c) real migrations between two worker processes.
     let worker = sibling_binary("kvfleet-worker")?;
-    let modes: &[(&str, &str)] =
-        if b.no_blocking { &[("pipelined", "3")] } else { &[("pipelined", "3"), ("blocking", "0")] };
+    let mut modes = vec![("pipelined", "3")];
+    if !b.no_blocking {
+        modes.push(("blocking", "0"));
+    }
+    if b.handoff {
+        modes.push(("handoff", "3"));
+    }
     let threshold = if b.stop_copy_ms > 0.0 {
         format!("stop-and-copy once the rest copies within {} ms", b.stop_copy_ms)
     } else {
@@ -361,9 +371,9 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
     );
     bar.enable_steady_tick(Duration::from_millis(200));
     for &tokens in &b.lengths {
-        for &(mode, stages) in modes {
+        for &(mode, stages) in &modes {
             bar.set_message(format!("({tokens} tokens, {mode})"));
-            let stats = rt.block_on(migrate_once(&pair, tokens, stages, &stop_args))?;
+            let stats = rt.block_on(migrate_once(&pair, tokens, stages, mode == "handoff", &stop_args))?;
             let simulated = match &sim {
                 Some(s) => Some(s.simulate(tokens, stages.parse()?)?),
                 None => None,
@@ -428,6 +438,7 @@ async fn migrate_once(
     pair: &WorkerPair<'_>,
     tokens: u32,
     max_stages: &str,
+    handoff: bool,
     stop_args: &[String],
 ) -> anyhow::Result<v1::MigrationStats> {
     let WorkerPair { worker, logs, issue, client, dilation } = *pair;
@@ -464,16 +475,26 @@ async fn migrate_once(
     };
     let (mut src, mut dst) = (connect(procs[0].addr()?)?, connect(procs[1].addr()?)?);
     let target_kv = dst.info(v1::InfoRequest {}).await?.into_inner().kv_address;
+    if handoff {
+        // A prefill instance: the request is held after its first token, its KV final.
+        src.set_role(v1::SetRoleRequest { role: "prefill".into(), hand_off: true }).await?;
+    }
     let spec =
         v1::RequestSpec { id: 1, arrival_ns: 0, prompt_tokens: tokens, reasoning_tokens: 1000, answer_tokens: 1 };
     let accepted = src.submit(v1::SubmitRequest { spec: Some(spec) }).await?.into_inner();
     anyhow::ensure!(accepted.accepted, "the source refused the request: {}", accepted.reason);
-    // Migrate once it decodes (its prompt is prefilled and written).
+    // Migrate once it decodes (its prompt is prefilled and written), or, handed off, once it is
+    // held after its prefill.
     let mut events = src.events(v1::EventsRequest { after_seq: 0 }).await?.into_inner();
     // A minute of emulated time (a long prompt's prefill, stretched by the dilation).
     let first = tokio::time::timeout(dilation.real(kvfleet_core::TimeSpan::from_secs_f64(60.0)), async {
         while let Some(ev) = events.message().await? {
-            if matches!(ev.event, Some(v1::worker_event::Event::Tokens(_))) {
+            let ready = match ev.event {
+                Some(v1::worker_event::Event::Tokens(_)) => !handoff,
+                Some(v1::worker_event::Event::PrefillDone(_)) => handoff,
+                _ => false,
+            };
+            if ready {
                 return Ok::<_, tonic::Status>(true);
             }
         }
@@ -493,19 +514,20 @@ fn table(rows: &[Row]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "\n  tokens      KV   pipelined total ms   downtime ms   stages   blocking downtime ms   downtime ratio"
+        "\n  tokens      KV   pipelined total ms   downtime ms   stages   blocking downtime ms   downtime ratio   handoff total ms   Gbit/s"
     );
     let mut lengths: Vec<u32> = rows.iter().map(|r| r.tokens).collect();
     lengths.dedup();
     for t in lengths {
         let p = rows.iter().find(|r| r.tokens == t && r.mode == "pipelined");
         let b = rows.iter().find(|r| r.tokens == t && r.mode == "blocking");
+        let h = rows.iter().find(|r| r.tokens == t && r.mode == "handoff");
         let Some(p) = p else { continue };
         let total = ms(p.stats.total_ns());
         let blocking = b.map(|b| ms(b.stats.downtime_ns));
         let _ = writeln!(
             s,
-            "  {:>6} {:>8} {:>20.1} {:>13.1} {:>8} {:>22} {:>16}",
+            "  {:>6} {:>8} {:>20.1} {:>13.1} {:>8} {:>22} {:>16} {:>18} {:>8}",
             t,
             human(p.stats.bytes),
             total,
@@ -513,6 +535,8 @@ fn table(rows: &[Row]) -> String {
             p.stats.stages,
             blocking.map_or("-".into(), |v| format!("{v:.1}")),
             blocking.map_or("-".into(), |v| format!("{:.3}", ms(p.stats.downtime_ns) / v.max(1e-9))),
+            h.map_or("-".into(), |h| format!("{:.1}", ms(h.stats.total_ns()))),
+            h.map_or("-".into(), |h| format!("{:.2}", h.stats.bytes as f64 * 8.0 / h.stats.total_ns().max(1) as f64)),
         );
     }
     s
@@ -636,6 +660,7 @@ mod tests {
             migration_timeout_ms: 10_000,
             time_dilation: crate::up::cluster::DilationArg::Fixed(kvfleet_core::Dilation::NONE),
             no_blocking: false,
+            handoff: false,
             out: PathBuf::new(),
         };
         let side = SimSide::new(2.0, 0.0, &b).unwrap();
