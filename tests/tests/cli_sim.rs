@@ -319,17 +319,17 @@ fn invalid_input_exits_2_with_one_line_naming_the_problem() {
     }
 }
 
-/// The emulator does not hand requests off yet: `kvfleet up` refuses a `[pd]` config in one line,
-/// before it starts anything, instead of running it aggregated.
+/// A `[pd]` split `kvfleet up` cannot run (no decode instance left) is refused in one line naming
+/// the field, before anything starts.
 #[test]
-fn up_refuses_prefill_decode_disaggregation() {
+fn up_refuses_a_prefill_decode_split_without_decoders() {
     let dir = TempDir::new("up-pd");
-    let config = dir.write("pd.toml", "[cluster]\ninstances = 2\n[pd]\nprefill_instances = 1\n");
+    let config = dir.write("pd.toml", "[cluster]\ninstances = 2\n[pd]\nprefill_instances = 2\n");
     let out = run_kvfleet(["up", "--config", path_str(&config), "--no-etcd", "-q"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
     assert_eq!(stderr.lines().count(), 1, "{}", describe(&out));
-    assert!(stderr.contains("[pd]") && stderr.contains("kvfleet sim"), "{}", describe(&out));
+    assert!(stderr.contains("pd.prefill_instances"), "{}", describe(&out));
 }
 
 /// `--rate -1` (the value as a separate word) is the natural spelling; it must be refused the same

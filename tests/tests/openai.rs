@@ -435,10 +435,11 @@ fn a_client_that_goes_away_cancels_its_request() {
     }
     assert!(status(&cluster).contains("1 in flight"), "{}", status(&cluster));
     // The instance row's GPU blocks (`used/total`): the worker holds the request's KV now.
+    // Columns: instance, address, alive, role, GPU blocks, ...
     let gpu_used = |s: &str| -> Vec<u32> {
         s.lines()
             .filter(|l| l.split_whitespace().nth(2) == Some("yes"))
-            .filter_map(|l| l.split_whitespace().nth(3)?.split('/').next()?.parse().ok())
+            .filter_map(|l| l.split_whitespace().nth(4)?.split('/').next()?.parse().ok())
             .collect()
     };
     await_status_where(&cluster, "KV in use", |s| gpu_used(s).iter().any(|&b| b > 0));

@@ -40,6 +40,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
+/// How often the requests held for a handoff are announced again: a decision about one that was
+/// lost on its way (a release or a role change whose RPC failed, a leader that died) is taken
+/// again, never left waiting.
+pub(crate) const ANNOUNCE_HELD_EVERY: Duration = Duration::from_secs(2);
+
 /// Commands served per loop turn while the driver is behind schedule.
 const MAX_COMMANDS_PER_CATCH_UP: usize = 64;
 
@@ -257,6 +262,8 @@ pub(crate) struct DriverConfig {
     pub log: Arc<EventLog>,
     pub load_interval: Duration,
     pub verify_kv: bool,
+    /// How often held requests are announced again ([`ANNOUNCE_HELD_EVERY`]).
+    pub announce_every: Duration,
 }
 
 pub(crate) struct Driver {
@@ -279,6 +286,9 @@ pub(crate) struct Driver {
     /// The load last published: a changed one is published at once (the simulator's controller
     /// sees every change at once), an unchanged one every `load_interval` as a heartbeat.
     last_load: Option<LoadReport>,
+    /// When the requests held for a handoff are next announced again ([`ANNOUNCE_HELD_EVERY`]).
+    next_announce: Instant,
+    announce_every: Duration,
     last_preemptions: u64,
     lateness: LatenessHistogram,
     kv_stats: KvStats,
@@ -307,6 +317,8 @@ impl Driver {
             stop_at: None,
             commands_closed: false,
             next_load: Instant::now(),
+            next_announce: Instant::now() + cfg.announce_every,
+            announce_every: cfg.announce_every,
             last_load: None,
             last_preemptions: 0,
             lateness: LatenessHistogram::new(),
@@ -377,6 +389,10 @@ impl Driver {
     /// reserved) or the heartbeat is due.
     fn publish_load(&mut self) {
         let now = Instant::now();
+        if now >= self.next_announce {
+            self.next_announce = now + self.announce_every;
+            self.announce_held();
+        }
         let load = self.engine.load_report();
         let due = now >= self.next_load;
         if !due && self.last_load.as_ref() == Some(&load) {
@@ -466,13 +482,8 @@ impl Driver {
                 }
                 self.engine.set_hand_off(hand_off);
                 // Announced again: a leader that took over since may have missed the first event.
-                let held = self.engine.held_requests();
-                let at_ns = self.clock.now().0;
-                for &(request, kv_blocks) in &held {
-                    let done = v1::PrefillDone { request_id: request.0, instance: self.instance, kv_blocks, at_ns };
-                    self.log.push(LogEvent::PrefillDone(done));
-                }
-                let _ = reply.send(held.len() as u32);
+                let held = self.announce_held();
+                let _ = reply.send(held as u32);
                 self.plan_if_idle();
             }
             Command::Release { request, reply } => {
@@ -788,15 +799,30 @@ impl Driver {
     }
 
     /// A move out of `request` by `migration` ended before COMMIT: it carries on here.
+    /// Announce every request held for its handoff (again): a leader that took over, or whose
+    /// release or role change did not reach this worker, learns what waits here. Returns how many.
+    fn announce_held(&mut self) -> usize {
+        let held = self.engine.held_requests();
+        for &(request, kv_blocks) in &held {
+            self.announce(request, kv_blocks);
+        }
+        held.len()
+    }
+
+    /// `request` is held here for its handoff, with `kv_blocks` of KV.
+    fn announce(&mut self, request: RequestId, kv_blocks: u32) {
+        let at_ns = self.clock.now().0;
+        let done = v1::PrefillDone { request_id: request.0, instance: self.instance, kv_blocks, at_ns };
+        self.log.push(LogEvent::PrefillDone(done));
+    }
+
     /// An outbound move of `request` failed: it carries on here. One held for its handoff is held
     /// again, and announced again (the leader may have given up on the move meanwhile and must
     /// learn that it waits for a decoder once more).
     pub(super) fn abort_out(&mut self, request: RequestId) -> Result<(), EngineError> {
         self.engine.abort_migration_out(request)?;
         if let Some((_, kv_blocks)) = self.engine.held_requests().into_iter().find(|&(id, _)| id == request) {
-            let at_ns = self.clock.now().0;
-            let done = v1::PrefillDone { request_id: request.0, instance: self.instance, kv_blocks, at_ns };
-            self.log.push(LogEvent::PrefillDone(done));
+            self.announce(request, kv_blocks);
         }
         Ok(())
     }

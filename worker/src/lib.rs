@@ -274,6 +274,7 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
         log: log.clone(),
         load_interval: Duration::from_millis(opts.load_interval_ms),
         verify_kv: opts.verify_kv,
+        announce_every: crate::driver::ANNOUNCE_HELD_EVERY,
     });
     let (commands, rx) = std::sync::mpsc::channel();
     let (report_tx, report_rx) = oneshot::channel();

@@ -29,6 +29,14 @@ impl Drop for Running {
 }
 
 fn start(instance: u32, scheduler: &str, gpu_blocks: u32, cpu_blocks: u32) -> Running {
+    start_full(instance, scheduler, gpu_blocks, cpu_blocks, Duration::from_secs(3600))
+}
+
+fn start_with_announce(instance: u32, announce_every: Duration) -> Running {
+    start_full(instance, "fcfs", 32, 8, announce_every)
+}
+
+fn start_full(instance: u32, scheduler: &str, gpu_blocks: u32, cpu_blocks: u32, announce_every: Duration) -> Running {
     let cfg = EngineConfig {
         prefix_caching: false,
         block_size: 4,
@@ -53,6 +61,8 @@ fn start(instance: u32, scheduler: &str, gpu_blocks: u32, cpu_blocks: u32) -> Ru
         log: log.clone(),
         load_interval: Duration::from_millis(20),
         verify_kv: true,
+        // Periodic announcements as the test asks (an hour: only SetRole and aborted moves).
+        announce_every,
     });
     let (tx, rx) = channel();
     let thread = std::thread::spawn(move || driver.run(rx));
@@ -568,4 +578,17 @@ fn a_held_request_whose_handoff_aborts_is_announced_again() {
     ask(&a, |reply| Command::Release { request: id, reply }).unwrap();
     let s = wait_for(&a.log, "its record", |s| s.finished.contains_key(&5));
     check_request(&s, 5, 0, 10);
+}
+
+/// Held requests are announced again every `announce_every`: a release or role change lost on
+/// its way is decided again.
+#[test]
+fn held_requests_are_announced_again_periodically() {
+    let cfg_every = Duration::from_millis(50);
+    let a = start_with_announce(0, cfg_every);
+    ask(&a, |reply| Command::SetRole { role: "prefill".into(), hand_off: true, reply });
+    ask(&a, |reply| Command::Submit { spec: spec(6, 9, 0, 10), reply });
+    let s = wait_for(&a.log, "three announcements", |s| s.prefill_done.len() >= 3);
+    assert!(s.prefill_done.iter().all(|&id| id == 6), "{:?}", s.prefill_done);
+    assert_eq!(s.tokens[&6].len(), 1, "still held");
 }
