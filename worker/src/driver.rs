@@ -667,12 +667,7 @@ impl Driver {
                     out.push(LogEvent::Finished(Box::new(proto_record(&record, remat))));
                 }
                 // A prefill instance (`Command::SetRole`) holds the request for its handoff.
-                EngineEvent::PrefillDone { request, kv_blocks } => out.push(LogEvent::PrefillDone(v1::PrefillDone {
-                    request_id: request.0,
-                    instance: self.instance,
-                    kv_blocks,
-                    at_ns: end.0,
-                })),
+                EngineEvent::PrefillDone { request, kv_blocks } => out.push(self.prefill_done(request, kv_blocks, end)),
             }
         }
         if out.iter().any(|e| matches!(e, LogEvent::Boundary(_))) {
@@ -798,7 +793,6 @@ impl Driver {
         Ok(MigratedOut { state, kv_tokens: out.kv_tokens, kv_bytes: out.kv_bytes })
     }
 
-    /// A move out of `request` by `migration` ended before COMMIT: it carries on here.
     /// Announce every request held for its handoff (again): a leader that took over, or whose
     /// release or role change did not reach this worker, learns what waits here. Returns how many.
     fn announce_held(&mut self) -> usize {
@@ -809,11 +803,20 @@ impl Driver {
         held.len()
     }
 
-    /// `request` is held here for its handoff, with `kv_blocks` of KV.
+    /// `request` is held here for its handoff, with `kv_blocks` of KV: said now.
     fn announce(&mut self, request: RequestId, kv_blocks: u32) {
-        let at_ns = self.clock.now().0;
-        let done = v1::PrefillDone { request_id: request.0, instance: self.instance, kv_blocks, at_ns };
-        self.log.push(LogEvent::PrefillDone(done));
+        let event = self.prefill_done(request, kv_blocks, self.clock.now());
+        self.log.push(event);
+    }
+
+    /// The event saying `request` is held here after its prefill, as of `at`.
+    fn prefill_done(&self, request: RequestId, kv_blocks: u32, at: Timestamp) -> LogEvent {
+        LogEvent::PrefillDone(v1::PrefillDone {
+            request_id: request.0,
+            instance: self.instance,
+            kv_blocks,
+            at_ns: at.0,
+        })
     }
 
     /// An outbound move of `request` failed: it carries on here. One held for its handoff is held
@@ -827,6 +830,7 @@ impl Driver {
         Ok(())
     }
 
+    /// A move out of `request` by `migration` ended before COMMIT: it carries on here.
     pub(super) fn resume_out(&mut self, request: RequestId, migration: MigrationId) -> Result<(), DriverError> {
         if self.ledger.abort_out(request, migration)? == Resume::Engine {
             self.abort_out(request)?;
