@@ -515,11 +515,6 @@ impl Controller {
         self.split = Some(pd.clone());
     }
 
-    /// The role of every instance given one other than [`Role::Mixed`], in id order.
-    pub fn roles(&self) -> impl Iterator<Item = (InstanceId, Role)> + '_ {
-        self.instances.iter().filter(|(_, i)| i.role != Role::Mixed).map(|(&id, i)| (id, i.role))
-    }
-
     /// The role of `instance` ([`Role::Mixed`] when unknown).
     pub fn role(&self, instance: InstanceId) -> Role {
         self.instances.get(&instance).map_or(Role::Mixed, |i| i.role)

@@ -311,7 +311,7 @@ fn instances_that_join_after_the_split_get_its_roles_and_a_returning_one_is_told
     while c.poll_action().is_some() {}
     assert_eq!(roles_set(&join(&mut c, 2)), [(2, Role::Prefill)]);
     assert_eq!(c.role(InstanceId(2)), Role::Prefill);
-    let roles: Vec<_> = c.roles().map(|(i, r)| (i.0, r)).collect();
+    let roles: Vec<_> = (0..4).map(|i| (i, c.role(InstanceId(i)))).collect();
     assert_eq!(roles, [(0, Role::Prefill), (1, Role::Prefill), (2, Role::Prefill), (3, Role::Decode)]);
     // Off, nothing is split.
     let policy = build_policy("least-kv", &PolicyParams::default()).unwrap();
