@@ -297,6 +297,7 @@ fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
                                 prompt_tokens: 32,
                                 reasoning_tokens: 60,
                                 answer_tokens: 40,
+                                content_ids: Vec::new(),
                             };
                             let _ = c.submit(v1::SubmitRequest { spec: Some(spec) }).await;
                         }

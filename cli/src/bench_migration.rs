@@ -479,8 +479,14 @@ async fn migrate_once(
         // A prefill instance: the request is held after its first token, its KV final.
         src.set_role(v1::SetRoleRequest { role: "prefill".into(), hand_off: true }).await?;
     }
-    let spec =
-        v1::RequestSpec { id: 1, arrival_ns: 0, prompt_tokens: tokens, reasoning_tokens: 1000, answer_tokens: 1 };
+    let spec = v1::RequestSpec {
+        id: 1,
+        arrival_ns: 0,
+        prompt_tokens: tokens,
+        reasoning_tokens: 1000,
+        answer_tokens: 1,
+        content_ids: Vec::new(),
+    };
     let accepted = src.submit(v1::SubmitRequest { spec: Some(spec) }).await?.into_inner();
     anyhow::ensure!(accepted.accepted, "the source refused the request: {}", accepted.reason);
     // Migrate once it decodes (its prompt is prefilled and written), or, handed off, once it is

@@ -113,16 +113,22 @@ impl PrefixIndex {
                         }
                     }
                 }
+                KvEvent::AllCleared => self.apply_cleared(instance),
             }
         }
     }
 
-    /// `instance` left or restarted: nothing is cached there any more.
-    pub fn forget(&mut self, instance: InstanceId) {
+    /// `instance` holds no cached block any more.
+    fn apply_cleared(&mut self, instance: InstanceId) {
         self.blocks.retain(|_, at| {
             at.retain(|&(i, _)| i != instance);
             !at.is_empty()
         });
+    }
+
+    /// `instance` left or restarted: nothing is cached there any more.
+    pub fn forget(&mut self, instance: InstanceId) {
+        self.apply_cleared(instance);
         for entries in self.placements.units.values_mut() {
             entries.retain(|e| e.instance != instance);
         }

@@ -621,7 +621,7 @@ impl Leader {
         let msg = v1::SubmitRequest { spec: Some(spec.into()) };
         for attempt in 0..3u32 {
             let Some(mut client) = self.client(to) else { break };
-            match client.submit(kvfleet_telemetry::request_with(&self.traces.context(spec.id), msg)).await {
+            match client.submit(kvfleet_telemetry::request_with(&self.traces.context(spec.id), msg.clone())).await {
                 Ok(reply) => {
                     let reply = reply.into_inner();
                     if !reply.accepted {
@@ -738,6 +738,12 @@ impl Leader {
                     }
                     Some(v1::worker_event::Event::PrefillDone(p)) => {
                         self.on_prefill_done(p);
+                        false
+                    }
+                    Some(v1::worker_event::Event::KvEvents(k)) => {
+                        // The prefix index follows the instance's cache (it said its own number).
+                        let events = kvfleet_proto::kv_events_from_proto(&k);
+                        let _ = self.decide(Event::KvEvents { instance, events });
                         false
                     }
                     None => false,

@@ -50,6 +50,10 @@ struct Args {
     /// (an extension).
     #[arg(long, default_value = "lowest-id", value_parser = ["lowest-id", "most-free-gpu"])]
     alg2_tie_break: String,
+    /// How prefix-aware policies learn where prefixes are cached: `precise` (the workers' KV
+    /// events) or `approx` (from placements alone).
+    #[arg(long, default_value = "precise", value_parser = ["precise", "approx"])]
+    prefix_index: String,
     /// Model the cluster serves (built-in name or TOML path); workers must match it.
     #[arg(long, default_value = "r1-distill-qwen-32b")]
     model: String,
@@ -151,9 +155,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
             } else {
                 TieBreak::LowestId
             },
-            // Workers neither cache prefixes nor send KV events yet: a prefix-aware policy
-            // predicts from placements.
-            prefix_index: PrefixIndexMode::Approx,
+            prefix_index: if args.prefix_index == "approx" {
+                PrefixIndexMode::Approx
+            } else {
+                PrefixIndexMode::Precise
+            },
         },
         model: ClusterModel { model: spec.name.clone(), kv_bytes_per_token: spec.kv_bytes_per_token() },
         lease_ttl: Duration::from_millis(args.lease_ttl_ms),

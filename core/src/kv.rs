@@ -102,6 +102,9 @@ pub enum KvEvent {
         /// The block's content hash.
         hash: BlockHash,
     },
+    /// Everything the instance had cached is gone (vLLM's `AllBlocksCleared`): a worker process
+    /// that (re)started says so first. The block manager itself never emits it.
+    AllCleared,
 }
 
 /// What a prefixed allocation found cached.
@@ -978,6 +981,7 @@ mod tests {
                     match e {
                         KvEvent::Stored { tier, hash } => prop_assert!(seen.insert((tier, hash)), "stored twice: {:?}", e),
                         KvEvent::Removed { tier, hash } => prop_assert!(seen.remove(&(tier, hash)), "removed unseen: {:?}", e),
+                        KvEvent::AllCleared => prop_assert!(false, "the block manager never clears all"),
                     }
                 }
                 let actual: std::collections::HashSet<(Tier, BlockHash)> = [Tier::Gpu, Tier::Cpu]

@@ -17,7 +17,9 @@ pub mod v1 {
 }
 
 pub use kvfleet_wire::migration;
-pub use kvfleet_wire::{InvalidField, MAX_TOKENS_PER_REQUEST, REFUSED_PREFIX};
+pub use kvfleet_wire::{
+    kv_events_from_proto, kv_events_to_proto, InvalidField, MAX_TOKENS_PER_REQUEST, REFUSED_PREFIX,
+};
 
 use kvfleet_core::RequestSpec;
 

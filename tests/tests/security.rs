@@ -45,7 +45,14 @@ fn outsider_channels(addr: &str, ours: &ClusterCa, theirs: &NodeIdentity) -> Vec
 }
 
 fn spec(id: u64) -> v1::RequestSpec {
-    v1::RequestSpec { id, arrival_ns: 0, prompt_tokens: 16, reasoning_tokens: 4, answer_tokens: 4 }
+    v1::RequestSpec {
+        id,
+        arrival_ns: 0,
+        prompt_tokens: 16,
+        reasoning_tokens: 4,
+        answer_tokens: 4,
+        content_ids: Vec::new(),
+    }
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! [`v1`] messages ↔ `kvfleet-core` types: request specs (validated on the way in), load reports
 //! and per-request records.
 
+use kvfleet_core::kv::{BlockHash, KvEvent, Tier, TRACE_BLOCK_TOKENS};
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::{LoadReport, PrefillQueue};
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, Timestamp};
@@ -18,6 +19,7 @@ impl From<&RequestSpec> for v1::RequestSpec {
             prompt_tokens: s.prompt_tokens,
             reasoning_tokens: s.reasoning_tokens,
             answer_tokens: s.answer_tokens,
+            content_ids: s.content_ids.clone(),
         }
     }
 }
@@ -35,8 +37,20 @@ impl TryFrom<&v1::RequestSpec> for RequestSpec {
                 message: format!("prompt + reasoning + answer = {total} tokens exceeds {MAX_TOKENS_PER_REQUEST}"),
             });
         }
+        // One content id per 512 prompt tokens at most (fewer: the rest of the prompt is unique).
+        let most = s.prompt_tokens.div_ceil(TRACE_BLOCK_TOKENS) as usize;
+        if s.content_ids.len() > most {
+            return Err(InvalidField {
+                field: "spec.content_ids",
+                message: format!(
+                    "{} ids for a {}-token prompt: at most one per {TRACE_BLOCK_TOKENS} tokens ({most})",
+                    s.content_ids.len(),
+                    s.prompt_tokens
+                ),
+            });
+        }
         Ok(RequestSpec {
-            content_ids: Vec::new(),
+            content_ids: s.content_ids.clone(),
             id: RequestId(s.id),
             arrival: Timestamp(s.arrival_ns),
             prompt_tokens: s.prompt_tokens,
@@ -135,6 +149,7 @@ impl From<&RequestRecord> for v1::RequestRecord {
             migrations: r.migrations,
             rejected: r.rejected,
             kv_rematerialized: false,
+            cached_tokens: r.cached_tokens,
         }
     }
 }
@@ -142,7 +157,7 @@ impl From<&RequestRecord> for v1::RequestRecord {
 impl From<&v1::RequestRecord> for RequestRecord {
     fn from(r: &v1::RequestRecord) -> Self {
         RequestRecord {
-            cached_tokens: 0,
+            cached_tokens: r.cached_tokens,
             id: RequestId(r.id),
             arrival: Timestamp(r.arrival_ns),
             prompt_tokens: r.prompt_tokens,
@@ -164,6 +179,45 @@ impl From<&v1::RequestRecord> for RequestRecord {
     }
 }
 
+/// An instance's prefix-cache changes as its worker streams them ([`v1::KvCacheEvents`]).
+pub fn kv_events_to_proto(instance: InstanceId, events: &[KvEvent]) -> v1::KvCacheEvents {
+    use v1::kv_cache_event::Kind;
+    let one = |kind: Kind, tier: Tier, hash: BlockHash| v1::KvCacheEvent {
+        kind: kind as i32,
+        cpu: tier == Tier::Cpu,
+        hash_hi: (hash >> 64) as u64,
+        hash_lo: hash as u64,
+    };
+    let events = events
+        .iter()
+        .map(|e| match *e {
+            KvEvent::Stored { tier, hash } => one(Kind::Stored, tier, hash),
+            KvEvent::Removed { tier, hash } => one(Kind::Removed, tier, hash),
+            KvEvent::AllCleared => v1::KvCacheEvent { kind: Kind::AllCleared as i32, ..Default::default() },
+        })
+        .collect();
+    v1::KvCacheEvents { instance: instance.0, events }
+}
+
+/// The changes a [`v1::KvCacheEvents`] carries, in order (an event of an unknown kind is skipped:
+/// a lost event costs only cache hits).
+pub fn kv_events_from_proto(m: &v1::KvCacheEvents) -> Vec<KvEvent> {
+    use v1::kv_cache_event::Kind;
+    m.events
+        .iter()
+        .filter_map(|e| {
+            let tier = if e.cpu { Tier::Cpu } else { Tier::Gpu };
+            let hash = (e.hash_hi as BlockHash) << 64 | e.hash_lo as BlockHash;
+            match Kind::try_from(e.kind).ok()? {
+                Kind::Stored => Some(KvEvent::Stored { tier, hash }),
+                Kind::Removed => Some(KvEvent::Removed { tier, hash }),
+                Kind::AllCleared => Some(KvEvent::AllCleared),
+                Kind::Unspecified => None,
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,6 +236,7 @@ mod tests {
             finish: Some(Timestamp(11)),
             qoe: Some(0.5),
             migrations: 1,
+            cached_tokens: 48,
             ..RequestRecord::default()
         };
         assert_eq!(RequestRecord::from(&v1::RequestRecord::from(&r)), r);
@@ -194,5 +249,43 @@ mod tests {
         assert_eq!(require_spec(None).unwrap_err().field, "spec");
         let huge = v1::RequestSpec { id: 1, prompt_tokens: u32::MAX, answer_tokens: 1, ..Default::default() };
         assert!(RequestSpec::try_from(&huge).is_err());
+        let ids = v1::RequestSpec {
+            id: 1,
+            prompt_tokens: 513,
+            answer_tokens: 1,
+            content_ids: vec![1, 2, 3],
+            ..Default::default()
+        };
+        assert_eq!(RequestSpec::try_from(&ids).unwrap_err().field, "spec.content_ids");
+    }
+
+    #[test]
+    fn kv_events_round_trip() {
+        let hash = (0xdead_beef_u128 << 64) | 0x1234_5678;
+        let events = [
+            KvEvent::AllCleared,
+            KvEvent::Stored { tier: Tier::Gpu, hash },
+            KvEvent::Removed { tier: Tier::Cpu, hash: u128::MAX },
+        ];
+        let m = kv_events_to_proto(InstanceId(3), &events);
+        assert_eq!(m.instance, 3);
+        assert_eq!(kv_events_from_proto(&m), events);
+        let unknown =
+            v1::KvCacheEvents { instance: 3, events: vec![v1::KvCacheEvent { kind: 99, ..Default::default() }] };
+        assert!(kv_events_from_proto(&unknown).is_empty());
+    }
+
+    #[test]
+    fn content_ids_travel_with_the_spec() {
+        let ids = v1::RequestSpec {
+            id: 1,
+            prompt_tokens: 1025,
+            answer_tokens: 1,
+            content_ids: vec![7, 8, 9],
+            ..Default::default()
+        };
+        let spec = RequestSpec::try_from(&ids).unwrap();
+        assert_eq!(spec.content_ids, [7, 8, 9]);
+        assert_eq!(v1::RequestSpec::from(&spec), ids);
     }
 }

@@ -31,6 +31,6 @@ mod convert;
 mod invalid;
 mod migration_stats;
 
-pub use convert::{require_spec, MAX_TOKENS_PER_REQUEST};
+pub use convert::{kv_events_from_proto, kv_events_to_proto, require_spec, MAX_TOKENS_PER_REQUEST};
 pub use invalid::InvalidField;
 pub use migration_stats::{outcome_name, REFUSED_PREFIX};

@@ -7,7 +7,9 @@
 //! token that offloads and migrations copy. Block `b` of a pool lives at offset `b × block_bytes`, exactly the ids the engine's
 //! [`kvfleet_core::kv::KvBlockManager`] hands out, so the arena mirrors the engine's block tables.
 //!
-//! Every token slot is filled with bytes derived only from (request id, token index): four
+//! Every token slot is filled with bytes derived only from its content ([`TokenContent`]): (request
+//! id, token index) for a request's own tokens, (block hash, slot) for a prompt block shared through
+//! the prefix cache (one copy serves every request whose prompt starts the same way); four
 //! xorshift64 lanes seeded (splitmix64) by a hash of the pair. A receiver of a migrated block (the
 //! pipelined live migration: copy stages while the request decodes, then a short stop-and-copy,
 //! after Llumnix and Phasor App. D; docs/architecture.md, "Live migration") can therefore
@@ -16,7 +18,7 @@
 //! resident memory at 1/64 of the arena while still letting every token be identified.
 
 use bytes::Bytes;
-use kvfleet_core::kv::{KvMove, Tier};
+use kvfleet_core::kv::{BlockHash, KvMove, Tier};
 use kvfleet_core::RequestId;
 use kvfleet_netmodel::Payload;
 use memmap2::{MmapMut, MmapOptions};
@@ -177,6 +179,43 @@ fn mix64(mut z: u64) -> u64 {
 #[inline]
 pub fn token_seed(request: RequestId, token: u32) -> u64 {
     mix64(request.0.wrapping_mul(GOLDEN) ^ mix64(token as u64 ^ 0x6b76_666c_6565_7400))
+}
+
+/// Seed of slot `slot` of a shared prompt block with content hash `hash`.
+#[inline]
+pub fn shared_token_seed(hash: BlockHash, slot: u32) -> u64 {
+    mix64((hash as u64) ^ mix64((hash >> 64) as u64 ^ GOLDEN) ^ mix64(slot as u64 ^ 0x7368_6172_6564_0000))
+}
+
+/// Whose content a request's token slots hold: its full prompt blocks hashed by the prefix cache
+/// (`shared[j]` for block j) hold the block's shared content, every other token the request's own.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenContent<'a> {
+    /// The request.
+    pub request: RequestId,
+    /// Content hashes of its leading shared blocks (empty: nothing shared).
+    pub shared: &'a [BlockHash],
+}
+
+impl TokenContent<'_> {
+    /// A request none of whose blocks are shared.
+    pub fn private(request: RequestId) -> TokenContent<'static> {
+        TokenContent { request, shared: &[] }
+    }
+    /// Seed of token `token` in blocks of `block_size` tokens.
+    #[inline]
+    pub fn seed(&self, token: u32, block_size: u32) -> u64 {
+        match self.shared.get((token / block_size) as usize) {
+            Some(&hash) => shared_token_seed(hash, token % block_size),
+            None => token_seed(self.request, token),
+        }
+    }
+}
+
+impl From<RequestId> for TokenContent<'static> {
+    fn from(request: RequestId) -> Self {
+        TokenContent::private(request)
+    }
 }
 
 /// A token's byte stream: four xorshift64 lanes seeded by splitmix64, emitted 32 bytes at a time
@@ -424,46 +463,54 @@ impl KvArena {
 
     /// Write the KV of token `token` (its absolute position in the request's context) into its
     /// slot `token % block_size` of `block`.
-    pub fn write_token(&mut self, tier: Tier, block: u32, request: RequestId, token: u32) -> Result<(), ArenaError> {
+    pub fn write_token<'a>(
+        &mut self,
+        tier: Tier,
+        block: u32,
+        content: impl Into<TokenContent<'a>>,
+        token: u32,
+    ) -> Result<(), ArenaError> {
         let per_token = self.layout.kv_bytes_per_token as usize;
-        let slot = (token % self.layout.block_size) as usize;
+        let bs = self.layout.block_size;
+        let slot = (token % bs) as usize;
         let n = self.written_per_token;
+        let seed = content.into().seed(token, bs);
         let bytes = self.block_bytes_mut(tier, block)?;
-        fill_token(&mut bytes[slot * per_token..slot * per_token + n], token_seed(request, token));
+        fill_token(&mut bytes[slot * per_token..slot * per_token + n], seed);
         Ok(())
     }
 
     /// Check tokens `first_token .. first_token + tokens` of `request` (all in `block`) against
     /// their deterministic content: every written byte ([`KvFill`]) of every slot.
-    pub fn verify_block(
+    pub fn verify_block<'a>(
         &self,
         tier: Tier,
         block: u32,
-        request: RequestId,
+        content: impl Into<TokenContent<'a>>,
         first_token: u32,
         tokens: u32,
     ) -> Result<(), ArenaError> {
-        self.verify_prefix(tier, block, request, first_token, tokens, self.written_per_token)
+        self.verify_prefix(tier, block, content.into(), first_token, tokens, self.written_per_token)
     }
 
     /// [`KvArena::verify_block`] over the first [`STAMP_BYTES`] of each slot only (cheap; valid in
     /// both fill modes since a full fill starts with the stamp).
-    pub fn verify_stamps(
+    pub fn verify_stamps<'a>(
         &self,
         tier: Tier,
         block: u32,
-        request: RequestId,
+        content: impl Into<TokenContent<'a>>,
         first_token: u32,
         tokens: u32,
     ) -> Result<(), ArenaError> {
-        self.verify_prefix(tier, block, request, first_token, tokens, self.written_per_token.min(STAMP_BYTES))
+        self.verify_prefix(tier, block, content.into(), first_token, tokens, self.written_per_token.min(STAMP_BYTES))
     }
 
     fn verify_prefix(
         &self,
         tier: Tier,
         block: u32,
-        request: RequestId,
+        content: TokenContent<'_>,
         first_token: u32,
         tokens: u32,
         n: usize,
@@ -478,7 +525,8 @@ impl KvArena {
         for token in first_token..first_token + tokens {
             let slot = token % bs;
             let at = slot as usize * per_token;
-            if let Some((byte, expected, found)) = first_difference(&bytes[at..at + n], token_seed(request, token)) {
+            if let Some((byte, expected, found)) = first_difference(&bytes[at..at + n], content.seed(token, bs)) {
+                let request = content.request;
                 return Err(Mismatch { tier, block, request, token, slot, byte, expected, found }.into());
             }
         }

@@ -21,7 +21,7 @@
 //! immediately (the engine accepts them mid-iteration; they join at the next plan, as in the
 //! simulator), so their RPCs answer fast.
 
-use crate::arena::{ArenaError, KvArena};
+use crate::arena::{ArenaError, KvArena, TokenContent};
 use crate::clock::ClusterClock;
 use crate::events::{EventLog, LogEvent, LogStats};
 use crate::lateness::{LatenessHistogram, LatenessSummary};
@@ -29,11 +29,12 @@ use crate::ledger::{Admission, Arrival, Ledger, LedgerError, Refusal, Resume};
 use kvfleet_core::engine::sched::Phase;
 use kvfleet_core::engine::{Engine, EngineError, EngineEvent, EngineStats, MigratedRequest, TokenEmitted};
 use kvfleet_core::idmap::IdMap;
-use kvfleet_core::kv::Tier;
+use kvfleet_core::kv::{prompt_block_hashes, BlockHash, KvEvent, Tier};
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::LoadReport;
 use kvfleet_core::{RequestId, RequestSpec, Timestamp};
 use kvfleet_netmodel::migration::MigrationId;
+use kvfleet_proto::kv_events_to_proto;
 use kvfleet_proto::v1;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -198,6 +199,8 @@ pub struct KvStats {
     pub blocks_copied: u64,
     /// Tokens checked against their deterministic content (moves with `--verify-kv`, migrations).
     pub tokens_verified: u64,
+    /// Prompt tokens found already written in a shared block (a prefix-cache hit): not written.
+    pub tokens_reused: u64,
     /// Verification failures and arena errors (each logged): must stay 0.
     pub errors: u64,
 }
@@ -253,6 +256,25 @@ struct Written {
     blocks: Vec<u32>,
     /// Context positions 0..tokens hold their content.
     tokens: u32,
+    /// Content hashes of its full prompt blocks ([`TokenContent::shared`]): what the prefix
+    /// cache shares between requests holds the same bytes whoever wrote it.
+    shared: Box<[BlockHash]>,
+}
+
+impl Written {
+    /// Nothing written yet for a request whose prompt blocks hash to `shared`.
+    fn new(tier: Option<Tier>, shared: Box<[BlockHash]>) -> Written {
+        Written { tier, blocks: Vec::new(), tokens: 0, shared }
+    }
+    fn content(&self, request: RequestId) -> TokenContent<'_> {
+        TokenContent { request, shared: &self.shared }
+    }
+}
+
+/// Content hashes of `spec`'s full prompt blocks of `block_size` tokens: whether or not this
+/// instance caches prefixes, equal prompt blocks are equal bytes (a migration's two ends agree).
+pub(crate) fn shared_blocks(spec: &RequestSpec, block_size: u32) -> Box<[BlockHash]> {
+    prompt_block_hashes(&spec.content_ids, spec.prompt_tokens, block_size).into_boxed_slice()
 }
 
 pub(crate) struct DriverConfig {
@@ -296,12 +318,18 @@ pub(crate) struct Driver {
     tokens: Vec<TokenEmitted>,
     events: Vec<EngineEvent>,
     out: Vec<LogEvent>,
+    kv_events: Vec<KvEvent>,
 }
 
 impl Driver {
     pub(crate) fn new(cfg: DriverConfig) -> Driver {
         let mut engine = cfg.engine;
         engine.enable_kv_journal();
+        if engine.config().prefix_caching {
+            // Whatever a leader knew of this instance's cache (a worker that restarted) is gone.
+            let cleared = kv_events_to_proto(engine.instance(), &[KvEvent::AllCleared]);
+            cfg.log.push(LogEvent::KvEvents(Box::new(cleared)));
+        }
         Driver {
             instance: engine.instance().0,
             block_size: engine.config().block_size,
@@ -327,6 +355,7 @@ impl Driver {
             tokens: Vec::new(),
             events: Vec::new(),
             out: Vec::new(),
+            kv_events: Vec::new(),
         }
     }
 
@@ -388,6 +417,7 @@ impl Driver {
     /// Publish the load if it changed (an iteration ended, a request arrived, blocks were
     /// reserved) or the heartbeat is due.
     fn publish_load(&mut self) {
+        self.flush_kv_events();
         let now = Instant::now();
         if now >= self.next_announce {
             self.next_announce = now + self.announce_every;
@@ -401,6 +431,18 @@ impl Driver {
         self.log.push(LogEvent::Load(Box::new(v1::LoadReport::from(&load))));
         self.last_load = Some(load);
         self.next_load = now + self.load_interval;
+    }
+
+    /// Append what the prefix cache stored and evicted since the last call to the log (the
+    /// leader's prefix index follows it), ahead of the load report that reflects it.
+    fn flush_kv_events(&mut self) {
+        let mut events = std::mem::take(&mut self.kv_events);
+        self.engine.drain_kv_events(&mut events);
+        if !events.is_empty() {
+            self.log.push(LogEvent::KvEvents(Box::new(kv_events_to_proto(self.engine.instance(), &events))));
+            events.clear();
+        }
+        self.kv_events = events;
     }
 
     fn stats(&self) -> DriverStats {
@@ -548,11 +590,12 @@ impl Driver {
                 w.blocks.extend_from_slice(&m.to[..n]);
             } else {
                 // Not the blocks we wrote through: rewrite from scratch on its next token.
-                *w = Written::default();
+                *w = Written::new(None, std::mem::take(&mut w.shared));
                 continue;
             }
             if self.verify_kv {
-                let checked = verify_written(&self.arena, self.block_size, m.to_tier, &w.blocks, m.request, w.tokens);
+                let checked =
+                    verify_written(&self.arena, self.block_size, m.to_tier, &w.blocks, w.content(m.request), w.tokens);
                 match checked {
                     Ok(n) => self.kv_stats.tokens_verified += n,
                     Err(e) => self.kv_error(m.request, &e),
@@ -588,8 +631,9 @@ impl Driver {
                     w.tier, w.blocks, table.tier, table.blocks
                 ));
             }
-            verified += verify_written(&self.arena, self.block_size, table.tier, &table.blocks, id, w.tokens)
-                .map_err(|e| e.to_string())?;
+            verified +=
+                verify_written(&self.arena, self.block_size, table.tier, &table.blocks, w.content(id), w.tokens)
+                    .map_err(|e| e.to_string())?;
         }
         Ok(verified)
     }
@@ -606,25 +650,41 @@ impl Driver {
             self.written.remove(&request);
             return;
         };
-        let w = self.written.entry(request).or_default();
+        let engine = &self.engine;
+        let w = self.written.entry(request).or_insert_with(|| {
+            Written::new(Some(table.tier), engine.spec(request).map(|s| shared_blocks(s, bs)).unwrap_or_default())
+        });
         if w.tier != Some(table.tier) || !table.blocks.starts_with(&w.blocks) {
-            *w = Written { tier: Some(table.tier), ..Written::default() };
+            *w = Written::new(Some(table.tier), std::mem::take(&mut w.shared));
         }
         if w.blocks.len() < table.blocks.len() {
             w.blocks.extend_from_slice(&table.blocks[w.blocks.len()..]);
         }
         let upto = upto.min((w.blocks.len() as u64 * bs as u64).min(u32::MAX as u64) as u32);
         let tier = table.tier;
-        for pos in w.tokens..upto {
-            if let Err(e) = self.arena.write_token(tier, w.blocks[(pos / bs) as usize], request, pos) {
-                self.kv_stats.errors += 1;
-                tracing::error!(%request, error = %e, "KV arena write failed");
-                return;
+        let content = TokenContent { request, shared: &w.shared };
+        let mut pos = w.tokens;
+        while pos < upto {
+            let k = pos / bs;
+            let end = (k as u64 * bs as u64 + bs as u64).min(upto as u64) as u32;
+            let block = w.blocks[k as usize];
+            // A whole shared prompt block that another request wrote (a prefix-cache hit) holds
+            // its content already: checked by its stamps, never trusted.
+            let whole_shared = pos % bs == 0 && end - pos == bs && (k as usize) < w.shared.len();
+            if whole_shared && self.arena.verify_stamps(tier, block, content, pos, bs).is_ok() {
+                self.kv_stats.tokens_reused += bs as u64;
+            } else {
+                for p in pos..end {
+                    if let Err(e) = self.arena.write_token(tier, block, content, p) {
+                        self.kv_stats.errors += 1;
+                        tracing::error!(%request, error = %e, "KV arena write failed");
+                        return;
+                    }
+                }
+                self.kv_stats.tokens_written += (end - pos) as u64;
             }
-        }
-        if upto > w.tokens {
-            self.kv_stats.tokens_written += (upto - w.tokens) as u64;
-            w.tokens = upto;
+            pos = end;
+            w.tokens = pos;
         }
     }
 
@@ -671,6 +731,7 @@ impl Driver {
             }
         }
         if out.iter().any(|e| matches!(e, LogEvent::Boundary(_))) {
+            self.flush_kv_events();
             // The leader decides a `</think>` move on the loads it holds when the boundary arrives:
             // this instance's must already include the iteration that produced it (the simulator
             // refreshes the same load, after the iteration and before the next plan). Published
@@ -775,7 +836,7 @@ impl Driver {
         // The arena must hold exactly what the engine says it holds (cheap stamp check).
         if let Some(w) = self.written.get(&request) {
             if let Some(tier) = w.tier {
-                match verify_written(&self.arena, self.block_size, tier, &w.blocks, request, w.tokens) {
+                match verify_written(&self.arena, self.block_size, tier, &w.blocks, w.content(request), w.tokens) {
                     Ok(n) => self.kv_stats.tokens_verified += n,
                     Err(cause) => {
                         self.kv_error(request, &cause);
@@ -853,7 +914,7 @@ fn verify_written(
     block_size: u32,
     tier: Tier,
     blocks: &[u32],
-    request: RequestId,
+    content: TokenContent<'_>,
     tokens: u32,
 ) -> Result<u64, ArenaError> {
     let mut verified = 0u64;
@@ -863,7 +924,7 @@ fn verify_written(
             break;
         }
         let n = block_size.min(tokens - first);
-        arena.verify_stamps(tier, b, request, first, n)?;
+        arena.verify_stamps(tier, b, content, first, n)?;
         verified += n as u64;
     }
     Ok(verified)

@@ -30,12 +30,14 @@ pub enum LogEvent {
     Load(Box<v1::LoadReport>),
     /// A request's prefill ended here and it is held for a handoff; never dropped.
     PrefillDone(v1::PrefillDone),
+    /// What the prefix cache stored and evicted (droppable: a lost one costs only cache hits).
+    KvEvents(Box<v1::KvCacheEvents>),
 }
 
 impl LogEvent {
     /// Token and load events may be dropped under memory pressure; the others never.
     fn droppable(&self) -> bool {
-        matches!(self, LogEvent::Tokens(_) | LogEvent::Load(_))
+        matches!(self, LogEvent::Tokens(_) | LogEvent::Load(_) | LogEvent::KvEvents(_))
     }
 
     fn to_proto(&self, seq: u64) -> v1::WorkerEvent {
@@ -46,6 +48,7 @@ impl LogEvent {
             LogEvent::Finished(r) => Event::Finished(**r),
             LogEvent::Load(l) => Event::Load(**l),
             LogEvent::PrefillDone(p) => Event::PrefillDone(*p),
+            LogEvent::KvEvents(k) => Event::KvEvents((**k).clone()),
         };
         v1::WorkerEvent { seq, event: Some(event) }
     }

@@ -81,6 +81,11 @@ pub struct WorkerOptions {
     /// Most sequences in one iteration (vLLM `max_num_seqs`).
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: u32,
+    /// Share the KV blocks of equal prompt content between requests (vLLM's automatic prefix
+    /// caching; only requests whose spec carries content ids have any), and stream the cache's
+    /// changes to the leader.
+    #[arg(long)]
+    pub prefix_caching: bool,
     /// Most prompt tokens prefilled in one iteration (one prompt is always allowed).
     #[arg(long, default_value_t = 8192)]
     pub max_batched_tokens: u32,
@@ -265,7 +270,7 @@ impl WorkerOptions {
         };
         scheduler.switches().map_err(|e| invalid("ttfat-starvation-s", e.to_string()))?;
         let engine = EngineConfig {
-            prefix_caching: false,
+            prefix_caching: self.prefix_caching,
             block_size: self.block_size,
             gpu_blocks,
             cpu_blocks,

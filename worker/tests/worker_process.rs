@@ -94,10 +94,10 @@ async fn requests_stream_phase_tagged_tokens_and_match_the_timing_model() {
     let specs =
         [spec(1, now, 64, 30, 20), spec(2, now, 128, 10, 30), spec(3, now, 32, 0, 15), spec(4, now, 200, 40, 10)];
     for s in &specs {
-        let r = client.submit(v1::SubmitRequest { spec: Some(*s) }).await.unwrap().into_inner();
+        let r = client.submit(v1::SubmitRequest { spec: Some(s.clone()) }).await.unwrap().into_inner();
         assert!(r.accepted, "{r:?}");
     }
-    let again = client.submit(v1::SubmitRequest { spec: Some(specs[0]) }).await.unwrap().into_inner();
+    let again = client.submit(v1::SubmitRequest { spec: Some(specs[0].clone()) }).await.unwrap().into_inner();
     assert!(again.accepted && again.reason.contains("duplicate"), "submits are idempotent: {again:?}");
 
     let c = collect_until(&mut client, 0, EVENTS_TIMEOUT, |c| c.finished.len() == specs.len()).await;

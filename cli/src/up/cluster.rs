@@ -368,6 +368,8 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             args.cfg.scheduler.instance.headroom_blocks.to_string(),
             "--alg2-tie-break".into(),
             serde_name(&args.cfg.scheduler.instance.alg2_tie_break),
+            "--prefix-index".into(),
+            args.cfg.scheduler.instance.prefix_index.name().into(),
             "--epoch-unix-ns".into(),
             epoch_unix_ns.to_string(),
             "--time-dilation".into(),
@@ -462,6 +464,9 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         ];
         if args.cfg.scheduler.intra.boundary_hold {
             a.push("--boundary-hold".into());
+        }
+        if args.cfg.cluster.prefix_caching {
+            a.push("--prefix-caching".into());
         }
         if let Some(s) = args.cfg.scheduler.intra.ttfat_starvation_s {
             a.extend(["--ttfat-starvation-s".into(), s.to_string()]);

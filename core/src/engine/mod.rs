@@ -395,6 +395,10 @@ impl Engine {
     pub fn drain_kv_moves(&mut self) -> Vec<crate::kv::KvMove> {
         self.kv.drain_moves()
     }
+    /// The request with this id as submitted, while it is here.
+    pub fn spec(&self, request: RequestId) -> Option<&RequestSpec> {
+        self.index.get(&request).map(|&slot| &self.req(slot).spec)
+    }
     /// Whether the request with this id is here (running, waiting or migrating out).
     pub fn contains(&self, request: RequestId) -> bool {
         self.index.contains_key(&request)

@@ -17,7 +17,8 @@
 //! and makes the request runnable on exactly those blocks; [`LiveCommand::Release`] undoes it.
 //! [`LiveCommand::ResolveTarget`] answers the coordinator after a lost COMMIT reply (and fences).
 
-use super::{ledger_step, refused, verify_written, Driver, DriverError, Written};
+use super::{ledger_step, refused, shared_blocks, verify_written, Driver, DriverError, Written};
+use crate::arena::TokenContent;
 use crate::ledger::{Arrival, Settle};
 use bytes::Bytes;
 use kvfleet_core::engine::MigratedRequest;
@@ -324,13 +325,15 @@ impl Driver {
             });
         }
         // End to end: every token's content is the one (request, token) determines.
-        let n = verify_written(&self.arena, self.block_size, table.tier, &table.blocks, id, kv_tokens)
+        let shared = shared_blocks(&m.spec, self.block_size);
+        let content = TokenContent { request: id, shared: &shared };
+        let n = verify_written(&self.arena, self.block_size, table.tier, &table.blocks, content, kv_tokens)
             .map_err(|cause| DriverError::KvCorrupt { request: id, cause })?;
         self.kv_stats.tokens_verified += n;
         let verified = self.clock.now();
         self.engine.attach(verified, m)?;
         let blocks = self.engine.kv().table(id).map(|t| t.blocks.clone()).unwrap_or_default();
-        self.written.insert(id, Written { tier: Some(table.tier), blocks, tokens: kv_tokens });
+        self.written.insert(id, Written { tier: Some(table.tier), blocks, tokens: kv_tokens, shared });
         ledger_step(self.ledger.committed_in(id, migration));
         Ok(verified)
     }

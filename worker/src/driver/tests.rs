@@ -7,6 +7,7 @@ use crate::arena::{ArenaLayout, KvFill};
 use crate::ledger::Refusal;
 use kvfleet_core::engine::sched::{build_scheduler, SchedulerParams};
 use kvfleet_core::engine::EngineConfig;
+use kvfleet_core::kv::KvEvent;
 use kvfleet_core::timing::FixedTiming;
 use kvfleet_core::{InstanceId, TimeSpan};
 use kvfleet_netmodel::migration::MigrationId;
@@ -29,16 +30,27 @@ impl Drop for Running {
 }
 
 fn start(instance: u32, scheduler: &str, gpu_blocks: u32, cpu_blocks: u32) -> Running {
-    start_full(instance, scheduler, gpu_blocks, cpu_blocks, Duration::from_secs(3600))
+    start_full(instance, scheduler, gpu_blocks, cpu_blocks, Duration::from_secs(3600), false)
 }
 
 fn start_with_announce(instance: u32, announce_every: Duration) -> Running {
-    start_full(instance, "fcfs", 32, 8, announce_every)
+    start_full(instance, "fcfs", 32, 8, announce_every, false)
 }
 
-fn start_full(instance: u32, scheduler: &str, gpu_blocks: u32, cpu_blocks: u32, announce_every: Duration) -> Running {
+fn start_caching(instance: u32) -> Running {
+    start_full(instance, "fcfs", 48, 8, Duration::from_secs(3600), true)
+}
+
+fn start_full(
+    instance: u32,
+    scheduler: &str,
+    gpu_blocks: u32,
+    cpu_blocks: u32,
+    announce_every: Duration,
+    prefix_caching: bool,
+) -> Running {
     let cfg = EngineConfig {
-        prefix_caching: false,
+        prefix_caching,
         block_size: 4,
         gpu_blocks,
         cpu_blocks,
@@ -94,6 +106,7 @@ struct Seen {
     finished: BTreeMap<u64, v1::RequestRecord>,
     loads: usize,
     prefill_done: Vec<u64>,
+    kv_events: Vec<KvEvent>,
 }
 
 fn collect(log: &EventLog) -> Seen {
@@ -113,6 +126,7 @@ fn collect(log: &EventLog) -> Seen {
             }
             v1::worker_event::Event::Load(_) => s.loads += 1,
             v1::worker_event::Event::PrefillDone(p) => s.prefill_done.push(p.request_id),
+            v1::worker_event::Event::KvEvents(k) => s.kv_events.extend(kvfleet_proto::kv_events_from_proto(&k)),
         }
     }
     s
@@ -591,4 +605,39 @@ fn held_requests_are_announced_again_periodically() {
     let s = wait_for(&a.log, "three announcements", |s| s.prefill_done.len() >= 3);
     assert!(s.prefill_done.iter().all(|&id| id == 6), "{:?}", s.prefill_done);
     assert_eq!(s.tokens[&6].len(), 1, "still held");
+}
+
+/// Prefix caching on a worker: a prompt block another request wrote is shared, not written again
+/// (its stamps are checked first), its content is the block's whoever wrote it, so the request
+/// moves to another worker and verifies there; the cache's changes are logged, after a first
+/// "all cleared".
+#[test]
+fn a_cached_prefix_is_written_once_shared_and_moves_with_its_content() {
+    let a = start_caching(0);
+    let b = start_caching(1);
+    let with_ids =
+        |id, prompt, reasoning, answer| RequestSpec { content_ids: vec![5], ..spec(id, prompt, reasoning, answer) };
+    ask(&a, |reply| Command::Submit { spec: with_ids(1, 40, 6, 4), reply });
+    wait_for(&a.log, "the first request finished", |s| s.finished.contains_key(&1));
+    assert_eq!(ask(&a, |reply| Command::Stats { reply }).kv.tokens_reused, 0, "nothing cached yet");
+    // 44 tokens over the same 512-token content unit: the first 40 are the first request's blocks.
+    ask(&a, |reply| Command::Submit { spec: with_ids(2, 44, 60, 10), reply });
+    wait_for(&a.log, "tokens of the second", |s| s.tokens.get(&2).is_some_and(|t| t.len() >= 5));
+    let stats = ask(&a, |reply| Command::Stats { reply });
+    assert_eq!(stats.kv.tokens_reused, 40, "ten shared blocks of four tokens: {stats:?}");
+    consistent(&a);
+    let s = collect(&a.log);
+    assert_eq!(s.kv_events.first(), Some(&KvEvent::AllCleared), "a started worker clears first");
+    let stored = s.kv_events.iter().filter(|e| matches!(e, KvEvent::Stored { tier: Tier::Gpu, .. })).count();
+    assert_eq!(stored, 11, "the first prompt's ten full blocks, the second's eleventh: {:?}", s.kv_events);
+    // The shared blocks' bytes are the first request's writes: the target checks them as the
+    // second's content.
+    live_move(&a, &b, RequestId(2), MigrationId(1));
+    let s = wait_for(&b.log, "the second finished on B", |s| s.finished.contains_key(&2));
+    assert_eq!(s.finished[&2].cached_tokens, 40);
+    assert_eq!(s.finished[&2].finished_on, Some(1));
+    consistent(&a);
+    let errors =
+        ask(&a, |reply| Command::Stats { reply }).kv.errors + ask(&b, |reply| Command::Stats { reply }).kv.errors;
+    assert_eq!(errors, 0);
 }

@@ -204,7 +204,14 @@ pub fn field(line: &str, key: &str) -> f64 {
 }
 
 pub fn spec(id: u64, arrival_ns: u64, prompt: u32, reasoning: u32, answer: u32) -> v1::RequestSpec {
-    v1::RequestSpec { id, arrival_ns, prompt_tokens: prompt, reasoning_tokens: reasoning, answer_tokens: answer }
+    v1::RequestSpec {
+        id,
+        arrival_ns,
+        prompt_tokens: prompt,
+        reasoning_tokens: reasoning,
+        answer_tokens: answer,
+        content_ids: Vec::new(),
+    }
 }
 
 /// Everything a stream delivered, by kind.
@@ -216,6 +223,7 @@ pub struct Collected {
     pub finished: std::collections::BTreeMap<u64, v1::RequestRecord>,
     pub loads: Vec<v1::LoadReport>,
     pub prefill_done: Vec<v1::PrefillDone>,
+    pub kv_events: Vec<kvfleet_core::kv::KvEvent>,
 }
 
 impl Collected {
@@ -232,6 +240,7 @@ impl Collected {
             }
             Event::Load(l) => self.loads.push(l),
             Event::PrefillDone(p) => self.prefill_done.push(p),
+            Event::KvEvents(k) => self.kv_events.extend(kvfleet_proto::kv_events_from_proto(&k)),
         }
     }
 }
