@@ -670,7 +670,7 @@ impl Driver {
             let block = w.blocks[k as usize];
             // A whole shared prompt block that another request wrote (a prefix-cache hit) holds
             // its content already: checked by its stamps, never trusted.
-            let whole_shared = pos % bs == 0 && end - pos == bs && (k as usize) < w.shared.len();
+            let whole_shared = pos.is_multiple_of(bs) && end - pos == bs && (k as usize) < w.shared.len();
             if whole_shared && self.arena.verify_stamps(tier, block, content, pos, bs).is_ok() {
                 self.kv_stats.tokens_reused += bs as u64;
             } else {
