@@ -75,6 +75,11 @@ pub struct MigrationBench {
     /// during the copy), moved with the pipelined protocol (mode `handoff`).
     #[arg(long)]
     handoff: bool,
+    /// Also move each request to a target whose prefix cache holds its first this many prompt
+    /// tokens (a request over the same content ran there first; mode `cached`): only what the
+    /// target lacks is sent. 0: off.
+    #[arg(long, default_value_t = 0)]
+    cached_prefix: u32,
     /// Output directory (migrations.csv, goodput.json, process logs).
     #[arg(short, long, default_value = "results/bench-migration")]
     out: PathBuf,
@@ -328,6 +333,9 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
     if b.handoff {
         modes.push(("handoff", "3"));
     }
+    if b.cached_prefix > 0 {
+        modes.push(("cached", "3"));
+    }
     let threshold = if b.stop_copy_ms > 0.0 {
         format!("stop-and-copy once the rest copies within {} ms", b.stop_copy_ms)
     } else {
@@ -373,10 +381,16 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
     for &tokens in &b.lengths {
         for &(mode, stages) in &modes {
             bar.set_message(format!("({tokens} tokens, {mode})"));
-            let stats = rt.block_on(migrate_once(&pair, tokens, stages, mode == "handoff", &stop_args))?;
+            let how = Move {
+                tokens,
+                max_stages: stages,
+                handoff: mode == "handoff",
+                cached_prefix: if mode == "cached" { b.cached_prefix.min(tokens) } else { 0 },
+            };
+            let stats = rt.block_on(migrate_once(&pair, how, &stop_args))?;
             let simulated = match &sim {
-                Some(s) => Some(s.simulate(tokens, stages.parse()?)?),
-                None => None,
+                Some(s) if mode != "cached" => Some(s.simulate(tokens, stages.parse()?)?),
+                _ => None,
             };
             bar.inc(1);
             bar.suspend(|| {
@@ -404,6 +418,9 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
     }
     bar.finish_and_clear();
     say!("{}", table(&rows));
+    if b.cached_prefix > 0 {
+        say!("{}", cached_table(&rows, b.cached_prefix));
+    }
     if let Some(g) = b.link_gbps {
         say!("{}", sim_table(&rows, g));
     }
@@ -432,16 +449,28 @@ struct WorkerPair<'a> {
     dilation: kvfleet_core::Dilation,
 }
 
-/// Start two workers sized for `tokens`, run one request on the first, migrate it to the second
-/// once it decodes, and return the source's measurements.
+/// One bench migration.
+#[derive(Clone, Copy)]
+struct Move<'a> {
+    /// The request's prompt, tokens.
+    tokens: u32,
+    /// The workers' `--max-stages` (`0`: a blocking copy).
+    max_stages: &'a str,
+    /// Moved as a prefill/decode handoff (held after its prefill).
+    handoff: bool,
+    /// Leading prompt tokens the target caches before the move (0: none, no prefix caching).
+    cached_prefix: u32,
+}
+
+/// Start two workers sized for the request, run it on the first, migrate it to the second once
+/// it decodes, and return the source's measurements.
 async fn migrate_once(
     pair: &WorkerPair<'_>,
-    tokens: u32,
-    max_stages: &str,
-    handoff: bool,
+    how: Move<'_>,
     stop_args: &[String],
 ) -> anyhow::Result<v1::MigrationStats> {
     let WorkerPair { worker, logs, issue, client, dilation } = *pair;
+    let Move { tokens, max_stages, handoff, cached_prefix } = how;
     // Room for the prompt plus what it decodes during the copy, on both sides.
     let arena = ((tokens as u64 + 1040) * KV_BYTES_PER_TOKEN).div_ceil(64 << 20) * (64 << 20);
     let mut procs = Vec::new();
@@ -466,7 +495,10 @@ async fn migrate_once(
         .collect();
         a.extend(stop_args.iter().cloned());
         a.extend(issue(&format!("worker-{i}"))?);
-        let log = logs.join(format!("worker-{tokens}-{max_stages}-{i}.log"));
+        if cached_prefix > 0 {
+            a.push("--prefix-caching".into());
+        }
+        let log = logs.join(format!("worker-{tokens}-{max_stages}-{cached_prefix}-{i}.log"));
         procs.push(Proc::spawn(&format!("worker-{i}"), worker, &a, &log, Some(Duration::from_secs(60)))?);
     }
     let connect = |addr: &str| -> anyhow::Result<v1::worker_client::WorkerClient<tonic::transport::Channel>> {
@@ -479,13 +511,39 @@ async fn migrate_once(
         // A prefill instance: the request is held after its first token, its KV final.
         src.set_role(v1::SetRoleRequest { role: "prefill".into(), hand_off: true }).await?;
     }
+    // With a cached prefix the prompt has content (one id per 512 tokens), and a request over
+    // its first `cached_prefix` tokens runs on the target first, leaving them in its cache.
+    let ids: Vec<u64> = if cached_prefix > 0 { (1..=u64::from(tokens.div_ceil(512))).collect() } else { Vec::new() };
+    if cached_prefix > 0 {
+        let warm = v1::RequestSpec {
+            id: 2,
+            prompt_tokens: cached_prefix,
+            reasoning_tokens: 1,
+            answer_tokens: 1,
+            content_ids: ids[..cached_prefix.div_ceil(512) as usize].to_vec(),
+            ..Default::default()
+        };
+        let accepted = dst.submit(v1::SubmitRequest { spec: Some(warm) }).await?.into_inner();
+        anyhow::ensure!(accepted.accepted, "the target refused the warm-up request: {}", accepted.reason);
+        let mut events = dst.events(v1::EventsRequest { after_seq: 0 }).await?.into_inner();
+        let done = tokio::time::timeout(dilation.real(kvfleet_core::TimeSpan::from_secs_f64(60.0)), async {
+            while let Some(ev) = events.message().await? {
+                if matches!(ev.event, Some(v1::worker_event::Event::Finished(_))) {
+                    return Ok::<_, tonic::Status>(true);
+                }
+            }
+            Ok(false)
+        })
+        .await;
+        anyhow::ensure!(matches!(done, Ok(Ok(true))), "the warm-up request did not finish within 60 s (emulated)");
+    }
     let spec = v1::RequestSpec {
         id: 1,
         arrival_ns: 0,
         prompt_tokens: tokens,
         reasoning_tokens: 1000,
         answer_tokens: 1,
-        content_ids: Vec::new(),
+        content_ids: ids,
     };
     let accepted = src.submit(v1::SubmitRequest { spec: Some(spec) }).await?.into_inner();
     anyhow::ensure!(accepted.accepted, "the source refused the request: {}", accepted.reason);
@@ -543,6 +601,36 @@ fn table(rows: &[Row]) -> String {
             blocking.map_or("-".into(), |v| format!("{:.3}", ms(p.stats.downtime_ns) / v.max(1e-9))),
             h.map_or("-".into(), |h| format!("{:.1}", ms(h.stats.total_ns()))),
             h.map_or("-".into(), |h| format!("{:.2}", h.stats.bytes as f64 * 8.0 / h.stats.total_ns().max(1) as f64)),
+        );
+    }
+    s
+}
+
+/// The moves to a target caching the prompt's first `cached` tokens against full copies.
+fn cached_table(rows: &[Row], cached: u32) -> String {
+    let mut s = format!("\n  to a target caching the first {cached} prompt tokens vs a full copy (pipelined)\n");
+    let _ = writeln!(
+        s,
+        "  tokens   sent bytes   skipped bytes   bytes ratio   total ms   full total ms   time ratio   outcome"
+    );
+    for c in rows.iter().filter(|r| r.mode == "cached") {
+        let Some(full) = rows.iter().find(|r| r.tokens == c.tokens && r.mode == "pipelined") else { continue };
+        let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.3}", a / b) } else { "-".into() };
+        let _ = writeln!(
+            s,
+            "  {:>6} {:>12} {:>15} {:>13} {:>10.1} {:>15.1} {:>12}   {}",
+            c.tokens,
+            human(c.stats.bytes),
+            human(c.stats.bytes_skipped),
+            ratio(c.stats.bytes as f64, full.stats.bytes as f64),
+            ms(c.stats.total_ns()),
+            ms(full.stats.total_ns()),
+            ratio(c.stats.total_ns() as f64, full.stats.total_ns() as f64),
+            if c.stats.committed() {
+                "committed (every token verified at COMMIT)".to_string()
+            } else {
+                format!("ABORTED: {}", c.stats.abort_reason)
+            },
         );
     }
     s
@@ -667,6 +755,7 @@ mod tests {
             time_dilation: crate::up::cluster::DilationArg::Fixed(kvfleet_core::Dilation::NONE),
             no_blocking: false,
             handoff: false,
+            cached_prefix: 0,
             out: PathBuf::new(),
         };
         let side = SimSide::new(2.0, 0.0, &b).unwrap();

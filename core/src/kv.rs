@@ -545,6 +545,30 @@ impl KvBlockManager {
         hashes: &[BlockHash],
         max_hits: u32,
     ) -> Result<PrefixHit, KvError> {
+        self.allocate_prefixed_as(request, tokens, hashes, max_hits, true)
+    }
+
+    /// [`KvBlockManager::allocate_prefixed`] for KV that arrives from elsewhere (a migration
+    /// target's reservation, its hits pinned rather than prefilled): not counted as a prefix-cache
+    /// query.
+    pub fn allocate_prefixed_arriving(
+        &mut self,
+        request: RequestId,
+        tokens: u32,
+        hashes: &[BlockHash],
+        max_hits: u32,
+    ) -> Result<PrefixHit, KvError> {
+        self.allocate_prefixed_as(request, tokens, hashes, max_hits, false)
+    }
+
+    fn allocate_prefixed_as(
+        &mut self,
+        request: RequestId,
+        tokens: u32,
+        hashes: &[BlockHash],
+        max_hits: u32,
+        query: bool,
+    ) -> Result<PrefixHit, KvError> {
         if hashes.is_empty() {
             return self.allocate(request, Tier::Gpu, tokens).map(|()| PrefixHit::default());
         }
@@ -607,9 +631,11 @@ impl KvBlockManager {
         }
         let hit = PrefixHit { blocks: run.len() as u32, from_cpu: run.len() as u32 - on_gpu };
         let bs = self.block_size as u64;
-        self.prefix_stats.query_tokens += tokens as u64;
-        self.prefix_stats.hit_tokens += hit.blocks as u64 * bs;
-        self.prefix_stats.cpu_hit_tokens += hit.from_cpu as u64 * bs;
+        if query {
+            self.prefix_stats.query_tokens += tokens as u64;
+            self.prefix_stats.hit_tokens += hit.blocks as u64 * bs;
+            self.prefix_stats.cpu_hit_tokens += hit.from_cpu as u64 * bs;
+        }
         self.tables.insert(request, BlockTable { tier: Tier::Gpu, blocks, tokens });
         Ok(hit)
     }

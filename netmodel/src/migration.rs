@@ -34,6 +34,12 @@
 //! the target releases its reservation; the side that detects it sends `Abort` if the connection
 //! still stands. Each machine emits exactly one `Done`, always as its last action.
 //!
+//! Destination-missing copies: `Prepare` lists the content hashes of the request's leading full
+//! prompt blocks; a target whose prefix cache holds the first k of them pins those, reserves the
+//! rest and answers `cached_blocks = k`; the source then copies from block k (stage 0 starts at
+//! k, and the final stage's range never reaches below it). The target counts 0..k as written and
+//! verifies them with the rest at COMMIT.
+//!
 //! Live stages send only *full* blocks (index < kv_tokens / block_size): KV is append-only, so a
 //! full block never changes again and no block is sent twice. The final stage runs while the
 //! request is paused and sends the rest, including the partial last block.
@@ -459,6 +465,13 @@ pub struct MigrationReport {
     pub stages: Vec<StageReport>,
     /// Block bytes written to the transport, all stages.
     pub bytes: u64,
+    /// Leading blocks the target held already (its prefix cache, `PrepareReply.cached_blocks`):
+    /// never sent.
+    #[serde(default)]
+    pub skipped_blocks: u32,
+    /// Their bytes (`skipped_blocks` × block bytes).
+    #[serde(default)]
+    pub bytes_skipped: u64,
     /// When `Pause` was emitted.
     pub pause_requested_at: Option<Timestamp>,
     /// When the driver reported the request frozen (`on_paused`).

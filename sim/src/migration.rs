@@ -54,6 +54,7 @@
 //! decoding request between two idle instances, what `kvfleet bench migration` measures for real.
 
 use kvfleet_core::engine::{Engine, EngineError, MigratedRequest};
+use kvfleet_core::kv::prompt_block_hashes;
 use kvfleet_core::metrics::{MigrationOutcome, MigrationRecord};
 use kvfleet_core::{InstanceId, RequestId, Timestamp};
 use kvfleet_netmodel::migration::wire::{frame::Body, BlockData, Frame};
@@ -247,8 +248,15 @@ impl LiveMigration {
             ..params.clone()
         };
         let source_params = geometry(&spec.params, engines.source);
-        let source =
-            SourceMachine::new(spec.id, request, source_params, now, kv_tokens)?.with_source_instance(spec.from.0);
+        // The content hashes of its full prompt blocks: a target caching some is not sent those.
+        let bs = engines.source.config().block_size;
+        let prefix = engines
+            .source
+            .spec(request)
+            .map_or_else(Vec::new, |s| prompt_block_hashes(&s.content_ids, s.prompt_tokens, bs));
+        let source = SourceMachine::new(spec.id, request, source_params, now, kv_tokens)?
+            .with_source_instance(spec.from.0)
+            .with_prefix(prefix);
         let stand_in = Payload::from(vec![0u8; STAND_IN_BLOCK_BYTES as usize]);
         let mut m = LiveMigration {
             block_bytes: engines.source.config().block_bytes(),
@@ -551,18 +559,18 @@ impl LiveMigration {
         self.engines_changed |= matches!(action, TargetAction::Reserve { .. } | TargetAction::Attach { .. });
         match action {
             TargetAction::Send(frame) => self.send(now, false, frame, fabric),
-            TargetAction::Reserve { request: r, kv_tokens, .. } => {
+            TargetAction::Reserve { request: r, kv_tokens, prefix, .. } => {
                 let result = if e.target.reserved_requests().contains(&r) {
                     // Two migrations must not share a reservation: the first's abort would free
                     // the blocks the second writes.
                     Err(AbortReason::Refused(format!("another migration of {r} is already coming in")))
                 } else {
                     let headroom = self.spec.reserve_headroom_blocks.saturating_mul(self.spec.params.block_size);
-                    e.target.reserve_incoming_with_headroom(r, kv_tokens, headroom).map(|_| ()).map_err(no_room)
+                    e.target.reserve_incoming_prefixed(r, kv_tokens, headroom, &prefix).map_err(no_room)
                 };
                 self.reserved = result.is_ok();
                 if let Some(t) = self.target.as_mut() {
-                    t.on_reserved(now, result);
+                    t.on_reserved_prefix(now, result);
                 }
             }
             TargetAction::WriteBlock { index, .. } => {
@@ -640,6 +648,7 @@ impl LiveMigration {
             outcome: measured(outcome),
             in_doubt: self.in_doubt,
             bytes: report.bytes.saturating_mul(scale),
+            bytes_skipped: report.bytes_skipped.saturating_mul(scale),
             start,
             end,
             live_stages: report.live_stages(),

@@ -29,7 +29,7 @@ use crate::ledger::{Admission, Arrival, Ledger, LedgerError, Refusal, Resume};
 use kvfleet_core::engine::sched::Phase;
 use kvfleet_core::engine::{Engine, EngineError, EngineEvent, EngineStats, MigratedRequest, TokenEmitted};
 use kvfleet_core::idmap::IdMap;
-use kvfleet_core::kv::{prompt_block_hashes, BlockHash, KvEvent, Tier};
+use kvfleet_core::kv::{prompt_block_hashes, BlockHash, KvEvent, PrefixStats, Tier};
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::LoadReport;
 use kvfleet_core::{RequestId, RequestSpec, Timestamp};
@@ -222,6 +222,8 @@ pub struct DriverStats {
     pub draining: bool,
     /// Latency histograms of finished requests (Prometheus).
     pub requests_metrics: crate::metrics::RequestMetrics,
+    /// The prefix cache's counters (queries, hits, evictions).
+    pub prefix: PrefixStats,
 }
 
 /// What the driver left behind when it stopped.
@@ -454,6 +456,7 @@ impl Driver {
             log: self.log.stats(),
             draining: self.ledger.is_draining(),
             requests_metrics: self.request_metrics.clone(),
+            prefix: self.engine.kv().prefix_stats(),
         }
     }
 
@@ -942,7 +945,7 @@ fn proto_record(r: &RequestRecord, rematerialized: bool) -> v1::RequestRecord {
 }
 
 mod live;
-pub(crate) use live::{LiveCommand, PausedOut};
+pub(crate) use live::{BeganOut, LiveCommand, PausedOut};
 
 #[cfg(test)]
 mod tests;

@@ -93,6 +93,8 @@ pub struct MigrationMetrics {
     pub unknown: u64,
     /// KV bytes sent, all outcomes.
     pub bytes: u64,
+    /// KV bytes not sent because the target's prefix cache held them.
+    pub bytes_skipped: u64,
     /// Start to settle of committed migrations, seconds.
     pub total: Histogram,
     /// Pause on the source to resume on the target of committed migrations, seconds.
@@ -107,6 +109,7 @@ impl Default for MigrationMetrics {
             refused: 0,
             unknown: 0,
             bytes: 0,
+            bytes_skipped: 0,
             total: prom::latency_histogram(),
             downtime: prom::latency_histogram(),
         }
@@ -138,6 +141,15 @@ pub fn render(model: &str, stats: &DriverStats, load: &LoadReport, migrations: &
         stats.kv.tokens_written,
     );
     page.counter("kvfleet_kv_tokens_verified_total", "Tokens checked against their content.", stats.kv.tokens_verified);
+    let p = &stats.prefix;
+    page.counter("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", p.query_tokens);
+    page.counter("vllm:prefix_cache_hits_total", "Of those, tokens found cached (not prefilled).", p.hit_tokens);
+    page.counters(
+        "kvfleet_prefix_cache_evictions_total",
+        "Cached KV blocks evicted to make room, per tier.",
+        "tier",
+        &[("gpu", p.evictions), ("cpu", p.cpu_evictions)],
+    );
     page.counter(
         "kvfleet_kv_errors_total",
         "KV verification failures and arena errors (must stay 0).",
@@ -159,6 +171,11 @@ pub fn render(model: &str, stats: &DriverStats, load: &LoadReport, migrations: &
         &[("committed", m.committed), ("aborted", m.aborted), ("refused", m.refused), ("unknown", m.unknown)],
     );
     page.counter("kvfleet_migration_bytes_total", "KV bytes sent by live migrations.", m.bytes);
+    page.counter(
+        "kvfleet_migration_bytes_skipped_total",
+        "KV bytes live migrations did not send: the target's prefix cache held them.",
+        m.bytes_skipped,
+    );
     page.histogram("kvfleet_migration_duration_seconds", "Live migration start to settle (committed).", &m.total);
     page.histogram("kvfleet_migration_downtime_seconds", "Pause on the source to resume on the target.", &m.downtime);
     page.encode()
@@ -213,6 +230,9 @@ mod tests {
         stats.engine.tokens = 90;
         stats.lateness.samples = 4;
         stats.lateness.mean_us = 250.0;
+        stats.prefix.query_tokens = 1000;
+        stats.prefix.hit_tokens = 640;
+        stats.prefix.evictions = 3;
         let load = LoadReport {
             reasoning_requests: 1,
             answering_requests: 1,
@@ -220,7 +240,8 @@ mod tests {
             gpu_total_blocks: 4,
             ..LoadReport::default()
         };
-        let migrations = MigrationMetrics { committed: 1, bytes: 4096, ..MigrationMetrics::default() };
+        let migrations =
+            MigrationMetrics { committed: 1, bytes: 4096, bytes_skipped: 2048, ..MigrationMetrics::default() };
         migrations.downtime.observe(0.007);
         render("x", &stats, &load, &migrations)
     }
@@ -256,6 +277,10 @@ mod tests {
         has(r#"kvfleet_migrations_total{model_name="x",outcome="committed"} 1"#);
         has(r#"kvfleet_migrations_total{model_name="x",outcome="unknown"} 0"#);
         has(r#"kvfleet_migration_bytes_total{model_name="x"} 4096"#);
+        has(r#"kvfleet_migration_bytes_skipped_total{model_name="x"} 2048"#);
+        has(r#"vllm:prefix_cache_queries_total{model_name="x"} 1000"#);
+        has(r#"vllm:prefix_cache_hits_total{model_name="x"} 640"#);
+        has(r#"kvfleet_prefix_cache_evictions_total{model_name="x",tier="gpu"} 3"#);
         // The summary prometheus-client has no type for.
         has("# TYPE kvfleet_timer_lateness_seconds summary");
         has(r#"kvfleet_timer_lateness_seconds_sum{model_name="x"} 0.001"#);

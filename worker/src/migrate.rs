@@ -24,7 +24,7 @@
 //! routes of data streams to their migrations. Spans are built in [`trace`].
 
 use crate::clock::ClusterClock;
-use crate::driver::{Command, DriverError, LiveCommand, PausedOut};
+use crate::driver::{BeganOut, Command, DriverError, LiveCommand, PausedOut};
 use crate::ledger::Refusal;
 use bytes::Bytes;
 use kvfleet_core::{RequestId, Timestamp};
@@ -163,10 +163,10 @@ impl Migrator {
         parent: &kvfleet_telemetry::Context,
     ) -> Result<MigrationReport, DriverError> {
         let id = MigrationId(((self.instance as u64) << 40) | self.next_id.fetch_add(1, Ordering::Relaxed));
-        let kv_tokens = self.ask_raw(|reply| LiveCommand::BeginOut { request, migration: id, reply }).await?;
+        let began = self.ask_raw(|reply| LiveCommand::BeginOut { request, migration: id, reply }).await?;
         let trace =
             SourceTrace::start(parent, &self.clock, self.now(), id, request, (self.instance, to), self.cfg.link);
-        let (outcome, report, connected) = self.run_source(id, request, kv_tokens, target, trace.carrier()).await;
+        let (outcome, report, connected) = self.run_source(id, request, began, target, trace.carrier()).await;
         if matches!(outcome, Outcome::Aborted(AbortReason::SourceKvUnavailable(_)))
             && !self.ask(|reply| LiveCommand::Holds { request, reply }).await.unwrap_or(true)
         {
@@ -191,6 +191,7 @@ impl Migrator {
         {
             let mut mm = self.metrics.lock().expect("metrics lock");
             mm.bytes += report.bytes;
+            mm.bytes_skipped += report.bytes_skipped;
             match &outcome {
                 Outcome::Committed => {
                     mm.committed += 1;
@@ -217,12 +218,12 @@ impl Migrator {
         self: &Arc<Self>,
         id: MigrationId,
         request: RequestId,
-        kv_tokens: u32,
+        began: BeganOut,
         target: SocketAddr,
         trace_context: kvfleet_telemetry::Carrier,
     ) -> (Outcome, MigrationReport, bool) {
-        let mut m = match SourceMachine::new(id, request, self.cfg.params.clone(), self.now(), kv_tokens) {
-            Ok(m) => m.with_source_instance(self.instance).with_trace_context(trace_context),
+        let mut m = match SourceMachine::new(id, request, self.cfg.params.clone(), self.now(), began.kv_tokens) {
+            Ok(m) => m.with_source_instance(self.instance).with_trace_context(trace_context).with_prefix(began.prefix),
             Err(e) => {
                 let report = self.failed_before_start(id, request, e.to_string());
                 let outcome = report.outcome.clone().unwrap_or(Outcome::Aborted(AbortReason::Disconnected));
@@ -565,13 +566,13 @@ impl Migrator {
                     TargetAction::Send(f) => {
                         let _ = ctl.send(&f).await;
                     }
-                    TargetAction::Reserve { request, kv_tokens, .. } => {
+                    TargetAction::Reserve { request, kv_tokens, prefix, .. } => {
                         let asked = self.now();
                         let r = match self
-                            .ask_raw(|reply| LiveCommand::Reserve { request, migration: id, kv_tokens, reply })
+                            .ask_raw(|reply| LiveCommand::Reserve { request, migration: id, kv_tokens, prefix, reply })
                             .await
                         {
-                            Ok(()) => Ok(()),
+                            Ok(pinned) => Ok(pinned),
                             Err(DriverError::Refused { refusal: Refusal::Fenced, .. }) => {
                                 Err(AbortReason::Refused(format!("{request} was settled elsewhere")))
                             }
@@ -583,7 +584,7 @@ impl Migrator {
                         };
                         let blocks = u64::from(kv_tokens.div_ceil(self.cfg.params.block_size));
                         trace.phase("migration.reserve", asked, self.now(), Some(blocks));
-                        m.on_reserved(self.now(), r);
+                        m.on_reserved_prefix(self.now(), r);
                     }
                     TargetAction::WriteBlock { index, data, .. } => {
                         use kvfleet_core::engine::EngineError as E;
@@ -707,6 +708,7 @@ pub fn stats_proto(r: &MigrationReport, source: u32, target: u32) -> v1::Migrati
             _ => String::new(),
         },
         in_doubt: matches!(r.outcome, Some(Outcome::Unknown(_))),
+        bytes_skipped: r.bytes_skipped,
     }
 }
 

@@ -35,6 +35,7 @@ fn record(m: &MigrationStats) -> MigrationRecord {
         outcome,
         in_doubt: m.in_doubt,
         bytes: m.bytes,
+        bytes_skipped: m.bytes_skipped,
         start: Timestamp(m.started_ns),
         end: Timestamp(m.ended_ns.max(m.started_ns)),
         live_stages: if paused_at.is_some() { stages.saturating_sub(1) } else { stages },
@@ -131,6 +132,7 @@ mod tests {
             stage_ns: vec![12_000_000, 7_500_000],
             abort_reason: abort_reason.into(),
             in_doubt: false,
+            bytes_skipped: 4096,
         }
     }
 
@@ -141,6 +143,7 @@ mod tests {
         assert_eq!((ok.kv_tokens_start, ok.kv_tokens_final, ok.kv_tokens()), (None, Some(480), 480));
         assert_eq!((ok.paused_at, ok.downtime), (Some(Timestamp(15_000_000)), Some(TimeSpan(500_000))));
         assert_eq!(ok.total_time(), TimeSpan(20_000_000));
+        assert_eq!(ok.bytes_skipped, 4096);
 
         let mut refused = stats(0, 0, &format!("{REFUSED_PREFIX}: no room"));
         refused.stage_bytes.clear();

@@ -1149,6 +1149,42 @@ impl Engine {
         Ok(&self.kv.table(request).expect("just reserved").blocks)
     }
 
+    /// [`Engine::reserve_incoming_with_headroom`] for a new reservation of a request whose leading
+    /// full prompt blocks hash to `prefix` (a migration's `Prepare`): the leading ones this
+    /// instance's prefix cache holds on the GPU are pinned — shared, their content already here —
+    /// instead of reserved, and the reserved blocks `prefix` covers are registered for later
+    /// prompts. Returns how many blocks were pinned: 0 with prefix caching off, without a prefix,
+    /// when the reservation exists already or goes to the CPU tier.
+    pub fn reserve_incoming_prefixed(
+        &mut self,
+        request: RequestId,
+        tokens: u32,
+        headroom: u32,
+        prefix: &[BlockHash],
+    ) -> Result<u32, EngineError> {
+        let fresh = !self.reserved.contains(&request) && !self.index.contains_key(&request);
+        if self.cfg.prefix_caching
+            && !prefix.is_empty()
+            && fresh
+            && self.kv.blocks_for(tokens.max(1)) <= self.cfg.gpu_blocks
+        {
+            // Only whole blocks of the KV announced, only GPU hits (a CPU copy would be a reload).
+            let pinned = (self.kv.prefix_hit_blocks(prefix).count() as u32).min(tokens / self.cfg.block_size);
+            let kv = &mut self.kv;
+            let with_headroom = tokens.saturating_add(headroom);
+            let placed = kv
+                .allocate_prefixed_arriving(request, with_headroom, prefix, pinned)
+                .or_else(|_| kv.allocate_prefixed_arriving(request, tokens, prefix, pinned));
+            if let Ok(hit) = placed {
+                self.reserved.push(request);
+                self.admitted += 1;
+                self.dirty = true;
+                return Ok(hit.blocks);
+            }
+        }
+        self.reserve_incoming_with_headroom(request, tokens, headroom).map(|_| 0)
+    }
+
     /// Drop an incoming reservation (the migration aborted); returns the blocks freed.
     pub fn release_reservation(&mut self, request: RequestId) -> u32 {
         if !self.reserved.contains(&request) {

@@ -704,3 +704,46 @@ fn kv_frozen_by_outgoing_migration_is_not_planned_over() {
     assert!(e.plan_iteration(t).is_some(), "B starts once the migration releases A's blocks");
     assert_eq!(e.kv().tier_of(RequestId(2)), Some(Tier::Gpu));
 }
+
+/// A migration target caching the first blocks of an arriving request's prompt pins them instead
+/// of reserving them (the source then skips them): shared with their cached holder, not counted as
+/// a prefix-cache query, back in the cache when the reservation is dropped. Without prefix caching
+/// or for the CPU tier nothing is pinned.
+#[test]
+fn an_arriving_request_pins_the_prefix_blocks_cached_here() {
+    let with_ids = |id, prompt| RequestSpec { content_ids: vec![7], ..spec(id, 0, prompt, 1, 1) };
+    let prefix = crate::kv::prompt_block_hashes(&[7], 80, 16); // 5 full blocks
+    for caching in [true, false] {
+        let timing = Arc::new(FixedTiming { iteration: TimeSpan(UNIT), transfer: TimeSpan::ZERO });
+        let c = EngineConfig { prefix_caching: caching, ..cfg(16, 4) };
+        let mut e = Engine::new(InstanceId(0), c, timing, build_scheduler("fcfs", &Default::default()).unwrap());
+        // A 64-token prompt over the same content ran here: its 4 blocks stay cached.
+        run(&mut e, vec![with_ids(1, 64)]);
+        let stats = e.kv().prefix_stats();
+        let pinned = e.reserve_incoming_prefixed(RequestId(2), 80, 0, &prefix).unwrap();
+        assert_eq!(pinned, if caching { 4 } else { 0 }, "caching {caching}");
+        assert_eq!(e.kv().prefix_stats(), stats, "an arrival is no prefix-cache query");
+        assert_eq!(e.kv().table(RequestId(2)).unwrap().blocks.len(), 5);
+        assert_eq!(e.kv().used(Tier::Gpu), 5, "pinned blocks are held, the rest reserved");
+        e.check_invariants().unwrap();
+        // The fifth block, reserved, is now cached too: a third arrival pins all five.
+        let again = e.reserve_incoming_prefixed(RequestId(3), 96, 0, &prefix).unwrap();
+        assert_eq!(again, if caching { 5 } else { 0 });
+        e.release_reservation(RequestId(2));
+        e.release_reservation(RequestId(3));
+        e.check_invariants().unwrap();
+        assert_eq!(e.kv().used(Tier::Gpu), 0);
+        assert_eq!(e.kv().cached_blocks(Tier::Gpu), if caching { 5 } else { 0 });
+    }
+    // No GPU room beside the four cached blocks: the reservation goes to the CPU tier, pinning
+    // nothing (and taking nothing from the cache).
+    let timing = Arc::new(FixedTiming { iteration: TimeSpan(UNIT), transfer: TimeSpan::ZERO });
+    let c = EngineConfig { prefix_caching: true, ..cfg(6, 16) };
+    let mut e = Engine::new(InstanceId(0), c, timing, build_scheduler("fcfs", &Default::default()).unwrap());
+    run(&mut e, vec![with_ids(1, 64)]);
+    e.reserve_incoming(RequestId(5), 32).unwrap();
+    assert_eq!(e.reserve_incoming_prefixed(RequestId(4), 80, 0, &prefix).unwrap(), 0);
+    assert_eq!(e.kv().tier_of(RequestId(4)), Some(Tier::Cpu));
+    assert_eq!(e.kv().cached_blocks(Tier::Gpu), 4);
+    e.check_invariants().unwrap();
+}

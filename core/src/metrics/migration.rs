@@ -64,6 +64,9 @@ pub struct MigrationRecord {
     /// Block bytes put on the wire, all stages (for an aborted migration, what was sent before
     /// the abort).
     pub bytes: u64,
+    /// Block bytes not sent: the target's prefix cache held them (destination-missing copy).
+    #[serde(default)]
+    pub bytes_skipped: u64,
     /// When the transfer started (the `Prepare` was sent).
     pub start: Timestamp,
     /// When the transfer completed or was abandoned (the source was done).

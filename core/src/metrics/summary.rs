@@ -155,6 +155,9 @@ pub struct RunSummary {
     pub migrations_aborted: u64,
     /// Bytes of every migration, aborted ones included (what they sent before aborting).
     pub migration_bytes_total: u64,
+    /// Block bytes migrations did not send because their target's prefix cache held them.
+    #[serde(default)]
+    pub migration_bytes_skipped: u64,
     /// Median `end − start` of committed migrations.
     pub migration_transfer_p50_s: Option<f64>,
     /// P99 transfer time of committed migrations.
@@ -213,6 +216,7 @@ impl RunSummary {
             ("migrations_total", C(self.migrations_total)),
             ("migrations_aborted", C(self.migrations_aborted)),
             ("migration_bytes_total", C(self.migration_bytes_total)),
+            ("migration_bytes_skipped", C(self.migration_bytes_skipped)),
             ("migration_transfer_p50_s", V(self.migration_transfer_p50_s)),
             ("migration_transfer_p99_s", V(self.migration_transfer_p99_s)),
             ("slo_tpot_s", V(Some(self.slo_tpot_s))),
@@ -391,6 +395,7 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
         migrations_total: migrations.len() as u64,
         migrations_aborted: migrations.iter().filter(|m| !m.committed()).count() as u64,
         migration_bytes_total: migrations.iter().map(|m| m.bytes).sum(),
+        migration_bytes_skipped: migrations.iter().map(|m| m.bytes_skipped).sum(),
         migration_transfer_p50_s: transfers.percentile(0.5),
         migration_transfer_p99_s: transfers.percentile(0.99),
         slo_tpot_s: slo.tpot_s,

@@ -252,7 +252,7 @@ impl World {
                     self.to_source.push_back(f);
                 }
             }
-            TargetAction::Reserve { request, blocks, kv_tokens, model } => {
+            TargetAction::Reserve { request, blocks, kv_tokens, model, .. } => {
                 assert_eq!(request, RequestId(REQUEST));
                 assert_eq!(model, "test-model");
                 assert_eq!(blocks, blocks_for_tokens(kv_tokens, self.block_size()));

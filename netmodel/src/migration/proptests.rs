@@ -217,11 +217,9 @@ fn arb_frame() -> impl Strategy<Value = Frame> {
                     ..Default::default()
                 })
             ),
-            (arb_id(), any::<bool>()).prop_map(|(migration_id, ok)| Body::PrepareReply(wire::PrepareReply {
-                migration_id,
-                ok,
-                reason: String::new()
-            })),
+            (arb_id(), any::<bool>(), 0u32..3).prop_map(|(migration_id, ok, cached_blocks)| Body::PrepareReply(
+                wire::PrepareReply { migration_id, ok, reason: String::new(), cached_blocks }
+            )),
             (arb_id(), 0u32..4, 0u32..10, 0u32..6, prop::collection::vec(any::<u8>(), 6..10), any::<bool>()).prop_map(
                 |(migration_id, stage, index, tokens, data, good)| {
                     let checksum = if good { checksum(&data) } else { 0 };

@@ -6,6 +6,7 @@ use super::{
     MigrationParams, MigrationPhase, MigrationReport, Outcome, ParamsError, StageReport,
 };
 use bytes::Bytes;
+use kvfleet_core::kv::BlockHash;
 use kvfleet_core::{RequestId, Timestamp};
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
@@ -69,6 +70,8 @@ pub struct SourceMachine {
     deadline: Option<Timestamp>,
     /// The request state from `on_paused`, sent in `Commit`.
     request_state: Bytes,
+    /// Content hashes of its leading full prompt blocks, sent in `Prepare`.
+    prefix: Vec<BlockHash>,
     actions: VecDeque<SourceAction>,
     report: MigrationReport,
 }
@@ -97,6 +100,7 @@ impl SourceMachine {
             live_stages_done: 0,
             deadline: None,
             request_state: Bytes::new(),
+            prefix: Vec::new(),
             actions: VecDeque::new(),
             report: MigrationReport {
                 migration: id,
@@ -107,6 +111,8 @@ impl SourceMachine {
                 kv_tokens_final: None,
                 stages: Vec::new(),
                 bytes: 0,
+                skipped_blocks: 0,
+                bytes_skipped: 0,
                 pause_requested_at: None,
                 paused_at: None,
                 commit_sent_at: None,
@@ -117,6 +123,13 @@ impl SourceMachine {
                 outcome: None,
             },
         })
+    }
+
+    /// The content hashes of the request's leading full prompt blocks, sent in `Prepare`: a
+    /// target caching the first k of them is not sent those k blocks.
+    pub fn with_prefix(mut self, prefix: Vec<BlockHash>) -> Self {
+        self.prefix = prefix;
+        self
     }
 
     /// The model name sent in `Prepare` (the target refuses a model it does not serve).
@@ -206,6 +219,7 @@ impl SourceMachine {
             model: self.model.clone(),
             source_instance: self.source_instance,
             trace_context: self.trace_context.clone(),
+            prefix: self.prefix.iter().map(|&h| wire::BlockHash { hi: (h >> 64) as u64, lo: h as u64 }).collect(),
         }));
     }
 
@@ -229,7 +243,14 @@ impl SourceMachine {
                 self.finish(now, Outcome::Aborted(reason));
             }
             (State::Preparing, Body::PrepareReply(r)) => {
-                if r.ok {
+                if r.ok && r.cached_blocks as usize > self.prefix.len() {
+                    let msg = format!("{} blocks cached of a {}-block prefix", r.cached_blocks, self.prefix.len());
+                    self.fail(now, AbortReason::BadFrame(msg), true);
+                } else if r.ok {
+                    // What the target holds already is never sent.
+                    self.sent_blocks = r.cached_blocks;
+                    self.report.skipped_blocks = r.cached_blocks;
+                    self.report.bytes_skipped = r.cached_blocks as u64 * self.params.block_bytes;
                     self.next_stage(now);
                 } else {
                     self.finish(now, Outcome::Aborted(AbortReason::Refused(r.reason)));

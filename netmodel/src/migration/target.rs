@@ -7,6 +7,7 @@ use super::{
 };
 use crate::Payload;
 use bytes::Bytes;
+use kvfleet_core::kv::BlockHash;
 use kvfleet_core::{RequestId, Timestamp};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -29,6 +30,10 @@ pub enum TargetAction {
         blocks: u32,
         /// The model the KV belongs to.
         model: String,
+        /// Content hashes of its leading full prompt blocks (`Prepare.prefix`): the ones cached
+        /// here may be pinned instead of reserved, answered with
+        /// [`TargetMachine::on_reserved_prefix`].
+        prefix: Vec<BlockHash>,
     },
     /// Write this verified block (logical `index`, `tokens` valid tokens, exactly `block_bytes`
     /// long) into the reservation, growing it if needed; a later write of the same index replaces
@@ -81,6 +86,9 @@ pub struct TargetReport {
     pub bytes_received: u64,
     /// Blocks written (`on_written`).
     pub blocks_written: u32,
+    /// Leading blocks found in this instance's prefix cache (`on_reserved_prefix`): not sent.
+    #[serde(default)]
+    pub blocks_cached: u32,
     /// Live stages acknowledged.
     pub stages_acked: u32,
     /// How it ended; `None` until `Done`.
@@ -174,6 +182,7 @@ impl TargetMachine {
                 kv_tokens_final: None,
                 bytes_received: 0,
                 blocks_written: 0,
+                blocks_cached: 0,
                 stages_acked: 0,
                 outcome: None,
             },
@@ -196,6 +205,7 @@ impl TargetMachine {
                     kv_tokens: prepare.kv_tokens,
                     blocks: blocks_for_tokens(prepare.kv_tokens, params.block_size),
                     model: prepare.model,
+                    prefix: prepare.prefix.iter().map(|h| (h.hi as BlockHash) << 64 | h.lo as BlockHash).collect(),
                 });
             }
         }
@@ -250,18 +260,31 @@ impl TargetMachine {
         }
     }
 
-    /// The driver's answer to [`TargetAction::Reserve`].
+    /// The driver's answer to [`TargetAction::Reserve`], nothing of its prefix cached here.
     pub fn on_reserved(&mut self, now: Timestamp, result: Result<(), AbortReason>) {
+        self.on_reserved_prefix(now, result.map(|()| 0))
+    }
+
+    /// The driver's answer to [`TargetAction::Reserve`]: the reservation holds the first
+    /// `cached` blocks of the prefix already (pinned from this instance's prefix cache, valid
+    /// content): the source does not send them.
+    pub fn on_reserved_prefix(&mut self, now: Timestamp, result: Result<u32, AbortReason>) {
         if self.state != State::Reserving {
             return;
         }
         match result {
-            Ok(()) => {
+            Ok(cached) => {
                 self.state = State::Receiving;
+                let bs = self.params.block_size;
+                for index in 0..cached {
+                    self.written.insert(index, bs);
+                }
+                self.report.blocks_cached = cached;
                 self.send(Body::PrepareReply(wire::PrepareReply {
                     migration_id: self.id.0,
                     ok: true,
                     reason: String::new(),
+                    cached_blocks: cached,
                 }));
             }
             Err(reason) => {
@@ -407,6 +430,14 @@ impl TargetMachine {
                 return self.fail(now, bad(format!("the stage has only {expected} blocks")), true);
             }
         }
+        if b.index < self.report.blocks_cached {
+            // A pinned block of this instance's cache is shared: never overwritten.
+            return self.fail(
+                now,
+                bad(format!("the first {} blocks are cached here", self.report.blocks_cached)),
+                true,
+            );
+        }
         if b.tokens == 0 || b.tokens > self.params.block_size {
             let msg = format!("{} tokens, expected 1..={}", b.tokens, self.params.block_size);
             return self.fail(now, bad(msg), true);
@@ -504,6 +535,7 @@ impl TargetMachine {
             migration_id: self.id.0,
             ok: false,
             reason: reason.to_string(),
+            cached_blocks: 0,
         }));
         self.finish(now, Outcome::Aborted(reason));
     }

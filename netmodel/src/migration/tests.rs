@@ -794,3 +794,68 @@ fn display_names_the_reason() {
     let o = Outcome::Unknown(AbortReason::Disconnected);
     assert!(o.to_string().contains("commit sent"));
 }
+
+/// Destination-missing copies: the target pins the first k prefix blocks it caches and answers
+/// `cached_blocks = k`; the source copies from block k and reports what it skipped; the target
+/// counts 0..k as written at COMMIT and refuses any block below k (a pinned block is shared).
+#[test]
+fn a_target_caching_the_prefix_is_sent_only_what_it_lacks() {
+    let params = MigrationParams::new(4, 8);
+    let prefix: Vec<kvfleet_core::kv::BlockHash> = vec![11, 12 << 64 | 5, 13];
+    let start = |cached: u32| {
+        let mut src = SourceMachine::new(MigrationId(9), RequestId(1), params.clone(), Timestamp(0), 20)
+            .unwrap()
+            .with_prefix(prefix.clone());
+        src.start(Timestamp(0));
+        let Some(SourceAction::Send(prepare)) = src.poll_action() else { panic!() };
+        let mut tgt = TargetMachine::accept(Timestamp(1), &params, prepare).unwrap();
+        let Some(TargetAction::Reserve { prefix: asked, .. }) = tgt.poll_action() else { panic!() };
+        assert_eq!(asked, prefix, "the hashes travel in Prepare");
+        tgt.on_reserved_prefix(Timestamp(1), Ok(cached));
+        let Some(TargetAction::Send(reply)) = tgt.poll_action() else { panic!() };
+        src.on_frame(Timestamp(2), reply);
+        (src, tgt)
+    };
+    let (mut src, mut tgt) = start(2);
+    // Three blocks to go: below the stop-and-copy threshold, the source pauses at once.
+    assert_eq!(src.poll_action(), Some(SourceAction::Pause));
+    src.on_paused(Timestamp(2), 20, Bytes::from_static(b"st"));
+    let Some(SourceAction::CopyBlocks { blocks, .. }) = src.poll_action() else { panic!() };
+    assert_eq!(blocks, 2..5, "blocks 0 and 1 are the target's already");
+    assert_eq!((src.report().skipped_blocks, src.report().bytes_skipped), (2, 16));
+    assert_eq!(tgt.report().blocks_cached, 2);
+    // Stage 0 carries blocks 2..5; the request pauses with 20 tokens: nothing left to copy.
+    let id = MigrationId(9);
+    for index in 2..5 {
+        tgt.on_frame(Timestamp(3), block_frame(id, 0, index, 4, Bytes::from_static(b"abcdefgh")));
+    }
+    let end = wire::StageEnd { migration_id: 9, stage: 0, blocks: 3, final_stage: true };
+    tgt.on_frame(Timestamp(3), ctrl(Body::StageEnd(end)));
+    let commit = wire::Commit { migration_id: 9, kv_tokens: 20, blocks_total: 5, state: Bytes::from_static(b"st") };
+    tgt.on_frame(Timestamp(3), ctrl(Body::Commit(commit)));
+    for index in 2..5 {
+        tgt.on_written(Timestamp(4), index);
+    }
+    let acts = drain_target(&mut tgt);
+    assert!(
+        acts.iter().any(|a| matches!(a, TargetAction::Attach { kv_tokens: 20, blocks: 5, .. })),
+        "pinned and received blocks make the whole request: {acts:?}"
+    );
+    // A block the target pinned must never arrive.
+    let (_, mut tgt) = start(2);
+    tgt.on_frame(Timestamp(3), block_frame(id, 0, 1, 4, Bytes::from_static(b"abcdefgh")));
+    let acts = drain_target(&mut tgt);
+    assert!(
+        acts.iter().any(
+            |a| matches!(a, TargetAction::Done(Outcome::Aborted(AbortReason::BadFrame(m))) if m.contains("cached here"))
+        ),
+        "{acts:?}"
+    );
+    // A reply claiming more cached blocks than the prefix has is a bad frame.
+    let (mut src, _) = start(4);
+    let acts: Vec<_> = std::iter::from_fn(|| src.poll_action()).collect();
+    assert!(
+        acts.iter().any(|a| matches!(a, SourceAction::Done(Outcome::Aborted(AbortReason::BadFrame(_))))),
+        "{acts:?}"
+    );
+}

@@ -22,6 +22,7 @@ use crate::arena::TokenContent;
 use crate::ledger::{Arrival, Settle};
 use bytes::Bytes;
 use kvfleet_core::engine::MigratedRequest;
+use kvfleet_core::kv::{BlockHash, BlockTable, Tier};
 use kvfleet_core::RequestId;
 use kvfleet_netmodel::migration::MigrationId;
 use kvfleet_netmodel::Payload;
@@ -39,7 +40,7 @@ pub(crate) enum LiveCommand {
     BeginOut {
         request: RequestId,
         migration: MigrationId,
-        reply: Reply<u32>,
+        reply: Reply<BeganOut>,
     },
     ReadBlocks {
         request: RequestId,
@@ -74,11 +75,13 @@ pub(crate) enum LiveCommand {
         committed: bool,
         reply: Reply<bool>,
     },
+    /// Replies how many leading blocks of `prefix` were pinned from this instance's prefix cache.
     Reserve {
         request: RequestId,
         migration: MigrationId,
         kv_tokens: u32,
-        reply: Reply<()>,
+        prefix: Vec<BlockHash>,
+        reply: Reply<u32>,
     },
     WriteBlock {
         request: RequestId,
@@ -107,6 +110,14 @@ pub(crate) enum LiveCommand {
         request: RequestId,
         reply: Reply<bool>,
     },
+}
+
+/// A move out begun: the KV the request holds, and the content hashes of its full prompt
+/// blocks (sent in `Prepare`, so a target caching them is sent only the rest).
+#[derive(Debug)]
+pub(crate) struct BeganOut {
+    pub kv_tokens: u32,
+    pub prefix: Vec<BlockHash>,
 }
 
 /// Blocks read for sending.
@@ -150,8 +161,8 @@ impl Driver {
             LiveCommand::ResolveSource { request, committed, reply } => {
                 let _ = reply.send(self.resolve_source(request, committed));
             }
-            LiveCommand::Reserve { request, migration, kv_tokens, reply } => {
-                let _ = reply.send(self.reserve(request, migration, kv_tokens));
+            LiveCommand::Reserve { request, migration, kv_tokens, prefix, reply } => {
+                let _ = reply.send(self.reserve(request, migration, kv_tokens, &prefix));
             }
             LiveCommand::WriteBlock { request, migration, index, data, reply } => {
                 let r = self.ledger.may_write(request, migration).map_err(|r| refused(request, r));
@@ -174,10 +185,13 @@ impl Driver {
         }
     }
 
-    fn begin_out(&mut self, request: RequestId, migration: MigrationId) -> Result<u32, DriverError> {
+    fn begin_out(&mut self, request: RequestId, migration: MigrationId) -> Result<BeganOut, DriverError> {
         self.ledger.begin_out(request, migration).map_err(|r| refused(request, r))?;
         match self.read_blocks(request, 0, 0) {
-            Ok(read) => Ok(read.kv_tokens),
+            Ok(read) => {
+                let prefix = self.engine.spec(request).map(|s| shared_blocks(s, self.block_size).into_vec());
+                Ok(BeganOut { kv_tokens: read.kv_tokens, prefix: prefix.unwrap_or_default() })
+            }
             Err(e) => {
                 // Nothing to move yet (no KV): it carries on here.
                 self.resume_out(request, migration)?;
@@ -186,14 +200,21 @@ impl Driver {
         }
     }
 
-    fn reserve(&mut self, request: RequestId, migration: MigrationId, kv_tokens: u32) -> Result<(), DriverError> {
+    fn reserve(
+        &mut self,
+        request: RequestId,
+        migration: MigrationId,
+        kv_tokens: u32,
+        prefix: &[BlockHash],
+    ) -> Result<u32, DriverError> {
         self.ledger.prepare(request, migration).map_err(|r| refused(request, r))?;
         // Room for the tokens the request decodes on the source during the copy, where there is
         // some (a target filled meanwhile by its own requests would refuse the growth and abort
-        // the migration); the attach gives back what is unused.
+        // the migration); the attach gives back what is unused. Prompt blocks cached here are
+        // pinned, not reserved: the source skips them.
         let headroom = RESERVE_HEADROOM_BLOCKS * self.block_size;
-        match self.engine.reserve_incoming_with_headroom(request, kv_tokens, headroom) {
-            Ok(_) => Ok(()),
+        match self.engine.reserve_incoming_prefixed(request, kv_tokens, headroom, prefix) {
+            Ok(pinned) => Ok(pinned),
             Err(e) => {
                 self.ledger.reserve_failed(request, migration);
                 Err(e.into())
@@ -305,6 +326,28 @@ impl Driver {
         Ok(())
     }
 
+    /// Shared prompt blocks the reservation pinned from this instance's cache hold their content
+    /// unless the request that cached them has not finished computing them yet (its prefill still
+    /// running here): those are computed now, never served unwritten.
+    fn fill_pinned(&mut self, table: &BlockTable, content: TokenContent<'_>, kv_tokens: u32) {
+        let bs = self.block_size;
+        let whole = (kv_tokens / bs) as usize;
+        for (k, &block) in table.blocks.iter().enumerate().take(content.shared.len().min(whole)) {
+            let first = k as u32 * bs;
+            let cached = table.tier == Tier::Gpu && self.engine.kv().is_cached_block(block);
+            if !cached || self.arena.verify_stamps(table.tier, block, content, first, bs).is_ok() {
+                continue;
+            }
+            for token in first..first + bs {
+                if let Err(e) = self.arena.write_token(table.tier, block, content, token) {
+                    self.kv_error(content.request, &e);
+                    return;
+                }
+            }
+            self.kv_stats.tokens_written += bs as u64;
+        }
+    }
+
     fn attach_reserved(
         &mut self,
         migration: MigrationId,
@@ -327,6 +370,7 @@ impl Driver {
         // End to end: every token's content is the one (request, token) determines.
         let shared = shared_blocks(&m.spec, self.block_size);
         let content = TokenContent { request: id, shared: &shared };
+        self.fill_pinned(&table, content, kv_tokens);
         let n = verify_written(&self.arena, self.block_size, table.tier, &table.blocks, content, kv_tokens)
             .map_err(|cause| DriverError::KvCorrupt { request: id, cause })?;
         self.kv_stats.tokens_verified += n;

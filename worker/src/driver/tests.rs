@@ -296,8 +296,16 @@ fn live_commands_copy_a_running_request_block_by_block() {
     let first = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
     assert_eq!(first.kv_tokens % 4, 0, "only whole blocks while running");
     assert_eq!(first.blocks.len() as u32, first.kv_tokens / 4);
-    ask(&b, |reply| live(LiveCommand::Reserve { request: id, migration: mig, kv_tokens: first.kv_tokens, reply }))
-        .unwrap();
+    ask(&b, |reply| {
+        live(LiveCommand::Reserve {
+            request: id,
+            migration: mig,
+            kv_tokens: first.kv_tokens,
+            prefix: Vec::new(),
+            reply,
+        })
+    })
+    .unwrap();
     write_blocks(&b, id, mig, 0, &first.blocks);
     wait_for(&a.log, "more tokens on A during the copy", |s| s.tokens[&9].len() >= 14);
     // Stop-and-copy: pause, then everything from where stage 0 ended (incl. the partial block).
@@ -336,8 +344,16 @@ fn live_commit_with_a_corrupt_block_is_refused_and_the_source_resumes() {
     let mig = MigrationId(1);
     let paused = begin_and_pause(&a, id, mig);
     let all = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
-    ask(&b, |reply| live(LiveCommand::Reserve { request: id, migration: mig, kv_tokens: paused.kv_tokens, reply }))
-        .unwrap();
+    ask(&b, |reply| {
+        live(LiveCommand::Reserve {
+            request: id,
+            migration: mig,
+            kv_tokens: paused.kv_tokens,
+            prefix: Vec::new(),
+            reply,
+        })
+    })
+    .unwrap();
     for (i, data) in all.blocks.iter().enumerate() {
         let mut bytes = data.to_vec();
         if i == 1 {
@@ -374,8 +390,16 @@ fn a_request_re_placed_while_its_migration_was_incoming_runs_fresh() {
     let mig = MigrationId(1);
     let paused = begin_and_pause(&a, id, mig);
     let blocks = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
-    ask(&b, |reply| live(LiveCommand::Reserve { request: id, migration: mig, kv_tokens: paused.kv_tokens, reply }))
-        .unwrap();
+    ask(&b, |reply| {
+        live(LiveCommand::Reserve {
+            request: id,
+            migration: mig,
+            kv_tokens: paused.kv_tokens,
+            prefix: Vec::new(),
+            reply,
+        })
+    })
+    .unwrap();
     write_blocks(&b, id, mig, 0, &blocks.blocks);
     // (A is declared dead here; the leader re-places the request on B from the start)
     assert_eq!(ask(&b, |reply| Command::Submit { spec: spec(5, 9, 40, 10), reply }), SubmitOutcome::Accepted);
@@ -393,17 +417,25 @@ fn a_request_re_placed_while_its_migration_was_incoming_runs_fresh() {
 /// commands: pause, copy every block, attach on the reservation, release the source. The tokens
 /// generated before the move.
 fn live_move(from: &Running, to: &Running, id: RequestId, migration: MigrationId) -> u32 {
+    live_move_pinning(from, to, id, migration).0
+}
+
+/// A whole live move; returns the tokens generated before it and the prompt blocks the target
+/// found in its prefix cache (pinned, not sent).
+fn live_move_pinning(from: &Running, to: &Running, id: RequestId, migration: MigrationId) -> (u32, u32) {
     let live = |cmd| Command::Live(cmd);
     let paused = begin_and_pause(from, id, migration);
     let all = ask(from, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 1000, reply })).unwrap();
     let kv_tokens = paused.kv_tokens;
-    ask(to, |reply| live(LiveCommand::Reserve { request: id, migration, kv_tokens, reply })).unwrap();
-    write_blocks(to, id, migration, 0, &all.blocks);
     let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
+    let prefix = shared_blocks(&m.spec, 4).into_vec();
+    let pinned =
+        ask(to, |reply| live(LiveCommand::Reserve { request: id, migration, kv_tokens, prefix, reply })).unwrap();
+    write_blocks(to, id, migration, pinned, &all.blocks[pinned as usize..]);
     let generated = m.generated;
     ask(to, |reply| live(LiveCommand::AttachReserved { migration, state: Box::new(m), reply })).unwrap();
     ask(from, |reply| live(LiveCommand::FinishOut { request: id, migration, reply })).unwrap();
-    generated
+    (generated, pinned)
 }
 
 /// The instance a request moved to died and the leader re-placed it from the start on the one it
@@ -426,8 +458,9 @@ fn a_request_that_left_runs_again_when_re_placed_and_reservations_are_not_shared
     // Reservations: the first holds, a second for the same request is refused and changes nothing.
     let live = |cmd| Command::Live(cmd);
     let other = RequestId(5);
-    let reserve =
-        |migration| move |reply| live(LiveCommand::Reserve { request: other, migration, kv_tokens: 40, reply });
+    let reserve = |migration| {
+        move |reply| live(LiveCommand::Reserve { request: other, migration, kv_tokens: 40, prefix: Vec::new(), reply })
+    };
     ask(&b, reserve(MigrationId(2))).unwrap();
     let used = ask(&b, |reply| Command::Load { reply }).gpu_used_blocks;
     let e = ask(&b, reserve(MigrationId(3))).unwrap_err();
@@ -485,7 +518,8 @@ fn a_worker_whose_registration_lapsed_refuses_migrations_in() {
     let paused = begin_and_pause(&a, id, mig);
     let all = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
     let kv_tokens = paused.kv_tokens;
-    ask(&b, |reply| live(LiveCommand::Reserve { request: id, migration: mig, kv_tokens, reply })).unwrap();
+    ask(&b, |reply| live(LiveCommand::Reserve { request: id, migration: mig, kv_tokens, prefix: Vec::new(), reply }))
+        .unwrap();
     write_blocks(&b, id, mig, 0, &all.blocks);
     // B's lease is lost before the COMMIT arrives.
     b.tx.send(Command::Registration { registered: false }).unwrap();
@@ -499,16 +533,30 @@ fn a_worker_whose_registration_lapsed_refuses_migrations_in() {
     let s = wait_for(&a.log, "the record on A", |s| s.finished.contains_key(&6));
     check_request(&s, 6, 40, 10);
     // Nothing arrives by migration while lapsed; submits still run.
-    let reserve =
-        |reply| live(LiveCommand::Reserve { request: RequestId(8), migration: MigrationId(2), kv_tokens: 8, reply });
+    let reserve = |reply| {
+        live(LiveCommand::Reserve {
+            request: RequestId(8),
+            migration: MigrationId(2),
+            kv_tokens: 8,
+            prefix: Vec::new(),
+            reply,
+        })
+    };
     assert!(matches!(ask(&b, reserve), Err(DriverError::Refused { refusal: Refusal::Unregistered, .. })));
     let attach = |reply| Command::Attach { state: Box::new(m.clone()), rematerialized: true, reply };
     assert!(matches!(ask(&b, attach), Err(DriverError::Refused { refusal: Refusal::Unregistered, .. })));
     assert_eq!(ask(&b, |reply| Command::Submit { spec: spec(9, 4, 2, 2), reply }), SubmitOutcome::Accepted);
     // Registered again: accepted.
     b.tx.send(Command::Registration { registered: true }).unwrap();
-    let reserve =
-        |reply| live(LiveCommand::Reserve { request: RequestId(8), migration: MigrationId(2), kv_tokens: 8, reply });
+    let reserve = |reply| {
+        live(LiveCommand::Reserve {
+            request: RequestId(8),
+            migration: MigrationId(2),
+            kv_tokens: 8,
+            prefix: Vec::new(),
+            reply,
+        })
+    };
     ask(&b, reserve).unwrap();
     b.tx.send(live(LiveCommand::Release { request: RequestId(8), migration: MigrationId(2) })).unwrap();
     assert!(!collect(&b.log).finished.contains_key(&6), "B never ran it");
@@ -632,11 +680,19 @@ fn a_cached_prefix_is_written_once_shared_and_moves_with_its_content() {
     assert_eq!(stored, 11, "the first prompt's ten full blocks, the second's eleventh: {:?}", s.kv_events);
     // The shared blocks' bytes are the first request's writes: the target checks them as the
     // second's content.
-    live_move(&a, &b, RequestId(2), MigrationId(1));
+    assert_eq!(live_move_pinning(&a, &b, RequestId(2), MigrationId(1)).1, 0, "B caches nothing yet");
     let s = wait_for(&b.log, "the second finished on B", |s| s.finished.contains_key(&2));
     assert_eq!(s.finished[&2].cached_tokens, 40);
     assert_eq!(s.finished[&2].finished_on, Some(1));
     consistent(&a);
+    // B cached the blocks that arrived: a third request over the same content moves there
+    // sending only its last prompt block and what it generated.
+    ask(&a, |reply| Command::Submit { spec: with_ids(3, 45, 60, 10), reply });
+    wait_for(&a.log, "tokens of the third", |s| s.tokens.get(&3).is_some_and(|t| t.len() >= 5));
+    assert_eq!(live_move_pinning(&a, &b, RequestId(3), MigrationId(2)).1, 11, "B holds the 11 full prompt blocks");
+    let s = wait_for(&b.log, "the third finished on B", |s| s.finished.contains_key(&3));
+    assert_eq!(s.finished[&3].finished_on, Some(1));
+    consistent(&b);
     let errors =
         ask(&a, |reply| Command::Stats { reply }).kv.errors + ask(&b, |reply| Command::Stats { reply }).kv.errors;
     assert_eq!(errors, 0);
