@@ -351,7 +351,7 @@ impl LiveMigration {
                         None => match TargetMachine::accept(now, &self.spec.params, f) {
                             Ok(t) => self.target = Some(t),
                             // Not a Prepare: the answer a real target gives to an unknown migration.
-                            Err(abort) => self.send(now, false, abort, fabric),
+                            Err(abort) => self.send(now, false, *abort, fabric),
                         },
                     }
                     self.pump(now, e, fabric);

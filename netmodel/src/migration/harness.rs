@@ -284,7 +284,7 @@ impl World {
             Some(t) => t.on_frame(self.now, f),
             None => match TargetMachine::accept(self.now, &self.cfg.params, f) {
                 Ok(t) => self.tgt = Some(t),
-                Err(reply) => self.to_source.push_back(reply),
+                Err(reply) => self.to_source.push_back(*reply),
             },
         }
     }

@@ -141,15 +141,15 @@ impl TargetMachine {
     /// A machine for the migration `frame` opens, if it is a `Prepare`; otherwise the `Abort` frame
     /// to send back. `params` are this worker's: a `Prepare` whose block geometry differs, or
     /// invalid `params`, is refused (the machine then starts with `PrepareReply { ok: false }`).
-    pub fn accept(now: Timestamp, params: &MigrationParams, frame: Frame) -> Result<TargetMachine, Frame> {
+    pub fn accept(now: Timestamp, params: &MigrationParams, frame: Frame) -> Result<TargetMachine, Box<Frame>> {
         match frame.body {
             Some(Body::Prepare(p)) => Ok(TargetMachine::new(now, params, p)),
             Some(other) => {
                 let id = MigrationId(body_migration_id(&other));
                 let msg = format!("{} for unknown migration {}, expected Prepare", body_name(&other), id.0);
-                Err(abort_frame(id, &AbortReason::BadFrame(msg)))
+                Err(Box::new(abort_frame(id, &AbortReason::BadFrame(msg))))
             }
-            None => Err(abort_frame(MigrationId(0), &AbortReason::BadFrame("empty frame".into()))),
+            None => Err(Box::new(abort_frame(MigrationId(0), &AbortReason::BadFrame("empty frame".into())))),
         }
     }
 
