@@ -33,7 +33,7 @@ pub struct ParityBench {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "quickstart,examples/parity-trace.toml,examples/parity-migration.toml"
+        default_value = "quickstart,examples/parity-trace.toml,examples/parity-migration.toml,examples/parity-prefix.toml"
     )]
     workloads: Vec<String>,
     /// Run each workload under these policies (in both backends; default: its config's
@@ -58,6 +58,9 @@ struct Req {
     ttft_s: Option<f64>,
     e2e_s: Option<f64>,
     migrations: u32,
+    /// Prompt tokens, and of those found in the prefix cache (0 where the CSV has no column).
+    prompt_tokens: u64,
+    cached_tokens: u64,
 }
 
 /// The figures of one workload.
@@ -77,6 +80,12 @@ pub struct Parity {
     pub emu_migrations: u32,
     pub sim_downtime_p50_ms: Option<f64>,
     pub emu_downtime_p50_ms: Option<f64>,
+    /// Prefix-cache hit rate (cached ÷ prompt tokens of the compared requests), % (`None`
+    /// when nothing was cached in either).
+    pub sim_prefix_hit_pct: Option<f64>,
+    pub emu_prefix_hit_pct: Option<f64>,
+    /// Share of the compared requests with the same cached tokens in both, %.
+    pub same_cached_pct: f64,
 }
 
 pub fn run(b: ParityBench) -> anyhow::Result<()> {
@@ -234,6 +243,8 @@ fn requests(dir: &Path) -> anyhow::Result<BTreeMap<u64, Req>> {
             ttft_s: field(&row, "ttft_s", &path)?,
             e2e_s: field(&row, "e2e_s", &path)?,
             migrations: field(&row, "migrations", &path)?.unwrap_or_default(),
+            prompt_tokens: field(&row, "prompt_tokens", &path)?.unwrap_or_default(),
+            cached_tokens: field(&row, "cached_tokens", &path)?.unwrap_or_default(),
         };
         out.insert(id, req);
     }
@@ -277,6 +288,10 @@ fn figures(name: &str, sim: &BTreeMap<u64, Req>, emu: &BTreeMap<u64, Req>) -> Pa
         .collect();
     let mean = |v: Vec<f64>| Distribution::new(v).mean().unwrap_or(f64::NAN);
     let e2e: Vec<f64> = both.iter().filter_map(|(s, e)| ape(s.e2e_s, e.e2e_s)).collect();
+    let share = |n: usize| if both.is_empty() { f64::NAN } else { 100.0 * n as f64 / both.len() as f64 };
+    let prompt: u64 = both.iter().map(|(s, _)| s.prompt_tokens).sum();
+    let cached: (u64, u64) = both.iter().fold((0, 0), |(a, b), (s, e)| (a + s.cached_tokens, b + e.cached_tokens));
+    let hit = |c: u64| (cached != (0, 0) && prompt > 0).then(|| 100.0 * c as f64 / prompt as f64);
     Parity {
         workload: name.to_string(),
         compared: both.len(),
@@ -285,15 +300,14 @@ fn figures(name: &str, sim: &BTreeMap<u64, Req>, emu: &BTreeMap<u64, Req>) -> Pa
         ttft_mape_pct: mean(both.iter().filter_map(|(s, e)| ape(s.ttft_s, e.ttft_s)).collect()),
         e2e_mape_pct: mean(e2e.clone()),
         e2e_median_abs_err_pct: Distribution::new(e2e).percentile(0.5).unwrap_or(f64::NAN),
-        placement_agreement_pct: if both.is_empty() {
-            f64::NAN
-        } else {
-            100.0 * both.iter().filter(|(s, e)| s.placed_on == e.placed_on).count() as f64 / both.len() as f64
-        },
+        placement_agreement_pct: share(both.iter().filter(|(s, e)| s.placed_on == e.placed_on).count()),
         sim_migrations: sim.values().map(|r| r.migrations).sum(),
         emu_migrations: emu.values().map(|r| r.migrations).sum(),
         sim_downtime_p50_ms: None,
         emu_downtime_p50_ms: None,
+        sim_prefix_hit_pct: hit(cached.0),
+        emu_prefix_hit_pct: hit(cached.1),
+        same_cached_pct: share(both.iter().filter(|(s, e)| s.cached_tokens == e.cached_tokens).count()),
     }
 }
 
@@ -304,12 +318,13 @@ fn opt_ms(v: Option<f64>) -> String {
 /// The summary table: one row per workload.
 pub fn table(rows: &[Parity]) -> String {
     let mut s = String::from(
-        "workload            compared  TTFT MAPE %  E2E MAPE %  E2E median err %  same placement %  migrations sim/emu  downtime p50 ms sim/emu\n",
+        "workload            compared  TTFT MAPE %  E2E MAPE %  E2E median err %  same placement %  migrations sim/emu  downtime p50 ms sim/emu  prefix hit % sim/emu  same cached %\n",
     );
     for p in rows {
+        let pct = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
         let _ = writeln!(
             s,
-            "{:<18} {:>4}/{:<4} {:>11.2} {:>11.2} {:>17.2} {:>17.1} {:>10}/{:<9} {:>12}/{}",
+            "{:<18} {:>4}/{:<4} {:>11.2} {:>11.2} {:>17.2} {:>17.1} {:>10}/{:<9} {:>12}/{:<11} {:>9}/{:<10} {:>13.1}",
             p.workload,
             p.compared,
             p.sim_finished.max(p.emu_finished),
@@ -321,6 +336,9 @@ pub fn table(rows: &[Parity]) -> String {
             p.emu_migrations,
             opt_ms(p.sim_downtime_p50_ms),
             opt_ms(p.emu_downtime_p50_ms),
+            pct(p.sim_prefix_hit_pct),
+            pct(p.emu_prefix_hit_pct),
+            p.same_cached_pct,
         );
     }
     s
@@ -328,13 +346,13 @@ pub fn table(rows: &[Parity]) -> String {
 
 fn csv(rows: &[Parity]) -> String {
     let mut s = String::from(
-        "workload,compared,sim_finished,emu_finished,ttft_mape_pct,e2e_mape_pct,e2e_median_abs_err_pct,placement_agreement_pct,sim_migrations,emu_migrations,sim_downtime_p50_ms,emu_downtime_p50_ms\n",
+        "workload,compared,sim_finished,emu_finished,ttft_mape_pct,e2e_mape_pct,e2e_median_abs_err_pct,placement_agreement_pct,sim_migrations,emu_migrations,sim_downtime_p50_ms,emu_downtime_p50_ms,sim_prefix_hit_pct,emu_prefix_hit_pct,same_cached_pct\n",
     );
     for p in rows {
         let o = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.3}"));
         let _ = writeln!(
             s,
-            "{},{},{},{},{:.3},{:.3},{:.3},{:.2},{},{},{},{}",
+            "{},{},{},{},{:.3},{:.3},{:.3},{:.2},{},{},{},{},{},{},{:.2}",
             p.workload,
             p.compared,
             p.sim_finished,
@@ -347,6 +365,9 @@ fn csv(rows: &[Parity]) -> String {
             p.emu_migrations,
             o(p.sim_downtime_p50_ms),
             o(p.emu_downtime_p50_ms),
+            o(p.sim_prefix_hit_pct),
+            o(p.emu_prefix_hit_pct),
+            p.same_cached_pct,
         );
     }
     s
@@ -357,7 +378,7 @@ mod tests {
     use super::*;
 
     fn req(placed_on: u32, ttft: f64, e2e: f64, migrations: u32) -> Req {
-        Req { placed_on, ttft_s: Some(ttft), e2e_s: Some(e2e), migrations }
+        Req { placed_on, ttft_s: Some(ttft), e2e_s: Some(e2e), migrations, prompt_tokens: 100, cached_tokens: 0 }
     }
 
     #[test]
@@ -374,17 +395,31 @@ mod tests {
         assert!((p.ttft_mape_pct - 5.0).abs() < 1e-9, "{}", p.ttft_mape_pct);
         assert!((p.placement_agreement_pct - 50.0).abs() < 1e-9);
         assert_eq!((p.sim_migrations, p.emu_migrations), (1, 2));
+        assert_eq!((p.sim_prefix_hit_pct, p.emu_prefix_hit_pct, p.same_cached_pct), (None, None, 100.0));
         assert!(table(&[p]).lines().nth(1).unwrap().starts_with("w "));
+        // Prefix caching: 40 of 200 prompt tokens cached in the simulator, 32 in the emulator.
+        let mut emu = sim.clone();
+        let mut sim = sim;
+        sim.get_mut(&1).unwrap().cached_tokens = 32;
+        sim.get_mut(&2).unwrap().cached_tokens = 8;
+        emu.get_mut(&1).unwrap().cached_tokens = 32;
+        let p = figures("w", &sim, &emu);
+        assert_eq!((p.sim_prefix_hit_pct, p.emu_prefix_hit_pct), (Some(40.0 / 3.0), Some(32.0 / 3.0)));
+        assert!((p.same_cached_pct - 200.0 / 3.0).abs() < 1e-9, "{}", p.same_cached_pct);
     }
 
     #[test]
     fn csv_rows_are_read_by_header_and_bad_numbers_named() {
         let dir = std::env::temp_dir().join(format!("kvfleet-parity-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("requests-x.csv"), "id,placed_on,ttft_s,e2e_s,migrations\n4,2,0.5,,0\n").unwrap();
+        let head = "id,placed_on,ttft_s,e2e_s,migrations,prompt_tokens,cached_tokens";
+        std::fs::write(dir.join("requests-x.csv"), format!("{head}\n4,2,0.5,,0,64,16\n")).unwrap();
         let r = requests(&dir).unwrap();
-        assert_eq!(r[&4], Req { placed_on: 2, ttft_s: Some(0.5), e2e_s: None, migrations: 0 });
-        std::fs::write(dir.join("requests-x.csv"), "id,placed_on,ttft_s,e2e_s,migrations\n4,two,0.5,1,0\n").unwrap();
+        assert_eq!(
+            r[&4],
+            Req { placed_on: 2, ttft_s: Some(0.5), e2e_s: None, migrations: 0, prompt_tokens: 64, cached_tokens: 16 }
+        );
+        std::fs::write(dir.join("requests-x.csv"), format!("{head}\n4,two,0.5,1,0,64,0\n")).unwrap();
         let e = requests(&dir).unwrap_err().to_string();
         assert!(e.contains("`placed_on`") && e.contains("two"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();

@@ -23,8 +23,8 @@ fn num(v: &serde_json::Value, key: &str) -> f64 {
 #[test]
 fn emulator_and_simulator_agree_request_by_request() {
     let tmp = TempDir::new("parity");
-    let (fcfs, pascal) = (fixture("parity.toml"), fixture("parity-pascal.toml"));
-    let workloads = format!("{},{}", fcfs.display(), pascal.display());
+    let (fcfs, pascal, prefix) = (fixture("parity.toml"), fixture("parity-pascal.toml"), fixture("parity-prefix.toml"));
+    let workloads = format!("{},{},{}", fcfs.display(), pascal.display(), prefix.display());
     let out = tmp.join("bench");
     let o = run_kvfleet(["bench", "parity", "--workloads", &workloads, "--out", out.to_str().expect("utf-8")]);
     assert!(o.status.success(), "{}", describe(&o));
@@ -51,4 +51,14 @@ fn emulator_and_simulator_agree_request_by_request() {
     assert!((emu_moves - sim_moves).abs() <= 0.35 * sim_moves, "migration counts within 35 %: {p}");
     let (sim_down, emu_down) = (num(&p, "sim_downtime_p50_ms"), num(&p, "emu_downtime_p50_ms"));
     assert!(emu_down < 10.0 * sim_down.max(5.0), "downtime of the same order: {p}");
+
+    // Prefix caching, kv-overlap placement: the workers share prompt blocks and feed the
+    // leader's index with their KV events, so requests find their system prompt cached as often
+    // as in the simulator, mostly the very same tokens.
+    let x = figures(&json, "parity-prefix");
+    assert_eq!((num(&x, "sim_finished"), num(&x, "emu_finished")), (24.0, 24.0), "{x}");
+    let (sim_hit, emu_hit) = (num(&x, "sim_prefix_hit_pct"), num(&x, "emu_prefix_hit_pct"));
+    assert!(sim_hit > 40.0, "the workload shares prompts: {x}");
+    assert!((emu_hit - sim_hit).abs() <= 10.0, "hit rates within 10 pp: {x}");
+    assert!(num(&x, "same_cached_pct") >= 75.0, "{x}");
 }
