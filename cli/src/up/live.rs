@@ -65,6 +65,7 @@ fn records_table(migrations: &[MigrationRecord]) -> String {
     let total = Distribution::new(ok.iter().map(|m| m.transfer_s()).collect());
     let down = Distribution::new(ok.iter().map(|m| m.downtime.map_or(0.0, TimeSpan::as_secs_f64)).collect());
     let bytes: u64 = ok.iter().map(|m| m.bytes).sum();
+    let skipped: u64 = ok.iter().map(|m| m.bytes_skipped).sum();
     let secs: f64 = ok.iter().map(|m| m.transfer_s()).sum();
     let stages = ok.iter().map(|m| f64::from(m.stages())).sum::<f64>() / ok.len().max(1) as f64;
     let refused = migrations.iter().filter(|m| m.refused()).count();
@@ -82,13 +83,18 @@ fn records_table(migrations: &[MigrationRecord]) -> String {
     }
     let _ = writeln!(
         out,
-        "  total ms p50 {} p99 {} | downtime ms p50 {} p99 {} | stages {:.1} avg | {:.2} GiB moved | goodput {:.2} Gbit/s",
+        "  total ms p50 {} p99 {} | downtime ms p50 {} p99 {} | stages {:.1} avg | {:.2} GiB moved{} | goodput {:.2} Gbit/s",
         ms(total.percentile(0.5)),
         ms(total.percentile(0.99)),
         ms(down.percentile(0.5)),
         ms(down.percentile(0.99)),
         stages,
         bytes as f64 / (1u64 << 30) as f64,
+        if skipped > 0 {
+            format!(", {:.2} GiB not sent (cached at the target)", skipped as f64 / (1u64 << 30) as f64)
+        } else {
+            String::new()
+        },
         if secs > 0.0 { bytes as f64 * 8.0 / secs / 1e9 } else { 0.0 }
     );
     for m in migrations.iter().filter(|m| !m.committed()).take(5) {
@@ -160,6 +166,7 @@ mod tests {
         let table = table(&log);
         assert!(table.starts_with("live migrations (QUIC, pipelined stop-and-copy): 1 committed, 1 aborted, 1 refused"));
         assert!(table.contains("  aborted: request 7 0→1: timed out \"copying\""), "{table}");
+        assert!(table.contains("GiB not sent (cached at the target)"), "{table}");
     }
 
     #[test]
