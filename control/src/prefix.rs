@@ -281,6 +281,13 @@ mod tests {
         assert_eq!(ix.overlaps(&r, &loads, t + SPECULATIVE_TTL)[2], 0.0);
         ix.forget(InstanceId(1));
         assert_eq!(ix.overlaps(&r, &loads, t), vec![5.0, 0.0, 63.0]);
+        // A worker that (re)started says its cache is empty: its blocks go, its placement stays
+        // (made after the restart), the others' blocks stay; its later events count again.
+        ix.apply(InstanceId(2), &stored(Tier::Gpu, 0..3));
+        ix.apply(InstanceId(0), &[KvEvent::AllCleared]);
+        assert_eq!(ix.overlaps(&r, &loads, t), vec![0.0, 0.0, 63.0]);
+        ix.apply(InstanceId(0), &stored(Tier::Gpu, 0..2));
+        assert_eq!(ix.overlaps(&r, &loads, t + SPECULATIVE_TTL), vec![2.0, 0.0, 3.0]);
         // Approx mode ignores events.
         let mut approx = PrefixIndex::new(PrefixIndexMode::Approx);
         approx.apply(InstanceId(0), &stored(Tier::Gpu, 0..40));
