@@ -27,7 +27,7 @@ pub use lengths::{
     cap_output, split_output, FixedLengths, Joint, LengthConfig, LengthPmf, LognormalLengths, PmfField,
     ReasonRatioConfig, TraceLengths,
 };
-pub use prefix::{describe_content, unbounded_prefix_reuse, Popularity, PrefixConfig, MAX_SYSTEM_PROMPTS};
+pub use prefix::{describe_content, unbounded_prefix_reuse, MultiTurn, Popularity, PrefixConfig, MAX_SYSTEM_PROMPTS};
 pub use traces::{load_trace, parse_trace, TraceFormat, TraceOutput, TraceRow, AZURE_HEADER, KVFLEET_HEADER};
 
 use crate::ids::RequestId;
@@ -483,14 +483,40 @@ pub fn generate(cfg: &WorkloadConfig, base_dir: &Path) -> Result<Vec<RequestSpec
         }
     };
 
-    let mut out = Vec::with_capacity(arrivals.len());
-    for (i, arrival) in arrivals.into_iter().enumerate() {
-        let (prompt, reasoning, answer) = source.draw(i, &mut length_rng);
+    let output = |i: usize, rng: &mut SimRng| {
+        let (prompt, reasoning, answer) = source.draw(i, rng);
         let (reasoning, answer) =
             cfg.max_output_tokens.map_or((reasoning, answer.max(1)), |c| cap_output(reasoning, answer.max(1), c));
-        let (prompt, mut content_ids) = match &prefix {
-            Some(p) => p.draw(i, reasoning.saturating_add(answer), &mut prefix_rng),
-            None => (prompt, source.content_ids(i).to_vec()),
+        (prompt, reasoning, answer)
+    };
+    // Multi-turn conversations: each arrival starts one; their turns, in arrival order.
+    let turns = match &prefix {
+        Some(p) if p.multi_turn() => {
+            let n = arrivals.len();
+            let draw = |k: usize| {
+                let (_, reasoning, answer) = output(k, &mut length_rng);
+                (reasoning, answer)
+            };
+            Some(p.conversations(&arrivals, n, draw, &mut prefix_rng))
+        }
+        _ => None,
+    };
+    let mut out = Vec::with_capacity(arrivals.len());
+    let requests: Vec<(Timestamp, Option<(u32, u32, u32, Vec<u64>)>)> = match turns {
+        Some(turns) => turns.into_iter().map(|(at, p, r, a, ids)| (at, Some((p, r, a, ids)))).collect(),
+        None => arrivals.into_iter().map(|at| (at, None)).collect(),
+    };
+    for (i, (arrival, turn)) in requests.into_iter().enumerate() {
+        let (prompt, reasoning, answer, mut content_ids) = match turn {
+            Some(turn) => turn,
+            None => {
+                let (prompt, reasoning, answer) = output(i, &mut length_rng);
+                let (prompt, content_ids) = match &prefix {
+                    Some(p) => p.draw(i, reasoning.saturating_add(answer), &mut prefix_rng),
+                    None => (prompt, source.content_ids(i).to_vec()),
+                };
+                (prompt, reasoning, answer, content_ids)
+            }
         };
         let prompt = cfg.max_prompt_tokens.map_or(prompt, |c| prompt.min(c)).max(1);
         // A clipped prompt keeps only the ids of what is left of it.

@@ -12,6 +12,7 @@ use super::{invalid, positive, WorkloadError};
 use crate::kv::{prompt_block_hashes, tiles_content_unit, BlockHash, TRACE_BLOCK_TOKENS};
 use crate::request::{RequestSpec, MAX_REQUEST_TOKENS};
 use crate::rng::SimRng;
+use crate::time::Timestamp;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -73,6 +74,41 @@ pub struct PrefixConfig {
     pub suffix_median: f64,
     /// Sigma of the suffix length's underlying normal (0: every suffix is the median).
     pub suffix_sigma: f64,
+    /// Multi-turn conversations (`[workload.prefix.multi_turn]`): each arrival of the arrival
+    /// process starts a conversation whose later turns resend its history.
+    pub multi_turn: Option<MultiTurn>,
+}
+
+/// Multi-turn conversations (ours): a conversation's first turn is a system prompt plus a suffix;
+/// each later turn arrives an exponential think time after the one before (open loop: counted
+/// from that turn's arrival, not its completion) with prompt = the previous prompt + its answer +
+/// a new log-normal message, so it shares the whole previous prompt. Turns per conversation are
+/// geometric; a conversation that would outgrow a request ends early.
+///
+/// ```toml
+/// [prefix.multi_turn]
+/// turns_mean = 4.0
+/// think_time_s = 15.0
+/// message_median = 200.0
+/// message_sigma = 1.0
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MultiTurn {
+    /// Mean turns per conversation (geometric on 1, 2, …); at least 1.
+    pub turns_mean: f64,
+    /// Mean think time between a turn's arrival and the next turn's, seconds (exponential); ≥ 0.
+    pub think_time_s: f64,
+    /// Median length of a later turn's new message, tokens.
+    pub message_median: f64,
+    /// Sigma of the message length's underlying normal.
+    pub message_sigma: f64,
+}
+
+impl Default for MultiTurn {
+    fn default() -> Self {
+        MultiTurn { turns_mean: 4.0, think_time_s: 15.0, message_median: 200.0, message_sigma: 1.0 }
+    }
 }
 
 impl Default for PrefixConfig {
@@ -84,6 +120,7 @@ impl Default for PrefixConfig {
             zipf_s: 1.0,
             suffix_median: 256.0,
             suffix_sigma: 1.0,
+            multi_turn: None,
         }
     }
 }
@@ -107,6 +144,21 @@ impl PrefixConfig {
             let message = format!("must be finite and >= 0, got {}", self.suffix_sigma);
             return Err(invalid("prefix.suffix_sigma", message));
         }
+        if let Some(m) = &self.multi_turn {
+            if !(m.turns_mean.is_finite() && (1.0..=1e6).contains(&m.turns_mean)) {
+                let message = format!("must be in [1, 1e6], got {}", m.turns_mean);
+                return Err(invalid("prefix.multi_turn.turns_mean", message));
+            }
+            if !(m.think_time_s.is_finite() && (0.0..=1e7).contains(&m.think_time_s)) {
+                let message = format!("must be in [0, 1e7] seconds, got {}", m.think_time_s);
+                return Err(invalid("prefix.multi_turn.think_time_s", message));
+            }
+            positive("prefix.multi_turn.message_median", m.message_median)?;
+            if !(m.message_sigma.is_finite() && m.message_sigma >= 0.0) {
+                let message = format!("must be finite and >= 0, got {}", m.message_sigma);
+                return Err(invalid("prefix.multi_turn.message_sigma", message));
+            }
+        }
         Ok(())
     }
 
@@ -116,9 +168,16 @@ impl PrefixConfig {
             Popularity::Uniform => "uniform".to_string(),
             Popularity::Zipf => format!("zipf s = {}", self.zipf_s),
         };
+        let turns = self.multi_turn.as_ref().map_or(String::new(), |m| {
+            format!(
+                "; multi-turn: {} turns per conversation (mean, geometric), think time {} s (mean, \
+                 exponential), messages log-normal (median {}, sigma {})",
+                m.turns_mean, m.think_time_s, m.message_median, m.message_sigma
+            )
+        });
         format!(
             "content ids: {} shared system prompts of {} tokens ({popularity}) + log-normal suffixes \
-             (median {}, sigma {})",
+             (median {}, sigma {}){turns}",
             self.system_prompts, self.system_tokens, self.suffix_median, self.suffix_sigma
         )
     }
@@ -132,6 +191,11 @@ pub(super) struct PrefixSampler<'a> {
 }
 
 impl<'a> PrefixSampler<'a> {
+    /// Whether requests come in multi-turn conversations.
+    pub(super) fn multi_turn(&self) -> bool {
+        self.cfg.multi_turn.is_some()
+    }
+
     pub(super) fn new(cfg: &'a PrefixConfig) -> Self {
         let cumulative = match cfg.popularity {
             Popularity::Uniform => Vec::new(),
@@ -169,6 +233,61 @@ impl<'a> PrefixSampler<'a> {
         let base = SUFFIX_ID_BASE + i as u64 * SUFFIX_ID_STRIDE;
         ids.extend((0..u64::from(suffix_units)).map(|k| base + k));
         (system + suffix, ids)
+    }
+}
+
+/// One request of a multi-turn workload before ids are given: (arrival, prompt tokens, reasoning
+/// tokens, answer tokens, content ids).
+pub(super) type Turn = (Timestamp, u32, u32, u32, Vec<u64>);
+
+impl PrefixSampler<'_> {
+    /// Up to `n` requests of multi-turn conversations (`multi_turn` must be set), in arrival order:
+    /// conversation `c` starts at `starts[c]` (conversations are started until `n` turns exist);
+    /// `output(k)` draws the (reasoning, answer) tokens of the k-th turn generated. Content ids of
+    /// a conversation are its own (`2⁴⁰ + c · 2¹⁵ + k` for whole 512-token units of its history
+    /// after the system prompt), so every turn repeats the ids of the turn before.
+    pub(super) fn conversations(
+        &self,
+        starts: &[Timestamp],
+        n: usize,
+        mut output: impl FnMut(usize) -> (u32, u32),
+        rng: &mut SimRng,
+    ) -> Vec<Turn> {
+        let m = self.cfg.multi_turn.as_ref().expect("multi-turn conversations configured");
+        // Geometric on 1, 2, …: P(another turn) = 1 − 1 / mean.
+        let more = 1.0 - 1.0 / m.turns_mean;
+        let mut turns = Vec::with_capacity(n);
+        for (c, &start) in starts.iter().enumerate() {
+            if turns.len() >= n {
+                break;
+            }
+            let (reasoning, answer) = output(turns.len());
+            let (mut prompt, mut ids) = self.draw(c, reasoning.saturating_add(answer), rng);
+            let mut at = start;
+            turns.push((at, prompt, reasoning, answer, ids.clone()));
+            let base = SUFFIX_ID_BASE + c as u64 * SUFFIX_ID_STRIDE;
+            let system_units = (self.cfg.system_tokens / TRACE_BLOCK_TOKENS) as usize;
+            let mut last_answer = answer;
+            while turns.len() < n && rng.f64() < more {
+                let message = (rng.lognormal(m.message_median, m.message_sigma).round() as u32).max(1);
+                let think = if m.think_time_s > 0.0 { rng.exponential(1.0 / m.think_time_s) } else { 0.0 };
+                let (reasoning, answer) = output(turns.len());
+                let next = prompt.saturating_add(last_answer).saturating_add(message);
+                if u64::from(next) + u64::from(reasoning) + u64::from(answer) > u64::from(MAX_REQUEST_TOKENS) {
+                    break; // the conversation outgrew a request
+                }
+                prompt = next;
+                at = at + crate::time::TimeSpan::from_secs_f64(think);
+                // The history's whole units past the system prompt: this conversation's ids.
+                let units = (prompt / TRACE_BLOCK_TOKENS) as usize;
+                ids.truncate(system_units);
+                ids.extend((0..units.saturating_sub(system_units) as u64).map(|k| base + k));
+                turns.push((at, prompt, reasoning, answer, ids.clone()));
+                last_answer = answer;
+            }
+        }
+        turns.sort_by_key(|t| t.0);
+        turns
     }
 }
 
@@ -437,6 +556,78 @@ mod tests {
         for r in &huge {
             assert_eq!(r.max_context_tokens(), MAX_REQUEST_TOKENS, "{r:?}");
             assert_eq!(r.content_ids.len() as u32, r.prompt_tokens / TRACE_BLOCK_TOKENS);
+        }
+    }
+
+    const MULTI: &str = concat!(
+        "seed = 9\nnum_requests = 2000\n[arrivals]\nkind = \"poisson\"\nrate = 2.0\n",
+        "[prefix]\nsystem_prompts = 8\nsystem_tokens = 1024\nsuffix_median = 600.0\nsuffix_sigma = 0.0\n",
+        "[prefix.multi_turn]\n"
+    );
+
+    /// Multi-turn conversations: every later turn's prompt is the previous prompt + its answer + a
+    /// message and repeats all of its content ids; turns arrive in order, each a think time after
+    /// the one before; turns and think times have the configured means; the history makes most
+    /// prompt tokens reusable.
+    #[test]
+    fn later_turns_resend_the_conversation_so_far() {
+        let reqs = gen(MULTI);
+        assert_eq!(reqs.len(), 2000);
+        assert!(
+            reqs.windows(2).all(|w| w[0].arrival <= w[1].arrival)
+                && reqs.iter().enumerate().all(|(i, r)| r.id.0 == i as u64)
+        );
+        // A first turn is 1,024 + 600 tokens: its third id (the first unit after the system
+        // prompt) names the conversation, which every later turn repeats.
+        let mut by_conv: HashMap<u64, Vec<&RequestSpec>> = HashMap::new();
+        for r in &reqs {
+            by_conv.entry(r.content_ids[2]).or_default().push(r);
+        }
+        assert!(by_conv.values().all(|turns| turns[0].prompt_tokens == 1624), "each conversation starts afresh");
+        let mut later = 0;
+        for turns in by_conv.values() {
+            for w in turns.windows(2) {
+                let (a, b) = (w[0], w[1]);
+                later += 1;
+                assert!(b.arrival >= a.arrival);
+                assert!(b.prompt_tokens > a.prompt_tokens + a.answer_tokens, "{a:?} → {b:?}");
+                assert_eq!(&b.content_ids[..a.content_ids.len()], &a.content_ids[..], "the history is resent");
+                let (ha, hb) = (
+                    prompt_block_hashes(&a.content_ids, a.prompt_tokens, 16),
+                    prompt_block_hashes(&b.content_ids, b.prompt_tokens, 16),
+                );
+                assert_eq!(ha[..], hb[..ha.len()], "every full block of the earlier prompt is shared");
+            }
+        }
+        assert!(later > 100, "conversations go on: {later}");
+        // Mean turns 4 (geometric): about 500 conversations (± 20 for one standard deviation).
+        let starts = by_conv.len();
+        assert!((430..=580).contains(&starts), "{starts} conversations of 2000 requests");
+        // Think times: exponential, mean 15 s (the later turns' gaps, ± 10 %).
+        let gaps: Vec<f64> = by_conv
+            .values()
+            .flat_map(|t| {
+                t.windows(2).map(|w| w[1].arrival.saturating_since(w[0].arrival).as_secs_f64()).collect::<Vec<_>>()
+            })
+            .collect();
+        let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+        assert!((13.5..16.5).contains(&mean), "mean think time {mean} s");
+        let plain = gen(&MULTI.replace("[prefix.multi_turn]\n", ""));
+        let (reuse, reuse_plain) = (unbounded_prefix_reuse(&reqs, 16), unbounded_prefix_reuse(&plain, 16));
+        assert!(reuse > reuse_plain + 0.1, "history reuse {reuse} vs system prompts alone {reuse_plain}");
+    }
+
+    #[test]
+    fn multi_turn_values_are_checked() {
+        for (field, bad) in [
+            ("turns_mean", "turns_mean = 0.5"),
+            ("think_time_s", "think_time_s = -1.0"),
+            ("message_median", "message_median = 0.0"),
+            ("message_sigma", "message_sigma = nan"),
+        ] {
+            let text = format!("{MULTI}{bad}\n");
+            let e = WorkloadConfig::from_toml_str(&text, "w.toml").and_then(|c| c.validate().map(|()| c)).unwrap_err();
+            assert!(e.to_string().contains(&format!("prefix.multi_turn.{field}")), "{field}: {e}");
         }
     }
 

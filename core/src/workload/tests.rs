@@ -349,6 +349,7 @@ reason_ratio = { kind = "servegen" }
             zipf_s: 0.8,
             suffix_median: 100.0,
             suffix_sigma: 0.5,
+            multi_turn: None,
         })
     );
     assert_eq!(cfg("[prefix]\n").prefix, Some(PrefixConfig::default()));
