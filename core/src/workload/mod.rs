@@ -502,7 +502,9 @@ pub fn generate(cfg: &WorkloadConfig, base_dir: &Path) -> Result<Vec<RequestSpec
         _ => None,
     };
     let mut out = Vec::with_capacity(arrivals.len());
-    let requests: Vec<(Timestamp, Option<(u32, u32, u32, Vec<u64>)>)> = match turns {
+    // Each request's arrival, and its (prompt, reasoning, answer, content ids) when drawn already.
+    type Drawn = (u32, u32, u32, Vec<u64>);
+    let requests: Vec<(Timestamp, Option<Drawn>)> = match turns {
         Some(turns) => turns.into_iter().map(|(at, p, r, a, ids)| (at, Some((p, r, a, ids)))).collect(),
         None => arrivals.into_iter().map(|at| (at, None)).collect(),
     };

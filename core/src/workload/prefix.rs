@@ -277,7 +277,7 @@ impl PrefixSampler<'_> {
                     break; // the conversation outgrew a request
                 }
                 prompt = next;
-                at = at + crate::time::TimeSpan::from_secs_f64(think);
+                at += crate::time::TimeSpan::from_secs_f64(think);
                 // The history's whole units past the system prompt: this conversation's ids.
                 let units = (prompt / TRACE_BLOCK_TOKENS) as usize;
                 ids.truncate(system_units);
