@@ -15,17 +15,6 @@ use tonic::transport::Channel;
 const EVENTS_TIMEOUT: Duration = Duration::from_secs(120);
 const KV_TOKEN_BYTES: u64 = 256 << 10;
 
-fn spec(id: u64, arrival_ns: u64, prompt: u32, reasoning: u32, answer: u32) -> v1::RequestSpec {
-    v1::RequestSpec {
-        id,
-        arrival_ns,
-        prompt_tokens: prompt,
-        reasoning_tokens: reasoning,
-        answer_tokens: answer,
-        content_ids: Vec::new(),
-    }
-}
-
 /// Submit to a worker, which must accept.
 async fn submit(c: &mut WorkerClient<Channel>, spec: v1::RequestSpec) {
     let reply = c.submit(v1::SubmitRequest { spec: Some(spec) }).await.expect("Submit").into_inner();

@@ -273,6 +273,13 @@ fn write_blocks(to: &Running, id: RequestId, migration: MigrationId, first: u32,
 }
 
 /// Begin moving `id` out of `from` by `migration`, then pause it for the final copy.
+/// Reserve room for an incoming move of `id` with no prompt content to pin.
+fn reserve(to: &Running, id: RequestId, migration: MigrationId, kv_tokens: u32) -> Result<u32, DriverError> {
+    ask(to, |reply| {
+        Command::Live(LiveCommand::Reserve { request: id, migration, kv_tokens, prefix: Vec::new(), reply })
+    })
+}
+
 fn begin_and_pause(from: &Running, id: RequestId, migration: MigrationId) -> PausedOut {
     let live = |cmd| Command::Live(cmd);
     ask(from, |reply| live(LiveCommand::BeginOut { request: id, migration, reply })).unwrap();
@@ -296,16 +303,7 @@ fn live_commands_copy_a_running_request_block_by_block() {
     let first = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
     assert_eq!(first.kv_tokens % 4, 0, "only whole blocks while running");
     assert_eq!(first.blocks.len() as u32, first.kv_tokens / 4);
-    ask(&b, |reply| {
-        live(LiveCommand::Reserve {
-            request: id,
-            migration: mig,
-            kv_tokens: first.kv_tokens,
-            prefix: Vec::new(),
-            reply,
-        })
-    })
-    .unwrap();
+    reserve(&b, id, mig, first.kv_tokens).unwrap();
     write_blocks(&b, id, mig, 0, &first.blocks);
     wait_for(&a.log, "more tokens on A during the copy", |s| s.tokens[&9].len() >= 14);
     // Stop-and-copy: pause, then everything from where stage 0 ended (incl. the partial block).
@@ -344,16 +342,7 @@ fn live_commit_with_a_corrupt_block_is_refused_and_the_source_resumes() {
     let mig = MigrationId(1);
     let paused = begin_and_pause(&a, id, mig);
     let all = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
-    ask(&b, |reply| {
-        live(LiveCommand::Reserve {
-            request: id,
-            migration: mig,
-            kv_tokens: paused.kv_tokens,
-            prefix: Vec::new(),
-            reply,
-        })
-    })
-    .unwrap();
+    reserve(&b, id, mig, paused.kv_tokens).unwrap();
     for (i, data) in all.blocks.iter().enumerate() {
         let mut bytes = data.to_vec();
         if i == 1 {
@@ -390,16 +379,7 @@ fn a_request_re_placed_while_its_migration_was_incoming_runs_fresh() {
     let mig = MigrationId(1);
     let paused = begin_and_pause(&a, id, mig);
     let blocks = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
-    ask(&b, |reply| {
-        live(LiveCommand::Reserve {
-            request: id,
-            migration: mig,
-            kv_tokens: paused.kv_tokens,
-            prefix: Vec::new(),
-            reply,
-        })
-    })
-    .unwrap();
+    reserve(&b, id, mig, paused.kv_tokens).unwrap();
     write_blocks(&b, id, mig, 0, &blocks.blocks);
     // (A is declared dead here; the leader re-places the request on B from the start)
     assert_eq!(ask(&b, |reply| Command::Submit { spec: spec(5, 9, 40, 10), reply }), SubmitOutcome::Accepted);
@@ -456,14 +436,10 @@ fn a_request_that_left_runs_again_when_re_placed_and_reservations_are_not_shared
     let s = wait_for(&a.log, "the re-placed request finished on A", |s| s.finished.contains_key(&4));
     assert_eq!(s.finished[&4].finished_on, Some(0));
     // Reservations: the first holds, a second for the same request is refused and changes nothing.
-    let live = |cmd| Command::Live(cmd);
     let other = RequestId(5);
-    let reserve = |migration| {
-        move |reply| live(LiveCommand::Reserve { request: other, migration, kv_tokens: 40, prefix: Vec::new(), reply })
-    };
-    ask(&b, reserve(MigrationId(2))).unwrap();
+    reserve(&b, other, MigrationId(2), 40).unwrap();
     let used = ask(&b, |reply| Command::Load { reply }).gpu_used_blocks;
-    let e = ask(&b, reserve(MigrationId(3))).unwrap_err();
+    let e = reserve(&b, other, MigrationId(3), 40).unwrap_err();
     assert!(e.to_string().contains("already coming in"), "{e}");
     assert_eq!(ask(&b, |reply| Command::Load { reply }).gpu_used_blocks, used);
 }
@@ -518,8 +494,7 @@ fn a_worker_whose_registration_lapsed_refuses_migrations_in() {
     let paused = begin_and_pause(&a, id, mig);
     let all = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
     let kv_tokens = paused.kv_tokens;
-    ask(&b, |reply| live(LiveCommand::Reserve { request: id, migration: mig, kv_tokens, prefix: Vec::new(), reply }))
-        .unwrap();
+    reserve(&b, id, mig, kv_tokens).unwrap();
     write_blocks(&b, id, mig, 0, &all.blocks);
     // B's lease is lost before the COMMIT arrives.
     b.tx.send(Command::Registration { registered: false }).unwrap();
@@ -533,31 +508,14 @@ fn a_worker_whose_registration_lapsed_refuses_migrations_in() {
     let s = wait_for(&a.log, "the record on A", |s| s.finished.contains_key(&6));
     check_request(&s, 6, 40, 10);
     // Nothing arrives by migration while lapsed; submits still run.
-    let reserve = |reply| {
-        live(LiveCommand::Reserve {
-            request: RequestId(8),
-            migration: MigrationId(2),
-            kv_tokens: 8,
-            prefix: Vec::new(),
-            reply,
-        })
-    };
-    assert!(matches!(ask(&b, reserve), Err(DriverError::Refused { refusal: Refusal::Unregistered, .. })));
+    let r = reserve(&b, RequestId(8), MigrationId(2), 8);
+    assert!(matches!(r, Err(DriverError::Refused { refusal: Refusal::Unregistered, .. })));
     let attach = |reply| Command::Attach { state: Box::new(m.clone()), rematerialized: true, reply };
     assert!(matches!(ask(&b, attach), Err(DriverError::Refused { refusal: Refusal::Unregistered, .. })));
     assert_eq!(ask(&b, |reply| Command::Submit { spec: spec(9, 4, 2, 2), reply }), SubmitOutcome::Accepted);
     // Registered again: accepted.
     b.tx.send(Command::Registration { registered: true }).unwrap();
-    let reserve = |reply| {
-        live(LiveCommand::Reserve {
-            request: RequestId(8),
-            migration: MigrationId(2),
-            kv_tokens: 8,
-            prefix: Vec::new(),
-            reply,
-        })
-    };
-    ask(&b, reserve).unwrap();
+    reserve(&b, RequestId(8), MigrationId(2), 8).unwrap();
     b.tx.send(live(LiveCommand::Release { request: RequestId(8), migration: MigrationId(2) })).unwrap();
     assert!(!collect(&b.log).finished.contains_key(&6), "B never ran it");
     consistent(&a);
