@@ -86,6 +86,9 @@ pub struct Parity {
     pub emu_prefix_hit_pct: Option<f64>,
     /// Share of the compared requests with the same cached tokens in both, %.
     pub same_cached_pct: f64,
+    /// Largest gap between the two backends' hit rates of one instance (over the compared
+    /// requests placed there), percentage points (`None` when nothing was cached).
+    pub prefix_hit_instance_gap_pp: Option<f64>,
 }
 
 pub fn run(b: ParityBench) -> anyhow::Result<()> {
@@ -308,7 +311,30 @@ fn figures(name: &str, sim: &BTreeMap<u64, Req>, emu: &BTreeMap<u64, Req>) -> Pa
         sim_prefix_hit_pct: hit(cached.0),
         emu_prefix_hit_pct: hit(cached.1),
         same_cached_pct: share(both.iter().filter(|(s, e)| s.cached_tokens == e.cached_tokens).count()),
+        prefix_hit_instance_gap_pp: if cached == (0, 0) { None } else { instance_hit_gap(&both) },
     }
+}
+
+/// Per instance, the hit rate (cached ÷ prompt tokens, %) of the requests each backend placed
+/// there; the largest gap between the two over the instances either used.
+fn instance_hit_gap(both: &[(&Req, &Req)]) -> Option<f64> {
+    let rates = |side: &dyn Fn(&(&Req, &Req)) -> Req| {
+        let mut per: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+        for pair in both {
+            let r = side(pair);
+            let e = per.entry(r.placed_on).or_default();
+            (e.0, e.1) = (e.0 + r.cached_tokens, e.1 + r.prompt_tokens);
+        }
+        per.into_iter()
+            .map(|(i, (c, p))| (i, if p > 0 { 100.0 * c as f64 / p as f64 } else { 0.0 }))
+            .collect::<BTreeMap<u32, f64>>()
+    };
+    let (sim, emu) = (rates(&|(s, _)| (*s).clone()), rates(&|(_, e)| (*e).clone()));
+    let instances: std::collections::BTreeSet<u32> = sim.keys().chain(emu.keys()).copied().collect();
+    instances
+        .into_iter()
+        .map(|i| (sim.get(&i).copied().unwrap_or(0.0) - emu.get(&i).copied().unwrap_or(0.0)).abs())
+        .max_by(f64::total_cmp)
 }
 
 fn opt_ms(v: Option<f64>) -> String {
@@ -346,13 +372,13 @@ pub fn table(rows: &[Parity]) -> String {
 
 fn csv(rows: &[Parity]) -> String {
     let mut s = String::from(
-        "workload,compared,sim_finished,emu_finished,ttft_mape_pct,e2e_mape_pct,e2e_median_abs_err_pct,placement_agreement_pct,sim_migrations,emu_migrations,sim_downtime_p50_ms,emu_downtime_p50_ms,sim_prefix_hit_pct,emu_prefix_hit_pct,same_cached_pct\n",
+        "workload,compared,sim_finished,emu_finished,ttft_mape_pct,e2e_mape_pct,e2e_median_abs_err_pct,placement_agreement_pct,sim_migrations,emu_migrations,sim_downtime_p50_ms,emu_downtime_p50_ms,sim_prefix_hit_pct,emu_prefix_hit_pct,same_cached_pct,prefix_hit_instance_gap_pp\n",
     );
     for p in rows {
         let o = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.3}"));
         let _ = writeln!(
             s,
-            "{},{},{},{},{:.3},{:.3},{:.3},{:.2},{},{},{},{},{},{},{:.2}",
+            "{},{},{},{},{:.3},{:.3},{:.3},{:.2},{},{},{},{},{},{},{:.2},{}",
             p.workload,
             p.compared,
             p.sim_finished,
@@ -368,6 +394,7 @@ fn csv(rows: &[Parity]) -> String {
             o(p.sim_prefix_hit_pct),
             o(p.emu_prefix_hit_pct),
             p.same_cached_pct,
+            o(p.prefix_hit_instance_gap_pp),
         );
     }
     s
@@ -406,6 +433,8 @@ mod tests {
         let p = figures("w", &sim, &emu);
         assert_eq!((p.sim_prefix_hit_pct, p.emu_prefix_hit_pct), (Some(40.0 / 3.0), Some(32.0 / 3.0)));
         assert!((p.same_cached_pct - 200.0 / 3.0).abs() < 1e-9, "{}", p.same_cached_pct);
+        // Instance 0 (request 1): 32 % in both; instance 1 (request 2): 8 % against 0 %.
+        assert_eq!(p.prefix_hit_instance_gap_pp, Some(8.0));
     }
 
     #[test]

@@ -141,6 +141,11 @@ pub fn render(model: &str, stats: &DriverStats, load: &LoadReport, migrations: &
         stats.kv.tokens_written,
     );
     page.counter("kvfleet_kv_tokens_verified_total", "Tokens checked against their content.", stats.kv.tokens_verified);
+    page.counter(
+        "kvfleet_kv_tokens_reused_total",
+        "Prompt tokens found written in a shared prefix block (a cache hit): not written again.",
+        stats.kv.tokens_reused,
+    );
     let p = &stats.prefix;
     page.counter("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", p.query_tokens);
     page.counter("vllm:prefix_cache_hits_total", "Of those, tokens found cached (not prefilled).", p.hit_tokens);
@@ -233,6 +238,7 @@ mod tests {
         stats.prefix.query_tokens = 1000;
         stats.prefix.hit_tokens = 640;
         stats.prefix.evictions = 3;
+        stats.kv.tokens_reused = 512;
         let load = LoadReport {
             reasoning_requests: 1,
             answering_requests: 1,
@@ -280,6 +286,7 @@ mod tests {
         has(r#"kvfleet_migration_bytes_skipped_total{model_name="x"} 2048"#);
         has(r#"vllm:prefix_cache_queries_total{model_name="x"} 1000"#);
         has(r#"vllm:prefix_cache_hits_total{model_name="x"} 640"#);
+        has(r#"kvfleet_kv_tokens_reused_total{model_name="x"} 512"#);
         has(r#"kvfleet_prefix_cache_evictions_total{model_name="x",tier="gpu"} 3"#);
         // The summary prometheus-client has no type for.
         has("# TYPE kvfleet_timer_lateness_seconds summary");
