@@ -3,7 +3,7 @@
 //! store), the trace sink, coordinators and workers, each a child process that no error or panic
 //! leaves behind.
 
-use super::procs::{find_etcd, free_port, sibling_binary, EtcdSpec, EtcdTlsFiles, Proc};
+use super::procs::{find_etcd, sibling_binary, EtcdSpec, EtcdTlsFiles, Proc};
 use super::replay::LeaderFinder;
 use crate::{say, InputError};
 use anyhow::{bail, Context};
@@ -391,14 +391,14 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         a.extend(otlp_args.iter().cloned());
         // Its /metrics and the OpenAI API: where asked (the first coordinator), else a free
         // loopback port (scraped at the end).
+        // (port 0: it binds any free port and prints it, read below).
         let http = match (i, args.http_listen) {
             (0, Some(addr)) => addr.to_string(),
-            _ => format!("127.0.0.1:{}", free_port()?),
+            _ => "127.0.0.1:0".to_string(),
         };
-        a.extend(["--http-listen".into(), http.clone()]);
-        metric_pages.push((format!("coordinator-{i}"), http));
+        a.extend(["--http-listen".into(), http]);
         a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Coordinator, &format!("coordinator-{i}"))?);
-        let p = Proc::spawn_with_env(
+        let mut p = Proc::spawn_with_env(
             &format!("coordinator-{i}"),
             &coordinator_bin,
             &a,
@@ -407,6 +407,8 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             Some(Duration::from_secs(30)),
             args.own_groups,
         )?;
+        let http = p.announced("http on ", "--http-listen", Duration::from_secs(30))?;
+        metric_pages.push((format!("coordinator-{i}"), http));
         say!("coordinator {} (pid {})", p.addr()?, p.pid());
         cluster.coordinators.push(p);
     }
@@ -481,9 +483,8 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             a.push("--prefault".into());
         }
         a.extend(otlp_args.iter().cloned());
-        let metrics_addr = format!("127.0.0.1:{}", free_port()?);
-        a.extend(["--metrics-listen".into(), metrics_addr.clone()]);
-        metric_pages.push((format!("worker-{i}"), metrics_addr));
+        // Any free port, printed after its address (a port picked here could be taken first).
+        a.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
         a.extend(Pki::issue(pki.as_ref(), kvfleet_pki::Role::Worker, &format!("worker-{i}"))?);
         match &etcd_url {
             Some(u) => {
@@ -492,7 +493,7 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             }
             None => a.extend(["--coordinator".into(), coord_addrs.join(",")]),
         }
-        let p = Proc::spawn_with(
+        let mut p = Proc::spawn_with(
             &format!("worker-{i}"),
             &worker_bin,
             &a,
@@ -500,6 +501,8 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             Some(Duration::from_secs(30)),
             args.own_groups,
         )?;
+        metric_pages
+            .push((format!("worker-{i}"), p.announced("metrics on ", "--metrics-listen", Duration::from_secs(30))?));
         cluster.workers.push(p);
     }
     // All workers registered and visible to the leader.

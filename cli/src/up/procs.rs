@@ -25,6 +25,8 @@ pub struct Proc {
     launch: Launch,
     /// Times it was restarted.
     pub restarts: u32,
+    /// Its stdout lines not read yet ([`Proc::announced`] reads on past the `listening on` line).
+    lines: mpsc::Receiver<String>,
 }
 
 /// A process's command line, environment and log, as [`Proc::spawn_with_env`] got them.
@@ -112,32 +114,59 @@ impl Proc {
             log: log.to_path_buf(),
             own_group,
         };
-        let mut proc = Proc { name: name.to_string(), child, addr: None, launch, restarts: 0 };
+        let mut proc = Proc { name: name.to_string(), child, addr: None, launch, restarts: 0, lines: rx };
         if let Some(limit) = wait_addr {
-            let deadline = Instant::now() + limit;
-            loop {
-                if let Ok(Some(status)) = proc.child.try_wait() {
-                    bail!("{name} exited with {status} before it was ready; see {}", log.display());
-                }
-                match rx.recv_timeout(Duration::from_millis(50)) {
-                    Ok(line) => {
-                        if let Some(addr) = line.strip_prefix("listening on ").or_else(|| line.strip_prefix("otlp on "))
-                        {
-                            proc.addr = Some(addr.trim().to_string());
-                            break;
-                        }
-                    }
-                    Err(mpsc::RecvTimeoutError::Timeout) => {}
-                    Err(mpsc::RecvTimeoutError::Disconnected) => {
-                        bail!("{name} closed its output before it was ready; see {}", log.display())
-                    }
-                }
-                if Instant::now() > deadline {
-                    bail!("{name} was not ready within {limit:?}; see {}", log.display());
-                }
-            }
+            let addr = proc.read_until(&["listening on ", "otlp on "], limit)?;
+            proc.addr = Some(addr);
         }
         Ok(proc)
+    }
+
+    /// The address it prints after its `listening on` line as `<prefix>ADDR` (`metrics on `,
+    /// `http on `), waiting up to `limit`. Parents pass port 0 and read the port here rather than
+    /// pick a free one that another process can take before the child binds it; `flag`'s value in
+    /// the command line becomes that address, so a restart listens where it did.
+    pub fn announced(&mut self, prefix: &str, flag: &str, limit: Duration) -> anyhow::Result<String> {
+        let addr = self.read_until(&[prefix], limit)?;
+        let args = &mut self.launch.args;
+        if let Some(i) = args.iter().position(|a| a == flag) {
+            if let Some(value) = args.get_mut(i + 1) {
+                value.clone_from(&addr);
+            }
+        }
+        Ok(addr)
+    }
+
+    /// Read stdout lines until one starts with one of `prefixes`; the rest of it, trimmed. Fails,
+    /// quoting the end of its log, when the child exits, closes stdout or takes over `limit`.
+    fn read_until(&mut self, prefixes: &[&str], limit: Duration) -> anyhow::Result<String> {
+        let (name, log) = (&self.name, &self.launch.log);
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                bail!("{name} exited with {status} before it was ready; see {}{}", log.display(), log_tail(log));
+            }
+            match self.lines.recv_timeout(Duration::from_millis(50)) {
+                Ok(line) => {
+                    if let Some(rest) = prefixes.iter().find_map(|p| line.strip_prefix(p)) {
+                        return Ok(rest.trim().to_string());
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    // It closed stdout: exiting. Give it a moment, so the status and the log's
+                    // last line say why.
+                    let until = Instant::now() + Duration::from_millis(500);
+                    while Instant::now() < until && matches!(self.child.try_wait(), Ok(None)) {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    bail!("{name} closed its output before it was ready; see {}{}", log.display(), log_tail(log))
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("{name} was not ready within {limit:?}; see {}{}", log.display(), log_tail(log));
+            }
+        }
     }
 
     /// kill -9 it (if it still runs) and start it again with the same command line, listening
@@ -210,6 +239,19 @@ impl Drop for Proc {
             let _ = self.child.wait();
         }
     }
+}
+
+/// The last lines of a child's log, each on its own indented line after a colon (empty when the
+/// log is empty or unreadable), for an error that names the log.
+fn log_tail(log: &Path) -> String {
+    const LINES: usize = 6;
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    if lines.is_empty() {
+        return String::new();
+    }
+    let tail = &lines[lines.len().saturating_sub(LINES)..];
+    format!(", which ends:\n    {}", tail.join("\n    "))
 }
 
 /// A free loopback TCP port (bound, read, released).
