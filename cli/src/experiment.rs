@@ -91,6 +91,13 @@ impl Plan {
             }
         }
         let (intra, instance_policy) = resolve_policy(&cfg.scheduler.policy).map_err(|e| InputError(e.to_string()))?;
+        // The emulator's drivers have no prefill curve or link model to hand a cost-based policy.
+        let policy = kvfleet_core::policy::build_policy(&instance_policy, &cfg.scheduler.instance)
+            .map_err(|e| InputError(e.to_string()))?;
+        if policy.needs_costs() {
+            let why = kvfleet_core::policy::cache_aware::EMULATOR_LACKS_FETCH;
+            return Err(InputError(format!("instance policy `{instance_policy}` {why}")).into());
+        }
         let requests =
             kvfleet_core::workload::generate(&workload, &base_dir).map_err(|e| InputError(format!("workload: {e}")))?;
         Ok(Plan { cfg, intra, instance_policy, workload, requests, rate: a.rate })

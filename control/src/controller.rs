@@ -32,6 +32,7 @@ use crate::ownership::{initial_phase, OwnedPhase, Ownership};
 use crate::prefix::PrefixIndex;
 use crate::roles::Role;
 use kvfleet_core::kv::KvEvent;
+use kvfleet_core::policy::cache_aware::{PlacementCosts, PrefixFetch};
 use kvfleet_core::policy::{InstancePolicy, LoadReport, PhaseChange, PhaseDecision};
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimRng, TimeSpan, Timestamp};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -205,6 +206,9 @@ pub enum Action {
         on: InstanceId,
         /// Times it was re-placed so far (0 for a new request).
         replaced: u32,
+        /// Prompt blocks to copy to `on` from another instance's prefix cache before the request
+        /// starts there (a cache-aware placement; those the holder no longer has are computed).
+        fetch: Option<PrefixFetch>,
     },
     /// The request cannot run.
     Reject {
@@ -547,6 +551,12 @@ impl Controller {
     pub fn retain_finished(mut self) -> Controller {
         self.retain_finished = true;
         self
+    }
+
+    /// Hand a cost-based policy (`cache-aware`) the prefill curve and link it weighs
+    /// ([`InstancePolicy::needs_costs`]); other policies ignore them.
+    pub fn set_placement_costs(&mut self, costs: &PlacementCosts) {
+        self.policy.set_costs(costs);
     }
 
     /// The instance-level policy's name.
@@ -907,10 +917,10 @@ impl Controller {
 
     /// The policy's placement, or the least-loaded live instance when it names one that is not
     /// live. `None` only when no instance is live.
-    fn choose(&mut self, spec: &RequestSpec) -> Option<InstanceId> {
+    fn choose(&mut self, spec: &RequestSpec) -> Option<(InstanceId, Option<PrefixFetch>)> {
         if let Some(to) = self.arrow_place_prefill(spec.prompt_tokens) {
             self.note_prefix(spec, to);
-            return Some(to);
+            return Some((to, None));
         }
         // Disaggregated: only the instances that prefill take new requests.
         let pool: Option<Vec<LoadReport>> = self.disaggregated.then(|| {
@@ -925,16 +935,17 @@ impl Controller {
         if live.is_empty() {
             return None;
         }
-        let to = match &self.prefix {
+        let (to, fetch) = match &self.prefix {
             Some(index) => {
                 let overlap = index.overlaps(spec, live, self.now);
-                self.policy.place_with_overlap(spec, live, &overlap, &mut self.rng)
+                let to = self.policy.place_with_overlap(spec, live, &overlap, &mut self.rng);
+                (to, self.policy.prefix_fetch(live, &overlap, to))
             }
-            None => self.policy.place(spec, live, &mut self.rng),
+            None => (self.policy.place(spec, live, &mut self.rng), None),
         };
         if live.iter().any(|l| l.instance == to) {
             self.note_prefix(spec, to);
-            return Some(to);
+            return Some((to, fetch));
         }
         let fallback = live.iter().min_by_key(|l| (l.kv_footprint_bytes(), l.instance)).map(|l| l.instance);
         tracing::warn!(
@@ -947,7 +958,7 @@ impl Controller {
         if let Some(to) = fallback {
             self.note_prefix(spec, to);
         }
-        fallback
+        fallback.map(|to| (to, None))
     }
 
     /// The prompt of `spec`, placed on `on`, is predicted cached there from now on.
@@ -961,14 +972,14 @@ impl Controller {
         if self.requests.contains_key(&spec.id) {
             return Err(ControlError::Duplicate(spec.id));
         }
-        let Some(to) = self.choose(&spec) else {
+        let Some((to, fetch)) = self.choose(&spec) else {
             self.actions.push_back(Action::Reject { request: spec.id, reason: RejectReason::NoInstance });
             return Ok(());
         };
         let id = spec.id;
         self.charge(to, id, charge_kind(&spec), spec.prompt_tokens);
         self.requests.insert(id, Ownership::placed(spec, to));
-        self.actions.push_back(Action::Place { request: id, on: to, replaced: 0 });
+        self.actions.push_back(Action::Place { request: id, on: to, replaced: 0, fetch });
         Ok(())
     }
 
@@ -976,7 +987,7 @@ impl Controller {
     fn replace(&mut self, id: RequestId) {
         let Some(spec) = self.requests.get(&id).map(|o| o.spec.clone()) else { return };
         self.departed.remove(&id);
-        let Some(to) = self.choose(&spec) else {
+        let Some((to, fetch)) = self.choose(&spec) else {
             tracing::warn!(request = id.0, "no live instance to re-place the request on; retried when one joins");
             self.stranded.insert(id);
             self.actions.push_back(Action::Reject { request: id, reason: RejectReason::NoInstance });
@@ -991,7 +1002,7 @@ impl Controller {
         o.migrating_to = None;
         let replaced = o.replaced;
         self.charge(to, id, charge_kind(&spec), spec.prompt_tokens);
-        self.actions.push_back(Action::Place { request: id, on: to, replaced });
+        self.actions.push_back(Action::Place { request: id, on: to, replaced, fetch });
     }
 
     fn on_lost(&mut self, id: RequestId) -> Result<(), ControlError> {

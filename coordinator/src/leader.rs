@@ -444,8 +444,10 @@ impl Leader {
     /// Carry out a re-placement (or its failure for want of a live worker).
     async fn place_again(self: &Arc<Self>, action: Action) {
         match action {
-            Action::Place { request, on, replaced } => {
+            Action::Place { request, on, replaced, fetch } => {
                 debug_assert!(replaced > 0, "new requests are placed by `submit`");
+                // The coordinator refuses policies that fetch prefixes (`Node::new`).
+                debug_assert!(fetch.is_none(), "a prefix fetch in the emulator");
                 self.stats.replaced.fetch_add(1, Ordering::Relaxed);
                 if let Err(e) = self.persist_ownership(request).await {
                     tracing::error!(request = request.0, "re-placing failed: {e}");

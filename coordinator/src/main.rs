@@ -160,6 +160,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             } else {
                 PrefixIndexMode::Precise
             },
+            ..PolicyParams::default()
         },
         model: ClusterModel { model: spec.name.clone(), kv_bytes_per_token: spec.kv_bytes_per_token() },
         lease_ttl: Duration::from_millis(args.lease_ttl_ms),

@@ -86,7 +86,7 @@ pub enum NodeError {
         theirs_bytes: u64,
     },
     /// The policy name or its parameters are invalid.
-    #[error("unknown policy: {0}")]
+    #[error("policy: {0}")]
     Policy(String),
     /// The prefill/decode setup could not be applied.
     #[error("[pd]: {0}")]
@@ -104,7 +104,14 @@ pub enum NodeError {
 impl Node {
     /// Join (or found) the cluster: the first coordinator writes the cluster record.
     pub async fn new(opts: NodeOptions, store: Arc<dyn MetaStore>) -> Result<Arc<Node>, NodeError> {
-        build_policy(&opts.policy, &opts.policy_params).map_err(|e| NodeError::Policy(e.to_string()))?;
+        let policy = build_policy(&opts.policy, &opts.policy_params).map_err(|e| NodeError::Policy(e.to_string()))?;
+        if policy.needs_costs() {
+            return Err(NodeError::Policy(format!(
+                "`{}` {}",
+                opts.policy,
+                kvfleet_core::policy::cache_aware::EMULATOR_LACKS_FETCH
+            )));
+        }
         let proposed = ClusterRecord {
             model: opts.model.clone(),
             epoch_unix_ns: opts.epoch_unix_ns.unwrap_or_else(unix_now_ns),

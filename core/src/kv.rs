@@ -640,6 +640,45 @@ impl KvBlockManager {
         Ok(hit)
     }
 
+    /// Register prompt blocks fetched from another instance (`hashes`, in prompt order) as free
+    /// cached GPU blocks, the leading one youngest (evicted last); blocks already cached on the
+    /// GPU are only refreshed. Takes free blocks first, then evicts the oldest free cached ones,
+    /// never one of `hashes`, and stops when none is left: returns how many it registered.
+    pub fn install_cached(&mut self, hashes: &[BlockHash]) -> u32 {
+        let cache = self.cache.get_or_insert_with(Box::default);
+        let mut fresh = Vec::new();
+        let mut refreshed = 0u32;
+        for h in hashes.iter().rev() {
+            match cache.by_hash.get(h) {
+                Some(&b) if cache.lru_key.contains_key(&b) => {
+                    cache.touch(b);
+                    refreshed += 1;
+                }
+                Some(_) => {}
+                None if !fresh.contains(h) => fresh.push(*h),
+                None => {}
+            }
+        }
+        // The refreshed ones are the youngest in the LRU: taking fewer than the rest evicts none.
+        let n = (fresh.len() as u32).min(self.free(Tier::Gpu) - refreshed);
+        // Short of room, the leading blocks (last in `fresh`) are the ones a prompt can hit.
+        fresh.drain(..fresh.len() - n as usize);
+        let mut blocks = Vec::with_capacity(n as usize);
+        if self.take(Tier::Gpu, n, &mut blocks).is_err() {
+            return 0;
+        }
+        let cache = self.cache.as_mut().expect("created above");
+        for (&h, &b) in fresh.iter().zip(&blocks) {
+            cache.by_hash.insert(h, b);
+            cache.hash_of.insert(b, h);
+            cache.push_lru(b);
+        }
+        for h in fresh {
+            self.event(KvEvent::Stored { tier: Tier::Gpu, hash: h });
+        }
+        n
+    }
+
     /// Extend `request` to hold `tokens` tokens on its current tier; returns blocks added.
     pub fn grow(&mut self, request: RequestId, tokens: u32) -> Result<u32, KvError> {
         let block_size = self.block_size;
@@ -903,6 +942,40 @@ mod tests {
             kv.check_invariants().unwrap();
         }
         assert!(kv.table(RequestId(11)).unwrap().blocks.contains(&a_blocks[2]), "a's last block went first");
+    }
+
+    #[test]
+    fn fetched_blocks_join_the_cache_leading_first_and_a_later_prompt_hits_them() {
+        // 6 GPU blocks; a prompt of 8 full blocks fetched from elsewhere.
+        let mut kv = KvBlockManager::new(16, 6, 0);
+        kv.enable_events();
+        let h = prompt_block_hashes(&[3], 128, 16);
+        assert_eq!(h.len(), 8);
+        let other = prompt_block_hashes(&[4], 32, 16);
+        kv.allocate_prefixed(RequestId(1), 32, &other, 2).unwrap();
+        kv.free_request(RequestId(1)); // 2 cached free blocks of another prompt
+                                       // Room for 6: the leading 6 of the 8 are registered, evicting the other prompt's two.
+        assert_eq!(kv.install_cached(&h), 6);
+        assert_eq!(kv.prefix_hits(&h), 6);
+        assert_eq!((kv.used(Tier::Gpu), kv.cached_free(Tier::Gpu)), (0, 6));
+        kv.check_invariants().unwrap();
+        let mut events = Vec::new();
+        kv.drain_events(&mut events);
+        let stored = events.iter().filter(|e| matches!(e, KvEvent::Stored { tier: Tier::Gpu, .. })).count();
+        assert_eq!(stored, 2 + 6, "{events:?}");
+        // Installing again registers nothing new and evicts none of them.
+        assert_eq!(kv.install_cached(&h[..6]), 0);
+        assert_eq!(kv.prefix_hits(&h), 6);
+        // A prompt with that content hits the 6 (all but the partial rest).
+        let hit = kv.allocate_prefixed(RequestId(2), 96, &h[..6], 5).unwrap();
+        assert_eq!(hit.blocks, 5, "capped as the engine caps hits");
+        kv.check_invariants().unwrap();
+        // The leading block is the youngest: a 1-block allocation evicts the 6th, not the 1st.
+        kv.free_request(RequestId(2));
+        let mut kv2 = KvBlockManager::new(16, 3, 0);
+        assert_eq!(kv2.install_cached(&h[..3]), 3);
+        kv2.allocate(RequestId(9), Tier::Gpu, 16).unwrap();
+        assert_eq!(kv2.prefix_hits(&h), 2, "the last fetched block went first");
     }
 
     #[test]

@@ -24,7 +24,9 @@ use kvfleet_control::roles::PdConfig;
 use kvfleet_control::{Action, ArrowProfile, Controller, Event as Control, MoveOutcome};
 use kvfleet_core::engine::sched::build_scheduler;
 use kvfleet_core::engine::{Engine, EngineConfig, EngineEvent, EngineStats};
+use kvfleet_core::kv::{prompt_block_hashes, BlockHash};
 use kvfleet_core::metrics::{DecisionTimes, MigrationRecord, RequestRecord, RoleChange};
+use kvfleet_core::policy::cache_aware::{PlacementCosts, PrefillCurve, PrefixFetch};
 use kvfleet_core::policy::InstancePolicy;
 use kvfleet_core::time::RUN_LIMIT;
 use kvfleet_core::timing::TimingModel;
@@ -85,6 +87,8 @@ pub struct ClusterOutcome {
     pub role_changes: Vec<RoleChange>,
     /// Wall time of the controller's placements and handoff decisions.
     pub decisions: DecisionTimes,
+    /// Prefix fetches of cache-aware placements.
+    pub fetches: FetchStats,
 }
 
 /// A run whose virtual clock passed [`RUN_LIMIT`]: an iteration or a transfer lasting longer than
@@ -111,6 +115,25 @@ pub struct Overrun {
 struct InFlight {
     m: LiveMigration,
     armed: Option<Timestamp>,
+}
+
+/// A request waiting for the prompt blocks its placement fetches from another instance.
+struct Fetching {
+    spec: RequestSpec,
+    on: InstanceId,
+    /// The blocks on the wire, in prompt order: they join `on`'s cache when the transfer ends.
+    hashes: Vec<BlockHash>,
+}
+
+/// Prefix fetches of a run (cache-aware placement).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FetchStats {
+    /// Placements that copied a prefix before starting.
+    pub fetches: u64,
+    /// Blocks copied.
+    pub blocks: u64,
+    /// Bytes copied.
+    pub bytes: u64,
 }
 
 /// A simulated cluster. Build it, then [`Cluster::run`] a workload.
@@ -142,6 +165,9 @@ pub struct Cluster {
     tick_at: Option<Timestamp>,
     role_changes: Vec<RoleChange>,
     decisions: DecisionTimes,
+    /// Prefix fetches on the fabric, by transfer.
+    fetches: HashMap<TransferId, Fetching>,
+    fetch_stats: FetchStats,
 }
 
 impl Cluster {
@@ -199,7 +225,28 @@ impl Cluster {
             tick_at: None,
             role_changes: Vec::new(),
             decisions: DecisionTimes::default(),
+            fetches: HashMap::new(),
+            fetch_stats: FetchStats::default(),
         })
+    }
+
+    /// Hand a cost-based policy (`cache-aware`) its prefill curve, profiled on `timing` as
+    /// Arrow's profiler does, and the fabric's link.
+    pub fn use_placement_costs(
+        &mut self,
+        timing: &dyn TimingModel,
+        link: &LinkParams,
+        slo_tpot_s: f64,
+    ) -> Result<(), String> {
+        let profile = ArrowProfile::measure(timing, slo_tpot_s).map_err(|e| format!("prefill profile: {e}"))?;
+        let q = profile.prefill;
+        let costs = PlacementCosts {
+            prefill: PrefillCurve { a: q.a, b: q.b, c: q.c },
+            link_bytes_per_s: link.bandwidth_gbps * 1e9 / 8.0,
+            link_latency_s: link.latency_us * 1e-6,
+        };
+        self.control.set_placement_costs(&costs);
+        Ok(())
     }
 
     /// Disaggregate prefill and decode as `pd` splits the instances (the controller's rule:
@@ -402,6 +449,11 @@ impl Cluster {
                             continue;
                         }
                         for (id, _started) in self.fabric.complete_due(now) {
+                            if let Some(f) = self.fetches.remove(&id) {
+                                self.engines[f.on.0 as usize].install_prefix(&f.hashes);
+                                self.start_on(now, &f.spec, f.on, &mut records);
+                                continue;
+                            }
                             let Some(key) = self.transfer_owner.remove(&id) else { continue };
                             let Some(f) = self.migrations.get_mut(&key) else { continue };
                             let engines =
@@ -471,6 +523,7 @@ impl Cluster {
         }
         progress(Progress { now: last_event, arrived, finished: records.len(), total });
         debug_assert!(self.migrations.is_empty(), "every migration ends");
+        debug_assert!(self.fetches.is_empty(), "every prefix fetch ends");
         debug_assert!(self.pending_moves.iter().all(Vec::is_empty), "every decided move starts");
         records.sort_by_key(|r| r.id);
         Ok(ClusterOutcome {
@@ -481,6 +534,7 @@ impl Cluster {
             end: last_event,
             role_changes: self.role_changes,
             decisions: self.decisions,
+            fetches: self.fetch_stats,
         })
     }
 
@@ -488,24 +542,58 @@ impl Cluster {
     fn execute(&mut self, now: Timestamp, arrival: &RequestSpec, records: &mut Vec<RequestRecord>) {
         while let Some(action) = self.control.poll_action() {
             match action {
-                Action::Place { request, on, .. } => {
+                Action::Place { request, on, fetch, .. } => {
                     debug_assert_eq!(request, arrival.id, "the simulator re-places nothing: no instance dies");
-                    match self.engines[on.0 as usize].submit(now, arrival.clone()) {
-                        Ok(()) => {
-                            self.refresh_load(now, on.0);
-                            self.touch(on.0);
-                        }
-                        Err(_) => {
-                            // Can never fit that instance: finished as rejected (not lost).
-                            let _ = self.control.handle(now, Control::Finished { request, from: Some(on) });
-                            records.push(rejected(arrival, on));
-                        }
+                    if !fetch.is_some_and(|f| self.start_fetch(now, arrival, on, f)) {
+                        self.start_on(now, arrival, on, records);
                     }
                 }
                 Action::Reject { .. } => records.push(rejected(arrival, InstanceId(0))),
                 other => self.follow(now, other),
             }
         }
+    }
+
+    /// Submit `spec` to instance `on`.
+    fn start_on(&mut self, now: Timestamp, spec: &RequestSpec, on: InstanceId, records: &mut Vec<RequestRecord>) {
+        let request = spec.id;
+        match self.engines[on.0 as usize].submit(now, spec.clone()) {
+            Ok(()) => {
+                self.refresh_load(now, on.0);
+                self.touch(on.0);
+            }
+            Err(_) => {
+                // Can never fit that instance: finished as rejected (not lost).
+                let _ = self.control.handle(now, Control::Finished { request, from: Some(on) });
+                records.push(rejected(spec, on));
+            }
+        }
+    }
+
+    /// Put the prompt blocks `fetch` names that its holder still caches on the GPU on the fabric
+    /// to `on`; the request starts there when they arrive. `false` (start it now) when the holder
+    /// has none of them left or `on` caches no prefixes.
+    fn start_fetch(&mut self, now: Timestamp, spec: &RequestSpec, on: InstanceId, fetch: PrefixFetch) -> bool {
+        let target = self.engines[on.0 as usize].config();
+        if !target.prefix_caching || fetch.from == on {
+            return false;
+        }
+        let block_bytes = target.block_bytes();
+        let hashes = prompt_block_hashes(&spec.content_ids, spec.prompt_tokens, target.block_size);
+        let end = (fetch.end as usize).min(hashes.len());
+        let held = self.engines[fetch.from.0 as usize].kv().prefix_hit_blocks(&hashes[..end]).count();
+        let first = fetch.first as usize;
+        if held <= first {
+            return false;
+        }
+        let blocks = (held - first) as u64;
+        let id = self.fabric.start(now, fetch.from, on, blocks * block_bytes);
+        self.fabric_dirty = true;
+        self.fetch_stats.fetches += 1;
+        self.fetch_stats.blocks += blocks;
+        self.fetch_stats.bytes += blocks * block_bytes;
+        self.fetches.insert(id, Fetching { spec: spec.clone(), on, hashes: hashes[first..held].to_vec() });
+        true
     }
 
     fn on_phase_boundary(

@@ -386,6 +386,7 @@ impl SimConfig {
             build_scheduler(&intra, &self.scheduler.intra)
                 .map_err(|e| ConfigError::Invalid(format!("`scheduler.intra` for policy `{p}`: {e}")))?;
         }
+        self.scheduler.instance.validate().map_err(|e| ConfigError::Invalid(format!("`scheduler.instance`: {e}")))?;
         self.link.validate().map_err(|e| ConfigError::Invalid(format!("link: {e}")))?;
         self.migration.validate()?;
         self.workload.validate().map_err(|e| ConfigError::Invalid(format!("workload: {e}")))?;

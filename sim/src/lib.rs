@@ -121,6 +121,7 @@ pub fn run_one_until(
         )));
     }
     let policy_impl = build_policy(&inst, &cfg.scheduler.instance).map_err(|e| SimError::Setup(e.to_string()))?;
+    let policy_impl_needs_costs = policy_impl.needs_costs();
     let mut cluster = Cluster::new(
         cfg.cluster.instances,
         &engine,
@@ -133,11 +134,14 @@ pub fn run_one_until(
         cfg.workload.seed,
     )
     .map_err(SimError::Setup)?;
+    if policy_impl_needs_costs {
+        cluster.use_placement_costs(timing.as_ref(), &cfg.link, cfg.slo.tpot_s).map_err(SimError::Setup)?;
+    }
     cluster.split_prefill_decode(&cfg.pd);
     if cfg.pd.policy == PdPolicy::Arrow {
         cluster.use_arrow(cfg.pd.arrow, timing.as_ref()).map_err(SimError::Setup)?;
     }
-    let ClusterOutcome { records, migrations, instances, events, end, role_changes, decisions } =
+    let ClusterOutcome { records, migrations, instances, events, end, role_changes, decisions, fetches } =
         cluster.run_until(&requests, until.min(RUN_LIMIT), progress)?;
     let id = RunIdentity {
         policy: policy.to_string(),
@@ -149,5 +153,6 @@ pub fn run_one_until(
     };
     Ok(RunResult::new(id, records, migrations, &cfg.slo, end.as_secs_f64())
         .with_engine_counters(instances, events)
-        .with_control(role_changes, decisions))
+        .with_control(role_changes, decisions)
+        .with_prefix_fetches(fetches.fetches, fetches.bytes))
 }

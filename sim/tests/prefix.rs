@@ -121,3 +121,41 @@ fn the_cpu_tier_keeps_what_the_gpu_evicts() {
     // Measured: 0.33 → 0.81 (16 system prompts fit in 64 GB; 7 in the GPU's 8 GB).
     assert!(hit(&tiered) >= 2.0 * hit(&gpu_only), "{} vs {}", hit(&tiered), hit(&gpu_only));
 }
+
+#[test]
+fn cache_aware_fetches_hot_prefixes_and_beats_load_only_placement() {
+    let cfg = config(true, true, 0.0);
+    let rr = run(&cfg, "fcfs+round-robin");
+    let aware = run(&cfg, "fcfs+cache-aware");
+    let hit = |r: &RunResult| r.summary.prefix_hit_rate.unwrap_or(0.0);
+    let first_p50 = |r: &RunResult| {
+        let mut t: Vec<f64> = r
+            .records
+            .iter()
+            .map(|q| q.first_token.expect("finished").saturating_since(q.arrival).as_secs_f64())
+            .collect();
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    let s = &aware.summary;
+    println!(
+        "cache-aware: hit rate {:.3} (rr {:.3}), first token p50 {:.3} s (rr {:.3}), {} fetches, {:.2} GB",
+        hit(&aware),
+        hit(&rr),
+        first_p50(&aware),
+        first_p50(&rr),
+        s.prefix_fetches,
+        s.prefix_fetch_bytes as f64 / 1e9
+    );
+    assert_eq!(s.requests_finished, 400);
+    // It replicates hot system prompts by copying them, so whole blocks of KV cross the fabric.
+    assert!(s.prefix_fetches > 0 && s.prefix_fetch_bytes > 0, "{s:?}");
+    let block_bytes = 16 * kvfleet_core::spec::ModelSpec::load("r1-distill-qwen-32b").unwrap().kv_bytes_per_token();
+    assert_eq!(s.prefix_fetch_bytes % block_bytes, 0, "whole blocks");
+    assert!(hit(&aware) >= 2.0 * hit(&rr), "{} vs {}", hit(&aware), hit(&rr));
+    assert!(first_p50(&aware) <= 0.5 * first_p50(&rr), "{} vs {}", first_p50(&aware), first_p50(&rr));
+    // Deterministic.
+    let again = run(&cfg, "fcfs+cache-aware");
+    assert_eq!(serde_json::to_string(&again.records).unwrap(), serde_json::to_string(&aware.records).unwrap());
+    assert_eq!(again.summary.prefix_fetch_bytes, s.prefix_fetch_bytes);
+}

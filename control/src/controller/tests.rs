@@ -116,7 +116,7 @@ fn placement_follows_the_policy_and_skips_dead_instances() {
     assert_eq!(place(&mut c, spec(1, 10)), InstanceId(2), "Alg. 1: least KV footprint");
     assert_eq!(c.handle(Timestamp::ZERO, Event::Arrival(spec(1, 10))), Err(ControlError::Duplicate(RequestId(1))));
     let actions = c.decide(Timestamp::ZERO, Event::Left { instance: InstanceId(2) }).unwrap();
-    assert_eq!(actions, vec![Action::Place { request: RequestId(1), on: InstanceId(1), replaced: 1 }]);
+    assert_eq!(actions, vec![Action::Place { request: RequestId(1), on: InstanceId(1), replaced: 1, fetch: None }]);
     assert_eq!(c.ownership(RequestId(1)).unwrap().instance, InstanceId(1));
     assert!(c.loads().iter().all(|l| l.instance != InstanceId(2)), "a dead instance is not offered to policies");
 }
@@ -250,7 +250,7 @@ fn a_silent_instance_draws_no_placement_until_it_is_heard_again() {
     let again: Vec<u64> = moved
         .iter()
         .map(|a| match a {
-            Action::Place { request, on: InstanceId(1), replaced: 1 } => request.0,
+            Action::Place { request, on: InstanceId(1), replaced: 1, .. } => request.0,
             other => panic!("expected re-placements on 1, got {other:?}"),
         })
         .collect();
@@ -401,7 +401,7 @@ fn a_source_leaving_mid_move_is_settled_by_its_target_not_re_placed() {
         (true, vec![], InstanceId(1), OwnedPhase::Answering, 0),
         (
             false,
-            vec![Action::Place { request: id, on: InstanceId(1), replaced: 1 }],
+            vec![Action::Place { request: id, on: InstanceId(1), replaced: 1, fetch: None }],
             InstanceId(1),
             OwnedPhase::Reasoning,
             1,
@@ -507,7 +507,7 @@ fn a_target_leaving_mid_move_leaves_the_request_on_its_source() {
         let placed: Vec<_> = actions.iter().filter(|a| matches!(a, Action::Place { .. })).collect();
         assert_eq!(
             placed,
-            vec![&Action::Place { request: id, on: InstanceId(2), replaced: 1 }],
+            vec![&Action::Place { request: id, on: InstanceId(2), replaced: 1, fetch: None }],
             "{order:?}: {actions:?}"
         );
         assert!(c
@@ -526,7 +526,7 @@ fn a_re_placement_without_a_live_instance_is_retried_when_one_joins() {
     assert_eq!(actions, vec![Action::Reject { request: RequestId(1), reason: RejectReason::NoInstance }]);
     // The same instance number back (a restarted process): it starts over there.
     let actions = c.decide(Timestamp::ZERO, joined(0)).unwrap();
-    assert_eq!(actions, vec![Action::Place { request: RequestId(1), on: InstanceId(0), replaced: 1 }]);
+    assert_eq!(actions, vec![Action::Place { request: RequestId(1), on: InstanceId(0), replaced: 1, fetch: None }]);
     assert!(c.decide(Timestamp::ZERO, joined(0)).unwrap().is_empty(), "a refreshed registration re-places nothing");
 }
 

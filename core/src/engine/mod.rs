@@ -387,6 +387,15 @@ impl Engine {
     pub fn drain_kv_events(&mut self, out: &mut Vec<crate::kv::KvEvent>) {
         self.kv.drain_events(out);
     }
+    /// Prompt blocks fetched from another instance's cache (`hashes`, in prompt order) join this
+    /// one's GPU prefix cache as free cached blocks ([`KvBlockManager::install_cached`]); returns
+    /// how many were registered (none with prefix caching off).
+    pub fn install_prefix(&mut self, hashes: &[crate::kv::BlockHash]) -> u32 {
+        if !self.cfg.prefix_caching {
+            return 0;
+        }
+        self.kv.install_cached(hashes)
+    }
     /// Turn on the KV move journal (workers mirror moves on their real arenas).
     pub fn enable_kv_journal(&mut self) {
         self.kv.enable_journal();

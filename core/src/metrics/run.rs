@@ -134,6 +134,13 @@ impl RunResult {
         self
     }
 
+    /// Prefix copies its placements made before starting requests: how many, and their bytes.
+    pub fn with_prefix_fetches(mut self, fetches: u64, bytes: u64) -> RunResult {
+        self.summary.prefix_fetches = fetches;
+        self.summary.prefix_fetch_bytes = bytes;
+        self
+    }
+
     /// The run's role changes ([`RunResult::role_changes`]) and decision times.
     pub fn with_control(mut self, role_changes: Vec<RoleChange>, decisions: DecisionTimes) -> RunResult {
         self.role_changes = role_changes;

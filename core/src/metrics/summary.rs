@@ -147,6 +147,13 @@ pub struct RunSummary {
     /// [`SloTargets::ttft_s`] used.
     #[serde(default)]
     pub slo_ttft_s: Option<f64>,
+    /// Placements that first copied a cached prompt prefix from another instance
+    /// (`cache-aware`).
+    #[serde(default)]
+    pub prefix_fetches: u64,
+    /// Bytes those copies moved.
+    #[serde(default)]
+    pub prefix_fetch_bytes: u64,
 
     /// KV-cache migrations logged, aborted ones included.
     pub migrations_total: u64,
@@ -229,6 +236,8 @@ impl RunSummary {
             ("ttft_p50_high_hit_s", V(self.ttft_p50_high_hit_s)),
             ("slo_attainment", V(self.slo_attainment)),
             ("slo_ttft_s", V(self.slo_ttft_s)),
+            ("prefix_fetches", C(self.prefix_fetches)),
+            ("prefix_fetch_bytes", C(self.prefix_fetch_bytes)),
         ]
     }
 
@@ -402,6 +411,8 @@ pub fn summarize(records: &[RequestRecord], migrations: &[MigrationRecord], slo:
         slo_ttfat_s: slo.ttfat_s,
         slo_qoe_threshold: slo.qoe_threshold,
         slo_ttft_s: slo.ttft_s,
+        prefix_fetches: 0,
+        prefix_fetch_bytes: 0,
     }
 }
 
@@ -606,7 +617,7 @@ mod tests {
         assert!(json["ttft_p99_s"].is_null());
         let row = s.csv_row();
         assert!(row.starts_with("0,0,0,,,,"), "{row}");
-        assert!(row.ends_with(",0.1,0.25,0.95,0,,,,,,"), "{row}");
+        assert!(row.ends_with(",0.1,0.25,0.95,0,,,,,,,0,0"), "{row}");
     }
 
     #[test]

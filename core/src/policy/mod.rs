@@ -4,6 +4,7 @@
 //! runs in the simulator and in the coordinator process.
 
 pub mod baselines;
+pub mod cache_aware;
 pub mod pascal;
 pub mod prefix;
 pub mod registry;
@@ -198,5 +199,25 @@ pub trait InstancePolicy: Send + std::fmt::Debug {
     /// Whether `on_phase_change` can ever migrate (lets drivers skip the call).
     fn migrates_at_phase_boundary(&self) -> bool {
         false
+    }
+    /// Whether the policy weighs time against [`cache_aware::PlacementCosts`] that its driver
+    /// must hand it ([`InstancePolicy::set_costs`]); a driver that cannot refuses the policy.
+    fn needs_costs(&self) -> bool {
+        false
+    }
+    /// The prefill curve and link a cost-based policy weighs. The default ignores them.
+    fn set_costs(&mut self, costs: &cache_aware::PlacementCosts) {
+        let _ = costs;
+    }
+    /// After placing on `chosen` (given the same `loads` and `overlap`): prompt blocks to copy
+    /// there from another instance's cache before the request starts. The default fetches none.
+    fn prefix_fetch(
+        &self,
+        loads: &[LoadReport],
+        overlap: &[f64],
+        chosen: InstanceId,
+    ) -> Option<cache_aware::PrefixFetch> {
+        let _ = (loads, overlap, chosen);
+        None
     }
 }

@@ -4,6 +4,7 @@
 //! `pascal-nomigration`, and the baselines of [`super::baselines`].
 
 use super::baselines::{LeastKv, Random, RoundRobin};
+use super::cache_aware::{CacheAware, DEFAULT_FETCH_THRESHOLD};
 use super::pascal::{MigrationMode, PascalPolicy, TieBreak, DEFAULT_HEADROOM_BLOCKS};
 use super::prefix::{KvOverlap, PascalKv, PrecisePrefix};
 use super::{InstancePolicy, PrefixIndexMode};
@@ -19,6 +20,7 @@ const POLICY_NAMES: &[&str] = &[
     "kv-overlap",
     "precise-prefix",
     "pascal-kv",
+    "cache-aware",
 ];
 
 /// Why [`build_policy`] failed.
@@ -35,7 +37,7 @@ pub enum PolicyError {
 }
 
 /// Tunables shared by the policies (TOML table `[policy]` or CLI flags); each has a default.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PolicyParams {
     /// PASCAL adaptive migration: free GPU blocks, beyond the request's own KV, that make an
@@ -54,6 +56,14 @@ pub struct PolicyParams {
     /// (instances' KV events) or `approx` (from placements alone).
     #[serde(default)]
     pub prefix_index: PrefixIndexMode,
+    /// `cache-aware`'s θ: an instance fetches the missing prefix from the best holder when that
+    /// holder has more than θ times its cached blocks (> 1; default 2.0).
+    #[serde(default = "default_fetch_threshold")]
+    pub fetch_threshold: f64,
+}
+
+fn default_fetch_threshold() -> f64 {
+    DEFAULT_FETCH_THRESHOLD
 }
 
 impl Default for PolicyParams {
@@ -63,7 +73,19 @@ impl Default for PolicyParams {
             demand_aware_memory: false,
             alg2_tie_break: TieBreak::LowestId,
             prefix_index: PrefixIndexMode::default(),
+            fetch_threshold: DEFAULT_FETCH_THRESHOLD,
         }
+    }
+}
+
+impl PolicyParams {
+    /// The ranges each tunable must lie in; the error names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        let theta = self.fetch_threshold;
+        if !(theta.is_finite() && theta > 1.0) {
+            return Err(format!("`fetch_threshold` must be a number > 1, got {theta}"));
+        }
+        Ok(())
     }
 }
 
@@ -96,6 +118,7 @@ pub fn build_policy(name: &str, params: &PolicyParams) -> Result<Box<dyn Instanc
                 .with_tie_break(params.alg2_tie_break),
             KvOverlap::default().with_index(params.prefix_index),
         )),
+        "cache-aware" => Box::new(CacheAware::new(params.fetch_threshold)),
         _ => return Err(PolicyError::Unknown { name: name.into(), valid: POLICY_NAMES.join(", ") }),
     })
 }

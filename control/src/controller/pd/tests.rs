@@ -81,7 +81,7 @@ fn a_prompt_goes_where_its_predicted_ttft_meets_the_slo() {
     c.handle(at(0.0), Event::Load(queued(0, 3))).unwrap();
     c.handle(at(0.0), Event::Load(LoadReport { gpu_used_blocks: 500, ..report(1) })).unwrap();
     let actions = c.decide(at(0.0), Event::Arrival(spec(1, 100))).unwrap();
-    assert_eq!(actions, vec![Action::Place { request: RequestId(1), on: InstanceId(1), replaced: 0 }]);
+    assert_eq!(actions, vec![Action::Place { request: RequestId(1), on: InstanceId(1), replaced: 0, fetch: None }]);
     // Charged at once: the next prompt sees 1 s queued on instance 1 (2 s in all: still in SLO).
     assert_eq!(c.loads()[1].prefill_queue, PrefillQueue { requests: 1, tokens: 100, tokens_sq: 10_000 });
 }
@@ -99,7 +99,7 @@ fn no_prefill_instance_in_slo_flips_a_decode_instance_to_prefill() {
         actions,
         vec![
             Action::SetRole { instance: InstanceId(3), role: Role::Prefill },
-            Action::Place { request: RequestId(1), on: InstanceId(3), replaced: 0 },
+            Action::Place { request: RequestId(1), on: InstanceId(3), replaced: 0, fetch: None },
         ]
     );
     // Decode load high (instance 2 near its 16,000-token MT): the next such prompt flips nothing
@@ -107,7 +107,7 @@ fn no_prefill_instance_in_slo_flips_a_decode_instance_to_prefill() {
     c.handle(at(0.0), Event::Load(LoadReport { decode_context_tokens: 15_500, ..report(2) })).unwrap();
     c.handle(at(0.0), Event::Load(queued(3, 4))).unwrap();
     let actions = c.decide(at(0.0), Event::Arrival(spec(2, 100))).unwrap();
-    assert_eq!(actions, vec![Action::Place { request: RequestId(2), on: InstanceId(0), replaced: 0 }]);
+    assert_eq!(actions, vec![Action::Place { request: RequestId(2), on: InstanceId(0), replaced: 0, fetch: None }]);
 }
 
 /// Instance `i`'s decode counters: `tokens` produced so far, their latencies summing to `s`.
