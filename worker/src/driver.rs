@@ -646,6 +646,28 @@ impl Driver {
         tracing::error!(%request, error = %e, "KV arena out of step with the engine");
     }
 
+    /// Write `content`'s tokens `tokens` into `block` of `tier` (counted as written); `false`
+    /// after an arena error (counted and logged). An associated function, so that callers can
+    /// hold other fields (the written-so-far table their content borrows).
+    fn write_tokens(
+        arena: &mut KvArena,
+        stats: &mut KvStats,
+        (tier, block): (Tier, u32),
+        content: TokenContent<'_>,
+        tokens: std::ops::Range<u32>,
+    ) -> bool {
+        let count = tokens.len() as u64;
+        for p in tokens {
+            if let Err(e) = arena.write_token(tier, block, content, p) {
+                stats.errors += 1;
+                tracing::error!(request = %content.request, error = %e, "KV arena out of step with the engine");
+                return false;
+            }
+        }
+        stats.tokens_written += count;
+        true
+    }
+
     /// Make context positions `0..upto` of `request` hold their content in the arena.
     fn write_kv(&mut self, request: RequestId, upto: u32) {
         let bs = self.block_size;
@@ -676,15 +698,8 @@ impl Driver {
             let whole_shared = pos.is_multiple_of(bs) && end - pos == bs && (k as usize) < w.shared.len();
             if whole_shared && self.arena.verify_stamps(tier, block, content, pos, bs).is_ok() {
                 self.kv_stats.tokens_reused += bs as u64;
-            } else {
-                for p in pos..end {
-                    if let Err(e) = self.arena.write_token(tier, block, content, p) {
-                        self.kv_stats.errors += 1;
-                        tracing::error!(%request, error = %e, "KV arena write failed");
-                        return;
-                    }
-                }
-                self.kv_stats.tokens_written += (end - pos) as u64;
+            } else if !Self::write_tokens(&mut self.arena, &mut self.kv_stats, (tier, block), content, pos..end) {
+                return;
             }
             pos = end;
             w.tokens = pos;

@@ -338,13 +338,10 @@ impl Driver {
             if !cached || self.arena.verify_stamps(table.tier, block, content, first, bs).is_ok() {
                 continue;
             }
-            for token in first..first + bs {
-                if let Err(e) = self.arena.write_token(table.tier, block, content, token) {
-                    self.kv_error(content.request, &e);
-                    return;
-                }
+            let tokens = first..first + bs;
+            if !Self::write_tokens(&mut self.arena, &mut self.kv_stats, (table.tier, block), content, tokens) {
+                return;
             }
-            self.kv_stats.tokens_written += bs as u64;
         }
     }
 
