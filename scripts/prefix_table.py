@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Prefix-caching results as a Markdown table, from `kvfleet sim` output directories.
 
-For each run: prefix-cache hit rate, TTFT p50 / p99, and TTFT p50 by hit bucket (no hit, at most
-half the prompt cached, more than half), read from `summary.csv` and the per-request CSVs
+For each run: prefix-cache hit rate, TTFT p50 / p99, TTFT p50 by hit bucket (no hit, at most
+half the prompt cached, more than half) and cache-aware's prefix fetches, read from `summary.csv` and the per-request CSVs
 (`cached_tokens` / `prompt_tokens`).
 
     scripts/prefix_table.py docs/results/prefix/synthetic docs/results/prefix/conversation
@@ -27,8 +27,8 @@ def table(directory: pathlib.Path) -> str:
     rows = list(csv.DictReader(open(directory / "summary.csv")))
     out = [
         f"**{directory.name}**\n",
-        "| policy | rate | hit % | TTFT p50 s | TTFT p99 s | TTFT p50, no hit | ≤ 50 % cached | > 50 % cached | SLO viol % |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| policy | rate | hit % | TTFT p50 s | TTFT p99 s | TTFT p50, no hit | ≤ 50 % cached | > 50 % cached | SLO viol % | prefix fetches (GB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rate = r["rate"] or "trace"
@@ -47,7 +47,8 @@ def table(directory: pathlib.Path) -> str:
         out.append(
             f"| {r['policy']} | {rate} | {hit:.1f} | {cell(float(r['ttft_p50_s']))} | {cell(float(r['ttft_p99_s']))} "
             f"| {cell(pct(buckets['none'], 0.5))} ({len(buckets['none'])}) | {cell(pct(buckets['low'], 0.5))} ({len(buckets['low'])}) "
-            f"| {cell(pct(buckets['high'], 0.5))} ({len(buckets['high'])}) | {cell(slo)} |"
+            f"| {cell(pct(buckets['high'], 0.5))} ({len(buckets['high'])}) | {cell(slo)} "
+            f"| {int(r.get('prefix_fetches') or 0)} ({int(r.get('prefix_fetch_bytes') or 0) / 1e9:.1f}) |"
         )
     return "\n".join(out) + "\n"
 
