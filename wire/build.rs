@@ -6,7 +6,11 @@ fn main() {
     // Needs `protoc` (Debian: protobuf-compiler); scripts/lib/install-deps.sh installs it.
     prost_build::Config::new()
         // KV blocks and request state are handed around without copying (`bytes::Bytes`).
-        .bytes([".kvfleet.migration.v1.BlockData.data", ".kvfleet.migration.v1.Commit.state"])
+        .bytes([
+            ".kvfleet.migration.v1.BlockData.data",
+            ".kvfleet.migration.v1.Commit.state",
+            ".kvfleet.migration.v1.PrefixBlock.data",
+        ])
         .compile_protos(&["proto/kvfleet.proto", "proto/migration.proto"], &["proto/"])
         .expect("compile proto/kvfleet.proto and proto/migration.proto (is protoc installed?)");
 }

@@ -91,13 +91,6 @@ impl Plan {
             }
         }
         let (intra, instance_policy) = resolve_policy(&cfg.scheduler.policy).map_err(|e| InputError(e.to_string()))?;
-        // The emulator's drivers have no prefill curve or link model to hand a cost-based policy.
-        let policy = kvfleet_core::policy::build_policy(&instance_policy, &cfg.scheduler.instance)
-            .map_err(|e| InputError(e.to_string()))?;
-        if policy.needs_costs() {
-            let why = kvfleet_core::policy::cache_aware::EMULATOR_LACKS_FETCH;
-            return Err(InputError(format!("instance policy `{instance_policy}` {why}")).into());
-        }
         let requests =
             kvfleet_core::workload::generate(&workload, &base_dir).map_err(|e| InputError(format!("workload: {e}")))?;
         Ok(Plan { cfg, intra, instance_policy, workload, requests, rate: a.rate })
@@ -193,6 +186,10 @@ pub struct Replayed {
     pub role_changes: Vec<v1::RoleChange>,
     pub handoffs: u64,
     pub handoffs_released: u64,
+    /// Cache-aware placements that copied a cached prefix first, and their bytes (the leader's
+    /// count).
+    pub prefix_fetches: u64,
+    pub prefix_fetch_bytes: u64,
 }
 
 impl Replayed {
@@ -205,7 +202,7 @@ impl Replayed {
             .iter()
             .map(|c| RoleChange { at_s: c.at_ns as f64 / 1e9, instance: c.instance, role: c.role.clone() })
             .collect();
-        run.with_control(changes, Default::default())
+        run.with_control(changes, Default::default()).with_prefix_fetches(self.prefix_fetches, self.prefix_fetch_bytes)
     }
 
     /// The line on prefill/decode handoffs and role flips (`None` when the run had neither).

@@ -15,6 +15,7 @@
 use crate::trace::{PlacementNote, RequestTraces};
 use kvfleet_control::{Action, ControlError, Controller, Event, MoveOutcome, OwnedPhase, Ownership, Silence};
 use kvfleet_core::metrics::RequestRecord;
+use kvfleet_core::policy::cache_aware::PrefixFetch;
 use kvfleet_core::policy::LoadReport;
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, TimeSpan, Timestamp};
 use kvfleet_meta::layout::{self as keys, ClusterTime, WorkerRecord};
@@ -60,6 +61,10 @@ pub struct LeaderStats {
     pub handoffs: AtomicU64,
     /// Held requests released to decode where they were prefilled.
     pub handoffs_released: AtomicU64,
+    /// Cache-aware placements whose target copied a cached prefix from another worker first.
+    pub prefix_fetches: AtomicU64,
+    /// The bytes those copies moved.
+    pub prefix_fetch_bytes: AtomicU64,
 }
 
 struct WorkerLink {
@@ -511,13 +516,13 @@ impl Leader {
     /// (in a task of its own).
     pub async fn submit(self: &Arc<Self>, spec: RequestSpec, tx: ClientTx) -> Result<InstanceId, LeaderError> {
         let now = self.cluster_now();
-        let (to, note) = {
+        let (to, fetch, note) = {
             let mut control = self.control();
             let loads = control.loads().to_vec();
             let mut placed = control.decide(now, Event::Arrival(spec.clone()))?;
             // Beside the placement, decisions it led to (Arrow flips a decoder to prefill).
             let at = placed.iter().position(|a| matches!(a, Action::Place { request, .. } if *request == spec.id));
-            let Some(Action::Place { on: to, .. }) = at.map(|i| placed.remove(i)) else {
+            let Some(Action::Place { on: to, fetch, .. }) = at.map(|i| placed.remove(i)) else {
                 drop(control);
                 self.act(placed);
                 return Err(LeaderError::NoWorkers(spec.id));
@@ -525,7 +530,7 @@ impl Leader {
             drop(control);
             self.act(placed);
             let control = self.control();
-            (to, PlacementNote::new(control.policy_name(), &loads, to))
+            (to, fetch, PlacementNote::new(control.policy_name(), &loads, to))
         };
         if let Err(e) = self.persist_ownership(spec.id).await {
             let _ = self.decide(Event::Finished { request: spec.id, from: None });
@@ -539,8 +544,42 @@ impl Leader {
         // The client learns of the placement now, not after the worker answered: a replay that
         // submits in arrival order waits for this (the next arrival must see this decision).
         let leader = self.clone();
-        tokio::spawn(async move { leader.submit_to_worker(to, &spec).await });
+        tokio::spawn(async move {
+            if let Some(f) = fetch {
+                leader.fetch_prefix(to, &spec, f).await;
+            }
+            leader.submit_to_worker(to, &spec).await
+        });
         Ok(to)
+    }
+
+    /// A cache-aware placement's prefix copy, before the request is submitted to `to`: the
+    /// worker pulls the blocks from the holder itself. A failure costs only cache hits (the
+    /// request computes what did not arrive), so it is logged, not retried.
+    async fn fetch_prefix(self: &Arc<Self>, to: InstanceId, spec: &RequestSpec, fetch: PrefixFetch) {
+        let holder_kv_address = self.kv_address(fetch.from);
+        let Some(mut client) = self.client(to) else { return };
+        if holder_kv_address.is_empty() {
+            return;
+        }
+        let msg =
+            v1::FetchPrefixRequest { spec: Some(spec.into()), holder_kv_address, first: fetch.first, end: fetch.end };
+        match client.fetch_prefix(msg).await {
+            Ok(reply) => {
+                let r = reply.into_inner();
+                self.stats.prefix_fetches.fetch_add(1, Ordering::Relaxed);
+                self.stats.prefix_fetch_bytes.fetch_add(r.bytes, Ordering::Relaxed);
+                tracing::debug!(
+                    request = spec.id.0,
+                    from = fetch.from.0,
+                    to = to.0,
+                    blocks = r.blocks,
+                    bytes = r.bytes,
+                    "prefix fetched"
+                );
+            }
+            Err(e) => tracing::warn!(request = spec.id.0, from = fetch.from.0, to = to.0, "prefix fetch failed: {e}"),
+        }
     }
 
     /// The client of `id` left (an HTTP client disconnected): stop the request where it runs and
@@ -965,6 +1004,8 @@ impl Leader {
             role_changes: self.roles.changes(),
             handoffs: self.stats.handoffs.load(Ordering::Relaxed),
             handoffs_released: self.stats.handoffs_released.load(Ordering::Relaxed),
+            prefix_fetches: self.stats.prefix_fetches.load(Ordering::Relaxed),
+            prefix_fetch_bytes: self.stats.prefix_fetch_bytes.load(Ordering::Relaxed),
         }
     }
 

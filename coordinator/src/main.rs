@@ -8,8 +8,9 @@ use kvfleet_control::ArrowProfile;
 use kvfleet_coordinator::leader::PdSetup;
 use kvfleet_coordinator::node::ClusterModel;
 use kvfleet_coordinator::node::{serve, Node, NodeOptions};
+use kvfleet_core::policy::cache_aware::{PlacementCosts, PrefillCurve};
 use kvfleet_core::policy::pascal::TieBreak;
-use kvfleet_core::policy::registry::PolicyParams;
+use kvfleet_core::policy::registry::{build_policy, PolicyParams};
 use kvfleet_core::policy::PrefixIndexMode;
 use kvfleet_core::spec::{GpuSpec, ModelSpec};
 use kvfleet_core::timing::build_timing;
@@ -68,6 +69,17 @@ struct Args {
     /// The workers' timing model, for Arrow's profile: analytic, profile or auto.
     #[arg(long, default_value = "auto")]
     timing: String,
+    /// `cache-aware` placement: the link a prefix fetch crosses, Gbit/s (the experiment's
+    /// `[link]`). Its prefill curve is profiled on `--timing` as Arrow's is.
+    #[arg(long, default_value_t = 100.0)]
+    placement_link_gbps: f64,
+    /// `cache-aware` placement: that link's one-way latency, microseconds.
+    #[arg(long, default_value_t = 10.0)]
+    placement_link_latency_us: f64,
+    /// `cache-aware`'s θ (> 1): an instance fetches the missing prefix from the best holder when
+    /// that holder caches more than θ × its blocks.
+    #[arg(long, default_value_t = kvfleet_core::policy::cache_aware::DEFAULT_FETCH_THRESHOLD)]
+    fetch_threshold: f64,
     /// Leadership lease TTL in milliseconds (etcd rounds up to whole seconds, minimum ~2 s).
     #[arg(long, default_value_t = 2000)]
     lease_ttl_ms: u64,
@@ -129,6 +141,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     };
     let spec = ModelSpec::load(&args.model).with_context(|| format!("--model {}", args.model))?;
     let pd = pd_setup(&args, &spec)?;
+    let placement_costs = placement_costs(&args, &spec)?;
     let listener =
         tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let bound = listener.local_addr()?;
@@ -160,7 +173,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             } else {
                 PrefixIndexMode::Precise
             },
-            ..PolicyParams::default()
+            fetch_threshold: args.fetch_threshold,
         },
         model: ClusterModel { model: spec.name.clone(), kv_bytes_per_token: spec.kv_bytes_per_token() },
         lease_ttl: Duration::from_millis(args.lease_ttl_ms),
@@ -170,6 +183,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         time_dilation: args.time_dilation,
         tls,
         pd,
+        placement_costs,
     };
     let node = Node::new(opts, store).await.context("joining the cluster")?;
     tracing::info!(%advertise, policy = %args.policy, "coordinator up; campaigning for leadership");
@@ -195,6 +209,35 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     serve(node, listener, stopped(stop_rx)).await.context("serving")?;
     Ok(())
+}
+
+/// What `cache-aware` weighs: the prefill curve of the workers' timing model (`--gpu`,
+/// `--timing`) and the `--placement-link-*`; `None` for policies that weigh no costs.
+fn placement_costs(args: &Args, model: &ModelSpec) -> anyhow::Result<Option<PlacementCosts>> {
+    let params = PolicyParams { fetch_threshold: args.fetch_threshold, ..PolicyParams::default() };
+    params.validate().map_err(|e| anyhow::anyhow!("--fetch-threshold: {e}"))?;
+    let policy = build_policy(&args.policy, &params).map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
+    if !policy.needs_costs() {
+        return Ok(None);
+    }
+    for (flag, v) in [
+        ("--placement-link-gbps", args.placement_link_gbps),
+        ("--placement-link-latency-us", args.placement_link_latency_us),
+    ] {
+        if !(v.is_finite() && v > 0.0) {
+            anyhow::bail!("{flag} must be a positive number, got {v}");
+        }
+    }
+    let gpu = GpuSpec::load(&args.gpu).with_context(|| format!("--gpu {}", args.gpu))?;
+    let timing = build_timing(&args.timing, model, &gpu, None).context("--timing")?;
+    // Only the prefill curve is used; the decode SLO (any positive one) shapes only MT.
+    let profile = ArrowProfile::measure(timing.as_ref(), 0.1).map_err(|e| anyhow::anyhow!("prefill profile: {e}"))?;
+    let q = profile.prefill;
+    Ok(Some(PlacementCosts {
+        prefill: PrefillCurve { a: q.a, b: q.b, c: q.c },
+        link_bytes_per_s: args.placement_link_gbps * 1e9 / 8.0,
+        link_latency_s: args.placement_link_latency_us * 1e-6,
+    }))
 }
 
 /// `--pd`, checked; Arrow's profile measured on the workers' timing model (`--gpu`, `--timing`).

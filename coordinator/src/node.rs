@@ -3,6 +3,7 @@
 
 use crate::leader::{worker_connector, ClientTx, Leader, PdSetup};
 use kvfleet_control::Controller;
+use kvfleet_core::policy::cache_aware::PlacementCosts;
 use kvfleet_core::policy::registry::{build_policy, PolicyParams};
 use kvfleet_core::SimRng;
 use kvfleet_core::{Dilation, InstanceId, RequestId};
@@ -49,6 +50,9 @@ pub struct NodeOptions {
     /// The cluster identity: the API is served, and workers are called, over mutual TLS with it
     /// (`None`: plain text, for local debugging).
     pub tls: Option<kvfleet_pki::NodeIdentity>,
+    /// The prefill curve and link a cost-based policy (`cache-aware`) weighs; required by such a
+    /// policy, ignored by the others.
+    pub placement_costs: Option<PlacementCosts>,
 }
 
 /// Shared between the gRPC service and the campaign loop.
@@ -105,11 +109,10 @@ impl Node {
     /// Join (or found) the cluster: the first coordinator writes the cluster record.
     pub async fn new(opts: NodeOptions, store: Arc<dyn MetaStore>) -> Result<Arc<Node>, NodeError> {
         let policy = build_policy(&opts.policy, &opts.policy_params).map_err(|e| NodeError::Policy(e.to_string()))?;
-        if policy.needs_costs() {
+        if policy.needs_costs() && opts.placement_costs.is_none() {
+            let name = &opts.policy;
             return Err(NodeError::Policy(format!(
-                "`{}` {}",
-                opts.policy,
-                kvfleet_core::policy::cache_aware::EMULATOR_LACKS_FETCH
+                "`{name}` needs a prefill curve and a link model (placement costs)"
             )));
         }
         let proposed = ClusterRecord {
@@ -182,6 +185,9 @@ impl Node {
         let mut control = Controller::new(policy, SimRng::seed_from_u64(self.opts.seed))
             .expect_model(self.opts.model.model.clone(), self.opts.model.kv_bytes_per_token)
             .retain_finished();
+        if let Some(costs) = &self.opts.placement_costs {
+            control.set_placement_costs(costs);
+        }
         self.opts.pd.apply(&mut control).map_err(NodeError::Pd)?;
         let leader = Leader::new(
             self.store.clone(),
@@ -419,6 +425,7 @@ mod tests {
             time_dilation: Dilation::new(time_dilation).unwrap(),
             tls: None,
             pd: PdSetup::default(),
+            placement_costs: None,
         }
     }
 

@@ -643,8 +643,9 @@ impl KvBlockManager {
     /// Register prompt blocks fetched from another instance (`hashes`, in prompt order) as free
     /// cached GPU blocks, the leading one youngest (evicted last); blocks already cached on the
     /// GPU are only refreshed. Takes free blocks first, then evicts the oldest free cached ones,
-    /// never one of `hashes`, and stops when none is left: returns how many it registered.
-    pub fn install_cached(&mut self, hashes: &[BlockHash]) -> u32 {
+    /// never one of `hashes`, and stops when none is left: returns the blocks it registered, in
+    /// prompt order, for their content to be written.
+    pub fn install_cached(&mut self, hashes: &[BlockHash]) -> Vec<(BlockHash, u32)> {
         let cache = self.cache.get_or_insert_with(Box::default);
         let mut fresh = Vec::new();
         let mut refreshed = 0u32;
@@ -665,7 +666,7 @@ impl KvBlockManager {
         fresh.drain(..fresh.len() - n as usize);
         let mut blocks = Vec::with_capacity(n as usize);
         if self.take(Tier::Gpu, n, &mut blocks).is_err() {
-            return 0;
+            return Vec::new();
         }
         let cache = self.cache.as_mut().expect("created above");
         for (&h, &b) in fresh.iter().zip(&blocks) {
@@ -673,10 +674,28 @@ impl KvBlockManager {
             cache.hash_of.insert(b, h);
             cache.push_lru(b);
         }
-        for h in fresh {
+        for &h in &fresh {
             self.event(KvEvent::Stored { tier: Tier::Gpu, hash: h });
         }
-        n
+        let mut installed: Vec<(BlockHash, u32)> = fresh.into_iter().zip(blocks).collect();
+        installed.reverse();
+        installed
+    }
+
+    /// Drop the free cached GPU block holding `hash` (its content proved wrong): its block is
+    /// free again and the hash forgotten. `false` when no table-free block holds it.
+    pub fn forget_cached(&mut self, hash: BlockHash) -> bool {
+        let Some(cache) = self.cache.as_mut() else { return false };
+        let Some(&block) = cache.by_hash.get(&hash) else { return false };
+        if !cache.lru_key.contains_key(&block) {
+            return false;
+        }
+        cache.unlink(block);
+        cache.by_hash.remove(&hash);
+        cache.hash_of.remove(&block);
+        self.gpu.give_back(&[block]);
+        self.event(KvEvent::Removed { tier: Tier::Gpu, hash });
+        true
     }
 
     /// Extend `request` to hold `tokens` tokens on its current tier; returns blocks added.
@@ -955,7 +974,8 @@ mod tests {
         kv.allocate_prefixed(RequestId(1), 32, &other, 2).unwrap();
         kv.free_request(RequestId(1)); // 2 cached free blocks of another prompt
                                        // Room for 6: the leading 6 of the 8 are registered, evicting the other prompt's two.
-        assert_eq!(kv.install_cached(&h), 6);
+        let installed = kv.install_cached(&h);
+        assert_eq!(installed.iter().map(|(hash, _)| *hash).collect::<Vec<_>>(), h[..6].to_vec(), "prompt order");
         assert_eq!(kv.prefix_hits(&h), 6);
         assert_eq!((kv.used(Tier::Gpu), kv.cached_free(Tier::Gpu)), (0, 6));
         kv.check_invariants().unwrap();
@@ -964,7 +984,7 @@ mod tests {
         let stored = events.iter().filter(|e| matches!(e, KvEvent::Stored { tier: Tier::Gpu, .. })).count();
         assert_eq!(stored, 2 + 6, "{events:?}");
         // Installing again registers nothing new and evicts none of them.
-        assert_eq!(kv.install_cached(&h[..6]), 0);
+        assert!(kv.install_cached(&h[..6]).is_empty());
         assert_eq!(kv.prefix_hits(&h), 6);
         // A prompt with that content hits the 6 (all but the partial rest).
         let hit = kv.allocate_prefixed(RequestId(2), 96, &h[..6], 5).unwrap();
@@ -973,9 +993,15 @@ mod tests {
         // The leading block is the youngest: a 1-block allocation evicts the 6th, not the 1st.
         kv.free_request(RequestId(2));
         let mut kv2 = KvBlockManager::new(16, 3, 0);
-        assert_eq!(kv2.install_cached(&h[..3]), 3);
+        assert_eq!(kv2.install_cached(&h[..3]).len(), 3);
         kv2.allocate(RequestId(9), Tier::Gpu, 16).unwrap();
         assert_eq!(kv2.prefix_hits(&h), 2, "the last fetched block went first");
+        // A block whose content proved wrong is forgotten and free again; a held one is not.
+        assert!(kv2.forget_cached(h[1]));
+        assert_eq!((kv2.prefix_hits(&h), kv2.free(Tier::Gpu)), (1, 2));
+        kv2.check_invariants().unwrap();
+        let _ = kv2.allocate_prefixed(RequestId(10), 32, &h[..1], 1).unwrap();
+        assert!(!kv2.forget_cached(h[0]), "held by request 10");
     }
 
     #[test]

@@ -561,13 +561,14 @@ pub fn abort_frame(id: MigrationId, reason: &AbortReason) -> Frame {
     }
 }
 
-/// The migration a frame belongs to (`None` for an empty frame).
+/// The migration a frame belongs to (`None` for an empty frame or a prefix fetch's).
 pub fn frame_migration_id(frame: &Frame) -> Option<MigrationId> {
-    frame.body.as_ref().map(|b| MigrationId(body_migration_id(b)))
+    frame.body.as_ref().and_then(body_migration_id).map(MigrationId)
 }
 
-fn body_migration_id(body: &Body) -> u64 {
-    match body {
+/// `None` for the frames of a prefix fetch, which belong to no migration.
+fn body_migration_id(body: &Body) -> Option<u64> {
+    Some(match body {
         Body::Prepare(m) => m.migration_id,
         Body::PrepareReply(m) => m.migration_id,
         Body::BlockData(m) => m.migration_id,
@@ -576,7 +577,8 @@ fn body_migration_id(body: &Body) -> u64 {
         Body::Commit(m) => m.migration_id,
         Body::CommitReply(m) => m.migration_id,
         Body::Abort(m) => m.migration_id,
-    }
+        Body::PrefixPull(_) | Body::PrefixBlock(_) => return None,
+    })
 }
 
 fn body_name(body: &Body) -> &'static str {
@@ -589,6 +591,8 @@ fn body_name(body: &Body) -> &'static str {
         Body::Commit(_) => "Commit",
         Body::CommitReply(_) => "CommitReply",
         Body::Abort(_) => "Abort",
+        Body::PrefixPull(_) => "PrefixPull",
+        Body::PrefixBlock(_) => "PrefixBlock",
     }
 }
 

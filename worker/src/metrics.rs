@@ -95,6 +95,12 @@ pub struct MigrationMetrics {
     pub bytes: u64,
     /// KV bytes not sent because the target's prefix cache held them.
     pub bytes_skipped: u64,
+    /// Prefix fetches this worker made (cache-aware placement).
+    pub prefix_fetches: u64,
+    /// The bytes they received.
+    pub prefix_fetch_bytes: u64,
+    /// Fetched blocks that arrived out of order or failed their checksum (the fetch stopped).
+    pub prefix_fetch_errors: u64,
     /// Start to settle of committed migrations, seconds.
     pub total: Histogram,
     /// Pause on the source to resume on the target of committed migrations, seconds.
@@ -110,6 +116,9 @@ impl Default for MigrationMetrics {
             unknown: 0,
             bytes: 0,
             bytes_skipped: 0,
+            prefix_fetches: 0,
+            prefix_fetch_bytes: 0,
+            prefix_fetch_errors: 0,
             total: prom::latency_histogram(),
             downtime: prom::latency_histogram(),
         }
@@ -180,6 +189,17 @@ pub fn render(model: &str, stats: &DriverStats, load: &LoadReport, migrations: &
         "kvfleet_migration_bytes_skipped_total",
         "KV bytes live migrations did not send: the target's prefix cache held them.",
         m.bytes_skipped,
+    );
+    page.counter(
+        "kvfleet_prefix_fetches_total",
+        "Cached prompt prefixes this worker copied from another worker before a request started here.",
+        m.prefix_fetches,
+    );
+    page.counter("kvfleet_prefix_fetch_bytes_total", "KV bytes those prefix fetches received.", m.prefix_fetch_bytes);
+    page.counter(
+        "kvfleet_prefix_fetch_errors_total",
+        "Fetched prefix blocks that arrived out of order or corrupt (the fetch stopped there).",
+        m.prefix_fetch_errors,
     );
     page.histogram("kvfleet_migration_duration_seconds", "Live migration start to settle (committed).", &m.total);
     page.histogram("kvfleet_migration_downtime_seconds", "Pause on the source to resume on the target.", &m.downtime);

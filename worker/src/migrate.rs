@@ -27,11 +27,12 @@ use crate::clock::ClusterClock;
 use crate::driver::{BeganOut, Command, DriverError, LiveCommand, PausedOut};
 use crate::ledger::Refusal;
 use bytes::Bytes;
+use kvfleet_core::kv::BlockHash;
 use kvfleet_core::{RequestId, Timestamp};
-use kvfleet_netmodel::migration::wire::{frame::Body, Frame};
+use kvfleet_netmodel::migration::wire::{frame::Body, BlockHash as WireHash, Frame, PrefixBlock, PrefixPull};
 use kvfleet_netmodel::migration::{
-    block_frame_head, block_tokens, AbortReason, MigrationId, MigrationParams, MigrationReport, Outcome, SourceAction,
-    SourceMachine, TargetAction, TargetMachine, BLOCK_DATA_PAYLOAD_PATH,
+    block_frame_head, block_tokens, checksum, AbortReason, MigrationId, MigrationParams, MigrationReport, Outcome,
+    SourceAction, SourceMachine, TargetAction, TargetMachine, BLOCK_DATA_PAYLOAD_PATH,
 };
 use kvfleet_proto::v1;
 use kvfleet_transport::{FrameReader, FrameWriter, KvConnection, KvTransport, Payload, StreamReader, StreamWriter};
@@ -46,6 +47,9 @@ use trace::{SourceTrace, TargetTrace};
 pub mod trace;
 
 type Writer = FrameWriter<StreamWriter>;
+
+/// Blocks a prefix fetch reads from, or installs into, the engine per command.
+const PREFIX_CHUNK_BLOCKS: u32 = 8;
 type Reader = FrameReader<StreamReader>;
 /// One stage's copy in flight: its writers back, and the stage or why it failed.
 type CopyTask = tokio::task::JoinHandle<(Vec<Writer>, Result<u32, String>)>;
@@ -541,8 +545,131 @@ impl Migrator {
                     }
                 }
             }
+            Some(Body::PrefixPull(_)) => {
+                let Some(Body::PrefixPull(pull)) = first.body else { unreachable!("matched above") };
+                self.serve_prefix(pull, FrameWriter::new(w)).await
+            }
             _ => tracing::warn!("inbound stream opened with an unexpected frame; dropped"),
         }
+    }
+
+    // ---------------------------------------------------------------- prefix fetches
+
+    /// The holder of a prefix: send the blocks of `pull` this instance's GPU cache holds, in
+    /// order, then end the stream (where the run ends).
+    async fn serve_prefix(self: &Arc<Self>, pull: PrefixPull, mut w: Writer) {
+        let hashes: Arc<[BlockHash]> =
+            pull.hashes.iter().map(|h| (h.hi as BlockHash) << 64 | h.lo as BlockHash).collect();
+        let mut index = pull.first;
+        let mut sent = 0u64;
+        while (index as usize) < hashes.len() {
+            let count = PREFIX_CHUNK_BLOCKS.min(hashes.len() as u32 - index);
+            let blocks = match self
+                .ask(|reply| LiveCommand::ReadPrefix { hashes: hashes.clone(), first: index, count, reply })
+                .await
+            {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::debug!("prefix fetch: reading blocks: {e}");
+                    break;
+                }
+            };
+            let short = (blocks.len() as u32) < count;
+            for data in blocks {
+                sent += data.len() as u64;
+                let block = PrefixBlock { index, checksum: checksum(&data), data };
+                if let Err(e) = w.send(&Frame { body: Some(Body::PrefixBlock(block)) }).await {
+                    tracing::debug!("prefix fetch: sending: {e}");
+                    return;
+                }
+                index += 1;
+            }
+            if short {
+                break;
+            }
+        }
+        tracing::debug!(blocks = index - pull.first, bytes = sent, "served a prefix fetch");
+        let _ = w.finish().await;
+    }
+
+    /// Copy blocks `first..end` of `spec`'s prompt (by its content hashes) from the prefix
+    /// cache of the worker whose migration endpoint is `holder` into this one's: as many as the
+    /// holder still caches, each checksummed and its stamps checked. Returns the blocks installed
+    /// and the bytes received; `Err` only when the holder cannot be reached or the stream breaks
+    /// before any block (what arrived by then is kept either way).
+    pub async fn fetch_prefix(
+        self: &Arc<Self>,
+        holder: SocketAddr,
+        spec: &kvfleet_core::RequestSpec,
+        first: u32,
+        end: u32,
+    ) -> Result<(u32, u64), String> {
+        let hashes: Arc<[BlockHash]> =
+            kvfleet_core::kv::prompt_block_hashes(&spec.content_ids, spec.prompt_tokens, self.cfg.params.block_size)
+                .into();
+        let end = end.min(hashes.len() as u32);
+        if first >= end {
+            return Ok((0, 0));
+        }
+        let deadline = self.clock.dilation().real(self.cfg.params.timeout);
+        let fetch = async {
+            let conn = self.transport.connect(holder).await.map_err(|e| format!("cannot reach {holder}: {e}"))?;
+            let (w, r) = conn.open_stream().await.map_err(|e| e.to_string())?;
+            let (mut w, mut r): (Writer, Reader) = (FrameWriter::new(w), FrameReader::new(r));
+            let wire =
+                hashes[..end as usize].iter().map(|&h| WireHash { hi: (h >> 64) as u64, lo: h as u64 }).collect();
+            w.send(&Frame { body: Some(Body::PrefixPull(PrefixPull { hashes: wire, first })) })
+                .await
+                .map_err(|e| e.to_string())?;
+            let _ = w.finish().await;
+            let (mut installed, mut bytes, mut next) = (0u32, 0u64, first);
+            let mut batch: Vec<Payload> = Vec::new();
+            loop {
+                let block = match r.recv::<Frame>().await {
+                    Ok(Some(Frame { body: Some(Body::PrefixBlock(b)) })) => b,
+                    Ok(None) => break,
+                    Ok(Some(other)) => {
+                        tracing::warn!(?other, "prefix fetch: unexpected frame; stopped");
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!("prefix fetch: {e}");
+                        break;
+                    }
+                };
+                if block.index != next || block.index >= end || checksum(&block.data) != block.checksum {
+                    tracing::warn!(
+                        index = block.index,
+                        expected = next,
+                        "prefix fetch: a block out of order or corrupt; stopped"
+                    );
+                    self.metrics.lock().expect("metrics lock").prefix_fetch_errors += 1;
+                    break;
+                }
+                bytes += block.data.len() as u64;
+                batch.push(Payload::from(block.data));
+                next += 1;
+                if batch.len() as u32 >= PREFIX_CHUNK_BLOCKS {
+                    installed +=
+                        self.install_batch(&hashes, next - batch.len() as u32, std::mem::take(&mut batch)).await?;
+                }
+            }
+            if !batch.is_empty() {
+                installed += self.install_batch(&hashes, next - batch.len() as u32, batch).await?;
+            }
+            Ok::<_, String>((installed, bytes))
+        };
+        let (installed, bytes) = tokio::time::timeout(deadline, fetch)
+            .await
+            .map_err(|_| format!("prefix fetch from {holder}: no answer within {deadline:?}"))??;
+        let mut mm = self.metrics.lock().expect("metrics lock");
+        mm.prefix_fetches += 1;
+        mm.prefix_fetch_bytes += bytes;
+        Ok((installed, bytes))
+    }
+
+    async fn install_batch(&self, hashes: &Arc<[BlockHash]>, first: u32, blocks: Vec<Payload>) -> Result<u32, String> {
+        self.ask(|reply| LiveCommand::InstallPrefix { hashes: hashes.clone(), first, blocks, reply }).await
     }
 
     async fn run_target(self: &Arc<Self>, prepare: Frame, ctl_r: Reader, mut ctl: Writer) {

@@ -339,6 +339,28 @@ impl Worker for WorkerService {
         Ok(Response::new(reply))
     }
 
+    async fn fetch_prefix(
+        &self,
+        request: Request<v1::FetchPrefixRequest>,
+    ) -> Result<Response<v1::FetchPrefixReply>, Status> {
+        kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/FetchPrefix")?;
+        let r = request.get_ref();
+        let spec = require_spec(r.spec.as_ref())?;
+        let holder: std::net::SocketAddr = r.holder_kv_address.parse().map_err(|e| {
+            Status::invalid_argument(format!("`holder_kv_address`: {:?} is not host:port ({e})", r.holder_kv_address))
+        })?;
+        let (first, end) = (r.first, r.end);
+        let migrator = self.migrator()?.clone();
+        // In its own task, as a migration: what arrives is installed even if the caller gives up.
+        let fetched = tokio::spawn(async move { migrator.fetch_prefix(holder, &spec, first, end).await })
+            .await
+            .map_err(|e| Status::internal(format!("the prefix fetch task failed: {e}")))?;
+        match fetched {
+            Ok((blocks, bytes)) => Ok(Response::new(v1::FetchPrefixReply { blocks, bytes })),
+            Err(e) => Err(Status::unavailable(e)),
+        }
+    }
+
     async fn shutdown(&self, request: Request<v1::ShutdownRequest>) -> Result<Response<v1::ShutdownReply>, Status> {
         kvfleet_pki::authorize(&request, &[Role::Coordinator, Role::Operator], "Worker/Shutdown")?;
         tracing::info!("shutdown requested over gRPC");

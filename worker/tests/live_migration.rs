@@ -271,3 +271,52 @@ async fn a_peer_killed_mid_copy_aborts_without_losing_the_request() {
     a.wait_exit(Duration::from_secs(10));
     wait_load(&mut cc, "the target releases its reservation", |l| l.gpu_used_blocks == 0).await;
 }
+
+/// Cache-aware placement's prefix fetch between two worker processes over QUIC: B copies the
+/// prompt blocks A caches (each checksummed on the wire and its stamps checked at B), a request
+/// with that prompt then hits them at B; a prompt A does not cache, or a holder nobody listens
+/// at, copies nothing and the request still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_fetches_a_cached_prefix_from_its_holder_and_a_prompt_hits_it() {
+    let pki = TestPki::new("fetch");
+    let args = ["--kv-fill", "full", "--kv-memory", "512MiB", "--cpu-memory", "64MiB", "--prefix-caching"];
+    let a = WorkerProc::start_tls(&[&args[..], &["--instance", "0"]].concat(), &pki, "worker-0");
+    let b = WorkerProc::start_tls(&[&args[..], &["--instance", "1"]].concat(), &pki, "worker-1");
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    let holder = ca.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
+    // 600 prompt tokens with content: 37 full blocks hash, all a later prompt can hit.
+    let with_content =
+        |id, ids: &[u64]| v1::RequestSpec { content_ids: ids.to_vec(), ..spec(id, a.cluster_now_ns(), 600, 4, 4) };
+    submit(&mut ca, with_content(1, &[42, 43])).await;
+    collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&1)).await;
+
+    let fetch = |spec: v1::RequestSpec, holder: &str| v1::FetchPrefixRequest {
+        spec: Some(spec),
+        holder_kv_address: holder.to_string(),
+        first: 0,
+        end: 37,
+    };
+    let got = cb.fetch_prefix(fetch(with_content(2, &[42, 43]), &holder)).await.expect("fetch").into_inner();
+    assert_eq!((got.blocks, got.bytes), (37, 37 * 16 * KV_TOKEN_BYTES), "every cached block, once");
+    // Other content: A caches none of it.
+    let none = cb.fetch_prefix(fetch(with_content(3, &[7, 8]), &holder)).await.expect("fetch").into_inner();
+    assert_eq!((none.blocks, none.bytes), (0, 0));
+    // Nobody listens there: the fetch fails, saying so.
+    let dead = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let err = cb.fetch_prefix(fetch(with_content(4, &[42, 43]), &dead)).await.expect_err("nobody there");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
+
+    // Request 2 finds the fetched blocks at B; request 3's prompt is computed in full.
+    submit(&mut cb, with_content(2, &[42, 43])).await;
+    submit(&mut cb, with_content(3, &[7, 8])).await;
+    let on_b =
+        collect_until(&mut cb, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&2) && c.finished.contains_key(&3)).await;
+    assert_eq!(on_b.finished[&2].cached_tokens, 37 * 16, "{:?}", on_b.finished[&2]);
+    assert_eq!(on_b.finished[&3].cached_tokens, 0);
+    drop((ca, cb));
+    for (w, name) in [(a, "A"), (b, "B")] {
+        w.signal("TERM");
+        let line = w.stopped_line(Duration::from_secs(30));
+        assert_eq!(field(&line, "kv_errors"), 0.0, "{name}: {line}");
+    }
+}

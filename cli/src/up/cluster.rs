@@ -374,6 +374,18 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             epoch_unix_ns.to_string(),
             "--time-dilation".into(),
             args.clock.dilation.to_string(),
+            // What Arrow's and cache-aware's profiles measure, and the link cache-aware weighs
+            // (the config's `[link]`, as the simulator's).
+            "--gpu".into(),
+            args.cfg.cluster.gpu.clone(),
+            "--timing".into(),
+            args.cfg.cluster.timing.clone(),
+            "--placement-link-gbps".into(),
+            args.cfg.link.bandwidth_gbps.to_string(),
+            "--placement-link-latency-us".into(),
+            args.cfg.link.latency_us.to_string(),
+            "--fetch-threshold".into(),
+            args.cfg.scheduler.instance.fetch_threshold.to_string(),
         ];
         if args.cfg.scheduler.instance.demand_aware_memory {
             a.push("--demand-aware-memory".into());
@@ -381,8 +393,7 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         if !args.cfg.pd.is_off() {
             // The split and the policy; Arrow profiles the workers' timing model.
             let pd = serde_json::to_string(&args.cfg.pd).context("[pd] as JSON")?;
-            let gpu = args.cfg.cluster.gpu.clone();
-            a.extend(["--pd".into(), pd, "--gpu".into(), gpu, "--timing".into(), args.cfg.cluster.timing.clone()]);
+            a.extend(["--pd".into(), pd]);
         }
         if let Some(u) = &etcd_url {
             a.extend(["--etcd".into(), u.clone()]);

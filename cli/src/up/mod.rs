@@ -238,6 +238,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             role_changes: last.role_changes,
             handoffs: last.handoffs,
             handoffs_released: last.handoffs_released,
+            prefix_fetches: last.prefix_fetches,
+            prefix_fetch_bytes: last.prefix_fetch_bytes,
         };
         // What each worker counted itself, before it stops.
         scrape::save_all(&args.out.join("metrics"), &metric_pages)?;
@@ -258,6 +260,13 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         );
         if let Some(line) = replayed.pd_line() {
             say!("{line}");
+        }
+        if replayed.prefix_fetches > 0 {
+            say!(
+                "cache-aware: {} placements copied a cached prefix from another worker first ({:.2} GiB)",
+                replayed.prefix_fetches,
+                replayed.prefix_fetch_bytes as f64 / (1u64 << 30) as f64
+            );
         }
         if !dilation.is_none() {
             say!(

@@ -389,12 +389,17 @@ impl Engine {
     }
     /// Prompt blocks fetched from another instance's cache (`hashes`, in prompt order) join this
     /// one's GPU prefix cache as free cached blocks ([`KvBlockManager::install_cached`]); returns
-    /// how many were registered (none with prefix caching off).
-    pub fn install_prefix(&mut self, hashes: &[crate::kv::BlockHash]) -> u32 {
+    /// the blocks registered, in prompt order (none with prefix caching off).
+    pub fn install_prefix(&mut self, hashes: &[crate::kv::BlockHash]) -> Vec<(crate::kv::BlockHash, u32)> {
         if !self.cfg.prefix_caching {
-            return 0;
+            return Vec::new();
         }
         self.kv.install_cached(hashes)
+    }
+    /// Forget an installed prefix block whose content proved wrong
+    /// ([`KvBlockManager::forget_cached`]).
+    pub fn forget_prefix_block(&mut self, hash: crate::kv::BlockHash) -> bool {
+        self.kv.forget_cached(hash)
     }
     /// Turn on the KV move journal (workers mirror moves on their real arenas).
     pub fn enable_kv_journal(&mut self) {

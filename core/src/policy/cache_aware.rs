@@ -28,10 +28,6 @@ use crate::request::RequestSpec;
 use crate::rng::SimRng;
 use serde::{Deserialize, Serialize};
 
-/// Why the emulator refuses a policy that needs [`PlacementCosts`] (its drivers have none).
-pub const EMULATOR_LACKS_FETCH: &str = "runs in `kvfleet sim` only: its placements fetch cached prefixes between \
-     instances, which the emulator's workers cannot do yet";
-
 /// The default fetch threshold θ.
 pub const DEFAULT_FETCH_THRESHOLD: f64 = 2.0;
 

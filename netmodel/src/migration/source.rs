@@ -232,7 +232,8 @@ impl SourceMachine {
             return self.fail(now, AbortReason::BadFrame("empty frame".into()), true);
         };
         let id = body_migration_id(&body);
-        if id != self.id.0 {
+        if id != Some(self.id.0) {
+            let id = id.map_or_else(|| "none".to_string(), |i| i.to_string());
             let msg = format!("{} for migration {id}, expected {}", body_name(&body), self.id.0);
             return self.fail(now, AbortReason::BadFrame(msg), true);
         }

@@ -145,7 +145,7 @@ impl TargetMachine {
         match frame.body {
             Some(Body::Prepare(p)) => Ok(TargetMachine::new(now, params, p)),
             Some(other) => {
-                let id = MigrationId(body_migration_id(&other));
+                let id = MigrationId(body_migration_id(&other).unwrap_or(0));
                 let msg = format!("{} for unknown migration {}, expected Prepare", body_name(&other), id.0);
                 Err(Box::new(abort_frame(id, &AbortReason::BadFrame(msg))))
             }
@@ -311,7 +311,8 @@ impl TargetMachine {
             return self.fail(now, AbortReason::BadFrame("empty frame".into()), true);
         };
         let id = body_migration_id(&body);
-        if id != self.id.0 {
+        if id != Some(self.id.0) {
+            let id = id.map_or_else(|| "none".to_string(), |i| i.to_string());
             let msg = format!("{} for migration {id}, expected {}", body_name(&body), self.id.0);
             return self.fail(now, AbortReason::BadFrame(msg), true);
         }

@@ -26,6 +26,7 @@ use kvfleet_core::kv::{BlockHash, BlockTable, Tier};
 use kvfleet_core::RequestId;
 use kvfleet_netmodel::migration::MigrationId;
 use kvfleet_netmodel::Payload;
+use std::sync::Arc;
 use tokio::sync::oneshot;
 
 /// Blocks an incoming migration's reservation takes beyond its KV at PREPARE, where the target has
@@ -110,6 +111,23 @@ pub(crate) enum LiveCommand {
         request: RequestId,
         reply: Reply<bool>,
     },
+    /// A prefix fetch's holder: blocks `first..first + count` of the prompt whose block hashes
+    /// are `hashes`, from this instance's GPU prefix cache, in order, as far as the cached run
+    /// goes (fewer, or none, where it ends or a block is not computed yet).
+    ReadPrefix {
+        hashes: Arc<[BlockHash]>,
+        first: u32,
+        count: u32,
+        reply: Reply<Vec<Bytes>>,
+    },
+    /// A prefix fetch's target: `blocks[i]`, block `first + i` of the prompt whose block hashes
+    /// are `hashes`, joins this instance's prefix cache; replies how many blocks were installed.
+    InstallPrefix {
+        hashes: Arc<[BlockHash]>,
+        first: u32,
+        blocks: Vec<Payload>,
+        reply: Reply<u32>,
+    },
 }
 
 /// A move out begun: the KV the request holds, and the content hashes of its full prompt
@@ -182,7 +200,60 @@ impl Driver {
             LiveCommand::ResolveTarget { request, reply } => {
                 let _ = reply.send(Ok(self.ledger.resolve_target(request)));
             }
+            LiveCommand::ReadPrefix { hashes, first, count, reply } => {
+                let _ = reply.send(self.read_prefix(&hashes, first, count));
+            }
+            LiveCommand::InstallPrefix { hashes, first, blocks, reply } => {
+                let _ = reply.send(Ok(self.install_prefix(&hashes, first, &blocks)));
+            }
         }
+    }
+
+    /// See [`LiveCommand::ReadPrefix`]. Each block's stamps are checked before it leaves: a
+    /// block cached for a prefill still running here holds no content yet.
+    fn read_prefix(&mut self, hashes: &[BlockHash], first: u32, count: u32) -> Result<Vec<Bytes>, DriverError> {
+        let bs = self.block_size;
+        let end = (first as usize).saturating_add(count as usize).min(hashes.len());
+        let run: Vec<u32> = self.engine.kv().prefix_hit_blocks(&hashes[..end]).collect();
+        let content = TokenContent { request: RequestId(0), shared: hashes };
+        let mut out = Vec::new();
+        for (k, &block) in run.iter().enumerate().skip(first as usize) {
+            if self.arena.verify_stamps(Tier::Gpu, block, content, k as u32 * bs, bs).is_err() {
+                break;
+            }
+            out.push(self.arena.copy_out(Tier::Gpu, block)?);
+        }
+        Ok(out)
+    }
+
+    /// See [`LiveCommand::InstallPrefix`]. Each installed block's stamps are checked: one that
+    /// fails is counted as a KV error and forgotten (a later prompt computes it), never served.
+    fn install_prefix(&mut self, hashes: &[BlockHash], first: u32, blocks: &[Payload]) -> u32 {
+        let bs = self.block_size;
+        let first = first as usize;
+        let end = first.saturating_add(blocks.len()).min(hashes.len());
+        if first >= end {
+            return 0;
+        }
+        let content = TokenContent { request: RequestId(0), shared: hashes };
+        let mut installed = 0;
+        for (hash, block) in self.engine.install_prefix(&hashes[first..end]) {
+            let Some(k) = hashes[first..end].iter().position(|h| *h == hash).map(|i| first + i) else { continue };
+            let written = self.arena.write_block(Tier::Gpu, block, &blocks[k - first]);
+            let checked = written.and_then(|()| self.arena.verify_stamps(Tier::Gpu, block, content, k as u32 * bs, bs));
+            match checked {
+                Ok(()) => {
+                    self.kv_stats.blocks_copied += 1;
+                    installed += 1;
+                }
+                Err(e) => {
+                    self.kv_stats.errors += 1;
+                    tracing::warn!(block = k, error = %e, "a fetched prefix block failed its check; dropped");
+                    self.engine.forget_prefix_block(hash);
+                }
+            }
+        }
+        installed
     }
 
     fn begin_out(&mut self, request: RequestId, migration: MigrationId) -> Result<BeganOut, DriverError> {
