@@ -567,8 +567,11 @@ impl Leader {
         match client.fetch_prefix(msg).await {
             Ok(reply) => {
                 let r = reply.into_inner();
-                self.stats.prefix_fetches.fetch_add(1, Ordering::Relaxed);
-                self.stats.prefix_fetch_bytes.fetch_add(r.bytes, Ordering::Relaxed);
+                // As the simulator counts: a fetch that found nothing computed copied nothing.
+                if r.bytes > 0 {
+                    self.stats.prefix_fetches.fetch_add(1, Ordering::Relaxed);
+                    self.stats.prefix_fetch_bytes.fetch_add(r.bytes, Ordering::Relaxed);
+                }
                 tracing::debug!(
                     request = spec.id.0,
                     from = fetch.from.0,

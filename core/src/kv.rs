@@ -24,7 +24,7 @@
 use crate::idmap::IdMap;
 use crate::ids::RequestId;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// Tokens one content id of a trace stands for (Mooncake's `hash_ids`: one id per 512 prompt
 /// tokens). A block size must divide it for content to be hashed.
@@ -217,6 +217,9 @@ struct PrefixCache {
     lru: BTreeMap<u64, u32>,
     lru_key: HashMap<u32, u64>,
     seq: u64,
+    /// Hashed blocks whose content is computed (a holder's prefill finished, or they were
+    /// fetched): what a prefix fetch can copy. A block is registered at allocation, before that.
+    computed: HashSet<u32>,
 }
 
 impl PrefixCache {
@@ -243,6 +246,7 @@ impl PrefixCache {
         self.lru_key.remove(&block);
         let hash = self.hash_of.remove(&block).expect("a block in the LRU is hashed");
         self.by_hash.remove(&hash);
+        self.computed.remove(&block);
         Some((block, hash))
     }
     /// One holder of `block` let go: `true` when it was a hashed block (now counted down, and
@@ -673,6 +677,7 @@ impl KvBlockManager {
             cache.by_hash.insert(h, b);
             cache.hash_of.insert(b, h);
             cache.push_lru(b);
+            cache.computed.insert(b);
         }
         for &h in &fresh {
             self.event(KvEvent::Stored { tier: Tier::Gpu, hash: h });
@@ -680,6 +685,28 @@ impl KvBlockManager {
         let mut installed: Vec<(BlockHash, u32)> = fresh.into_iter().zip(blocks).collect();
         installed.reverse();
         installed
+    }
+
+    /// `request`'s first `tokens` tokens are computed: its hashed GPU blocks among them hold their
+    /// content from now on (a prefix fetch may copy them).
+    pub fn mark_computed(&mut self, request: RequestId, tokens: u32) {
+        let (Some(cache), Some(table)) = (self.cache.as_mut(), self.tables.get(&request)) else { return };
+        if table.tier != Tier::Gpu {
+            return;
+        }
+        let full = (tokens / self.block_size) as usize;
+        for &b in table.blocks.iter().take(full) {
+            if cache.hash_of.contains_key(&b) {
+                cache.computed.insert(b);
+            }
+        }
+    }
+
+    /// How many of `hashes`' leading blocks are cached on the GPU with their content computed
+    /// (what a prefix fetch from here can copy).
+    pub fn computed_prefix_blocks(&self, hashes: &[BlockHash]) -> u32 {
+        let Some(cache) = self.cache.as_deref() else { return 0 };
+        hashes.iter().take_while(|h| cache.by_hash.get(h).is_some_and(|b| cache.computed.contains(b))).count() as u32
     }
 
     /// Drop the free cached GPU block holding `hash` (its content proved wrong): its block is
@@ -693,6 +720,7 @@ impl KvBlockManager {
         cache.unlink(block);
         cache.by_hash.remove(&hash);
         cache.hash_of.remove(&block);
+        cache.computed.remove(&block);
         self.gpu.give_back(&[block]);
         self.event(KvEvent::Removed { tier: Tier::Gpu, hash });
         true
@@ -826,6 +854,9 @@ impl KvBlockManager {
             if cache.lru.len() != cache.lru_key.len() || cache.lru.iter().any(|(k, b)| cache.lru_key.get(b) != Some(k))
             {
                 return Err(format!("{tier:?}: the LRU and its index disagree"));
+            }
+            if let Some(b) = cache.computed.iter().find(|b| !cache.hash_of.contains_key(b)) {
+                return Err(format!("{tier:?}: block {b} is marked computed but holds no cached content"));
             }
         }
         Ok(())
@@ -1002,6 +1033,19 @@ mod tests {
         kv2.check_invariants().unwrap();
         let _ = kv2.allocate_prefixed(RequestId(10), 32, &h[..1], 1).unwrap();
         assert!(!kv2.forget_cached(h[0]), "held by request 10");
+        // Fetched blocks are computed; a prompt's own are once its prefill says so.
+        assert_eq!(kv2.computed_prefix_blocks(&h), 1);
+        let mut kv3 = KvBlockManager::new(16, 8, 0);
+        kv3.allocate_prefixed(RequestId(1), 64, &h[..4], 3).unwrap();
+        assert_eq!(kv3.computed_prefix_blocks(&h), 0, "registered, not computed");
+        kv3.mark_computed(RequestId(1), 40); // 2 full blocks
+        assert_eq!(kv3.computed_prefix_blocks(&h), 2);
+        kv3.mark_computed(RequestId(1), 64);
+        assert_eq!(kv3.computed_prefix_blocks(&h), 4);
+        kv3.free_request(RequestId(1));
+        kv3.allocate(RequestId(2), Tier::Gpu, 8 * 16).unwrap(); // evicts all four
+        assert_eq!(kv3.computed_prefix_blocks(&h), 0);
+        kv3.check_invariants().unwrap();
     }
 
     #[test]

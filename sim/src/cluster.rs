@@ -570,7 +570,7 @@ impl Cluster {
         }
     }
 
-    /// Put the prompt blocks `fetch` names that its holder still caches on the GPU on the fabric
+    /// Put the prompt blocks `fetch` names that its holder still caches, computed, on the GPU on the fabric
     /// to `on`; the request starts there when they arrive. `false` (start it now) when the holder
     /// has none of them left or `on` caches no prefixes.
     fn start_fetch(&mut self, now: Timestamp, spec: &RequestSpec, on: InstanceId, fetch: PrefixFetch) -> bool {
@@ -581,7 +581,8 @@ impl Cluster {
         let block_bytes = target.block_bytes();
         let hashes = prompt_block_hashes(&spec.content_ids, spec.prompt_tokens, target.block_size);
         let end = (fetch.end as usize).min(hashes.len());
-        let held = self.engines[fetch.from.0 as usize].kv().prefix_hit_blocks(&hashes[..end]).count();
+        // Only blocks whose prefill finished hold content to copy (a worker checks their stamps).
+        let held = self.engines[fetch.from.0 as usize].computed_prefix_blocks(&hashes[..end]) as usize;
         let first = fetch.first as usize;
         if held <= first {
             return false;

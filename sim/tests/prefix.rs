@@ -45,6 +45,15 @@ answer_sigma = 0.5
     SimConfig::parse(&text, "prefix test").expect("valid config")
 }
 
+/// Median time to the first token of any phase (the prefill's latency; TTFT proper adds
+/// reasoning).
+fn first_token_p50(r: &RunResult) -> f64 {
+    let mut t: Vec<f64> =
+        r.records.iter().map(|q| q.first_token.expect("finished").saturating_since(q.arrival).as_secs_f64()).collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
 fn run(cfg: &SimConfig, policy: &str) -> RunResult {
     run_one(cfg, policy, None, Path::new("."), |_| {}).expect("runs")
 }
@@ -56,16 +65,7 @@ fn following_the_prefix_hits_the_cache_and_cuts_ttft() {
     let least = run(&cfg, "fcfs+least-kv");
     let overlap = run(&cfg, "fcfs+kv-overlap");
     let hit = |r: &RunResult| r.summary.prefix_hit_rate.unwrap_or(0.0);
-    // Time to the first token of any phase (the prefill's latency; TTFT proper adds reasoning).
-    let ttft = |r: &RunResult| {
-        let mut t: Vec<f64> = r
-            .records
-            .iter()
-            .map(|q| q.first_token.expect("finished").saturating_since(q.arrival).as_secs_f64())
-            .collect();
-        t.sort_by(f64::total_cmp);
-        t[t.len() / 2]
-    };
+    let ttft = first_token_p50;
     println!(
         "hit rate rr {:.3} least-kv {:.3} kv-overlap {:.3}; first token p50 {:.3} / {:.3} / {:.3} s",
         hit(&rr),
@@ -128,15 +128,7 @@ fn cache_aware_fetches_hot_prefixes_and_beats_load_only_placement() {
     let rr = run(&cfg, "fcfs+round-robin");
     let aware = run(&cfg, "fcfs+cache-aware");
     let hit = |r: &RunResult| r.summary.prefix_hit_rate.unwrap_or(0.0);
-    let first_p50 = |r: &RunResult| {
-        let mut t: Vec<f64> = r
-            .records
-            .iter()
-            .map(|q| q.first_token.expect("finished").saturating_since(q.arrival).as_secs_f64())
-            .collect();
-        t.sort_by(f64::total_cmp);
-        t[t.len() / 2]
-    };
+    let first_p50 = first_token_p50;
     let s = &aware.summary;
     println!(
         "cache-aware: hit rate {:.3} (rr {:.3}), first token p50 {:.3} s (rr {:.3}), {} fetches, {:.2} GB",

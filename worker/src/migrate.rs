@@ -662,9 +662,11 @@ impl Migrator {
         let (installed, bytes) = tokio::time::timeout(deadline, fetch)
             .await
             .map_err(|_| format!("prefix fetch from {holder}: no answer within {deadline:?}"))??;
-        let mut mm = self.metrics.lock().expect("metrics lock");
-        mm.prefix_fetches += 1;
-        mm.prefix_fetch_bytes += bytes;
+        if bytes > 0 {
+            let mut mm = self.metrics.lock().expect("metrics lock");
+            mm.prefix_fetches += 1;
+            mm.prefix_fetch_bytes += bytes;
+        }
         Ok((installed, bytes))
     }
 

@@ -396,6 +396,11 @@ impl Engine {
         }
         self.kv.install_cached(hashes)
     }
+    /// How many of `hashes`' leading prompt blocks this instance caches on the GPU with their
+    /// content computed ([`KvBlockManager::computed_prefix_blocks`]): what a fetch can copy.
+    pub fn computed_prefix_blocks(&self, hashes: &[crate::kv::BlockHash]) -> u32 {
+        self.kv.computed_prefix_blocks(hashes)
+    }
     /// Forget an installed prefix block whose content proved wrong
     /// ([`KvBlockManager::forget_cached`]).
     pub fn forget_prefix_block(&mut self, hash: crate::kv::BlockHash) -> bool {
@@ -616,6 +621,8 @@ impl Engine {
         req.generated += 1;
         if req.generated == 1 {
             req.record.first_token = Some(t);
+            // Its prompt's KV is computed: a prefix fetch may copy its cached blocks from here.
+            self.kv.mark_computed(req.spec.id, req.spec.prompt_tokens);
         }
         let reasoning = req.spec.reasoning_tokens;
         let mut changed = false;

@@ -194,8 +194,7 @@ impl InstancePolicy for CacheAware {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids::RequestId;
-    use crate::time::Timestamp;
+    use crate::policy::prefix::tests::request;
 
     fn load(id: u32, queued_tokens: u64) -> LoadReport {
         let prefill_queue = PrefillQueue {
@@ -210,17 +209,6 @@ mod tests {
             block_bytes: 1 << 20,
             prefill_queue,
             ..LoadReport::default()
-        }
-    }
-
-    fn request(prompt: u32) -> RequestSpec {
-        RequestSpec {
-            id: RequestId(1),
-            arrival: Timestamp::ZERO,
-            prompt_tokens: prompt,
-            reasoning_tokens: 0,
-            answer_tokens: 1,
-            content_ids: vec![0],
         }
     }
 

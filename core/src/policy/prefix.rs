@@ -206,7 +206,7 @@ impl InstancePolicy for KvOverlap {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::ids::RequestId;
     use crate::time::Timestamp;
@@ -224,7 +224,8 @@ mod tests {
         }
     }
 
-    fn request(prompt: u32) -> RequestSpec {
+    /// A request of `prompt` tokens with content (the prefix-aware policies' tests share it).
+    pub(crate) fn request(prompt: u32) -> RequestSpec {
         RequestSpec {
             id: RequestId(1),
             arrival: Timestamp::ZERO,
