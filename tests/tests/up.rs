@@ -434,3 +434,61 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     assert!(migrations >= handoffs, "each handoff is a committed live migration: {}", runs[0]["live_migrations"]);
     assert_no_process_left(&out);
 }
+
+/// Cache-aware placement (`tests/fixtures/cache-aware.toml`): the leader has a worker copy a
+/// cached prompt prefix from the worker holding it before it submits the request; the bytes move
+/// between the worker processes over QUIC, whole 4 MiB blocks, every one passing its checks, and
+/// every request still completes exactly once.
+#[test]
+fn up_with_cache_aware_copies_prefixes_between_workers() {
+    let tmp = TempDir::new("up-cache-aware");
+    let out = tmp.join("out");
+    let config = kvfleet_tests::fixture("cache-aware.toml");
+    let args = [
+        "up",
+        "-c",
+        config.to_str().expect("utf-8"),
+        "--kv-memory",
+        "512MiB",
+        "--cpu-memory",
+        "512MiB",
+        "--kv-fill",
+        "stamp",
+        "--no-etcd",
+        "-q",
+        "--out",
+        out.to_str().expect("utf-8 temp path"),
+    ];
+    let o = run_kvfleet(args);
+    assert!(o.status.success(), "{}", describe(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let s = summary(&out);
+    assert_eq!(s["requests_finished"], 40, "{s}");
+    assert_each_request_once(&out, 40);
+    let fetches = s["prefix_fetches"].as_u64().expect("prefix_fetches");
+    let bytes = s["prefix_fetch_bytes"].as_u64().expect("prefix_fetch_bytes");
+    // Measured 5-6 (the simulator: 4-6 over seeds); what the timing of a loaded host leaves.
+    assert!(fetches >= 1, "no placement copied a prefix: {s}\n{stdout}");
+    assert!(stdout.contains(&format!("cache-aware: {fetches} placements copied")), "{stdout}");
+    assert!(bytes > 0 && bytes % (4 << 20) == 0, "whole 4 MiB blocks: {bytes}");
+    // What the workers counted: fetches made, bytes received, no KV error anywhere.
+    let (mut worker_fetches, mut kv_errors) = (0.0, 0.0);
+    for entry in std::fs::read_dir(out.join("metrics")).expect("metrics saved") {
+        let path = entry.expect("entry").path();
+        if !path.file_name().and_then(|f| f.to_str()).is_some_and(|f| f.starts_with("worker-")) {
+            continue;
+        }
+        let page = std::fs::read_to_string(&path).expect("readable");
+        let value = |name: &str| -> f64 {
+            page.lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.rsplit(' ').next())
+                .map_or(0.0, |v| v.parse().expect("a number"))
+        };
+        worker_fetches += value("kvfleet_prefix_fetches_total");
+        kv_errors += value("kvfleet_kv_errors_total") + value("kvfleet_prefix_fetch_errors_total");
+    }
+    assert!(worker_fetches >= 1.0, "the workers copied: {worker_fetches}");
+    assert_eq!(kv_errors, 0.0, "every copied block checked out");
+    assert_no_process_left(&out);
+}
