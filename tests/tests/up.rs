@@ -470,7 +470,7 @@ fn up_with_cache_aware_copies_prefixes_between_workers() {
     // Measured 5-6 (the simulator: 4-6 over seeds); what the timing of a loaded host leaves.
     assert!(fetches >= 1, "no placement copied a prefix: {s}\n{stdout}");
     assert!(stdout.contains(&format!("cache-aware: {fetches} placements copied")), "{stdout}");
-    assert!(bytes > 0 && bytes % (4 << 20) == 0, "whole 4 MiB blocks: {bytes}");
+    assert!(bytes > 0 && bytes.is_multiple_of(4 << 20), "whole 4 MiB blocks: {bytes}");
     // What the workers counted: fetches made, bytes received, no KV error anywhere.
     let (mut worker_fetches, mut kv_errors) = (0.0, 0.0);
     for entry in std::fs::read_dir(out.join("metrics")).expect("metrics saved") {
