@@ -1302,7 +1302,8 @@ impl Engine {
         for &s in &self.active {
             let req = self.req(s);
             if req.generated == 0 {
-                r.prefill_queue.add(req.spec.prompt_tokens);
+                // What is left to compute: an admitted prompt's cached blocks are not.
+                r.prefill_queue.add(req.spec.prompt_tokens.saturating_sub(req.prefill_cached));
             } else {
                 r.decode_context_tokens += u64::from(req.context());
             }
