@@ -22,6 +22,7 @@
 //! the requests of the other phase still on an instance.
 
 use crate::roles::Role;
+use kvfleet_core::policy::cache_aware::PrefillCurve;
 use kvfleet_core::InstanceId;
 use serde::{Deserialize, Serialize};
 use std::cmp::Ordering;
@@ -228,6 +229,11 @@ impl Quadratic {
             b: beta / s - 2.0 * alpha * mean / s2,
             c: gamma - beta * mean / s + alpha * mean * mean / s2,
         })
+    }
+
+    /// The same curve as the placement policies weigh it ([`PrefillCurve`]: its queue sums).
+    pub fn as_curve(&self) -> PrefillCurve {
+        PrefillCurve { a: self.a, b: self.b, c: self.c }
     }
 
     /// T(l), seconds.

@@ -8,7 +8,7 @@ use kvfleet_control::ArrowProfile;
 use kvfleet_coordinator::leader::PdSetup;
 use kvfleet_coordinator::node::ClusterModel;
 use kvfleet_coordinator::node::{serve, Node, NodeOptions};
-use kvfleet_core::policy::cache_aware::{PlacementCosts, PrefillCurve};
+use kvfleet_core::policy::cache_aware::PlacementCosts;
 use kvfleet_core::policy::pascal::TieBreak;
 use kvfleet_core::policy::registry::{build_policy, PolicyParams};
 use kvfleet_core::policy::PrefixIndexMode;
@@ -232,12 +232,7 @@ fn placement_costs(args: &Args, model: &ModelSpec) -> anyhow::Result<Option<Plac
     let timing = build_timing(&args.timing, model, &gpu, None).context("--timing")?;
     // Only the prefill curve is used; the decode SLO (any positive one) shapes only MT.
     let profile = ArrowProfile::measure(timing.as_ref(), 0.1).map_err(|e| anyhow::anyhow!("prefill profile: {e}"))?;
-    let q = profile.prefill;
-    Ok(Some(PlacementCosts {
-        prefill: PrefillCurve { a: q.a, b: q.b, c: q.c },
-        link_bytes_per_s: args.placement_link_gbps * 1e9 / 8.0,
-        link_latency_s: args.placement_link_latency_us * 1e-6,
-    }))
+    Ok(Some(profile.placement_costs(args.placement_link_gbps, args.placement_link_latency_us)))
 }
 
 /// `--pd`, checked; Arrow's profile measured on the workers' timing model (`--gpu`, `--timing`).

@@ -26,7 +26,7 @@ use kvfleet_core::engine::sched::build_scheduler;
 use kvfleet_core::engine::{Engine, EngineConfig, EngineEvent, EngineStats};
 use kvfleet_core::kv::{prompt_block_hashes, BlockHash};
 use kvfleet_core::metrics::{DecisionTimes, MigrationRecord, RequestRecord, RoleChange};
-use kvfleet_core::policy::cache_aware::{PlacementCosts, PrefillCurve, PrefixFetch};
+use kvfleet_core::policy::cache_aware::PrefixFetch;
 use kvfleet_core::policy::InstancePolicy;
 use kvfleet_core::time::RUN_LIMIT;
 use kvfleet_core::timing::TimingModel;
@@ -239,13 +239,7 @@ impl Cluster {
         slo_tpot_s: f64,
     ) -> Result<(), String> {
         let profile = ArrowProfile::measure(timing, slo_tpot_s).map_err(|e| format!("prefill profile: {e}"))?;
-        let q = profile.prefill;
-        let costs = PlacementCosts {
-            prefill: PrefillCurve { a: q.a, b: q.b, c: q.c },
-            link_bytes_per_s: link.bandwidth_gbps * 1e9 / 8.0,
-            link_latency_s: link.latency_us * 1e-6,
-        };
-        self.control.set_placement_costs(&costs);
+        self.control.set_placement_costs(&profile.placement_costs(link.bandwidth_gbps, link.latency_us));
         Ok(())
     }
 

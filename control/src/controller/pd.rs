@@ -8,6 +8,7 @@ use crate::arrow::{
     self, ArrowError, ArrowParams, Choice, DecodeRequest, InstanceLoad, Placement, Quadratic, Snapshot,
 };
 use crate::roles::Role;
+use kvfleet_core::policy::cache_aware::PlacementCosts;
 use kvfleet_core::policy::LoadReport;
 use kvfleet_core::timing::{BatchShape, TimingModel};
 use kvfleet_core::{InstanceId, RequestId, TimeSpan, Timestamp};
@@ -32,6 +33,16 @@ pub struct ArrowProfile {
 }
 
 impl ArrowProfile {
+    /// What `cache-aware` weighs: this profile's prefill curve and a link of `link_gbps` Gbit/s
+    /// with `link_latency_us` µs of one-way latency.
+    pub fn placement_costs(&self, link_gbps: f64, link_latency_us: f64) -> PlacementCosts {
+        PlacementCosts {
+            prefill: self.prefill.as_curve(),
+            link_bytes_per_s: link_gbps * 1e9 / 8.0,
+            link_latency_s: link_latency_us * 1e-6,
+        }
+    }
+
     /// The profiler (§5.2) run against a timing model instead of start-up requests: one prefill
     /// iteration per length in [`arrow::PROFILE_PROMPT_TOKENS`] fitted by least squares, and MT
     /// by binary search over decode batches of [`DECODE_PROFILE_CONTEXT`]-token sequences.
@@ -276,10 +287,9 @@ pub(super) fn has_room(load: &LoadReport, kv_blocks: u32) -> bool {
 /// Arrow's [`InstanceLoad`] of one published load.
 fn instance_load(l: &LoadReport, role: Role, profile: &ArrowProfile, itl_mean_s: Option<f64>) -> InstanceLoad {
     let q = l.prefill_queue;
-    let t = profile.prefill;
     // Σ T(l_j) = a·Σl² + b·Σl + c·n; the running prefill counts whole (an iteration prefills a
     // prompt at once).
-    let prefill_s = (t.a * q.tokens_sq as f64 + t.b * q.tokens as f64 + t.c * f64::from(q.requests)).max(0.0);
+    let prefill_s = profile.prefill.as_curve().queue(&q);
     let kv_cap = u64::from(l.gpu_total_blocks) * u64::from(l.block_tokens);
     InstanceLoad {
         instance: l.instance,
@@ -289,7 +299,7 @@ fn instance_load(l: &LoadReport, role: Role, profile: &ArrowProfile, itl_mean_s:
         decode_tokens: l.decode_context_tokens,
         max_tokens: profile.decode_max_tokens.min(kv_cap),
         itl_mean_s,
-        profile: t,
+        profile: profile.prefill,
     }
 }
 
