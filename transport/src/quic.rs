@@ -638,14 +638,14 @@ impl tokio::io::AsyncWrite for QuicSendStream {
         cx: &mut std::task::Context<'_>,
         buf: &[u8],
     ) -> std::task::Poll<std::io::Result<usize>> {
-        tokio::io::AsyncWrite::poll_write(std::pin::Pin::new(&mut self.inner), cx, buf)
+        tokio::io::AsyncWrite::poll_write(std::pin::Pin::new(&mut self.inner), cx, buf).map_err(with_cause)
     }
 
     fn poll_flush(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        tokio::io::AsyncWrite::poll_flush(std::pin::Pin::new(&mut self.inner), cx)
+        tokio::io::AsyncWrite::poll_flush(std::pin::Pin::new(&mut self.inner), cx).map_err(with_cause)
     }
 
     fn poll_shutdown(
@@ -654,25 +654,57 @@ impl tokio::io::AsyncWrite for QuicSendStream {
     ) -> std::task::Poll<std::io::Result<()>> {
         // Once shutdown began, the stream is being finished: never reset it afterwards.
         self.shut_down = true;
-        tokio::io::AsyncWrite::poll_shutdown(std::pin::Pin::new(&mut self.inner), cx)
+        tokio::io::AsyncWrite::poll_shutdown(std::pin::Pin::new(&mut self.inner), cx).map_err(with_cause)
+    }
+}
+
+/// quinn's stream errors say "connection lost" and keep why inside; the reason (the peer's
+/// close, a TLS alert such as a refused certificate, an idle timeout) is what a log needs.
+fn with_cause(e: std::io::Error) -> std::io::Error {
+    let cause = e.get_ref().and_then(|inner| {
+        let lost = |c: &quinn::ConnectionError| format!("connection lost: {c}");
+        match (inner.downcast_ref::<quinn::WriteError>(), inner.downcast_ref::<quinn::ReadError>()) {
+            (Some(quinn::WriteError::ConnectionLost(c)), _) | (_, Some(quinn::ReadError::ConnectionLost(c))) => {
+                Some(lost(c))
+            }
+            _ => None,
+        }
+    });
+    match cause {
+        Some(text) => std::io::Error::new(e.kind(), text),
+        None => e,
     }
 }
 
 /// quinn queues the block itself (a `Bytes` clone per packet's worth), no copy.
 impl crate::SendHalf for QuicSendStream {
     fn write_chunk(&mut self, chunk: bytes::Bytes) -> BoxFuture<'_, std::io::Result<()>> {
-        Box::pin(async move { Ok(self.inner.write_chunk(chunk).await?) })
+        Box::pin(async move { self.inner.write_chunk(chunk).await.map_err(|e| with_cause(e.into())) })
+    }
+}
+
+/// A QUIC receive stream whose errors name their cause ([`with_cause`]).
+struct QuicRecvStream(quinn::RecvStream);
+
+impl tokio::io::AsyncRead for QuicRecvStream {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        tokio::io::AsyncRead::poll_read(std::pin::Pin::new(&mut self.0), cx, buf).map_err(with_cause)
     }
 }
 
 /// quinn hands over the received packets' buffers (slices of them), no copy.
-impl crate::RecvHalf for quinn::RecvStream {
+impl crate::RecvHalf for QuicRecvStream {
     fn read_chunk(&mut self, max: usize) -> BoxFuture<'_, std::io::Result<Option<bytes::Bytes>>> {
         Box::pin(async move {
             if max == 0 {
                 return Ok(Some(bytes::Bytes::new()));
             }
-            Ok(quinn::RecvStream::read_chunk(self, max, true).await?.map(|c| c.bytes))
+            let chunk = self.0.read_chunk(max, true).await.map_err(|e| with_cause(e.into()))?;
+            Ok(chunk.map(|c| c.bytes))
         })
     }
 }
@@ -681,14 +713,14 @@ impl KvConnection for QuicConnection {
     fn open_stream(&self) -> BoxFuture<'_, Result<KvStream, TransportError>> {
         Box::pin(async move {
             let (send, recv) = self.conn.open_bi().await.map_err(self.stream_err("opening a stream"))?;
-            Ok((Box::new(QuicSendStream::new(send)) as _, Box::new(recv) as _))
+            Ok((Box::new(QuicSendStream::new(send)) as _, Box::new(QuicRecvStream(recv)) as _))
         })
     }
 
     fn accept_stream(&self) -> BoxFuture<'_, Result<KvStream, TransportError>> {
         Box::pin(async move {
             let (send, recv) = self.conn.accept_bi().await.map_err(self.stream_err("accepting a stream"))?;
-            Ok((Box::new(QuicSendStream::new(send)) as _, Box::new(recv) as _))
+            Ok((Box::new(QuicSendStream::new(send)) as _, Box::new(QuicRecvStream(recv)) as _))
         })
     }
 

@@ -324,8 +324,9 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         // Mutual TLS from the cluster CA: etcd refuses clients (and peers) without a cluster
         // certificate; plain http only with --plaintext.
         let tls = pki.as_ref().map(Pki::etcd_server).transpose()?;
-        let spec = EtcdSpec { own_group: args.own_groups, tls, ..EtcdSpec::new(&bin, &dir)? };
-        cluster.etcd = Some((spec.start()?, spec.url()));
+        let mut spec = EtcdSpec { own_group: args.own_groups, tls, ..EtcdSpec::new(&bin, &dir)? };
+        let proc = spec.launch(Duration::from_secs(30))?;
+        cluster.etcd = Some((proc, spec.url()));
         let auth = if spec.tls.is_some() { "client-certificate TLS" } else { "plain http, no auth" };
         cluster.etcd_spec = Some(spec);
         say!("etcd        {} ({auth})", cluster.etcd.as_ref().map_or("", |e| e.1.as_str()));

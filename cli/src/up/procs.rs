@@ -199,6 +199,11 @@ impl Proc {
         self.addr.as_deref().ok_or_else(|| anyhow!("{} has no address", self.name))
     }
 
+    /// Its exit status, if it has exited (reaped here).
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -278,6 +283,9 @@ pub fn find_etcd() -> Option<PathBuf> {
     std::env::var_os("PATH")
         .and_then(|paths| std::env::split_paths(&paths).map(|d| d.join("etcd")).find(|p| p.is_file()))
 }
+
+/// What etcd logs once it serves clients (3.4's capnslog and 3.5's zap say the same).
+const ETCD_READY: &str = "ready to serve client requests";
 
 /// etcd's TLS material: its own certificate from the cluster CA and that CA as its only trust
 /// root, for clients and peers alike.
@@ -378,6 +386,39 @@ impl EtcdSpec {
         args
     }
 
+    /// Start a new etcd and wait until it serves clients. Its ports were free when picked, but
+    /// another process on the host can bind one before etcd does (it then exits: "address
+    /// already in use"): such a start is retried on fresh ports, a few times. Any other early
+    /// exit, or no readiness within `limit`, fails quoting its log.
+    pub fn launch(&mut self, limit: Duration) -> anyhow::Result<Proc> {
+        const TRIES: u32 = 5;
+        let log = self.dir.join("etcd.log");
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut p = self.start()?;
+            let deadline = Instant::now() + limit;
+            loop {
+                let text = || std::fs::read_to_string(&log).unwrap_or_default();
+                if let Some(status) = p.exit_status() {
+                    if text().contains("address already in use") && attempt < TRIES {
+                        self.client_port = free_port()?;
+                        self.peer_port = free_port()?;
+                        break;
+                    }
+                    bail!("etcd exited with {status} before it was ready; see {}{}", log.display(), log_tail(&log));
+                }
+                if text().contains(ETCD_READY) {
+                    return Ok(p);
+                }
+                if Instant::now() > deadline {
+                    bail!("etcd was not ready within {limit:?}; see {}{}", log.display(), log_tail(&log));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
     /// Start (or restart: same ports, same data directory, same certificates) the etcd process.
     pub fn start(&self) -> anyhow::Result<Proc> {
         let args = self.args();
@@ -412,5 +453,31 @@ fn die_with_parent(command: &mut Command) {
             }
             Ok(())
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A port taken between picking and starting (here: held by the test) costs a retry on fresh
+    /// ports, not the run.
+    #[test]
+    fn etcd_starting_on_a_taken_port_moves_to_free_ones_and_serves() {
+        let Some(bin) = find_etcd() else {
+            eprintln!("skipping: etcd not installed");
+            return;
+        };
+        let dir = std::env::temp_dir().join(format!("kvfleet-procs-etcd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let thief = TcpListener::bind("127.0.0.1:0").unwrap();
+        let taken = thief.local_addr().unwrap().port();
+        let mut spec = EtcdSpec { client_port: taken, ..EtcdSpec::new(&bin, &dir).unwrap() };
+        let mut etcd = spec.launch(Duration::from_secs(30)).expect("etcd starts on other ports");
+        assert_ne!(spec.client_port, taken);
+        assert!(etcd.exit_status().is_none(), "etcd runs");
+        std::net::TcpStream::connect(("127.0.0.1", spec.client_port)).expect("etcd accepts clients on its new port");
+        etcd.stop(Duration::from_secs(5));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
