@@ -69,6 +69,9 @@ struct Args {
     /// The workers' timing model, for Arrow's profile: analytic, profile or auto.
     #[arg(long, default_value = "auto")]
     timing: String,
+    /// GPUs per worker instance (tensor parallelism), for the same profiles.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel_size: u32,
     /// `cache-aware` placement: the link a prefix fetch crosses, Gbit/s (the experiment's
     /// `[link]`). Its prefill curve is profiled on `--timing` as Arrow's is.
     #[arg(long, default_value_t = 100.0)]
@@ -229,7 +232,7 @@ fn placement_costs(args: &Args, model: &ModelSpec) -> anyhow::Result<Option<Plac
         }
     }
     let gpu = GpuSpec::load(&args.gpu).with_context(|| format!("--gpu {}", args.gpu))?;
-    let timing = build_timing(&args.timing, model, &gpu, None).context("--timing")?;
+    let timing = build_timing(&args.timing, model, &gpu, None, args.tensor_parallel_size).context("--timing")?;
     // Only the prefill curve is used; the decode SLO (any positive one) shapes only MT.
     let profile = ArrowProfile::measure(timing.as_ref(), 0.1).map_err(|e| anyhow::anyhow!("prefill profile: {e}"))?;
     Ok(Some(profile.placement_costs(args.placement_link_gbps, args.placement_link_latency_us)))
@@ -246,7 +249,7 @@ fn pd_setup(args: &Args, model: &ModelSpec) -> anyhow::Result<PdSetup> {
         PdPolicy::Static => None,
         PdPolicy::Arrow => {
             let gpu = GpuSpec::load(&args.gpu).with_context(|| format!("--gpu {}", args.gpu))?;
-            let timing = build_timing(&args.timing, model, &gpu, None).context("--timing")?;
+            let timing = build_timing(&args.timing, model, &gpu, None, args.tensor_parallel_size).context("--timing")?;
             let profile = ArrowProfile::measure(timing.as_ref(), config.arrow.slo_tpot_s)
                 .map_err(|e| anyhow::anyhow!("Arrow's profile: {e}"))?;
             tracing::info!(?profile, "Arrow's profile of the instances");

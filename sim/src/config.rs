@@ -89,6 +89,11 @@ pub struct ClusterConfig {
     pub timing: String,
     /// Directory with `decode.csv`/`prefill.csv`/`copy.csv` for `profile` timing of other GPUs/models.
     pub profile_dir: Option<PathBuf>,
+    /// GPUs per instance (tensor parallelism, vLLM `tensor_parallel_size`): the analytic timing
+    /// model splits each iteration's work across them and adds their all-reduces; the instance's
+    /// memory is theirs together. Measured profiles are one GPU's (`timing = "auto"` then takes
+    /// the analytic model).
+    pub tensor_parallel_size: u32,
     /// Fraction of GPU memory the engine may use (vLLM `gpu_memory_utilization`).
     pub gpu_memory_utilization: f64,
     /// KV cache per instance in GB (1e9 B). Overrides the memory-utilization arithmetic; use it
@@ -116,6 +121,7 @@ impl Default for ClusterConfig {
             gpu: "h100-96gb".into(),
             timing: "auto".into(),
             profile_dir: None,
+            tensor_parallel_size: 1,
             gpu_memory_utilization: 0.9,
             kv_cache_gb: None,
             cpu_swap_gb: 64.0,
@@ -391,6 +397,14 @@ impl SimConfig {
         self.migration.validate()?;
         self.workload.validate().map_err(|e| ConfigError::Invalid(format!("workload: {e}")))?;
         let (model, gpu) = self.specs()?;
+        kvfleet_core::timing::analytic::check_tp(&model, &gpu, c.tensor_parallel_size)
+            .map_err(|e| ConfigError::Invalid(format!("`cluster.tensor_parallel_size`: {e}")))?;
+        if c.tensor_parallel_size > 1 && c.timing == "profile" {
+            return Err(ConfigError::Invalid(format!(
+                "`cluster.tensor_parallel_size` = {} needs timing = \"analytic\" or \"auto\": a measured profile is one GPU's",
+                c.tensor_parallel_size
+            )));
+        }
         let e = self.engine_config(&model, &gpu)?;
         let blocks = c.instances as u64 * (e.gpu_blocks as u64 + e.cpu_blocks as u64);
         if blocks > MAX_CLUSTER_BLOCKS {
@@ -426,12 +440,15 @@ impl SimConfig {
         let (field, kv_bytes) = match c.kv_cache_gb {
             Some(v) => ("kv_cache_gb", gb("kv_cache_gb", v)?),
             None => {
-                let usable = (gpu.memory_bytes() as f64 * c.gpu_memory_utilization) as u64;
+                // The instance's GPUs together hold the weights once (split) and the KV.
+                let gpus = f64::from(c.tensor_parallel_size.max(1));
+                let usable = (gpus * gpu.memory_bytes() as f64 * c.gpu_memory_utilization) as u64;
                 let kv = usable.checked_sub(model.weight_bytes()).filter(|&b| b >= block_bytes).ok_or_else(|| {
                     ConfigError::Invalid(format!(
-                        "model `{}` ({:.1} GB of weights) leaves no KV memory on `{}` at gpu_memory_utilization {}",
+                        "model `{}` ({:.1} GB of weights) leaves no KV memory on {} × `{}` at gpu_memory_utilization {}",
                         model.name,
                         model.weight_bytes() as f64 / 1e9,
+                        c.tensor_parallel_size,
                         gpu.name,
                         c.gpu_memory_utilization
                     ))
@@ -568,6 +585,23 @@ mod tests {
         assert!((4_500..5_500).contains(&e.gpu_blocks), "{}", e.gpu_blocks);
     }
 
+    /// An instance of two GPUs holds the weights once between them: its KV pool is their memory
+    /// less one copy of the weights (more than twice one GPU's pool).
+    #[test]
+    fn tensor_parallel_instances_pool_their_gpus_memory() {
+        let blocks = |tp: u32| {
+            let text = format!("[cluster]\nmodel = \"qwen3-32b\"\ngpu = \"h20-141gb\"\ntensor_parallel_size = {tp}");
+            let cfg = SimConfig::parse(&text, "c.toml").unwrap();
+            let (m, g) = cfg.specs().unwrap();
+            let weights = m.weight_bytes() as f64;
+            let expect = ((tp as f64 * 141e9 * 0.9 - weights) / (16.0 * 262_144.0)).floor() as u32;
+            (cfg.engine_config(&m, &g).unwrap().gpu_blocks, expect)
+        };
+        let ((one, one_expect), (two, two_expect)) = (blocks(1), blocks(2));
+        assert_eq!((one, two), (one_expect, two_expect));
+        assert!(two > 2 * one, "{one} -> {two}");
+    }
+
     #[test]
     fn bad_values_name_the_field() {
         let cases = [
@@ -580,6 +614,10 @@ mod tests {
             ("[sweep]\npolicies = [\"pascal\"]\nseeds = 0", "sweep.seeds"),
             ("[sweep]\npolicies = [\"pascal\"]\nseeds = 1001", "sweep.seeds"),
             ("[cluster]\nmodel = \"r1-distill-qwen-32b\"\ngpu = \"v100-32gb\"", "leaves no KV memory"),
+            ("[cluster]\ntensor_parallel_size = 3", "tensor_parallel_size"),
+            ("[cluster]\ntensor_parallel_size = 0", "tensor_parallel_size"),
+            ("[cluster]\ngpu = \"l40s\"\nmodel = \"qwen-7b\"\ntensor_parallel_size = 2", "no NVLink"),
+            ("[cluster]\ntensor_parallel_size = 2\ntiming = \"profile\"", "one GPU's"),
             ("[migration]\ntimeout_ms = 0", "migration.timeout_ms"),
             ("[migration]\ntimeout_ms = 1e-9", "migration.timeout_ms"),
             ("[migration]\nstop_copy_ms = -1", "migration.stop_copy_ms"),

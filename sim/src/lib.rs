@@ -52,7 +52,13 @@ pub enum SimError {
 pub fn timing_model(cfg: &SimConfig, base_dir: &Path) -> Result<Arc<dyn TimingModel>, SimError> {
     let (model, gpu) = cfg.specs()?;
     let dir = cfg.cluster.profile_dir.as_ref().map(|d| base_dir.join(d));
-    let t = kvfleet_core::timing::profile::build_timing(&cfg.cluster.timing, &model, &gpu, dir.as_deref())
+    let t = kvfleet_core::timing::profile::build_timing(
+        &cfg.cluster.timing,
+        &model,
+        &gpu,
+        dir.as_deref(),
+        cfg.cluster.tensor_parallel_size,
+    )
         .map_err(|e| SimError::Timing(e.to_string()))?;
     Ok(Arc::from(t))
 }

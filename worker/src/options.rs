@@ -42,6 +42,10 @@ pub struct WorkerOptions {
     /// Directory with `decode.csv`, `prefill.csv`, `copy.csv` for `profile` timing of another GPU/model.
     #[arg(long)]
     pub profile_dir: Option<PathBuf>,
+    /// GPUs this instance spans (tensor parallelism): the analytic timing model splits each
+    /// iteration across them and adds their all-reduces (measured profiles are one GPU's).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: u32,
     /// Intra-instance scheduler: `fcfs`, `rr` or `pascal`.
     #[arg(long, default_value = "pascal", value_parser = ["fcfs", "rr", "pascal"])]
     pub scheduler: String,

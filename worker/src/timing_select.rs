@@ -18,11 +18,16 @@ pub fn build(
     model: &ModelSpec,
     gpu: &GpuSpec,
     profile_dir: Option<&Path>,
+    tp: u32,
 ) -> Result<Box<dyn TimingModel>, OptionsError> {
     if kind == "cuda" {
+        if tp != 1 {
+            let message = format!("cuda times the kernels of one GPU; --tensor-parallel-size {tp} needs analytic");
+            return Err(OptionsError::Invalid { flag: "timing", message });
+        }
         return build_cuda(model, gpu);
     }
-    build_timing(kind, model, gpu, profile_dir).map_err(|e| match e {
+    build_timing(kind, model, gpu, profile_dir, tp).map_err(|e| match e {
         TimingError::UnknownKind { kind, .. } => {
             OptionsError::Timing(TimingError::UnknownKind { kind, valid: format!("{}, cuda", TIMING_KINDS.join(", ")) })
         }
@@ -54,9 +59,9 @@ mod tests {
     #[test]
     fn core_kinds_still_build_and_unknown_kinds_list_cuda() {
         let (m, g) = specs();
-        assert_eq!(build("auto", &m, &g, None).unwrap().name(), "profile");
-        assert_eq!(build("analytic", &m, &g, None).unwrap().name(), "analytic");
-        let e = build("gpu", &m, &g, None).unwrap_err().to_string();
+        assert_eq!(build("auto", &m, &g, None, 1).unwrap().name(), "profile");
+        assert_eq!(build("analytic", &m, &g, None, 1).unwrap().name(), "analytic");
+        let e = build("gpu", &m, &g, None, 1).unwrap_err().to_string();
         assert!(e.contains("`--timing`") && e.contains("analytic, profile, auto, cuda"), "{e}");
     }
 
@@ -64,7 +69,7 @@ mod tests {
     #[test]
     fn cuda_without_the_feature_says_how_to_build_it() {
         let (m, g) = specs();
-        let e = build("cuda", &m, &g, None).unwrap_err().to_string();
+        let e = build("cuda", &m, &g, None, 1).unwrap_err().to_string();
         assert_eq!(e, format!("`--timing`: {CUDA_FEATURE_MISSING}"));
     }
 
@@ -76,7 +81,7 @@ mod tests {
             return;
         }
         let (m, g) = specs();
-        let e = build("cuda", &m, &g, None).unwrap_err().to_string();
+        let e = build("cuda", &m, &g, None, 1).unwrap_err().to_string();
         assert!(e.contains("`--timing`: cuda: no CUDA driver (libcuda.so) found"), "{e}");
     }
 }

@@ -27,6 +27,14 @@
 //! (kernel count scales with depth); using the same factors on other GPUs is an assumption.
 //!
 //! Offload and reload: bytes over the GPU spec's `host_link_gbytes_per_s`.
+//!
+//! **Tensor parallelism** (t GPUs per instance, Megatron-style): every GEMM, attention head and
+//! weight byte is split t ways, so the FLOPs, weight bytes and KV bytes above are divided by t
+//! per GPU (KV by min(t, KV heads): a KV head is replicated when t exceeds them); the per-layer
+//! overhead is not (each GPU runs every kernel). Each layer adds two all-reduces (after attention
+//! and after the MLP) of the batch's activations, ring-style: each GPU sends
+//! 2(t−1)/t · tokens · hidden · dtype bytes over NVLink (`nvlink_gbytes_per_s`), plus a fixed
+//! 10 µs per all-reduce (launch and synchronisation). t = 1 is the single-GPU model unchanged.
 
 use super::profile::TimingError;
 use super::{BatchShape, TimingModel};
@@ -74,10 +82,22 @@ impl Default for AnalyticParams {
     }
 }
 
+/// Most GPUs one instance may span (tensor parallelism).
+pub const MAX_TP: u32 = 64;
+
+/// Fixed cost of one all-reduce, ms (kernel launch and synchronisation; see the module doc).
+const ALL_REDUCE_FIXED_MS: f64 = 0.010;
+
 /// The roofline model with every per-shape constant folded at construction.
 #[derive(Clone, Debug)]
 pub struct AnalyticTiming {
     params: AnalyticParams,
+    tp: u32,
+    /// NVLink ms per token of activations, summed over a layer's two all-reduces and all layers
+    /// (0 at t = 1).
+    all_reduce_ms_per_token: f64,
+    /// Fixed all-reduce cost per iteration, ms (0 at t = 1).
+    all_reduce_fixed_ms: f64,
     gemm_flops_per_token: f64,
     head_flops_per_logit: f64,
     decode_attn_flops_per_context_token: f64,
@@ -105,7 +125,20 @@ impl AnalyticTiming {
         gpu: &GpuSpec,
         params: AnalyticParams,
     ) -> Result<AnalyticTiming, TimingError> {
+        Self::with_tp(model, gpu, params, 1)
+    }
+
+    /// An instance of `tp` GPUs (tensor parallelism; see the module doc). Fails on `tp` out of
+    /// 1..=[`MAX_TP`], one that does not divide the query heads (each GPU holds whole heads), or
+    /// `tp` > 1 on a GPU without NVLink.
+    pub fn with_tp(
+        model: &ModelSpec,
+        gpu: &GpuSpec,
+        params: AnalyticParams,
+        tp: u32,
+    ) -> Result<AnalyticTiming, TimingError> {
         params.validate()?;
+        check_tp(model, gpu, tp)?;
         for (name, value) in [
             ("gpu.bf16_tflops", gpu.bf16_tflops),
             ("gpu.hbm_tbytes_per_s", gpu.hbm_tbytes_per_s),
@@ -123,14 +156,27 @@ impl AnalyticTiming {
         let attn_width = layers * model.q_heads as f64 * model.head_dim as f64;
         // Streamed every iteration: all layers, final norm, LM head (the embedding is a gather).
         let streamed_params = layers * model.layer_params() as f64 + vocab * hidden + hidden;
+        let t = f64::from(tp);
+        // KV heads split t ways, replicated once t exceeds them.
+        let kv_split = f64::from(tp.min(model.kv_heads.max(1)));
+        let (all_reduce_ms_per_token, all_reduce_fixed_ms) = if tp > 1 {
+            let bytes_per_token = 2.0 * (t - 1.0) / t * hidden * model.dtype_bytes as f64;
+            let nvlink_bytes_per_ms = gpu.nvlink_gbytes_per_s * 1e9 * 1e-3;
+            (2.0 * layers * bytes_per_token / nvlink_bytes_per_ms, 2.0 * layers * ALL_REDUCE_FIXED_MS)
+        } else {
+            (0.0, 0.0)
+        };
         Ok(AnalyticTiming {
             params,
-            gemm_flops_per_token: 2.0 * layers * model.layer_params() as f64,
-            head_flops_per_logit: 2.0 * vocab * hidden,
-            decode_attn_flops_per_context_token: 4.0 * attn_width,
-            prefill_attn_flops_per_token_sq: 2.0 * attn_width,
-            weight_bytes: streamed_params * model.dtype_bytes as f64,
-            kv_bytes_per_token: model.kv_bytes_per_token() as f64,
+            tp,
+            all_reduce_ms_per_token,
+            all_reduce_fixed_ms,
+            gemm_flops_per_token: 2.0 * layers * model.layer_params() as f64 / t,
+            head_flops_per_logit: 2.0 * vocab * hidden / t,
+            decode_attn_flops_per_context_token: 4.0 * attn_width / t,
+            prefill_attn_flops_per_token_sq: 2.0 * attn_width / t,
+            weight_bytes: streamed_params * model.dtype_bytes as f64 / t,
+            kv_bytes_per_token: model.kv_bytes_per_token() as f64 / kv_split,
             flops_per_ms: gpu.bf16_tflops * 1e12 * params.mfu * 1e-3,
             bytes_per_ms: gpu.hbm_tbytes_per_s * 1e12 * params.mbu * 1e-3,
             overhead_ms: layers * params.overhead_ms_per_layer,
@@ -141,6 +187,11 @@ impl AnalyticTiming {
     /// The efficiency factors in use.
     pub fn params(&self) -> AnalyticParams {
         self.params
+    }
+
+    /// GPUs per instance (tensor parallelism).
+    pub fn tp(&self) -> u32 {
+        self.tp
     }
 
     /// The fixed per-iteration cost, ms (layers × `overhead_ms_per_layer`).
@@ -163,8 +214,27 @@ impl AnalyticTiming {
             + self.prefill_attn_flops_per_token_sq * s.prefill_tokens_sq as f64;
         let kv_bytes = self.kv_bytes_per_token * (ctx + s.decode_seqs as f64 + s.prefill_tokens as f64);
         let attn_ms = (attn_flops / self.flops_per_ms).max(kv_bytes / self.bytes_per_ms);
-        gemm_ms + attn_ms + self.overhead_ms
+        let all_reduce_ms = self.all_reduce_ms_per_token * tokens + self.all_reduce_fixed_ms;
+        gemm_ms + attn_ms + all_reduce_ms + self.overhead_ms
     }
+}
+
+/// `tp` GPUs can serve `model` on `gpu` (see [`AnalyticTiming::with_tp`]).
+pub fn check_tp(model: &ModelSpec, gpu: &GpuSpec, tp: u32) -> Result<(), TimingError> {
+    let invalid = |message: String| TimingError::InvalidParam { name: "tp", value: f64::from(tp), message };
+    if !(1..=MAX_TP).contains(&tp) {
+        return Err(invalid(format!("GPUs per instance must be in 1..={MAX_TP}")));
+    }
+    if !model.q_heads.is_multiple_of(tp) {
+        return Err(invalid(format!("must divide model `{}`'s {} attention heads", model.name, model.q_heads)));
+    }
+    if tp > 1 && gpu.nvlink_gbytes_per_s <= 0.0 {
+        return Err(invalid(format!(
+            "GPU `{}` has no NVLink (`nvlink_gbytes_per_s` = 0): tensor parallelism needs one",
+            gpu.name
+        )));
+    }
+    Ok(())
 }
 
 impl TimingModel for AnalyticTiming {
@@ -243,6 +313,49 @@ mod tests {
         let (td, tp, tm) = (a.iteration_ms(&d), a.iteration_ms(&p), a.iteration_ms(&mixed));
         assert!(tm >= td.max(tp) && tm < td + tp, "decode {td} prefill {tp} mixed {tm}");
         assert_eq!(a.iteration(&BatchShape::default()), TimeSpan::ZERO);
+    }
+
+    /// TP t divides every roofline term by t (the per-layer overhead excepted) and adds two
+    /// ring all-reduces per layer over NVLink, computed here by hand.
+    #[test]
+    fn tensor_parallel_splits_the_roofline_and_adds_two_all_reduces_per_layer() {
+        let (model, gpu) = (ModelSpec::load("llama-3.1-70b").unwrap(), GpuSpec::load("h20-141gb").unwrap());
+        let one = AnalyticTiming::new(&model, &gpu).unwrap();
+        let same = AnalyticTiming::with_tp(&model, &gpu, AnalyticParams::default(), 1).unwrap();
+        for tp in [2u32, 4, 8] {
+            let split = AnalyticTiming::with_tp(&model, &gpu, AnalyticParams::default(), tp).unwrap();
+            assert_eq!(split.tp(), tp);
+            for shape in [prefill(4096), decode(64, 3000), decode(1, 100)] {
+                let tokens = f64::from(shape.decode_seqs) + shape.prefill_tokens as f64;
+                let t = f64::from(tp);
+                // Each GPU sends 2(t-1)/t of a layer's activations twice per layer, + 10 µs each.
+                let ring_bytes = 2.0 * (t - 1.0) / t * tokens * model.hidden as f64 * 2.0;
+                let all_reduce = 2.0 * model.layers as f64 * (ring_bytes / (900e9 * 1e-3) + 0.010);
+                let overhead = one.overhead_ms();
+                let expect = (one.iteration_ms(&shape) - overhead) / t + overhead + all_reduce;
+                let got = split.iteration_ms(&shape);
+                assert!((got - expect).abs() < 1e-9 * expect, "tp {tp} {shape:?}: {got} vs {expect}");
+                assert_eq!(same.iteration_ms(&shape), one.iteration_ms(&shape));
+            }
+        }
+        // A batch-1 decode streams the weights: TP 2 is faster, not twice as fast.
+        let two = AnalyticTiming::with_tp(&model, &gpu, AnalyticParams::default(), 2).unwrap();
+        let (t1, t2) = (one.iteration_ms(&decode(1, 100)), two.iteration_ms(&decode(1, 100)));
+        assert!(t2 < t1 && t2 > 0.5 * t1, "{t1} -> {t2}");
+    }
+
+    #[test]
+    fn tensor_parallel_degrees_that_cannot_run_are_refused_by_name() {
+        let (model, gpu) = (ModelSpec::load("qwen3-32b").unwrap(), GpuSpec::load("h20-141gb").unwrap());
+        let err = |m: &ModelSpec, g: &GpuSpec, tp| {
+            AnalyticTiming::with_tp(m, g, AnalyticParams::default(), tp).unwrap_err().to_string()
+        };
+        assert!(err(&model, &gpu, 0).contains("1..=64"), "{}", err(&model, &gpu, 0));
+        assert!(err(&model, &gpu, 128).contains("1..=64"));
+        assert!(err(&model, &gpu, 3).contains("64 attention heads"), "{}", err(&model, &gpu, 3));
+        let l40s = GpuSpec::load("l40s").unwrap();
+        assert!(err(&model, &l40s, 2).contains("no NVLink"), "{}", err(&model, &l40s, 2));
+        assert!(AnalyticTiming::with_tp(&model, &l40s, AnalyticParams::default(), 1).is_ok());
     }
 
     #[test]

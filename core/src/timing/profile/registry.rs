@@ -6,7 +6,7 @@
 
 use super::{ProfileTiming, TimingError};
 use crate::spec::{GpuSpec, ModelSpec};
-use crate::timing::analytic::AnalyticTiming;
+use crate::timing::analytic::{check_tp, AnalyticParams, AnalyticTiming};
 use crate::timing::TimingModel;
 use std::path::Path;
 
@@ -24,15 +24,34 @@ fn builtin_gpu(gpu: &GpuSpec) -> bool {
 /// - `profile`: the tables in `profile_dir`, else the embedded H100 table when `model` has the
 ///   Qwen2.5-32B shape and `gpu` is an H100; otherwise an error suggesting the alternatives.
 /// - `auto`: `profile` where it applies, `analytic` elsewhere.
+///
+/// An instance spans `tp` GPUs (tensor parallelism): the analytic model splits its work
+/// ([`AnalyticTiming::with_tp`]); a measured table is one GPU's, so `profile` refuses `tp` > 1 and
+/// `auto` then takes the analytic model.
 pub fn build_timing(
     kind: &str,
     model: &ModelSpec,
     gpu: &GpuSpec,
     profile_dir: Option<&Path>,
+    tp: u32,
 ) -> Result<Box<dyn TimingModel>, TimingError> {
     let builtin = ProfileTiming::builtin_matches(model) && builtin_gpu(gpu);
+    let analytic = || -> Result<Box<dyn TimingModel>, TimingError> {
+        Ok(Box::new(AnalyticTiming::with_tp(model, gpu, AnalyticParams::default(), tp)?))
+    };
     match kind {
-        "analytic" => Ok(Box::new(AnalyticTiming::new(model, gpu)?)),
+        "analytic" => analytic(),
+        "auto" if tp > 1 => analytic(),
+        "profile" if tp > 1 => {
+            check_tp(model, gpu, tp)?;
+            Err(TimingError::InvalidParam {
+                name: "tp",
+                value: f64::from(tp),
+                message: "a measured profile is one GPU's: more GPUs per instance need the analytic timing model \
+                          (timing = \"analytic\" or \"auto\")"
+                    .into(),
+            })
+        }
         "profile" | "auto" => {
             if let Some(dir) = profile_dir {
                 return Ok(Box::new(ProfileTiming::from_dir(dir)?));
@@ -41,7 +60,7 @@ pub fn build_timing(
                 return Ok(Box::new(ProfileTiming::builtin_h100_qwen32b()));
             }
             if kind == "auto" {
-                return Ok(Box::new(AnalyticTiming::new(model, gpu)?));
+                return analytic();
             }
             Err(TimingError::NoProfile {
                 what: format!(
@@ -86,7 +105,7 @@ mod tests {
         ];
         for (kind, model, gpu, dir, expect) in cases {
             let (m, g) = (ModelSpec::load(model).unwrap(), GpuSpec::load(gpu).unwrap());
-            match (build_timing(kind, &m, &g, *dir), expect) {
+            match (build_timing(kind, &m, &g, *dir, 1), expect) {
                 (Ok(t), Ok(name)) => {
                     assert_eq!(t.name(), *name, "{kind} {model} {gpu}");
                     let mut s = BatchShape::default();
@@ -98,5 +117,17 @@ mod tests {
                 (Err(e), Ok(name)) => panic!("{kind} {model} {gpu}: expected {name}, got {e}"),
             }
         }
+        // Two GPUs per instance: the analytic model (faster than one GPU), never a one-GPU table.
+        let (m, g) = (ModelSpec::load("r1-distill-qwen-32b").unwrap(), GpuSpec::load("h100-80gb").unwrap());
+        let mut s = BatchShape::default();
+        s.add_decode(1000);
+        let one = build_timing("auto", &m, &g, None, 1).unwrap();
+        let two = build_timing("auto", &m, &g, None, 2).unwrap();
+        assert_eq!((one.name(), two.name()), ("profile", "analytic"));
+        assert!(two.iteration(&s) < one.iteration(&s));
+        let refused = build_timing("profile", &m, &g, None, 2).map(|t| t.name().to_string()).unwrap_err();
+        assert!(refused.to_string().contains("one GPU's"), "{refused}");
+        let odd = build_timing("auto", &m, &g, None, 3).map(|t| t.name().to_string()).unwrap_err();
+        assert!(odd.to_string().contains("attention heads"), "{odd}");
     }
 }
