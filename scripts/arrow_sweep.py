@@ -34,7 +34,8 @@ SETUPS = {
 def run(kvfleet, config, setup, scale, runs, extra):
     folder = os.path.join(runs, f"{setup}-x{scale:g}")
     cmd = [kvfleet, "sim", "-c", config, "-q", "--no-plots", "--out", folder,
-           "--set", f"workload.rate_scale={scale}", *SETUPS[setup], *extra]
+           "--set", f"workload.rate_scale={scale}", *extra, *SETUPS[setup]]
+    # The setup's own settings come last, so they win over extras (aggregated's prefill_instances = 0).
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd)}: exit {done.returncode}\n{done.stderr}")

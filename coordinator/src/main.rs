@@ -249,7 +249,8 @@ fn pd_setup(args: &Args, model: &ModelSpec) -> anyhow::Result<PdSetup> {
         PdPolicy::Static => None,
         PdPolicy::Arrow => {
             let gpu = GpuSpec::load(&args.gpu).with_context(|| format!("--gpu {}", args.gpu))?;
-            let timing = build_timing(&args.timing, model, &gpu, None, args.tensor_parallel_size).context("--timing")?;
+            let timing =
+                build_timing(&args.timing, model, &gpu, None, args.tensor_parallel_size).context("--timing")?;
             let profile = ArrowProfile::measure(timing.as_ref(), config.arrow.slo_tpot_s)
                 .map_err(|e| anyhow::anyhow!("Arrow's profile: {e}"))?;
             tracing::info!(?profile, "Arrow's profile of the instances");

@@ -168,6 +168,8 @@ pub struct Cluster {
     /// Prefix fetches on the fabric, by transfer.
     fetches: HashMap<TransferId, Fetching>,
     fetch_stats: FetchStats,
+    /// Each engine's intra-instance scheduler and its knobs (to rebuild an engine).
+    intra: (String, kvfleet_core::engine::sched::SchedulerParams),
 }
 
 impl Cluster {
@@ -227,7 +229,33 @@ impl Cluster {
             decisions: DecisionTimes::default(),
             fetches: HashMap::new(),
             fetch_stats: FetchStats::default(),
+            intra: (intra.to_string(), intra_params.clone()),
         })
+    }
+
+    /// Before the run: instance `i` gets other hardware (another tensor-parallel degree: its own
+    /// KV pool and timing), as a fresh idle engine.
+    pub fn set_instance_hardware(
+        &mut self,
+        i: u32,
+        engine: &EngineConfig,
+        timing: Arc<dyn TimingModel>,
+    ) -> Result<(), String> {
+        let slot = self.engines.get_mut(i as usize).ok_or_else(|| format!("no instance {i}"))?;
+        if !slot.is_empty() {
+            return Err(format!("instance {i} already runs requests"));
+        }
+        let sched = build_scheduler(&self.intra.0, &self.intra.1).map_err(|e| e.to_string())?;
+        *slot = Engine::new(InstanceId(i), engine.clone(), timing, sched);
+        self.refresh_load(Timestamp::ZERO, i);
+        Ok(())
+    }
+
+    /// Arrow's profile of instance `i` measured on `timing` (an instance of other hardware than
+    /// the one [`Cluster::use_arrow`] profiled).
+    pub fn use_arrow_profile(&mut self, i: u32, slo_tpot_s: f64, timing: &dyn TimingModel) -> Result<(), String> {
+        let profile = ArrowProfile::measure(timing, slo_tpot_s).map_err(|e| format!("arrow profile: {e}"))?;
+        self.control.set_arrow_profile(InstanceId(i), profile).map_err(|e| e.to_string())
     }
 
     /// Hand a cost-based policy (`cache-aware`) its prefill curve, profiled on `timing` as

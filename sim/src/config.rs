@@ -94,6 +94,10 @@ pub struct ClusterConfig {
     /// memory is theirs together. Measured profiles are one GPU's (`timing = "auto"` then takes
     /// the analytic model).
     pub tensor_parallel_size: u32,
+    /// GPUs per instance of the initial decode pool under `[pd]` (Arrow's heterogeneous test:
+    /// prefill TP 1, decode TP 2); default `tensor_parallel_size`. Instances keep their GPUs when
+    /// they flip roles.
+    pub decode_tensor_parallel_size: Option<u32>,
     /// Fraction of GPU memory the engine may use (vLLM `gpu_memory_utilization`).
     pub gpu_memory_utilization: f64,
     /// KV cache per instance in GB (1e9 B). Overrides the memory-utilization arithmetic; use it
@@ -122,6 +126,7 @@ impl Default for ClusterConfig {
             timing: "auto".into(),
             profile_dir: None,
             tensor_parallel_size: 1,
+            decode_tensor_parallel_size: None,
             gpu_memory_utilization: 0.9,
             kv_cache_gb: None,
             cpu_swap_gb: 64.0,
@@ -397,13 +402,24 @@ impl SimConfig {
         self.migration.validate()?;
         self.workload.validate().map_err(|e| ConfigError::Invalid(format!("workload: {e}")))?;
         let (model, gpu) = self.specs()?;
-        kvfleet_core::timing::analytic::check_tp(&model, &gpu, c.tensor_parallel_size)
-            .map_err(|e| ConfigError::Invalid(format!("`cluster.tensor_parallel_size`: {e}")))?;
-        if c.tensor_parallel_size > 1 && c.timing == "profile" {
-            return Err(ConfigError::Invalid(format!(
-                "`cluster.tensor_parallel_size` = {} needs timing = \"analytic\" or \"auto\": a measured profile is one GPU's",
-                c.tensor_parallel_size
-            )));
+        for (field, tp) in [
+            ("tensor_parallel_size", Some(c.tensor_parallel_size)),
+            ("decode_tensor_parallel_size", c.decode_tensor_parallel_size),
+        ] {
+            let Some(tp) = tp else { continue };
+            kvfleet_core::timing::analytic::check_tp(&model, &gpu, tp)
+                .map_err(|e| ConfigError::Invalid(format!("`cluster.{field}`: {e}")))?;
+            if tp > 1 && c.timing == "profile" {
+                return Err(ConfigError::Invalid(format!(
+                    "`cluster.{field}` = {tp} needs timing = \"analytic\" or \"auto\": a measured profile is one GPU's"
+                )));
+            }
+            self.engine_config_tp(&model, &gpu, tp)?;
+        }
+        if c.decode_tensor_parallel_size.is_some() && self.pd.is_off() {
+            return Err(ConfigError::Invalid(
+                "`cluster.decode_tensor_parallel_size` sizes the decode pool: it needs `[pd] prefill_instances`".into(),
+            ));
         }
         let e = self.engine_config(&model, &gpu)?;
         let blocks = c.instances as u64 * (e.gpu_blocks as u64 + e.cpu_blocks as u64);
@@ -429,6 +445,11 @@ impl SimConfig {
     /// Size one instance: KV blocks on the GPU after weights (or `kv_cache_gb`), CPU pool, limits.
     /// Every count is bounded ([`sizing`]) before an engine allocates anything.
     pub fn engine_config(&self, model: &ModelSpec, gpu: &GpuSpec) -> Result<EngineConfig, ConfigError> {
+        self.engine_config_tp(model, gpu, self.cluster.tensor_parallel_size)
+    }
+
+    /// [`SimConfig::engine_config`] for an instance of `tp` GPUs.
+    pub fn engine_config_tp(&self, model: &ModelSpec, gpu: &GpuSpec, tp: u32) -> Result<EngineConfig, ConfigError> {
         let c = &self.cluster;
         let kv_bytes_per_token = model.kv_bytes_per_token();
         let block_bytes = sizing::block_bytes(c.block_size, kv_bytes_per_token)
@@ -441,14 +462,14 @@ impl SimConfig {
             Some(v) => ("kv_cache_gb", gb("kv_cache_gb", v)?),
             None => {
                 // The instance's GPUs together hold the weights once (split) and the KV.
-                let gpus = f64::from(c.tensor_parallel_size.max(1));
+                let gpus = f64::from(tp.max(1));
                 let usable = (gpus * gpu.memory_bytes() as f64 * c.gpu_memory_utilization) as u64;
                 let kv = usable.checked_sub(model.weight_bytes()).filter(|&b| b >= block_bytes).ok_or_else(|| {
                     ConfigError::Invalid(format!(
                         "model `{}` ({:.1} GB of weights) leaves no KV memory on {} × `{}` at gpu_memory_utilization {}",
                         model.name,
                         model.weight_bytes() as f64 / 1e9,
-                        c.tensor_parallel_size,
+                        tp,
                         gpu.name,
                         c.gpu_memory_utilization
                     ))

@@ -50,15 +50,14 @@ pub enum SimError {
 
 /// Build the timing model a config asks for (shared by every instance of a run).
 pub fn timing_model(cfg: &SimConfig, base_dir: &Path) -> Result<Arc<dyn TimingModel>, SimError> {
+    timing_model_tp(cfg, base_dir, cfg.cluster.tensor_parallel_size)
+}
+
+/// [`timing_model`] for instances of `tp` GPUs.
+fn timing_model_tp(cfg: &SimConfig, base_dir: &Path, tp: u32) -> Result<Arc<dyn TimingModel>, SimError> {
     let (model, gpu) = cfg.specs()?;
     let dir = cfg.cluster.profile_dir.as_ref().map(|d| base_dir.join(d));
-    let t = kvfleet_core::timing::profile::build_timing(
-        &cfg.cluster.timing,
-        &model,
-        &gpu,
-        dir.as_deref(),
-        cfg.cluster.tensor_parallel_size,
-    )
+    let t = kvfleet_core::timing::profile::build_timing(&cfg.cluster.timing, &model, &gpu, dir.as_deref(), tp)
         .map_err(|e| SimError::Timing(e.to_string()))?;
     Ok(Arc::from(t))
 }
@@ -143,9 +142,29 @@ pub fn run_one_until(
     if policy_impl_needs_costs {
         cluster.use_placement_costs(timing.as_ref(), &cfg.link, cfg.slo.tpot_s).map_err(SimError::Setup)?;
     }
+    // A decode pool of another tensor-parallel degree: its instances' engines, timing and (for
+    // Arrow) profile are their own.
+    let decode_tp = cfg.cluster.decode_tensor_parallel_size.filter(|&t| t != cfg.cluster.tensor_parallel_size);
+    let decoders = if cfg.pd.is_off() { 0..0 } else { cfg.pd.prefill_instances..cfg.cluster.instances };
+    let decode_timing = match decode_tp {
+        Some(tp) => {
+            let engine = cfg.engine_config_tp(&model, &gpu, tp)?;
+            let timing = timing_model_tp(&cfg, base_dir, tp)?;
+            for i in decoders.clone() {
+                cluster.set_instance_hardware(i, &engine, timing.clone()).map_err(SimError::Setup)?;
+            }
+            Some(timing)
+        }
+        None => None,
+    };
     cluster.split_prefill_decode(&cfg.pd);
     if cfg.pd.policy == PdPolicy::Arrow {
         cluster.use_arrow(cfg.pd.arrow, timing.as_ref()).map_err(SimError::Setup)?;
+        if let Some(t) = &decode_timing {
+            for i in decoders {
+                cluster.use_arrow_profile(i, cfg.pd.arrow.slo_tpot_s, t.as_ref()).map_err(SimError::Setup)?;
+            }
+        }
     }
     let ClusterOutcome { records, migrations, instances, events, end, role_changes, decisions, fetches } =
         cluster.run_until(&requests, until.min(RUN_LIMIT), progress)?;

@@ -217,14 +217,13 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
     // TLS first: without a cluster certificate (and not --plaintext) the worker does not start.
     let identity = opts.tls.load()?;
     let shape = opts.shape()?;
-    let timing: Arc<dyn TimingModel> =
-        Arc::from(timing_select::build(
-            &opts.timing,
-            &shape.model,
-            &shape.gpu,
-            opts.profile_dir.as_deref(),
-            opts.tensor_parallel_size,
-        )?);
+    let timing: Arc<dyn TimingModel> = Arc::from(timing_select::build(
+        &opts.timing,
+        &shape.model,
+        &shape.gpu,
+        opts.profile_dir.as_deref(),
+        opts.tensor_parallel_size,
+    )?);
     let sched = build_scheduler(&opts.scheduler, &shape.scheduler).map_err(options::OptionsError::Scheduler)?;
     let clock = clock::ClusterClock::new(opts.epoch_unix_ns, opts.time_dilation.unwrap_or_default())?;
     let (layout, fill, prefault) = (shape.layout, opts.kv_fill, opts.prefault);

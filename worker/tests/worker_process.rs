@@ -23,7 +23,8 @@ const EVENTS_TIMEOUT: Duration = Duration::from_secs(60);
 fn virtual_e2e_ns(worker_args: &[&str], specs: &[v1::RequestSpec]) -> Vec<(u64, u64)> {
     let opts = WorkerOptions::try_parse_from(std::iter::once("w").chain(worker_args.iter().copied())).unwrap();
     let shape = opts.shape().unwrap();
-    let timing = Arc::from(build_timing(&opts.timing, &shape.model, &shape.gpu, None, opts.tensor_parallel_size).unwrap());
+    let timing =
+        Arc::from(build_timing(&opts.timing, &shape.model, &shape.gpu, None, opts.tensor_parallel_size).unwrap());
     let sched = build_scheduler(&opts.scheduler, &shape.scheduler).unwrap();
     let mut engine = Engine::new(InstanceId(0), shape.engine, timing, sched);
     for s in specs {

@@ -84,6 +84,8 @@ struct ItlMark {
 pub(super) struct ArrowDriver {
     params: ArrowParams,
     profile: ArrowProfile,
+    /// Instances whose speed differs from `profile` (another tensor-parallel degree).
+    own_profiles: BTreeMap<InstanceId, ArrowProfile>,
     /// When any instance last flipped, seconds (the P→D cooldown counts from it).
     last_flip_s: Option<f64>,
     /// The next monitoring pass.
@@ -121,8 +123,28 @@ impl Controller {
             return Err(ArrowError::InvalidParam { field: "profile", problem: "not finite".into() });
         }
         let next_pass = self.now + TimeSpan::from_secs_f64(params.interval_s);
-        self.arrow =
-            Some(ArrowDriver { params, profile, last_flip_s: None, next_pass, marks: BTreeMap::new(), turns: [0, 0] });
+        self.arrow = Some(ArrowDriver {
+            params,
+            profile,
+            own_profiles: BTreeMap::new(),
+            last_flip_s: None,
+            next_pass,
+            marks: BTreeMap::new(),
+            turns: [0, 0],
+        });
+        Ok(())
+    }
+
+    /// Give `instance` a profile of its own (an instance of another tensor-parallel degree than
+    /// the rest), after [`Controller::use_arrow`]; the others keep the one given there.
+    pub fn set_arrow_profile(&mut self, instance: InstanceId, profile: ArrowProfile) -> Result<(), ArrowError> {
+        if !profile.prefill.is_finite() {
+            return Err(ArrowError::InvalidParam { field: "profile", problem: "not finite".into() });
+        }
+        let Some(a) = self.arrow.as_mut() else {
+            return Err(ArrowError::InvalidParam { field: "profile", problem: "Arrow is not in use".into() });
+        };
+        a.own_profiles.insert(instance, profile);
         Ok(())
     }
 
@@ -142,7 +164,7 @@ impl Controller {
             .filter_map(|l| {
                 let role = self.instances.get(&l.instance)?.role;
                 let itl = a.marks.get(&l.instance).and_then(|m| m.mean_s);
-                Some(instance_load(l, role, &a.profile, itl))
+                Some(instance_load(l, role, a.own_profiles.get(&l.instance).unwrap_or(&a.profile), itl))
             })
             .collect();
         match Snapshot::new(loads) {
