@@ -70,6 +70,10 @@ pub struct WorkerOptions {
     /// many seconds after `</think>` for its first answer token (default: token pacers only).
     #[arg(long)]
     pub ttfat_starvation_s: Option<f64>,
+    /// Chunked prefill: each iteration runs its decodes first, then prompt chunks up to this
+    /// many tokens in all (default: whole prompts).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub chunked_prefill_tokens: Option<u32>,
     /// Token pacer pace: the user's expected time per output token, in ms.
     #[arg(long, default_value_t = 100.0)]
     pub tpot_ms: f64,
@@ -271,6 +275,7 @@ impl WorkerOptions {
             boundary_hold: self.boundary_hold,
             admission,
             ttfat_starvation_s: self.ttfat_starvation_s,
+            chunked_prefill_tokens: self.chunked_prefill_tokens,
         };
         scheduler.switches().map_err(|e| invalid("ttfat-starvation-s", e.to_string()))?;
         let engine = EngineConfig {

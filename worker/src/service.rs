@@ -140,9 +140,9 @@ fn driver_status(e: DriverError) -> Status {
         DriverError::Engine(E::TooLarge { .. } | E::NoRoom { .. }) => Status::resource_exhausted(e.to_string()),
         DriverError::Engine(E::NoAnswer { .. }) => Status::invalid_argument(e.to_string()),
         DriverError::Engine(E::IterationInFlight) => Status::unavailable(e.to_string()),
-        DriverError::Engine(E::Duplicate(_) | E::NotMigrating(_) | E::Migrating(_) | E::NotHeld(_)) => {
-            Status::failed_precondition(e.to_string())
-        }
+        DriverError::Engine(
+            E::Duplicate(_) | E::NotMigrating(_) | E::Migrating(_) | E::NotHeld(_) | E::Prefilling(_),
+        ) => Status::failed_precondition(e.to_string()),
         DriverError::KvCorrupt { .. } | DriverError::Serialize { .. } | DriverError::Arena(_) => {
             Status::internal(e.to_string())
         }

@@ -489,6 +489,9 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         if let Some(s) = args.cfg.scheduler.intra.ttfat_starvation_s {
             a.extend(["--ttfat-starvation-s".into(), s.to_string()]);
         }
+        if let Some(c) = args.cfg.scheduler.intra.chunked_prefill_tokens {
+            a.extend(["--chunked-prefill-tokens".into(), c.to_string()]);
+        }
         if let Some(gbps) = args.link_gbps {
             a.extend(["--link-gbps".into(), gbps.to_string()]);
         }

@@ -112,6 +112,9 @@ pub enum EngineError {
     /// The request is not held after its prefill (nothing to release).
     #[error("{0} is not held for a handoff")]
     NotHeld(RequestId),
+    /// The request is between chunks of its prefill: its KV is not whole yet.
+    #[error("{0} is still prefilling")]
+    Prefilling(RequestId),
     /// The call is only allowed between iterations, and one is in flight.
     #[error("an iteration is in flight; call between iterations")]
     IterationInFlight,
@@ -164,6 +167,9 @@ struct Req {
     hashes: Box<[BlockHash]>,
     /// Prompt tokens its prefill planned last found cached (not computed in that iteration).
     prefill_cached: u32,
+    /// Tokens of its current prefill not computed yet (set at admission; more than one
+    /// iteration's worth only with chunked prefill); 0 once it decodes or while it waits.
+    prefill_left: u32,
 }
 
 impl Req {
@@ -262,7 +268,10 @@ pub struct EngineStats {
 #[derive(Clone, Copy, Debug)]
 struct BatchEntry {
     slot: u32,
+    /// It computes (part of) a prefill in this iteration.
     prefill: bool,
+    /// Prefill tokens it computes in this iteration (set when the iteration is planned).
+    chunk: u32,
 }
 
 /// Blocks `req`'s next iteration needs that no request selected before it in this plan holds
@@ -528,6 +537,7 @@ impl Engine {
             selected_epoch: 0,
             hashes,
             prefill_cached: 0,
+            prefill_left: 0,
         };
         self.enqueue(req);
         self.admitted += 1;
@@ -576,7 +586,15 @@ impl Engine {
         let held_before = self.held.len();
         let mut decoded = 0u64;
         for i in 0..self.batch.len() {
-            let BatchEntry { slot, prefill } = self.batch[i];
+            let BatchEntry { slot, prefill, chunk } = self.batch[i];
+            if prefill {
+                let req = self.slots[slot as usize].as_mut().expect("batched request is live");
+                req.prefill_left -= chunk;
+                if req.prefill_left > 0 {
+                    // A chunk of a longer prefill: no token yet, the rest comes next iteration.
+                    continue;
+                }
+            }
             self.batch[i].prefill = false;
             self.stats.tokens += 1;
             decoded += u64::from(!prefill);
@@ -697,11 +715,27 @@ impl Engine {
             costs = self.full_plan();
         }
         let mut shape = BatchShape::default();
-        for e in &self.batch {
+        // Chunked prefill: decodes first (one token each), then prefill chunks in batch order
+        // up to the iteration's token budget.
+        let mut chunk_budget = self.switches.chunked_prefill_tokens.map(|c| {
+            let decodes = self.batch.iter().filter(|e| !e.prefill).count() as u32;
+            c.saturating_sub(decodes)
+        });
+        for e in self.batch.iter_mut() {
             let req = self.slots[e.slot as usize].as_mut().expect("batched request is live");
             if e.prefill {
                 // Cached prompt blocks are not computed (their KV is already there).
-                shape.add_prefill(req.context() - req.prefill_cached);
+                let left = req.prefill_left;
+                let chunk = chunk_budget.as_mut().map_or(left, |b| {
+                    let n = left.min(*b);
+                    *b -= n;
+                    n
+                });
+                e.chunk = chunk;
+                if chunk > 0 {
+                    let computed = req.context() - req.prefill_cached - left;
+                    shape.add_prefill_chunk(chunk, computed);
+                }
             } else {
                 shape.add_decode(req.context() + 1);
             }
@@ -735,14 +769,16 @@ impl Engine {
             return false;
         }
         let bs = self.cfg.block_size;
-        let extra = self.batch.iter().filter(|e| self.req(e.slot).context().is_multiple_of(bs)).count() as u32;
+        // A request between prefill chunks holds its prompt's blocks already.
+        let grows = |e: &BatchEntry, r: &Req| !e.prefill && r.context().is_multiple_of(bs);
+        let extra = self.batch.iter().filter(|e| grows(e, self.req(e.slot))).count() as u32;
         if extra > self.kv.free(Tier::Gpu) {
             return false;
         }
         if extra > 0 {
             for i in 0..self.batch.len() {
                 let r = self.req(self.batch[i].slot);
-                if r.context().is_multiple_of(bs) {
+                if grows(&self.batch[i], r) {
                     let (id, tokens) = (r.spec.id, r.context() + 1);
                     self.kv.grow(id, tokens).expect("growth checked against free blocks");
                 }
@@ -811,15 +847,24 @@ impl Engine {
             if blocked && !resident && admission == Admission::BlockBehind {
                 continue;
             }
-            let prefill = req.residence == Residence::Waiting;
+            // Waiting to start, or (chunked prefill) between chunks of its prefill.
+            let prefill = req.residence == Residence::Waiting || req.prefill_left > 0;
             // The prefill budget counts the tokens to compute: cached prompt blocks are not.
-            let compute = if prefill && !req.hashes.is_empty() {
+            let compute = if req.residence != Residence::Waiting && prefill {
+                req.prefill_left
+            } else if prefill && !req.hashes.is_empty() {
                 let cap = req.cache_cap(self.cfg.block_size) as usize;
                 req.context() - self.kv.prefix_hits(&req.hashes[..cap]) * self.cfg.block_size
             } else {
                 req.context()
             };
-            if prefill && prefill_tokens > 0 && prefill_tokens + compute > self.cfg.max_batched_tokens {
+            // With chunks, a prompt takes what is left of the iteration's budget and goes on in
+            // the next; without, whole prompts up to the budget (the first always fits).
+            let over_budget = match self.switches.chunked_prefill_tokens {
+                Some(c) => prefill_tokens >= c,
+                None => prefill_tokens > 0 && prefill_tokens + compute > self.cfg.max_batched_tokens,
+            };
+            if prefill && over_budget {
                 self.dirty = true; // waiting for prefill budget, not memory
                 if admission == Admission::BlockBehind {
                     blocked = true;
@@ -832,10 +877,13 @@ impl Engine {
                 counted.extend(newly.drain(..));
                 seqs += 1;
                 if prefill {
-                    prefill_tokens += compute;
+                    prefill_tokens += match self.switches.chunked_prefill_tokens {
+                        Some(c) => compute.min(c - prefill_tokens),
+                        None => compute,
+                    };
                 }
                 req.selected_epoch = epoch;
-                self.batch.push(BatchEntry { slot, prefill });
+                self.batch.push(BatchEntry { slot, prefill, chunk: 0 });
             } else if !resident {
                 blocked = true;
             }
@@ -880,6 +928,9 @@ impl Engine {
                 Residence::Waiting
             };
             let req = self.slots[slot as usize].as_mut().expect("active is live");
+            if new_residence == Residence::Waiting {
+                req.prefill_left = 0;
+            }
             req.residence = new_residence;
             req.record.preemptions += 1;
             self.stats.preemptions += 1;
@@ -917,6 +968,7 @@ impl Engine {
                         Ok(hit) => {
                             // Blocks only in the CPU tier are copied up, not computed.
                             req.prefill_cached = hit.blocks * self.cfg.block_size;
+                            req.prefill_left = req.context() - req.prefill_cached;
                             reload_bytes += hit.from_cpu as u64 * self.cfg.block_bytes();
                             if req.generated > 0 {
                                 self.stats.recomputed_tokens += (req.context() - req.prefill_cached) as u64;
@@ -938,6 +990,7 @@ impl Engine {
                     if !back {
                         self.kv.free_request(id);
                         req.residence = Residence::Waiting;
+                        req.prefill_left = 0;
                     }
                 }
                 self.batch[i].slot = u32::MAX;
@@ -971,6 +1024,9 @@ impl Engine {
         }
         if self.req(slot).residence == Residence::MigratingOut {
             return Err(EngineError::Duplicate(request));
+        }
+        if self.req(slot).prefill_left > 0 && self.req(slot).residence != Residence::Waiting {
+            return Err(EngineError::Prefilling(request));
         }
         let kv_blocks = self.kv.table(request).map_or(0, |t| t.blocks.len() as u32);
         let req = self.req_mut(slot);
@@ -1274,6 +1330,7 @@ impl Engine {
             selected_epoch: 0,
             hashes,
             prefill_cached: 0,
+            prefill_left: 0,
         };
         // A request that waited past the threshold during its move fails t_i at once, not only
         // at the end of this instance's next iteration.
@@ -1302,8 +1359,14 @@ impl Engine {
         for &s in &self.active {
             let req = self.req(s);
             if req.generated == 0 {
-                // What is left to compute: an admitted prompt's cached blocks are not.
-                r.prefill_queue.add(req.spec.prompt_tokens.saturating_sub(req.prefill_cached));
+                // What is left to compute: an admitted prompt's cached blocks (and chunks
+                // already computed) are not.
+                let left = if req.prefill_left > 0 {
+                    req.prefill_left
+                } else {
+                    req.spec.prompt_tokens.saturating_sub(req.prefill_cached)
+                };
+                r.prefill_queue.add(left);
             } else {
                 r.decode_context_tokens += u64::from(req.context());
             }

@@ -130,6 +130,10 @@ pub struct EngineSwitches {
     /// t_i is false while an answering request has waited longer than this after `</think>`
     /// without producing its first answer token (`None`: only the token pacers count).
     pub ttfat_starvation: Option<TimeSpan>,
+    /// Chunked prefill: each iteration runs its decodes first, then prompt chunks up to this
+    /// many tokens in all (decodes included); a longer prompt goes on in the next iterations
+    /// (`None`: whole prompts, up to `max_batched_tokens`).
+    pub chunked_prefill_tokens: Option<u32>,
 }
 
 /// An intra-instance scheduling policy.
@@ -177,6 +181,11 @@ pub struct SchedulerParams {
     /// `</think>` (here, or on the instance it migrated from) without its first answer token.
     #[serde(default)]
     pub ttfat_starvation_s: Option<f64>,
+    /// Chunked prefill (vLLM's, default off): every iteration runs its decodes first, then
+    /// prompt chunks up to this many tokens in all; a longer prompt continues in the next
+    /// iterations, so decodes are not stalled behind it.
+    #[serde(default)]
+    pub chunked_prefill_tokens: Option<u32>,
 }
 
 impl Default for SchedulerParams {
@@ -188,6 +197,7 @@ impl Default for SchedulerParams {
             boundary_hold: false,
             admission: WaitingAdmission::Preempt,
             ttfat_starvation_s: None,
+            chunked_prefill_tokens: None,
         }
     }
 }
@@ -201,7 +211,15 @@ impl SchedulerParams {
             Some(s) if s.is_finite() && s >= 0.0 && s <= RUN_LIMIT.as_secs_f64() => Some(TimeSpan::from_secs_f64(s)),
             Some(s) => return Err(SchedulerError::BadSeconds { field: "ttfat_starvation_s", value: s }),
         };
-        Ok(EngineSwitches { boundary_hold: self.boundary_hold, admission: self.admission, ttfat_starvation })
+        if self.chunked_prefill_tokens == Some(0) {
+            return Err(SchedulerError::Zero("chunked_prefill_tokens"));
+        }
+        Ok(EngineSwitches {
+            boundary_hold: self.boundary_hold,
+            admission: self.admission,
+            ttfat_starvation,
+            chunked_prefill_tokens: self.chunked_prefill_tokens,
+        })
     }
 }
 

@@ -295,8 +295,10 @@ fn ttfat_starvation_threshold_is_validated() {
         let err = build_scheduler("pascal", &params).unwrap_err();
         assert!(err.to_string().contains("ttfat_starvation_s"), "{bad}: {err}");
     }
-    let params: SchedulerParams =
-        toml::from_str("boundary_hold = true\nadmission = \"free-memory\"\nttfat_starvation_s = 0.25").unwrap();
+    let params: SchedulerParams = toml::from_str(
+        "boundary_hold = true\nadmission = \"free-memory\"\nttfat_starvation_s = 0.25\nchunked_prefill_tokens = 2048",
+    )
+    .unwrap();
     let switches = build_scheduler("fcfs", &params).unwrap().switches();
     assert_eq!(
         switches,
@@ -304,6 +306,7 @@ fn ttfat_starvation_threshold_is_validated() {
             boundary_hold: true,
             admission: WaitingAdmission::FreeMemory,
             ttfat_starvation: Some(TimeSpan(250_000_000)),
+            chunked_prefill_tokens: Some(2048),
         }
     );
     assert_eq!(toml::from_str::<SchedulerParams>("").unwrap(), SchedulerParams::default());
@@ -660,9 +663,16 @@ proptest! {
         cpu in 0u32..8,
         reqs in proptest::collection::vec((0u64..20, 1u32..40, 0u32..40, 1u32..30), 1..20),
         (boundary_hold, free_memory) in (any::<bool>(), any::<bool>()),
+        chunked_prefill_tokens in proptest::option::of(1u32..24),
     ) {
         let admission = if free_memory { WaitingAdmission::FreeMemory } else { WaitingAdmission::Preempt };
-        let params = SchedulerParams { quantum_tokens: 5, boundary_hold, admission, ..SchedulerParams::default() };
+        let params = SchedulerParams {
+            quantum_tokens: 5,
+            boundary_hold,
+            admission,
+            chunked_prefill_tokens,
+            ..SchedulerParams::default()
+        };
         let timing = Arc::new(FixedTiming { iteration: TimeSpan(UNIT), transfer: TimeSpan::ZERO });
         let mut e = Engine::new(InstanceId(0), cfg(8, cpu), timing, build_scheduler(sched, &params).unwrap());
         let specs: Vec<RequestSpec> = reqs.iter().enumerate()
@@ -746,4 +756,108 @@ fn an_arriving_request_pins_the_prefix_blocks_cached_here() {
     assert_eq!(e.kv().tier_of(RequestId(4)), Some(Tier::Cpu));
     assert_eq!(e.kv().cached_blocks(Tier::Gpu), 4);
     e.check_invariants().unwrap();
+}
+
+/// Fixed one-unit iterations that record every batch shape they are asked to time.
+#[derive(Debug, Default)]
+struct ShapeLog(std::sync::Mutex<Vec<BatchShape>>);
+
+impl TimingModel for ShapeLog {
+    fn name(&self) -> &str {
+        "shape-log"
+    }
+    fn iteration(&self, batch: &BatchShape) -> TimeSpan {
+        self.0.lock().unwrap().push(*batch);
+        TimeSpan(UNIT)
+    }
+    fn offload(&self, _bytes: u64) -> TimeSpan {
+        TimeSpan::ZERO
+    }
+    fn reload(&self, _bytes: u64) -> TimeSpan {
+        TimeSpan::ZERO
+    }
+}
+
+fn chunked_engine(chunk: Option<u32>) -> (Engine, Arc<ShapeLog>) {
+    let log = Arc::new(ShapeLog::default());
+    let params = SchedulerParams { chunked_prefill_tokens: chunk, ..SchedulerParams::default() };
+    let engine = Engine::new(InstanceId(0), cfg(2000, 0), log.clone(), build_scheduler("fcfs", &params).unwrap());
+    (engine, log)
+}
+
+/// Three requests decoding, then a 5,000-token prompt: with chunks of 2,048 every iteration runs
+/// the three decodes first and 2,045 prompt tokens (2,045, 2,045, 910), the prompt's first token
+/// comes after the third chunk, and its chunks' attention adds up to one whole prefill's.
+/// Without chunks the prompt is one iteration's, and the decoders wait through it.
+#[test]
+fn chunked_prefill_runs_decodes_first_and_a_long_prompt_over_several_iterations() {
+    for chunk in [Some(2048), None] {
+        let (mut e, log) = chunked_engine(chunk);
+        let mut events = Vec::new();
+        for id in 0..3 {
+            e.submit(Timestamp::ZERO, spec(id, 0, 100, 0, 50)).unwrap();
+        }
+        // The short prompts' prefill (one iteration, either way).
+        e.plan_iteration(Timestamp::ZERO);
+        e.complete_iteration(Timestamp(UNIT), &mut events);
+        let long = spec(9, 1, 5000, 0, 10);
+        e.submit(Timestamp(UNIT), long).unwrap();
+        let mut first_token = None;
+        let mut queued = Vec::new();
+        for tick in 1..12u64 {
+            let now = Timestamp(tick * UNIT);
+            e.complete_iteration(now, &mut events);
+            queued.push(e.load_report().prefill_queue.tokens);
+            if first_token.is_none() && e.load_report().prefill_queue.tokens == 0 {
+                first_token = Some(tick);
+            }
+            e.plan_iteration(now);
+            e.check_invariants().unwrap();
+        }
+        let shapes = log.0.lock().unwrap().clone();
+        let prefills: Vec<(u64, u64)> = shapes[1..]
+            .iter()
+            .filter(|s| s.prefill_tokens > 0)
+            .map(|s| (s.prefill_tokens, s.prefill_tokens_sq))
+            .collect();
+        match chunk {
+            Some(_) => {
+                assert_eq!(prefills.iter().map(|p| p.0).collect::<Vec<_>>(), vec![2045, 2045, 910]);
+                assert_eq!(prefills.iter().map(|p| p.1).sum::<u64>(), 5000 * 5000);
+                // Every chunk iteration decodes the three others too.
+                assert!(shapes[1..4].iter().all(|s| s.decode_seqs == 3), "{shapes:?}");
+                // What is left to prefill shrinks chunk by chunk.
+                assert_eq!(&queued[..4], &[5000, 2955, 910, 0]);
+                assert_eq!(first_token, Some(4));
+            }
+            None => {
+                assert_eq!(prefills, vec![(5000, 5000 * 5000)]);
+                assert_eq!(&queued[..2], &[5000, 0]);
+                assert_eq!(first_token, Some(2));
+            }
+        }
+    }
+}
+
+/// A prompt between chunks has no whole KV to send: a migration out is refused until its
+/// prefill ends, and goes once it has.
+#[test]
+fn a_request_between_prefill_chunks_cannot_migrate_out() {
+    let (mut e, _) = chunked_engine(Some(1024));
+    let mut events = Vec::new();
+    e.submit(Timestamp::ZERO, spec(1, 0, 3000, 0, 5)).unwrap();
+    e.plan_iteration(Timestamp::ZERO);
+    e.complete_iteration(Timestamp(UNIT), &mut events);
+    assert_eq!(e.begin_migration_out(RequestId(1)), Err(EngineError::Prefilling(RequestId(1))));
+    for tick in 1..3 {
+        e.plan_iteration(Timestamp(tick * UNIT));
+        e.complete_iteration(Timestamp((tick + 1) * UNIT), &mut events);
+    }
+    assert!(e.begin_migration_out(RequestId(1)).is_ok(), "after its third chunk it decodes");
+}
+
+#[test]
+fn a_zero_chunk_is_refused() {
+    let params = SchedulerParams { chunked_prefill_tokens: Some(0), ..SchedulerParams::default() };
+    assert!(params.switches().unwrap_err().to_string().contains("chunked_prefill_tokens"));
 }

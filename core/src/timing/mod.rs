@@ -43,9 +43,16 @@ impl BatchShape {
     }
     /// Add one prompt of `prompt_tokens` tokens to prefill.
     pub fn add_prefill(&mut self, prompt_tokens: u32) {
+        self.add_prefill_chunk(prompt_tokens, 0);
+    }
+    /// Add a chunk of `tokens` prompt tokens after `before` tokens of the same prompt computed
+    /// in earlier iterations (chunked prefill). Its causal attention is tokens² + 2·tokens·before
+    /// in `prefill_tokens_sq` units, so a prompt's chunks add up to one whole prefill's T².
+    pub fn add_prefill_chunk(&mut self, tokens: u32, before: u32) {
+        let (n, c) = (u64::from(tokens), u64::from(before));
         self.prefill_seqs += 1;
-        self.prefill_tokens += prompt_tokens as u64;
-        self.prefill_tokens_sq += (prompt_tokens as u64) * (prompt_tokens as u64);
+        self.prefill_tokens += n;
+        self.prefill_tokens_sq += n * n + 2 * n * c;
     }
 }
 
