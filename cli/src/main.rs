@@ -16,6 +16,7 @@ mod bench_parity;
 mod certs;
 mod comparison;
 mod experiment;
+mod goodput_cmd;
 mod plots;
 mod replay_cmd;
 mod report;
@@ -199,13 +200,16 @@ pub fn load_config(path: &Path, o: &Overrides) -> anyhow::Result<SimConfig> {
     let seeds = o.seeds.or(cfg.sweep.as_ref().map(|s| s.seeds)).unwrap_or(1);
     if !policies.is_empty() || !rates.is_empty() || seeds != 1 {
         let base_rates = cfg.sweep.as_ref().map(|s| s.rates.clone());
+        let goodput = cfg.sweep.as_ref().and_then(|s| s.goodput.clone());
         let base_policies = cfg.sweep.as_ref().map(|s| s.policies.clone());
         let policies = if policies.is_empty() {
             base_policies.unwrap_or_else(|| vec![cfg.scheduler.policy.clone()])
         } else {
             policies.to_vec()
         };
-        let sweep = |policies, rates| Some(kvfleet_sim::config::SweepConfig { policies, rates, seeds });
+        let sweep = |policies, rates| {
+            Some(kvfleet_sim::config::SweepConfig { policies, rates, seeds, goodput: goodput.clone() })
+        };
         match (rates.is_empty(), base_rates) {
             (false, _) => cfg.sweep = sweep(policies, rates.to_vec()),
             (true, Some(r)) => cfg.sweep = sweep(policies, r),
@@ -260,7 +264,13 @@ fn cmd_sim(args: SimArgs) -> anyhow::Result<()> {
                 policies: vec![cfg.scheduler.policy.clone()],
                 rates,
                 seeds: 1,
+                goodput: None,
             });
+        }
+    }
+    if let Some(sweep) = cfg.sweep.as_ref() {
+        if let Some(g) = &sweep.goodput {
+            return goodput_cmd::run(&args, g, &sweep.policies, &base_dir);
         }
     }
     let runs = cfg.runs();

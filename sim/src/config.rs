@@ -231,6 +231,9 @@ pub struct SweepConfig {
     /// Seeds per (policy, rate) point: the workload's seed, seed + 1, … (1: one run per point).
     #[serde(default = "one_seed")]
     pub seeds: u32,
+    /// `[sweep.goodput]`: search each setup's goodput instead of running `rates`.
+    #[serde(default)]
+    pub goodput: Option<crate::goodput::GoodputConfig>,
 }
 
 fn one_seed() -> u32 {
@@ -389,6 +392,14 @@ impl SimConfig {
             for &r in &sweep.rates {
                 if !(r.is_finite() && r > 0.0) {
                     return Err(ConfigError::Invalid(format!("`sweep.rates` must be positive request rates, got {r}")));
+                }
+            }
+            if let Some(g) = &sweep.goodput {
+                g.validate(&sweep.policies).map_err(ConfigError::Invalid)?;
+                if self.slo.ttft_s.is_none() {
+                    return Err(ConfigError::Invalid(
+                        "`[sweep.goodput]` measures SLO attainment: it needs `[slo] ttft_s`".into(),
+                    ));
                 }
             }
         }

@@ -16,6 +16,7 @@
 pub mod capacity;
 pub mod cluster;
 pub mod config;
+pub mod goodput;
 pub mod migration;
 
 use cluster::{Cluster, ClusterOutcome, Progress};

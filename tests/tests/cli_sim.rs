@@ -266,6 +266,36 @@ const BAD_INPUTS: &[BadInput] = &[
         mentions: &["long.csv:3", "one request may hold"],
     },
     BadInput {
+        name: "goodput search without a TTFT SLO",
+        config: Some("[sweep]\npolicies = [\"fcfs\"]\n[sweep.goodput]\ntarget = 0.9\n"),
+        args: &[],
+        mentions: &["sweep.goodput", "ttft_s"],
+    },
+    BadInput {
+        name: "goodput target out of range",
+        config: Some("[slo]\nttft_s = 1.0\n[sweep]\npolicies = [\"fcfs\"]\n[sweep.goodput]\ntarget = 1.5\n"),
+        args: &[],
+        mentions: &["sweep.goodput.target", "1.5"],
+    },
+    BadInput {
+        name: "goodput baseline that is no setup",
+        config: Some("[slo]\nttft_s = 1.0\n[sweep]\npolicies = [\"fcfs\"]\n[sweep.goodput]\nbaseline = \"rr\"\n"),
+        args: &[],
+        mentions: &["sweep.goodput.baseline", "`rr`"],
+    },
+    BadInput {
+        name: "decode tensor-parallel degree without a decode pool",
+        config: Some("[cluster]\ndecode_tensor_parallel_size = 2\ntiming = \"analytic\"\n"),
+        args: &[],
+        mentions: &["decode_tensor_parallel_size", "prefill_instances"],
+    },
+    BadInput {
+        name: "zero chunked prefill",
+        config: Some("[scheduler.intra]\nchunked_prefill_tokens = 0\n"),
+        args: &[],
+        mentions: &["chunked_prefill_tokens"],
+    },
+    BadInput {
         name: "zero requests flag",
         config: Some(OK_WORKLOAD),
         args: &["--requests", "0"],
@@ -587,4 +617,56 @@ fn azure_code_trace_replays_its_arrivals_and_lengths() {
     assert_eq!((arrival[1], prompt[1], output[1]), ("0.052000", 3180, 8));
     let arrivals: Vec<f64> = arrival.iter().map(|v| v.parse().expect("arrival_s is a number")).collect();
     assert!(arrivals.windows(2).all(|w| w[0] <= w[1]), "trace arrivals are in order");
+}
+
+/// `[sweep.goodput]`: each setup's goodput is bracketed where it was measured (the rate reported
+/// met the target, one within `rel_tol` above it did not), the ratio to the baseline is the
+/// quotient of the two, and the search is the same run after run.
+#[test]
+fn a_goodput_search_brackets_each_setup_and_divides_by_the_baseline() {
+    let dir = TempDir::new("goodput");
+    let config = dir.write(
+        "goodput.toml",
+        "[cluster]\ninstances = 2\nmodel = \"qwen3-8b\"\ngpu = \"h20-141gb\"\n\
+         [slo]\nttft_s = 1.0\ntpot_s = 0.1\n\
+         [workload]\nseed = 2\nnum_requests = 120\n[workload.arrivals]\nkind = \"poisson\"\nrate = 4.0\n\
+         [workload.lengths]\nkind = \"lognormal\"\nprompt_median = 2000.0\nprompt_sigma = 0.5\n\
+         reasoning_median = 1.0\nreasoning_sigma = 0.0\nanswer_median = 60.0\nanswer_sigma = 0.3\n\
+         [sweep]\npolicies = [\"fcfs+least-kv\", \"fcfs+round-robin\"]\n\
+         [sweep.goodput]\ntarget = 0.8\nrel_tol = 0.05\noctaves = 4\nbaseline = \"fcfs+round-robin\"\n",
+    );
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    for out in [&a, &b] {
+        let printed = sim(&["--config", path_str(&config), "--out", path_str(out), "-q"]);
+        let text = String::from_utf8_lossy(&printed.stdout);
+        assert!(text.contains("goodput req/s") && text.contains("÷ fcfs+round-robin"), "{text}");
+    }
+    let json = std::fs::read_to_string(a.join("goodput.json")).unwrap();
+    assert_eq!(json, std::fs::read_to_string(b.join("goodput.json")).unwrap(), "deterministic");
+    let found: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let setups = found.as_array().unwrap();
+    assert_eq!(setups.len(), 2);
+    let mut goodputs = Vec::new();
+    for s in setups {
+        let rate = s["goodput_rps"].as_f64().expect("each setup meets 80 % somewhere in the grid");
+        let base = s["base_rate_rps"].as_f64().unwrap();
+        let probes = s["probes"].as_array().unwrap();
+        let at = |scale: f64| probes.iter().find(|p| (p["scale"].as_f64().unwrap() - scale).abs() < 1e-12);
+        let scale = rate / base;
+        assert!(at(scale).unwrap()["attainment"].as_f64().unwrap() >= 0.8, "{s}");
+        // The lowest failing scale above it is within the tolerance.
+        let above = probes
+            .iter()
+            .filter(|p| p["scale"].as_f64().unwrap() > scale && p["attainment"].as_f64().unwrap() < 0.8)
+            .map(|p| p["scale"].as_f64().unwrap())
+            .fold(f64::INFINITY, f64::min);
+        assert!(above / scale - 1.0 <= 0.05 + 1e-9, "{s}");
+        goodputs.push((s["setup"].as_str().unwrap().to_string(), rate, s["ratio_to_baseline"].as_f64().unwrap()));
+    }
+    let baseline = goodputs.iter().find(|g| g.0 == "fcfs+round-robin").unwrap().1;
+    for (name, rate, ratio) in &goodputs {
+        assert!((ratio - rate / baseline).abs() < 1e-9, "{name}: {ratio} vs {rate} / {baseline}");
+    }
+    let csv = Csv::read(&a.join("goodput.csv"));
+    assert_eq!(csv.rows.len(), setups.iter().map(|s| s["probes"].as_array().unwrap().len()).sum::<usize>());
 }
