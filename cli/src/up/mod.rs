@@ -13,6 +13,9 @@ mod scrape;
 
 use crate::experiment::{Plan, PlanArgs, Progress, Replayed};
 use crate::{report, say, InputError};
+
+/// Timer lateness (p50, seconds) past which `kvfleet up` says a worker ran behind its model.
+const LATE_NOTE_S: f64 = 0.05;
 use anyhow::bail;
 use clap::Args;
 use cluster::{Cluster, ClusterSpec, Started};
@@ -252,7 +255,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             prefix_fetch_bytes: last.prefix_fetch_bytes,
         };
         // What each worker counted itself, before it stops.
-        scrape::save_all(&args.out.join("metrics"), &metric_pages)?;
+        let pages = scrape::save_all(&args.out.join("metrics"), &metric_pages)?;
         let run = replayed.run_result(&plan);
         say!("{}", report::summary_table(std::slice::from_ref(&run)));
         let rejected = replayed.rejected();
@@ -282,6 +285,24 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             say!(
                 "time dilation {dilation}: {wall:.1} s of real time emulated {:.1} s; every time above is emulated",
                 replayed.span_s
+            );
+        }
+        // A worker whose host could not keep up ran its engine's timeline behind the wall clock:
+        // its figures are still the model's, but say so.
+        let behind: Vec<String> = pages
+            .iter()
+            .filter_map(|(name, body)| {
+                let p50 = scrape::sample(body, "kvfleet_timer_lateness_seconds", "quantile=\"0.5\"")?;
+                (p50 > LATE_NOTE_S).then(|| format!("{name} {:.0} ms", p50 * 1e3))
+            })
+            .collect();
+        if !behind.is_empty() {
+            say!(
+                "note: workers ran behind their modelled iterations (timer lateness p50: {}): this host could not \
+                 emulate the model in real time, so the run lasted longer than its workload; every time above is still \
+                 the model's (a request waits for its arrival on its engine's timeline). A release build or \
+                 --time-dilation K keeps pace",
+                behind.join(", ")
             );
         }
         for ms in &chaos_log.failovers_ms {

@@ -701,6 +701,12 @@ impl Engine {
     }
 
     /// Plan the next iteration starting at `now` (no-op if one is in flight). Returns its end.
+    ///
+    /// An iteration runs only requests that have arrived by its start. A driver behind its
+    /// schedule (a worker whose host cannot keep up plans each iteration at the modelled end of
+    /// the last, which may lie before requests that arrived since) thus keeps its timeline
+    /// causal; when every waiting request is yet to arrive, the iteration starts at the first
+    /// arrival. (The simulator submits each request at its arrival: no effect there.)
     pub fn plan_iteration(&mut self, now: Timestamp) -> Option<Timestamp> {
         if let Some((_, end)) = self.inflight {
             return Some(end);
@@ -709,10 +715,17 @@ impl Engine {
             self.batch.clear();
             return None;
         }
+        // Requests join only at a full plan (new ones mark the engine dirty): only then can an
+        // arrival lie ahead.
+        let now = if self.dirty {
+            now.max(self.active.iter().map(|&s| self.req(s).spec.arrival).min().unwrap_or(now))
+        } else {
+            now
+        };
         let mut costs = TimeSpan::ZERO;
         let replanned = self.dirty || !self.grow_batch_in_place();
         if replanned {
-            costs = self.full_plan();
+            costs = self.full_plan(now);
         }
         let mut shape = BatchShape::default();
         // Chunked prefill: decodes first (one token each), then prefill chunks in batch order
@@ -788,7 +801,7 @@ impl Engine {
     }
 
     /// Order by priority, fit by priority, preempt what must go. Returns offload + reload time.
-    fn full_plan(&mut self) -> TimeSpan {
+    fn full_plan(&mut self, now: Timestamp) -> TimeSpan {
         self.dirty = false;
         self.stats.full_plans += 1;
         self.epoch += 1;
@@ -839,6 +852,11 @@ impl Engine {
                 break;
             }
             let req = self.slots[slot as usize].as_mut().expect("active is live");
+            if req.spec.arrival > now {
+                // Not arrived yet at this iteration's start (a driver behind its schedule).
+                self.dirty = true;
+                continue;
+            }
             let resident = req.residence == Residence::Gpu;
             let need = plan_need(&self.kv, req, &counted, &mut newly);
             if protected_pending > 0 && protected(req) {
