@@ -861,3 +861,41 @@ fn a_zero_chunk_is_refused() {
     let params = SchedulerParams { chunked_prefill_tokens: Some(0), ..SchedulerParams::default() };
     assert!(params.switches().unwrap_err().to_string().contains("chunked_prefill_tokens"));
 }
+
+/// A driver behind its schedule plans each iteration at the modelled end of the last, which can
+/// lie before a request that arrived since: that request waits for an iteration starting at or
+/// after its arrival, so no token of it predates it. With nothing else to run, the iteration
+/// starts at its arrival.
+#[test]
+fn an_iteration_never_runs_a_request_before_its_arrival() {
+    let mut e = engine("fcfs", 64, 0, 500);
+    let mut events = Vec::new();
+    e.submit(Timestamp::ZERO, spec(1, 0, 16, 0, 20)).unwrap();
+    e.plan_iteration(Timestamp::ZERO);
+    // Submitted (as a lagging worker would) while the engine's clock still reads 1 s: it arrived
+    // at 3 s.
+    e.submit(Timestamp(UNIT), spec(2, 3, 16, 0, 2)).unwrap();
+    let mut t = Timestamp(UNIT);
+    for _ in 0..30 {
+        e.complete_iteration(t, &mut events);
+        match e.plan_iteration(t) {
+            Some(end) => t = end,
+            None => break,
+        }
+    }
+    let records: Vec<RequestRecord> = events
+        .into_iter()
+        .filter_map(|ev| match ev {
+            EngineEvent::Finished(r) => Some(*r),
+            _ => None,
+        })
+        .collect();
+    let late = records.iter().find(|r| r.id == RequestId(2)).expect("finished");
+    assert_eq!(late.first_scheduled, Some(Timestamp(3 * UNIT)), "{late:?}");
+    assert!(late.first_token.unwrap() > late.arrival);
+
+    // Alone: the iteration waits for it.
+    let mut e = engine("fcfs", 64, 0, 500);
+    e.submit(Timestamp::ZERO, spec(3, 5, 16, 0, 1)).unwrap();
+    assert_eq!(e.plan_iteration(Timestamp::ZERO), Some(Timestamp(6 * UNIT)));
+}
