@@ -143,12 +143,26 @@ impl Etcd {
         text.get(start..).unwrap_or("").to_owned()
     }
 
-    /// Polls until etcd answers, or fails the test with the end of its log.
-    async fn wait_ready(&self, opts: &EtcdOptions, patience: Duration) -> EtcdStore {
+    /// Polls until etcd answers, or fails the test with the end of its log. A port taken by
+    /// another process between picking and binding (etcd exits "address already in use") moves
+    /// this etcd to fresh ports, a few times.
+    async fn wait_ready(&mut self, opts: &EtcdOptions, patience: Duration) -> EtcdStore {
         let deadline = Instant::now() + patience;
         let mut probe = opts.clone();
         probe.connect_timeout = Duration::from_millis(500);
+        let mut moves = 0;
         loop {
+            let exited = self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))));
+            if exited && moves < 5 && self.log_tail().contains("address already in use") {
+                moves += 1;
+                self.stop();
+                let _ = std::fs::remove_file(&self.log);
+                // It never got as far as its data (the listeners come first).
+                let _ = std::fs::remove_dir_all(&self.data);
+                self.client_port = free_port();
+                self.peer_port = free_port();
+                self.spawn();
+            }
             match EtcdStore::connect(&[self.endpoint()], &probe).await {
                 Ok(store) => return store,
                 Err(e) if Instant::now() < deadline => {
@@ -171,7 +185,7 @@ impl Drop for Etcd {
 async fn etcd_store_passes_the_suite() {
     let bin = etcd_or_skip!();
     let dir = TempDir::new("suite");
-    let etcd = Etcd::start(&bin, &dir.0, free_port(), Serve::Plain);
+    let mut etcd = Etcd::start(&bin, &dir.0, free_port(), Serve::Plain);
     let store = etcd.wait_ready(&EtcdOptions::default(), Duration::from_secs(20)).await;
     assert_eq!(store.store_kind(), "etcd");
     let store: Arc<dyn MetaStore> = Arc::new(store);
@@ -313,7 +327,7 @@ async fn mutual_tls_is_passed_through() {
     let dir = TempDir::new("tls");
     let (ca, server_cert, server_key, client_cert, client_key) = write_test_pki(&dir.0);
     let serve = Serve::MutualTls { cert: server_cert, key: server_key, ca: ca.clone() };
-    let etcd = Etcd::start(&bin, &dir.0, free_port(), serve);
+    let mut etcd = Etcd::start(&bin, &dir.0, free_port(), serve);
     let tls = EtcdTls {
         ca_cert_pem: Some(ca.clone()),
         client_cert_pem: Some(client_cert),
@@ -334,4 +348,17 @@ async fn mutual_tls_is_passed_through() {
     let refused = EtcdStore::connect(&[etcd.endpoint()], &anonymous).await;
     let err = refused.err().expect("connected without a client certificate");
     eprintln!("refused as expected: {err}");
+}
+
+/// The harness's own port race: a client port taken before etcd binds it moves etcd elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_port_moves_the_test_etcd_to_a_free_one() {
+    let bin = etcd_or_skip!();
+    let dir = TempDir::new("taken");
+    let thief = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let taken = thief.local_addr().expect("addr").port();
+    let mut etcd = Etcd::start(&bin, &dir.0, taken, Serve::Plain);
+    let store = etcd.wait_ready(&EtcdOptions::default(), Duration::from_secs(20)).await;
+    assert_ne!(etcd.client_port, taken);
+    store.put("/taken/k", b"v").await.unwrap();
 }
