@@ -62,6 +62,21 @@ pub struct SimBench {
     /// Workload seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Run the simulator leaping over quiet iterations (`leap`, its default), stepping every
+    /// iteration (`step`), or both, one after the other, compared side by side (`both`).
+    #[arg(long, value_enum, default_value_t = SimMode::Both)]
+    mode: SimMode,
+}
+
+/// How `bench sim` runs the simulator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SimMode {
+    /// Leaping over quiet iterations (`[simulator] leap_iterations = true`).
+    Leap,
+    /// Every iteration an event of its own.
+    Step,
+    /// Both, and their ratio.
+    Both,
 }
 
 #[derive(Args)]
@@ -149,7 +164,8 @@ fn bench_sim_at(b: &SimBench, rate: f64) -> anyhow::Result<kvfleet_core::metrics
     let requests = kvfleet_core::workload::generate(&cfg.workload, &base).map_err(|e| InputError(e.to_string()))?;
     let gen_s = t0.elapsed().as_secs_f64();
     crate::say!(
-        "bench sim: {} instances, {:.0} s of Poisson arrivals at {rate} req/s = {} requests, policy {}{}, lengths {}",
+        "bench sim: {} instances, {:.0} s of Poisson arrivals at {rate} req/s = {} requests, policy {}{}, lengths {} \
+         (workload generation {gen_s:.2} s)",
         b.instances,
         b.duration_s,
         requests.len(),
@@ -157,34 +173,56 @@ fn bench_sim_at(b: &SimBench, rate: f64) -> anyhow::Result<kvfleet_core::metrics
         if b.arrow { " with Arrow's prefill/decode pools" } else { "" },
         b.azure_trace.as_ref().map_or("ServeGen DeepSeek-R1".to_string(), |p| p.display().to_string())
     );
-    let results = crate::run_parallel(
-        &cfg,
-        &[kvfleet_sim::config::RunPoint { policy: b.policy.clone(), rate: None, seed: cfg.workload.seed }],
-        &base,
-        Some(1),
-        false,
-    )?;
-    let wall = t0.elapsed().as_secs_f64();
-    let r = &results[0];
-    let tokens: u64 = r.instances.iter().map(|s| s.tokens).sum();
-    let iterations: u64 = r.instances.iter().map(|s| s.iterations).sum();
-    let full_plans: u64 = r.instances.iter().map(|s| s.full_plans).sum();
+    let modes: &[bool] = match b.mode {
+        SimMode::Leap => &[true],
+        SimMode::Step => &[false],
+        SimMode::Both => &[true, false],
+    };
+    let mut runs = Vec::new();
+    for &leap in modes {
+        let mut cfg = cfg.clone();
+        cfg.simulator.leap_iterations = leap;
+        let t = Instant::now();
+        let point = kvfleet_sim::config::RunPoint { policy: b.policy.clone(), rate: None, seed: cfg.workload.seed };
+        let mut results = crate::run_parallel(&cfg, &[point], &base, Some(1), false)?;
+        runs.push((if leap { "leaping" } else { "stepping" }, results.remove(0), t.elapsed().as_secs_f64()));
+    }
+    let r = &runs[0].1;
     crate::say!("  simulated span     {:>12.1} s (virtual)", r.span_s);
-    crate::say!("  wall time          {:>12.2} s (workload generation {:.2} s)", wall, gen_s);
-    crate::say!("  events             {:>12} ({:.2} M events/s)", r.events, r.events as f64 / wall / 1e6);
-    crate::say!("  engine iterations  {:>12} ({:.2} M iterations/s)", iterations, iterations as f64 / wall / 1e6);
-    crate::say!(
-        "  full re-plans      {:>12} ({:.1} % of iterations)",
-        full_plans,
-        100.0 * full_plans as f64 / iterations.max(1) as f64
-    );
-    crate::say!("  tokens generated   {:>12} ({:.1} M tokens/s)", tokens, tokens as f64 / wall / 1e6);
-    crate::say!("  speed-up vs real   {:>12.0}×", r.span_s / wall);
     crate::say!("  finished requests  {:>12} of {}", r.summary.requests_finished, r.summary.requests_total);
+    let iterations: u64 = r.instances.iter().map(|s| s.iterations).sum();
+    let tokens: u64 = r.instances.iter().map(|s| s.tokens).sum();
+    let full_plans: u64 = r.instances.iter().map(|s| s.full_plans).sum();
+    crate::say!("  events             {:>12} (every iteration end and every other event)", r.events);
+    crate::say!("  engine iterations  {:>12} ({:.1} % re-planned in full)", iterations, 100.0 * full_plans as f64 / iterations.max(1) as f64);
+    crate::say!("  tokens generated   {:>12}", tokens);
     if b.arrow {
         crate::say!("  role flips         {:>12}", r.role_changes.len());
     }
-    Ok(r.decisions.clone())
+    let row = |label: &str, f: &dyn Fn(&kvfleet_sim::RunResult, f64) -> String| {
+        let cells: String = runs.iter().map(|(_, r, wall)| format!("  {:>14}", f(r, *wall))).collect();
+        crate::say!("  {label:<26}{cells}");
+    };
+    let header: String = runs.iter().map(|(name, _, _)| format!("  {name:>14}")).collect();
+    crate::say!("  {:<26}{header}", "");
+    row("wall time (s)", &|_, w| format!("{w:.2}"));
+    row("events handled", &|r, _| r.queue_events.to_string());
+    row("events / s (M)", &|r, w| format!("{:.2}", r.events as f64 / w / 1e6));
+    row("iterations / s (M)", &|_, w| format!("{:.2}", iterations as f64 / w / 1e6));
+    row("tokens / s (M)", &|_, w| format!("{:.1}", tokens as f64 / w / 1e6));
+    row("speed-up vs real time", &|r, w| format!("{:.0}x", r.span_s / w));
+    if let [(_, leaping, leap_wall), (_, stepping, step_wall)] = &runs[..] {
+        let same = serde_json::to_string(leaping)? == serde_json::to_string(stepping)?
+            && leaping.instances == stepping.instances
+            && format!("{:?}", leaping.migrations) == format!("{:?}", stepping.migrations);
+        crate::say!(
+            "  leaping / stepping: {:.2}x faster ({:.1} events per event handled); results {}",
+            step_wall / leap_wall,
+            leaping.events as f64 / leaping.queue_events.max(1) as f64,
+            if same { "identical" } else { "DIFFERENT (a bug: please report)" }
+        );
+    }
+    Ok(runs.swap_remove(0).1.decisions)
 }
 
 /// `lateness_p99_us=N` etc. from a worker's final stderr line.

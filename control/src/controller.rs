@@ -564,6 +564,20 @@ impl Controller {
         self.policy.name()
     }
 
+    /// Whether a decision reads the decode progress a load report carries
+    /// ([`LoadReport::decode_context_tokens`], `decode_tokens_total`, `decode_latency_ns_total`):
+    /// prefill/decode disaggregation does. Otherwise a driver may publish an instance's load less
+    /// often while only those change (the simulator's leaps).
+    pub fn reads_decode_progress(&self) -> bool {
+        self.split.is_some() || self.arrow.is_some()
+    }
+
+    /// Whether a decision still counts in `instance`'s published load (a charge no report has
+    /// cleared yet).
+    pub fn is_charged(&self, instance: InstanceId) -> bool {
+        self.instances.get(&instance).is_some_and(|i| !i.charges.is_empty())
+    }
+
     /// Published loads of the live instances, in id order.
     pub fn loads(&self) -> &[LoadReport] {
         &self.live

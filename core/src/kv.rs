@@ -736,12 +736,17 @@ impl KvBlockManager {
         let have = table.blocks.len() as u32;
         let tier = table.tier;
         let need = tokens.div_ceil(block_size).saturating_sub(have);
-        if need > 0 {
-            let mut fresh = Vec::with_capacity(need as usize);
-            self.take(tier, need, &mut fresh)?;
-            self.tables.get_mut(&request).expect("checked above").blocks.extend_from_slice(&fresh);
+        if need == 0 {
+            table.tokens = tokens;
+            return Ok(0);
         }
-        self.tables.get_mut(&request).expect("checked above").tokens = tokens;
+        // New blocks go straight onto the table (`take` adds nothing when it fails).
+        let mut blocks = std::mem::take(&mut table.blocks);
+        let taken = self.take(tier, need, &mut blocks);
+        let table = self.tables.get_mut(&request).expect("checked above");
+        table.blocks = blocks;
+        taken?;
+        table.tokens = tokens;
         Ok(need)
     }
 

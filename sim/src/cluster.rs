@@ -23,7 +23,7 @@ use kvfleet_control::arrow::ArrowParams;
 use kvfleet_control::roles::PdConfig;
 use kvfleet_control::{Action, ArrowProfile, Controller, Event as Control, MoveOutcome};
 use kvfleet_core::engine::sched::build_scheduler;
-use kvfleet_core::engine::{Engine, EngineConfig, EngineEvent, EngineStats};
+use kvfleet_core::engine::{Engine, EngineConfig, EngineEvent, EngineStats, Settled};
 use kvfleet_core::kv::{prompt_block_hashes, BlockHash};
 use kvfleet_core::metrics::{DecisionTimes, MigrationRecord, RequestRecord, RoleChange};
 use kvfleet_core::policy::cache_aware::PrefixFetch;
@@ -45,8 +45,9 @@ fn elapsed_ns(started: Instant) -> u32 {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
-    /// The iteration in flight on this instance ends.
-    IterationEnd(u32),
+    /// The iteration in flight on this instance ends (stale unless the generation is its
+    /// current one: a leap cut short queued another).
+    IterationEnd(u32, u32),
     /// The `i`-th request of the workload arrives.
     Arrival(u32),
     /// The fabric's earliest transfer may have finished (stale if the generation moved on).
@@ -79,8 +80,11 @@ pub struct ClusterOutcome {
     pub migrations: Vec<MigrationRecord>,
     /// Engine counters per instance, by instance number.
     pub instances: Vec<EngineStats>,
-    /// Simulated events processed.
+    /// Simulated events: every iteration end and every other event, as a run stepping one
+    /// iteration at a time processes them.
     pub events: u64,
+    /// Events taken off the queue and handled (fewer than `events` when engines leap).
+    pub queue_events: u64,
     /// Virtual time of the last event.
     pub end: Timestamp,
     /// Roles given after the start (Arrow's flips), in order.
@@ -170,7 +174,15 @@ pub struct Cluster {
     fetch_stats: FetchStats,
     /// Each engine's intra-instance scheduler and its knobs (to rebuild an engine).
     intra: (String, kvfleet_core::engine::sched::SchedulerParams),
+    /// Most iterations an engine may plan in a row ([`Engine::plan_leap`]); 1 steps them one at
+    /// a time.
+    leap_max: u32,
+    /// The generation of each instance's queued iteration end (older ones are stale).
+    iteration_gen: Vec<u32>,
 }
+
+/// Iterations an engine may plan in a row by default: a leap ends at the next KV block anyway.
+pub const LEAP_MAX: u32 = 1 << 12;
 
 impl Cluster {
     /// `instances` idle engines (each with its own `intra` scheduler) sharing `timing`, joined to
@@ -230,6 +242,8 @@ impl Cluster {
             fetches: HashMap::new(),
             fetch_stats: FetchStats::default(),
             intra: (intra.to_string(), intra_params.clone()),
+            leap_max: LEAP_MAX,
+            iteration_gen: vec![0; instances as usize],
         })
     }
 
@@ -249,6 +263,56 @@ impl Cluster {
         *slot = Engine::new(InstanceId(i), engine.clone(), timing, sched);
         self.refresh_load(Timestamp::ZERO, i);
         Ok(())
+    }
+
+    /// Step every engine one iteration at a time (`false`) or let engines leap over iterations
+    /// that change nothing outside them (`true`, the default): the results are the same, byte
+    /// for byte; leaping is faster.
+    pub fn set_leaping(&mut self, on: bool) {
+        self.leap_max = if on { LEAP_MAX } else { 1 };
+    }
+
+    /// Bring instance `i` to `now` before changing it: a leap is cut after the iteration in
+    /// flight, whose end is queued afresh (or the instance is planned again when an iteration of
+    /// the leap ended at `now`).
+    fn settle(&mut self, now: Timestamp, i: u32) {
+        self.settle_as(now, i, true);
+    }
+
+    /// [`Cluster::settle`] before only reading instance `i`: its leap goes on.
+    fn settle_to_read(&mut self, now: Timestamp, i: u32) {
+        self.settle_as(now, i, false);
+    }
+
+    fn settle_as(&mut self, now: Timestamp, i: u32, cut: bool) {
+        match self.engines[i as usize].settle(now, cut) {
+            Settled::Unchanged => {}
+            Settled::Requeue(end) => {
+                self.iteration_gen[i as usize] += 1;
+                let gen = self.iteration_gen[i as usize];
+                self.push(end, Event::IterationEnd(i, gen));
+            }
+            Settled::Replan => {
+                self.iteration_gen[i as usize] += 1;
+                self.touch(i);
+            }
+        }
+    }
+
+    /// Most iterations instance `i` may plan in a row now. A leap skips the loads the engine
+    /// would publish after each iteration but its last, which differ only in decode progress:
+    /// so none while the controller reads those, while a decision's charge on the instance
+    /// waits for a report to clear it, or while a move out of it is decided or under way.
+    fn leap_limit(&self, i: u32) -> u32 {
+        let quiet = self.migrating_out_of[i as usize] == 0
+            && self.pending_moves[i as usize].is_empty()
+            && !self.control.reads_decode_progress()
+            && !self.control.is_charged(InstanceId(i));
+        if quiet {
+            self.leap_max
+        } else {
+            1
+        }
     }
 
     /// Arrow's profile of instance `i` measured on `timing` (an instance of other hardware than
@@ -311,10 +375,12 @@ impl Cluster {
         match action {
             Action::Migrate { request, from, to, .. } => self.begin_move(now, request, from, to),
             Action::Release { request, on } => {
+                self.settle(now, on.0);
                 let _ = self.engines[on.0 as usize].release_held(request);
                 self.touch(on.0);
             }
             Action::SetRole { instance, role } => {
+                self.settle(now, instance.0);
                 self.engines[instance.0 as usize].set_hand_off(role.hands_off());
                 self.touch(instance.0);
                 let change = RoleChange { at_s: now.as_secs_f64(), instance: instance.0, role: role.to_string() };
@@ -336,6 +402,7 @@ impl Cluster {
     /// Instance `i` publishes its load (the controller drops the charges it now shows) and its
     /// prefix cache's changes.
     fn refresh_load(&mut self, now: Timestamp, i: u32) {
+        self.settle_to_read(now, i);
         let engine = &mut self.engines[i as usize];
         let load = engine.load_report();
         let mut events = Vec::new();
@@ -380,7 +447,9 @@ impl Cluster {
         let mut records: Vec<RequestRecord> = Vec::with_capacity(total);
         let mut events_buf = Vec::new();
         let mut arrived = 0usize;
+        // Events other than iteration ends (those are counted by the engines), and all handled.
         let mut events: u64 = 0;
+        let mut queue_events: u64 = 0;
         // The last instant something happened (a deadline of a migration long over is nothing).
         let mut last_event = Timestamp::ZERO;
         // Arrivals are fed lazily: only the next one is in the queue.
@@ -404,10 +473,17 @@ impl Cluster {
                 if ev == Event::Tick && self.tick_at != Some(now) {
                     continue;
                 }
-                events += 1;
+                if let Event::IterationEnd(i, gen) = ev {
+                    if self.iteration_gen[i as usize] != gen {
+                        continue;
+                    }
+                } else {
+                    events += 1;
+                }
+                queue_events += 1;
                 last_event = now;
                 // The engine of the next event is cache-cold: start fetching its data now.
-                if let Some(&Reverse((_, _, Event::IterationEnd(j)))) = self.queue.peek() {
+                if let Some(&Reverse((_, _, Event::IterationEnd(j, _)))) = self.queue.peek() {
                     self.engines[j as usize].prefetch();
                 }
                 match ev {
@@ -430,7 +506,7 @@ impl Cluster {
                         }
                         self.execute(now, spec, &mut records);
                     }
-                    Event::IterationEnd(i) => {
+                    Event::IterationEnd(i, _) => {
                         let decided = std::mem::take(&mut self.pending_moves[i as usize]);
                         self.engines[i as usize].complete_iteration(now, &mut events_buf);
                         for ev in std::mem::take(&mut events_buf) {
@@ -472,12 +548,18 @@ impl Cluster {
                         }
                         for (id, _started) in self.fabric.complete_due(now) {
                             if let Some(f) = self.fetches.remove(&id) {
+                                self.settle(now, f.on.0);
                                 self.engines[f.on.0 as usize].install_prefix(&f.hashes);
                                 self.start_on(now, &f.spec, f.on, &mut records);
                                 continue;
                             }
                             let Some(key) = self.transfer_owner.remove(&id) else { continue };
-                            let Some(f) = self.migrations.get_mut(&key) else { continue };
+                            let Some((from, to)) = self.migrations.get(&key).map(|f| (f.m.from(), f.m.to())) else {
+                                continue;
+                            };
+                            self.settle(now, from.0);
+                            self.settle(now, to.0);
+                            let f = self.migrations.get_mut(&key).expect("looked up above");
                             let engines =
                                 Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
                             f.m.on_transfer_complete(now, id, engines, &mut self.fabric);
@@ -492,7 +574,10 @@ impl Cluster {
                         self.follow_decisions(now);
                     }
                     Event::MigrationTimeout(key) => {
-                        if let Some(f) = self.migrations.get_mut(&key) {
+                        if let Some((from, to)) = self.migrations.get(&key).map(|f| (f.m.from(), f.m.to())) {
+                            self.settle(now, from.0);
+                            self.settle(now, to.0);
+                            let f = self.migrations.get_mut(&key).expect("looked up above");
                             f.armed = None;
                             let engines =
                                 Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
@@ -517,8 +602,11 @@ impl Cluster {
                 touched.dedup();
                 for &i in &touched {
                     if self.engines[i as usize].needs_step() {
-                        if let Some(end) = self.engines[i as usize].plan_iteration(now) {
-                            self.push(end, Event::IterationEnd(i));
+                        let max = self.leap_limit(i);
+                        if let Some(end) = self.engines[i as usize].plan_leap(now, max) {
+                            self.iteration_gen[i as usize] += 1;
+                            let gen = self.iteration_gen[i as usize];
+                            self.push(end, Event::IterationEnd(i, gen));
                         }
                     }
                     self.refresh_load(now, i);
@@ -548,11 +636,13 @@ impl Cluster {
         debug_assert!(self.fetches.is_empty(), "every prefix fetch ends");
         debug_assert!(self.pending_moves.iter().all(Vec::is_empty), "every decided move starts");
         records.sort_by_key(|r| r.id);
+        let iterations: u64 = self.engines.iter().map(|e| e.stats().iterations).sum();
         Ok(ClusterOutcome {
             records,
             migrations: self.live_migrations,
             instances: self.engines.iter().map(|e| e.stats().clone()).collect(),
-            events,
+            events: events + iterations,
+            queue_events,
             end: last_event,
             role_changes: self.role_changes,
             decisions: self.decisions,
@@ -565,6 +655,8 @@ impl Cluster {
         while let Some(action) = self.control.poll_action() {
             match action {
                 Action::Place { request, on, fetch, .. } => {
+                    // Its charge must clear as it would after a step: no leap hides the report.
+                    self.settle(now, on.0);
                     debug_assert_eq!(request, arrival.id, "the simulator re-places nothing: no instance dies");
                     if !fetch.is_some_and(|f| self.start_fetch(now, arrival, on, f)) {
                         self.start_on(now, arrival, on, records);
@@ -578,6 +670,7 @@ impl Cluster {
 
     /// Submit `spec` to instance `on`.
     fn start_on(&mut self, now: Timestamp, spec: &RequestSpec, on: InstanceId, records: &mut Vec<RequestRecord>) {
+        self.settle(now, on.0);
         let request = spec.id;
         match self.engines[on.0 as usize].submit(now, spec.clone()) {
             Ok(()) => {
@@ -600,8 +693,9 @@ impl Cluster {
         if !target.prefix_caching || fetch.from == on {
             return false;
         }
-        let block_bytes = target.block_bytes();
-        let hashes = prompt_block_hashes(&spec.content_ids, spec.prompt_tokens, target.block_size);
+        let (block_bytes, block_size) = (target.block_bytes(), target.block_size);
+        self.settle_to_read(now, fetch.from.0);
+        let hashes = prompt_block_hashes(&spec.content_ids, spec.prompt_tokens, block_size);
         let end = (fetch.end as usize).min(hashes.len());
         // Only blocks whose prefill finished hold content to copy (a worker checks their stamps).
         let held = self.engines[fetch.from.0 as usize].computed_prefix_blocks(&hashes[..end]) as usize;
@@ -651,6 +745,9 @@ impl Cluster {
     /// request one token longer); an idle one starts it now. A handoff's request is held and does
     /// not grow: it starts unless an iteration is in flight.
     fn begin_move(&mut self, now: Timestamp, request: RequestId, from: InstanceId, to: InstanceId) {
+        // The target carries the move's charge until it reserves: no leap may hide its reports.
+        self.settle(now, from.0);
+        self.settle(now, to.0);
         let source = &self.engines[from.0 as usize];
         // A request held after its prefill runs in no iteration and does not grow: its handoff
         // starts at once, whatever the source runs (an instance holding only handoffs may never
@@ -665,6 +762,8 @@ impl Cluster {
     /// Start the live migration the controller decided; one that cannot start (the request left
     /// its source, or holds no KV) is an abort.
     fn start_migration(&mut self, now: Timestamp, request: RequestId, from: InstanceId, to: InstanceId) {
+        self.settle(now, from.0);
+        self.settle(now, to.0);
         let key = self.next_migration;
         self.next_migration += 1;
         let spec = LiveMigrationSpec::new(MigrationId(key), request, from, to, self.migration.clone());
@@ -692,6 +791,8 @@ impl Cluster {
     fn on_source_iteration_end(&mut self, now: Timestamp, i: u32) {
         let keys: Vec<u64> = self.migrations.iter().filter(|(_, f)| f.m.from().0 == i).map(|(&k, _)| k).collect();
         for key in keys {
+            let to = self.migrations[&key].m.to().0;
+            self.settle(now, to);
             let f = self.migrations.get_mut(&key).expect("listed above");
             let engines = Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
             f.m.on_source_iteration_end(now, engines, &mut self.fabric);

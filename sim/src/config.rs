@@ -70,6 +70,31 @@ pub struct SimConfig {
     pub workload: WorkloadConfig,
     /// Optional sweep: policies × arrival rates. Without it, one run of `scheduler.policy`.
     pub sweep: Option<SweepConfig>,
+    /// How the simulator runs (`[simulator]`): never what it computes.
+    #[serde(skip_serializing_if = "SimulatorConfig::is_default")]
+    pub simulator: SimulatorConfig,
+}
+
+/// How the simulator runs. Every setting here leaves the results byte for byte as they are.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimulatorConfig {
+    /// Let an engine plan, as one event, the iterations after which it changes nothing the
+    /// controller reads (a run of decodes between KV blocks, arrivals, finishes and `</think>`);
+    /// `false` steps every iteration as an event of its own.
+    pub leap_iterations: bool,
+}
+
+impl Default for SimulatorConfig {
+    fn default() -> Self {
+        SimulatorConfig { leap_iterations: true }
+    }
+}
+
+impl SimulatorConfig {
+    fn is_default(&self) -> bool {
+        *self == SimulatorConfig::default()
+    }
 }
 
 /// The instances: how many, which model on which GPU, and how their memory is carved up.

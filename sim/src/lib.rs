@@ -167,7 +167,8 @@ pub fn run_one_until(
             }
         }
     }
-    let ClusterOutcome { records, migrations, instances, events, end, role_changes, decisions, fetches } =
+    cluster.set_leaping(cfg.simulator.leap_iterations);
+    let ClusterOutcome { records, migrations, instances, events, queue_events, end, role_changes, decisions, fetches } =
         cluster.run_until(&requests, until.min(RUN_LIMIT), progress)?;
     let id = RunIdentity {
         policy: policy.to_string(),
@@ -178,7 +179,7 @@ pub fn run_one_until(
         seed: cfg.workload.seed,
     };
     Ok(RunResult::new(id, records, migrations, &cfg.slo, end.as_secs_f64())
-        .with_engine_counters(instances, events)
+        .with_engine_counters(instances, events, queue_events)
         .with_control(role_changes, decisions)
         .with_prefix_fetches(fetches.fetches, fetches.bytes))
 }

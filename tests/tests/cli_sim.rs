@@ -670,3 +670,22 @@ fn a_goodput_search_brackets_each_setup_and_divides_by_the_baseline() {
     let csv = Csv::read(&a.join("goodput.csv"));
     assert_eq!(csv.rows.len(), setups.iter().map(|s| s["probes"].as_array().unwrap().len()).sum::<usize>());
 }
+
+#[test]
+fn bench_sim_compares_leaping_with_stepping_in_one_run() {
+    let out = run_kvfleet(["bench", "sim", "--instances", "16", "--duration-s", "60", "--mode", "both"].iter());
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("results identical"), "{text}");
+    let handled: Vec<u64> = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("events handled"))
+        .unwrap_or_else(|| panic!("{text}"))
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    // Leaping handles fewer events than stepping, which handles every one.
+    assert!(matches!(handled[..], [leap, step] if leap < step), "{text}");
+    let refused = run_kvfleet(["bench", "sim", "--mode", "sideways"].iter());
+    assert_eq!(refused.status.code(), Some(2), "{}", describe(&refused));
+}

@@ -300,6 +300,19 @@ fn plan_need(kv: &KvBlockManager, req: &Req, counted: &HashSet<u32>, newly: &mut
     total - (before - newly.len()) as u32
 }
 
+/// What a driver must do after [`Engine::settle`] about the iteration end it queued for a leap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settled {
+    /// Nothing: no leap, or its last iteration is in flight and ends when queued.
+    Unchanged,
+    /// The leap was cut: the iteration in flight, its last now, ends at this time (the queued
+    /// end is stale).
+    Requeue(Timestamp),
+    /// An iteration of the leap ended at this very time and nothing is in flight: plan the
+    /// engine as after any iteration end (the queued end is stale).
+    Replan,
+}
+
 /// One instance.
 #[derive(Debug)]
 pub struct Engine {
@@ -317,6 +330,12 @@ pub struct Engine {
     active: Vec<u32>,
     batch: Vec<BatchEntry>,
     inflight: Option<(Timestamp, Timestamp)>,
+    /// A leap ([`Engine::plan_leap`]): the ends of the iterations planned after the one in
+    /// flight, in order; `leap[leap_next..]` are still to come.
+    leap: Vec<Timestamp>,
+    leap_next: usize,
+    /// Scratch for [`Engine::plan_leap`]: the answering requests' pacers, run ahead.
+    leap_pacers: Vec<TokenPacer>,
     /// Requests frozen while their KV is copied out (they hold blocks but do not run).
     migrating_out: Vec<u32>,
     /// A prefill instance: requests stop after their first token ([`Engine::set_hand_off`]).
@@ -365,6 +384,9 @@ impl Engine {
             active: Vec::new(),
             batch: Vec::new(),
             inflight: None,
+            leap: Vec::new(),
+            leap_next: 0,
+            leap_pacers: Vec::new(),
             migrating_out: Vec::new(),
             hand_off: false,
             held: Vec::new(),
@@ -574,10 +596,83 @@ impl Engine {
         events: &mut Vec<EngineEvent>,
         mut tokens: Option<&mut Vec<TokenEmitted>>,
     ) {
-        let Some((start, end)) = self.inflight else { return };
-        if end > now {
+        while self.inflight.is_some_and(|(_, end)| end <= now) {
+            self.complete_and_continue(now, events, tokens.as_deref_mut());
+        }
+    }
+
+    /// Complete the iteration in flight (it ended by `now`); inside a leap, plan the next one,
+    /// unless this one ended at `now`: then the driver plans at `now`, after whatever else
+    /// happens at that instant (the leap is over).
+    fn complete_and_continue(
+        &mut self,
+        now: Timestamp,
+        events: &mut Vec<EngineEvent>,
+        tokens: Option<&mut Vec<TokenEmitted>>,
+    ) {
+        let Some((_, end)) = self.inflight else { return };
+        let before = events.len();
+        self.complete_one(events, tokens);
+        if self.leap.is_empty() {
             return;
         }
+        debug_assert!(events.len() == before && !self.dirty, "a leap's iteration before its last changed something");
+        if end == now {
+            self.end_leap();
+            return;
+        }
+        // The same batch again, no block to take: the plan is the one `plan_leap` foresaw
+        // (debug builds plan it to check).
+        let foreseen = self.leap[self.leap_next];
+        if cfg!(debug_assertions) {
+            let planned = self.plan_iteration(end);
+            assert_eq!(planned, Some(foreseen), "a leap's iteration ends where it was foreseen");
+        } else {
+            self.inflight = Some((end, foreseen));
+        }
+        self.leap_next += 1;
+        if self.leap_next == self.leap.len() {
+            self.end_leap();
+        }
+    }
+
+    /// Bring a leaping engine ([`Engine::plan_leap`]) to `now` before a driver reads it (`cut`
+    /// false) or changes it (`cut`): the leap's iterations that ended by then are completed
+    /// (they change nothing outside the engine), and for a change the leap is cut after the
+    /// iteration in flight. What the driver must do about the iteration end it queued for the
+    /// leap is the answer.
+    pub fn settle(&mut self, now: Timestamp, cut: bool) -> Settled {
+        if self.leap.is_empty() {
+            return Settled::Unchanged;
+        }
+        let mut events = Vec::new();
+        while !self.leap.is_empty() && self.inflight.is_some_and(|(_, end)| end <= now) {
+            self.complete_and_continue(now, &mut events, None);
+        }
+        debug_assert!(events.is_empty(), "a leap's iteration before its last produced {events:?}");
+        match self.inflight {
+            None => Settled::Replan,
+            Some(_) if self.leap.is_empty() || !cut => Settled::Unchanged,
+            Some((_, end)) => {
+                self.end_leap();
+                Settled::Requeue(end)
+            }
+        }
+    }
+
+    /// Whether iterations are planned beyond the one in flight ([`Engine::plan_leap`]).
+    pub fn is_leaping(&self) -> bool {
+        !self.leap.is_empty()
+    }
+
+    fn end_leap(&mut self) {
+        self.leap.clear();
+        self.leap_next = 0;
+    }
+
+    /// Complete the iteration in flight (it has ended).
+    fn complete_one(&mut self, events: &mut Vec<EngineEvent>, mut tokens: Option<&mut Vec<TokenEmitted>>) {
+        let Some((start, end)) = self.inflight else { return };
         self.inflight = None;
         self.stats.iterations += 1;
         self.stats.busy_ns += (end - start).as_nanos();
@@ -770,6 +865,91 @@ impl Engine {
         let end = now + costs + self.timing.iteration(&shape);
         self.inflight = Some((now, end));
         Some(end)
+    }
+
+    /// [`Engine::plan_iteration`], then, when the iterations after it can change nothing a
+    /// driver would see, up to `max` of them in all planned in a row (a leap): returns the end
+    /// of the last, and [`Engine::complete_iteration`] at that time completes them all, exactly
+    /// as one call per iteration would. An iteration is followed within a leap when every
+    /// request on the instance decodes in it and completing it neither finishes a request,
+    /// reaches or follows `</think>`, changes a priority (the scheduler's
+    /// [`IntraScheduler::quiet_tokens`]) or t_i, nor makes the next plan take a KV block: the
+    /// load the engine reports after it differs only in its decode progress counters. A driver
+    /// that reads or changes the engine before the leap's end calls [`Engine::settle`] first.
+    pub fn plan_leap(&mut self, now: Timestamp, max: u32) -> Option<Timestamp> {
+        if self.inflight.is_some() {
+            return self.leap.last().copied().or(self.next_wake());
+        }
+        let end = self.plan_iteration(now)?;
+        let k = self.quiet_run(max);
+        if k <= 1 {
+            return Some(end);
+        }
+        let n = self.batch.len() as u32;
+        let mut shape = BatchShape::default();
+        for e in &self.batch {
+            shape.add_decode(self.req(e.slot).context() + 1);
+        }
+        let mut pacers = std::mem::take(&mut self.leap_pacers);
+        pacers.clear();
+        pacers.extend(self.batch.iter().filter_map(|e| self.req(e.slot).pacer));
+        let mut ends = std::mem::take(&mut self.leap);
+        let mut t = end;
+        for _ in 1..k {
+            // Iteration j completes at `t`: its answer tokens reach the pacers, and t_i must stay.
+            let mut starving = false;
+            for p in &mut pacers {
+                p.on_answer_tokens(t, 1);
+                starving |= p.buffered(t) < 1.0;
+            }
+            if starving == self.slo_ok {
+                break;
+            }
+            shape.decode_context_tokens += u64::from(n);
+            let d = self.timing.iteration(&shape);
+            if d == TimeSpan::ZERO {
+                break;
+            }
+            t += d;
+            ends.push(t);
+        }
+        self.leap_pacers = pacers;
+        self.leap = ends;
+        self.leap_next = 0;
+        Some(t)
+    }
+
+    /// How many iterations, the one just planned first, a leap may hold (at most `max`): 1 when
+    /// the next completion may already change something.
+    fn quiet_run(&self, max: u32) -> u32 {
+        let steady = self.batch.len() == self.active.len()
+            && self.migrating_out.is_empty()
+            && self.batch.iter().all(|e| !e.prefill);
+        if max <= 1 || !steady {
+            return 1;
+        }
+        let bs = self.cfg.block_size;
+        let mut k = max;
+        for e in &self.batch {
+            let r = self.req(e.slot);
+            let (g, c, reasoning) = (r.generated, r.context(), r.spec.reasoning_tokens);
+            // Completions j = 1..=quiet give tokens g + j: none the last, `</think>` or the first
+            // answer token, and none leaving the context on a block boundary (the next plan
+            // would take a block).
+            let mut quiet = r.spec.output_tokens().saturating_sub(g + 1);
+            if reasoning > 0 && g <= reasoning {
+                quiet = quiet.min((reasoning - g).saturating_sub(1));
+            }
+            quiet = quiet.min(bs - 1 - c % bs);
+            let phase = if g + 1 > reasoning { Phase::Answering } else { Phase::Reasoning };
+            let progress = TokenProgress { context_tokens: c + 1, generated_tokens: g + 1 };
+            quiet = quiet.min(self.sched.quiet_tokens(&r.sched, phase, progress));
+            k = k.min(quiet.saturating_add(1));
+            if k == 1 {
+                break;
+            }
+        }
+        k
     }
 
     /// Fast path: same batch as last time, each member growing by its next token's block if needed.

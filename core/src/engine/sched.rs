@@ -155,6 +155,14 @@ pub trait IntraScheduler: Send + std::fmt::Debug {
     fn on_token(&mut self, st: &mut SchedState, phase: Phase, progress: TokenProgress) -> bool;
     /// The request crossed `</think>`. Returns whether its priority key changed.
     fn on_phase_change(&mut self, st: &mut SchedState) -> bool;
+    /// For how many of the request's next tokens, all in `phase`, [`IntraScheduler::on_token`]
+    /// would return false: the first of them brings it to `progress`, each later one adds one
+    /// token to both of its counts. The simulator leaps over iterations that change nothing
+    /// ([`crate::engine::Engine::plan_leap`]); the default, 0, promises nothing, and the engines
+    /// of such a scheduler step one iteration at a time.
+    fn quiet_tokens(&self, _st: &SchedState, _phase: Phase, _progress: TokenProgress) -> u32 {
+        0
+    }
 }
 
 /// Parameters shared by the built-in schedulers.
@@ -292,6 +300,9 @@ impl IntraScheduler for Fcfs {
     fn on_phase_change(&mut self, _st: &mut SchedState) -> bool {
         false
     }
+    fn quiet_tokens(&self, _st: &SchedState, _phase: Phase, _progress: TokenProgress) -> u32 {
+        u32::MAX
+    }
 }
 
 /// Round-robin bookkeeping shared by `rr` and both of `pascal`'s queues.
@@ -321,6 +332,10 @@ impl Quantum {
         } else {
             false
         }
+    }
+    /// Ticks in a row that leave `st` in its round.
+    fn quiet(&self, st: &SchedState) -> u32 {
+        self.tokens.saturating_sub(st.quantum_used.saturating_add(1))
     }
 }
 
@@ -356,6 +371,9 @@ impl IntraScheduler for RoundRobin {
     }
     fn on_phase_change(&mut self, _st: &mut SchedState) -> bool {
         false
+    }
+    fn quiet_tokens(&self, st: &SchedState, _phase: Phase, _progress: TokenProgress) -> u32 {
+        self.q.quiet(st)
     }
 }
 
@@ -421,6 +439,20 @@ impl IntraScheduler for Pascal {
         // Answering requests enter the low queue with a fresh quantum (they count in a_i).
         self.q.enter(st, CLASS_LOW);
         true
+    }
+    fn quiet_tokens(&self, st: &SchedState, phase: Phase, progress: TokenProgress) -> u32 {
+        let ticks = self.q.quiet(st);
+        if phase != Phase::Reasoning || st.class != CLASS_HIGH {
+            return ticks;
+        }
+        // The j-th token (from 1) is `length + j - 1` long; demotion comes with the first past
+        // the threshold.
+        let length = match self.demotion_basis {
+            DemotionBasis::Reasoning => progress.generated_tokens,
+            DemotionBasis::Kv => progress.context_tokens,
+        };
+        let before_demotion = (self.demotion_tokens.saturating_add(1)).saturating_sub(length);
+        ticks.min(before_demotion)
     }
 }
 
@@ -493,5 +525,42 @@ mod tests {
         );
         let p = SchedulerParams { quantum_tokens: 0, ..Default::default() };
         assert!(build_scheduler("rr", &p).is_err());
+    }
+
+    /// `quiet_tokens` promises exactly the run of `false` that `on_token` then returns, for
+    /// every scheduler, queue, quantum position, phase and demotion basis.
+    #[test]
+    fn quiet_tokens_counts_the_calls_before_a_key_change() {
+        let mut cases = 0;
+        for name in ["fcfs", "rr", "pascal"] {
+            for basis in [DemotionBasis::Reasoning, DemotionBasis::Kv] {
+                for used in [0u32, 1, 5, 6, 7] {
+                    for (context, generated) in [(10u32, 1u32), (20, 8), (25, 12), (30, 13), (40, 20)] {
+                        for phase in [Phase::Reasoning, Phase::Answering] {
+                            let params = SchedulerParams {
+                                quantum_tokens: 8,
+                                demotion_tokens: 12,
+                                demotion_basis: basis,
+                                ..SchedulerParams::default()
+                            };
+                            let mut s = build_scheduler(name, &params).unwrap();
+                            let mut st = SchedState::default();
+                            s.on_enqueue(&mut st, phase);
+                            st.quantum_used = used;
+                            let progress = tp(context, generated);
+                            let promised = s.quiet_tokens(&st, phase, progress);
+                            let mut seen = 0;
+                            while seen < 64 && !s.on_token(&mut st, phase, tp(context + seen, generated + seen)) {
+                                seen += 1;
+                            }
+                            let want = if name == "fcfs" { u32::MAX } else { seen };
+                            assert_eq!(promised, want, "{name} {basis:?} used {used} at {progress:?} in {phase:?}");
+                            cases += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(cases, 300);
     }
 }

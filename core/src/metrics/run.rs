@@ -62,8 +62,13 @@ pub struct RunResult {
     /// them).
     #[serde(skip)]
     pub instances: Vec<EngineStats>,
-    /// Simulated events processed (the simulator's, for the events/s benchmark; 0 otherwise).
+    /// Simulated events (the simulator's, for the events/s benchmark; 0 otherwise): every
+    /// iteration end and every other event, as a run stepping one iteration at a time handles.
     pub events: u64,
+    /// Events the simulator took off its queue: fewer than `events` when engines leap over
+    /// iterations.
+    #[serde(skip)]
+    pub queue_events: u64,
     /// How long the run lasted, seconds: virtual time of the last event in the simulator,
     /// wall-clock time from the first submit to the last answer in the emulator.
     pub span_s: f64,
@@ -121,16 +126,18 @@ impl RunResult {
             migrations,
             instances: Vec::new(),
             events: 0,
+            queue_events: 0,
             span_s,
             role_changes: Vec::new(),
             decisions: DecisionTimes::default(),
         }
     }
 
-    /// With the simulator's per-instance engine counters and event count.
-    pub fn with_engine_counters(mut self, instances: Vec<EngineStats>, events: u64) -> RunResult {
+    /// With the simulator's per-instance engine counters and event counts.
+    pub fn with_engine_counters(mut self, instances: Vec<EngineStats>, events: u64, queue_events: u64) -> RunResult {
         self.instances = instances;
         self.events = events;
+        self.queue_events = queue_events;
         self
     }
 
