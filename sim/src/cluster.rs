@@ -179,6 +179,9 @@ pub struct Cluster {
     leap_max: u32,
     /// The generation of each instance's queued iteration end (older ones are stale).
     iteration_gen: Vec<u32>,
+    /// When each leaping instance's load next changes beyond its decode progress (its last
+    /// published one is stale from then: published before any decision after it).
+    load_change_at: Vec<Timestamp>,
 }
 
 /// Iterations an engine may plan in a row by default: a leap ends at the next KV block anyway.
@@ -244,6 +247,7 @@ impl Cluster {
             intra: (intra.to_string(), intra_params.clone()),
             leap_max: LEAP_MAX,
             iteration_gen: vec![0; instances as usize],
+            load_change_at: vec![Timestamp::MAX; instances as usize],
         })
     }
 
@@ -274,17 +278,15 @@ impl Cluster {
 
     /// Bring instance `i` to `now` before changing it: a leap is cut after the iteration in
     /// flight, whose end is queued afresh (or the instance is planned again when an iteration of
-    /// the leap ended at `now`).
+    /// the leap ended at `now`); a load change the leap made by then is published.
     fn settle(&mut self, now: Timestamp, i: u32) {
-        self.settle_as(now, i, true);
+        self.settle_engine(now, i, true);
+        if self.load_change_at[i as usize] <= now {
+            self.publish_load(now, i);
+        }
     }
 
-    /// [`Cluster::settle`] before only reading instance `i`: its leap goes on.
-    fn settle_to_read(&mut self, now: Timestamp, i: u32) {
-        self.settle_as(now, i, false);
-    }
-
-    fn settle_as(&mut self, now: Timestamp, i: u32, cut: bool) {
+    fn settle_engine(&mut self, now: Timestamp, i: u32, cut: bool) {
         match self.engines[i as usize].settle(now, cut) {
             Settled::Unchanged => {}
             Settled::Requeue(end) => {
@@ -299,10 +301,11 @@ impl Cluster {
         }
     }
 
-    /// Most iterations instance `i` may plan in a row now. A leap skips the loads the engine
-    /// would publish after each iteration but its last, which differ only in decode progress:
-    /// so none while the controller reads those, while a decision's charge on the instance
-    /// waits for a report to clear it, or while a move out of it is decided or under way.
+    /// Most iterations instance `i` may plan in a row now. A leaping instance publishes its load
+    /// only before decisions (and when its load changed since): its decode progress goes
+    /// unpublished in between, and a charge would clear later. So no leap while the controller
+    /// reads decode progress, while a decision's charge on the instance waits for a report to
+    /// clear it, or while a move out of it is decided or under way.
     fn leap_limit(&self, i: u32) -> u32 {
         let quiet = self.migrating_out_of[i as usize] == 0
             && self.pending_moves[i as usize].is_empty()
@@ -400,10 +403,25 @@ impl Cluster {
     }
 
     /// Instance `i` publishes its load (the controller drops the charges it now shows) and its
-    /// prefix cache's changes.
+    /// prefix cache's changes, as of `now` (a leap goes on).
     fn refresh_load(&mut self, now: Timestamp, i: u32) {
-        self.settle_to_read(now, i);
+        self.settle_engine(now, i, false);
+        self.publish_load(now, i);
+    }
+
+    /// Before a decision: every leaping instance whose load changed since it last published
+    /// publishes, so the controller sees what it would after every iteration.
+    fn publish_load_changes(&mut self, now: Timestamp) {
+        for i in 0..self.engines.len() as u32 {
+            if self.load_change_at[i as usize] <= now {
+                self.refresh_load(now, i);
+            }
+        }
+    }
+
+    fn publish_load(&mut self, now: Timestamp, i: u32) {
         let engine = &mut self.engines[i as usize];
+        self.load_change_at[i as usize] = engine.next_load_change(now).unwrap_or(Timestamp::MAX);
         let load = engine.load_report();
         let mut events = Vec::new();
         engine.drain_kv_events(&mut events);
@@ -422,8 +440,10 @@ impl Cluster {
         self.engines.iter().zip(self.control.loads()).all(|(e, l)| e.load_report().admitted == l.admitted)
     }
 
-    /// Instances changed earlier in this time slice publish their load before a policy reads it.
+    /// Instances changed earlier in this time slice, and leaping ones whose load changed,
+    /// publish their load before a policy reads it.
     fn refresh_touched_loads(&mut self, now: Timestamp) {
+        self.publish_load_changes(now);
         for k in 0..self.touched.len() {
             let i = self.touched[k];
             self.refresh_load(now, i);
@@ -693,8 +713,8 @@ impl Cluster {
         if !target.prefix_caching || fetch.from == on {
             return false;
         }
+        // (What a leap changes on the holder is not its prefix cache.)
         let (block_bytes, block_size) = (target.block_bytes(), target.block_size);
-        self.settle_to_read(now, fetch.from.0);
         let hashes = prompt_block_hashes(&spec.content_ids, spec.prompt_tokens, block_size);
         let end = (fetch.end as usize).min(hashes.len());
         // Only blocks whose prefill finished hold content to copy (a worker checks their stamps).
@@ -778,6 +798,7 @@ impl Cluster {
                 self.after_migration_call(key);
             }
             Err(_) => {
+                self.publish_load_changes(now);
                 let _ = self
                     .control
                     .handle(now, Control::MigrationEnded { request, from, to, outcome: MoveOutcome::Aborted });

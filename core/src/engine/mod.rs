@@ -300,6 +300,14 @@ fn plan_need(kv: &KvBlockManager, req: &Req, counted: &HashSet<u32>, newly: &mut
     total - (before - newly.len()) as u32
 }
 
+/// An iteration of a leap after its first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct LeapStep {
+    end: Timestamp,
+    /// Its plan takes KV blocks (some request's context sits on a block boundary).
+    grows: bool,
+}
+
 /// What a driver must do after [`Engine::settle`] about the iteration end it queued for a leap.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Settled {
@@ -330,12 +338,17 @@ pub struct Engine {
     active: Vec<u32>,
     batch: Vec<BatchEntry>,
     inflight: Option<(Timestamp, Timestamp)>,
-    /// A leap ([`Engine::plan_leap`]): the ends of the iterations planned after the one in
-    /// flight, in order; `leap[leap_next..]` are still to come.
-    leap: Vec<Timestamp>,
+    /// A leap ([`Engine::plan_leap`]): the iterations planned after the one in flight, in
+    /// order; `leap[leap_next..]` are still to come.
+    leap: Vec<LeapStep>,
     leap_next: usize,
-    /// Scratch for [`Engine::plan_leap`]: the answering requests' pacers, run ahead.
+    /// When, inside the leap, the load this engine reports changes beyond its decode progress
+    /// (a KV block taken, t_i flipped): the ends of those iterations, in order.
+    leap_changes: Vec<Timestamp>,
+    /// Scratch for [`Engine::plan_leap`]: the answering requests' pacers, run ahead, and the
+    /// batch's requests by the iteration (mod the block size) after which each takes a block.
     leap_pacers: Vec<TokenPacer>,
+    leap_growth: Vec<u32>,
     /// Requests frozen while their KV is copied out (they hold blocks but do not run).
     migrating_out: Vec<u32>,
     /// A prefill instance: requests stop after their first token ([`Engine::set_hand_off`]).
@@ -386,7 +399,9 @@ impl Engine {
             inflight: None,
             leap: Vec::new(),
             leap_next: 0,
+            leap_changes: Vec::new(),
             leap_pacers: Vec::new(),
+            leap_growth: Vec::new(),
             migrating_out: Vec::new(),
             hand_off: false,
             held: Vec::new(),
@@ -621,14 +636,16 @@ impl Engine {
             self.end_leap();
             return;
         }
-        // The same batch again, no block to take: the plan is the one `plan_leap` foresaw
-        // (debug builds plan it to check).
+        // The same batch again, with the blocks foreseen: the plan is the one `plan_leap`
+        // foresaw (debug builds plan it in full to check).
         let foreseen = self.leap[self.leap_next];
         if cfg!(debug_assertions) {
             let planned = self.plan_iteration(end);
-            assert_eq!(planned, Some(foreseen), "a leap's iteration ends where it was foreseen");
+            assert_eq!(planned, Some(foreseen.end), "a leap's iteration ends where it was foreseen");
         } else {
-            self.inflight = Some((end, foreseen));
+            let grown = !foreseen.grows || self.grow_batch_in_place();
+            assert!(grown, "a leap's blocks were counted against the free ones");
+            self.inflight = Some((end, foreseen.end));
         }
         self.leap_next += 1;
         if self.leap_next == self.leap.len() {
@@ -665,8 +682,17 @@ impl Engine {
         !self.leap.is_empty()
     }
 
+    /// The first time after `after` at which, inside the leap under way, the load the engine
+    /// reports changes beyond its decode progress counters (a driver publishing loads lazily
+    /// must [`Engine::settle`] and publish by then).
+    pub fn next_load_change(&self, after: Timestamp) -> Option<Timestamp> {
+        let i = self.leap_changes.partition_point(|&t| t <= after);
+        self.leap_changes.get(i).copied()
+    }
+
     fn end_leap(&mut self) {
         self.leap.clear();
+        self.leap_changes.clear();
         self.leap_next = 0;
     }
 
@@ -868,17 +894,18 @@ impl Engine {
     }
 
     /// [`Engine::plan_iteration`], then, when the iterations after it can change nothing a
-    /// driver would see, up to `max` of them in all planned in a row (a leap): returns the end
-    /// of the last, and [`Engine::complete_iteration`] at that time completes them all, exactly
-    /// as one call per iteration would. An iteration is followed within a leap when every
-    /// request on the instance decodes in it and completing it neither finishes a request,
-    /// reaches or follows `</think>`, changes a priority (the scheduler's
-    /// [`IntraScheduler::quiet_tokens`]) or t_i, nor makes the next plan take a KV block: the
-    /// load the engine reports after it differs only in its decode progress counters. A driver
-    /// that reads or changes the engine before the leap's end calls [`Engine::settle`] first.
+    /// driver must act on, up to `max` of them in all planned in a row (a leap): returns the
+    /// end of the last, and [`Engine::complete_iteration`] at that time completes them all,
+    /// exactly as one call per iteration would. An iteration is followed within a leap when
+    /// every request on the instance decodes in it and completing it neither finishes a
+    /// request, reaches or follows `</think>`, nor changes a priority (the scheduler's
+    /// [`IntraScheduler::quiet_tokens`]), and the blocks the next plans take are free. What the
+    /// engine reports still changes inside a leap: its decode progress after every iteration,
+    /// its blocks and t_i at the times [`Engine::next_load_change`] names. A driver that reads
+    /// or changes the engine before the leap's end calls [`Engine::settle`] first.
     pub fn plan_leap(&mut self, now: Timestamp, max: u32) -> Option<Timestamp> {
         if self.inflight.is_some() {
-            return self.leap.last().copied().or(self.next_wake());
+            return self.leap.last().map(|l| l.end).or(self.next_wake());
         }
         let end = self.plan_iteration(now)?;
         let k = self.quiet_run(max);
@@ -886,23 +913,36 @@ impl Engine {
             return Some(end);
         }
         let n = self.batch.len() as u32;
+        let bs = self.cfg.block_size;
         let mut shape = BatchShape::default();
-        for e in &self.batch {
-            shape.add_decode(self.req(e.slot).context() + 1);
-        }
         let mut pacers = std::mem::take(&mut self.leap_pacers);
         pacers.clear();
-        pacers.extend(self.batch.iter().filter_map(|e| self.req(e.slot).pacer));
-        let mut ends = std::mem::take(&mut self.leap);
+        // growth[j mod bs]: requests whose context sits on a block boundary after j more tokens.
+        let mut growth = std::mem::take(&mut self.leap_growth);
+        growth.clear();
+        growth.resize(bs as usize, 0);
+        for e in &self.batch {
+            let r = self.req(e.slot);
+            shape.add_decode(r.context() + 1);
+            pacers.extend(r.pacer);
+            growth[((bs - r.context() % bs) % bs) as usize] += 1;
+        }
+        // Blocks only from the free pool: evicting a cached block would change the prefix index.
+        let mut free = self.kv.free(Tier::Gpu) - self.kv.cached_free(Tier::Gpu);
+        let mut steps = std::mem::take(&mut self.leap);
+        let mut changes = std::mem::take(&mut self.leap_changes);
+        let mut slo_ok = self.slo_ok;
         let mut t = end;
-        for _ in 1..k {
-            // Iteration j completes at `t`: its answer tokens reach the pacers, and t_i must stay.
+        for j in 1..k {
+            // Iteration j completes at `t`: its answer tokens reach the pacers (t_i may flip),
+            // then the next plan takes a block for each context on a boundary.
             let mut starving = false;
             for p in &mut pacers {
                 p.on_answer_tokens(t, 1);
                 starving |= p.buffered(t) < 1.0;
             }
-            if starving == self.slo_ok {
+            let blocks = growth[(j % bs) as usize];
+            if blocks > free {
                 break;
             }
             shape.decode_context_tokens += u64::from(n);
@@ -910,11 +950,18 @@ impl Engine {
             if d == TimeSpan::ZERO {
                 break;
             }
+            free -= blocks;
+            if blocks > 0 || starving == slo_ok {
+                changes.push(t);
+            }
+            slo_ok = !starving;
             t += d;
-            ends.push(t);
+            steps.push(LeapStep { end: t, grows: blocks > 0 });
         }
         self.leap_pacers = pacers;
-        self.leap = ends;
+        self.leap_growth = growth;
+        self.leap = steps;
+        self.leap_changes = changes;
         self.leap_next = 0;
         Some(t)
     }
@@ -928,19 +975,16 @@ impl Engine {
         if max <= 1 || !steady {
             return 1;
         }
-        let bs = self.cfg.block_size;
         let mut k = max;
         for e in &self.batch {
             let r = self.req(e.slot);
             let (g, c, reasoning) = (r.generated, r.context(), r.spec.reasoning_tokens);
             // Completions j = 1..=quiet give tokens g + j: none the last, `</think>` or the first
-            // answer token, and none leaving the context on a block boundary (the next plan
-            // would take a block).
+            // answer token.
             let mut quiet = r.spec.output_tokens().saturating_sub(g + 1);
             if reasoning > 0 && g <= reasoning {
                 quiet = quiet.min((reasoning - g).saturating_sub(1));
             }
-            quiet = quiet.min(bs - 1 - c % bs);
             let phase = if g + 1 > reasoning { Phase::Answering } else { Phase::Reasoning };
             let progress = TokenProgress { context_tokens: c + 1, generated_tokens: g + 1 };
             quiet = quiet.min(self.sched.quiet_tokens(&r.sched, phase, progress));
