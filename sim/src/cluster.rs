@@ -280,14 +280,7 @@ impl Cluster {
     /// flight, whose end is queued afresh (or the instance is planned again when an iteration of
     /// the leap ended at `now`); a load change the leap made by then is published.
     fn settle(&mut self, now: Timestamp, i: u32) {
-        self.settle_engine(now, i, true);
-        if self.load_change_at[i as usize] <= now {
-            self.publish_load(now, i);
-        }
-    }
-
-    fn settle_engine(&mut self, now: Timestamp, i: u32, cut: bool) {
-        match self.engines[i as usize].settle(now, cut) {
+        match self.engines[i as usize].settle(now) {
             Settled::Unchanged => {}
             Settled::Requeue(end) => {
                 self.iteration_gen[i as usize] += 1;
@@ -298,6 +291,9 @@ impl Cluster {
                 self.iteration_gen[i as usize] += 1;
                 self.touch(i);
             }
+        }
+        if self.load_change_at[i as usize] <= now {
+            self.publish_load(now, i);
         }
     }
 
@@ -405,7 +401,6 @@ impl Cluster {
     /// Instance `i` publishes its load (the controller drops the charges it now shows) and its
     /// prefix cache's changes, as of `now` (a leap goes on).
     fn refresh_load(&mut self, now: Timestamp, i: u32) {
-        self.settle_engine(now, i, false);
         self.publish_load(now, i);
     }
 
@@ -422,7 +417,7 @@ impl Cluster {
     fn publish_load(&mut self, now: Timestamp, i: u32) {
         let engine = &mut self.engines[i as usize];
         self.load_change_at[i as usize] = engine.next_load_change(now).unwrap_or(Timestamp::MAX);
-        let load = engine.load_report();
+        let load = engine.load_report_at(now);
         let mut events = Vec::new();
         engine.drain_kv_events(&mut events);
         if !events.is_empty() {

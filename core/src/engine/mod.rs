@@ -306,6 +306,37 @@ struct LeapStep {
     end: Timestamp,
     /// Its plan takes KV blocks (some request's context sits on a block boundary).
     grows: bool,
+    /// What the engine reports once it is planned (the iteration before it completed).
+    load: LeapLoad,
+}
+
+/// The fields of a [`LoadReport`] that change inside a leap.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct LeapLoad {
+    gpu_used_blocks: u32,
+    answering_slo_ok: bool,
+    decode_context_tokens: u64,
+    decode_tokens_total: u64,
+    decode_latency_ns_total: u64,
+}
+
+impl LeapLoad {
+    fn of(r: &LoadReport) -> LeapLoad {
+        LeapLoad {
+            gpu_used_blocks: r.gpu_used_blocks,
+            answering_slo_ok: r.answering_slo_ok,
+            decode_context_tokens: r.decode_context_tokens,
+            decode_tokens_total: r.decode_tokens_total,
+            decode_latency_ns_total: r.decode_latency_ns_total,
+        }
+    }
+    fn apply(&self, r: &mut LoadReport) {
+        r.gpu_used_blocks = self.gpu_used_blocks;
+        r.answering_slo_ok = self.answering_slo_ok;
+        r.decode_context_tokens = self.decode_context_tokens;
+        r.decode_tokens_total = self.decode_tokens_total;
+        r.decode_latency_ns_total = self.decode_latency_ns_total;
+    }
 }
 
 /// What a driver must do after [`Engine::settle`] about the iteration end it queued for a leap.
@@ -345,6 +376,10 @@ pub struct Engine {
     /// When, inside the leap, the load this engine reports changes beyond its decode progress
     /// (a KV block taken, t_i flipped): the ends of those iterations, in order.
     leap_changes: Vec<Timestamp>,
+    /// What the engine reported when the leap was planned.
+    leap_base: LoadReport,
+    /// Iterations of the leap [`Engine::load_report_at`] last found completed (0: none asked).
+    leap_seen: usize,
     /// Scratch for [`Engine::plan_leap`]: the answering requests' pacers, run ahead, and the
     /// batch's requests by the iteration (mod the block size) after which each takes a block.
     leap_pacers: Vec<TokenPacer>,
@@ -400,6 +435,8 @@ impl Engine {
             leap: Vec::new(),
             leap_next: 0,
             leap_changes: Vec::new(),
+            leap_base: LoadReport::default(),
+            leap_seen: 0,
             leap_pacers: Vec::new(),
             leap_growth: Vec::new(),
             migrating_out: Vec::new(),
@@ -642,6 +679,7 @@ impl Engine {
         if cfg!(debug_assertions) {
             let planned = self.plan_iteration(end);
             assert_eq!(planned, Some(foreseen.end), "a leap's iteration ends where it was foreseen");
+            assert_eq!(LeapLoad::of(&self.load_report()), foreseen.load, "a leap's load is what was foreseen");
         } else {
             let grown = !foreseen.grows || self.grow_batch_in_place();
             assert!(grown, "a leap's blocks were counted against the free ones");
@@ -653,12 +691,12 @@ impl Engine {
         }
     }
 
-    /// Bring a leaping engine ([`Engine::plan_leap`]) to `now` before a driver reads it (`cut`
-    /// false) or changes it (`cut`): the leap's iterations that ended by then are completed
-    /// (they change nothing outside the engine), and for a change the leap is cut after the
-    /// iteration in flight. What the driver must do about the iteration end it queued for the
-    /// leap is the answer.
-    pub fn settle(&mut self, now: Timestamp, cut: bool) -> Settled {
+    /// Bring a leaping engine ([`Engine::plan_leap`]) to `now` before a driver changes it: the
+    /// leap's iterations that ended by then are completed (they change nothing a driver acts
+    /// on), and the leap is cut after the iteration in flight. What the driver must do about the
+    /// iteration end it queued for the leap is the answer. (To read its load,
+    /// [`Engine::load_report_at`] needs no settling.)
+    pub fn settle(&mut self, now: Timestamp) -> Settled {
         if self.leap.is_empty() {
             return Settled::Unchanged;
         }
@@ -669,7 +707,7 @@ impl Engine {
         debug_assert!(events.is_empty(), "a leap's iteration before its last produced {events:?}");
         match self.inflight {
             None => Settled::Replan,
-            Some(_) if self.leap.is_empty() || !cut => Settled::Unchanged,
+            Some(_) if self.leap.is_empty() => Settled::Unchanged,
             Some((_, end)) => {
                 self.end_leap();
                 Settled::Requeue(end)
@@ -682,9 +720,32 @@ impl Engine {
         !self.leap.is_empty()
     }
 
+    /// What [`Engine::load_report`] gives at `now` once every iteration that ended by then is
+    /// completed: inside a leap, without completing them (the engine stays as planned).
+    pub fn load_report_at(&mut self, now: Timestamp) -> LoadReport {
+        if self.leap.is_empty() {
+            return self.load_report();
+        }
+        debug_assert_eq!(self.leap_next, 0, "a leap completes nothing until it ends or is cut");
+        debug_assert_eq!(self.leap_base, self.load_report(), "a leaping engine is as it was planned");
+        let mut r = self.leap_base.clone();
+        if self.inflight.is_some_and(|(_, end)| end <= now) {
+            // Iterations completed by `now` (the leap's last one's end is an event of its own),
+            // counted on from the last call (time only moves on).
+            let last = self.leap.len() - 1;
+            let mut completed = self.leap_seen.max(1);
+            while completed <= last && self.leap[completed - 1].end <= now {
+                completed += 1;
+            }
+            self.leap_seen = completed;
+            self.leap[completed - 1].load.apply(&mut r);
+        }
+        r
+    }
+
     /// The first time after `after` at which, inside the leap under way, the load the engine
     /// reports changes beyond its decode progress counters (a driver publishing loads lazily
-    /// must [`Engine::settle`] and publish by then).
+    /// must publish [`Engine::load_report_at`] by then).
     pub fn next_load_change(&self, after: Timestamp) -> Option<Timestamp> {
         let i = self.leap_changes.partition_point(|&t| t <= after);
         self.leap_changes.get(i).copied()
@@ -694,6 +755,7 @@ impl Engine {
         self.leap.clear();
         self.leap_changes.clear();
         self.leap_next = 0;
+        self.leap_seen = 0;
     }
 
     /// Complete the iteration in flight (it has ended).
@@ -932,6 +994,9 @@ impl Engine {
         let mut steps = std::mem::take(&mut self.leap);
         let mut changes = std::mem::take(&mut self.leap_changes);
         let mut slo_ok = self.slo_ok;
+        self.leap_base = self.load_report();
+        let mut load = LeapLoad::of(&self.leap_base);
+        let mut start = self.inflight.map_or(now, |(s, _)| s);
         let mut t = end;
         for j in 1..k {
             // Iteration j completes at `t`: its answer tokens reach the pacers (t_i may flip),
@@ -955,14 +1020,22 @@ impl Engine {
                 changes.push(t);
             }
             slo_ok = !starving;
+            // What completing iteration j and planning the next do to the report.
+            load.gpu_used_blocks += blocks;
+            load.answering_slo_ok = slo_ok;
+            load.decode_context_tokens += u64::from(n);
+            load.decode_tokens_total += u64::from(n);
+            load.decode_latency_ns_total += u64::from(n) * (t - start).as_nanos();
+            start = t;
             t += d;
-            steps.push(LeapStep { end: t, grows: blocks > 0 });
+            steps.push(LeapStep { end: t, grows: blocks > 0, load });
         }
         self.leap_pacers = pacers;
         self.leap_growth = growth;
         self.leap = steps;
         self.leap_changes = changes;
         self.leap_next = 0;
+        self.leap_seen = 0;
         Some(t)
     }
 
