@@ -119,9 +119,7 @@ impl Controller {
     /// flips instances between [`Role::Prefill`] and [`Role::Decode`].
     pub fn use_arrow(&mut self, params: ArrowParams, profile: ArrowProfile) -> Result<(), ArrowError> {
         params.validate()?;
-        if !profile.prefill.is_finite() {
-            return Err(ArrowError::InvalidParam { field: "profile", problem: "not finite".into() });
-        }
+        check_profile(&profile)?;
         let next_pass = self.now + TimeSpan::from_secs_f64(params.interval_s);
         self.arrow = Some(ArrowDriver {
             params,
@@ -138,9 +136,7 @@ impl Controller {
     /// Give `instance` a profile of its own (an instance of another tensor-parallel degree than
     /// the rest), after [`Controller::use_arrow`]; the others keep the one given there.
     pub fn set_arrow_profile(&mut self, instance: InstanceId, profile: ArrowProfile) -> Result<(), ArrowError> {
-        if !profile.prefill.is_finite() {
-            return Err(ArrowError::InvalidParam { field: "profile", problem: "not finite".into() });
-        }
+        check_profile(&profile)?;
         let Some(a) = self.arrow.as_mut() else {
             return Err(ArrowError::InvalidParam { field: "profile", problem: "Arrow is not in use".into() });
         };
@@ -322,6 +318,15 @@ fn instance_load(l: &LoadReport, role: Role, profile: &ArrowProfile, itl_mean_s:
         max_tokens: profile.decode_max_tokens.min(kv_cap),
         itl_mean_s,
         profile: profile.prefill,
+    }
+}
+
+/// A profile Arrow can decide with: finite prefill-time coefficients.
+fn check_profile(profile: &ArrowProfile) -> Result<(), ArrowError> {
+    if profile.prefill.is_finite() {
+        Ok(())
+    } else {
+        Err(ArrowError::InvalidParam { field: "profile", problem: "not finite".into() })
     }
 }
 
