@@ -125,6 +125,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut cluster = Cluster::default();
     let served = (|| -> anyhow::Result<()> {
         let Started { metric_pages, logs, .. } = cluster::start(&spec, &rt, &mut cluster)?;
+        // Listening before "Ctrl-C to stop" is printed: a Ctrl-C right after it stops cleanly.
+        let stop = {
+            let _in_runtime = rt.enter();
+            crate::traces::StopSignal::listen()
+        };
         let model = &cfg.cluster.model;
         let base = format!("http://{listen}/v1");
         say!("");
@@ -164,7 +169,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         );
         say!("  logs      {}", logs.display());
         say!("Ctrl-C to stop.");
-        rt.block_on(crate::traces::stop_signal());
+        rt.block_on(stop.wait());
         say!("stopping: workers drain, then the coordinator, the trace sink and etcd");
         Ok(())
     })();

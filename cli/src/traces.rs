@@ -63,17 +63,38 @@ pub fn run(cmd: TracesCommand) -> anyhow::Result<()> {
 
 /// Completes on SIGINT or SIGTERM.
 pub(crate) async fn stop_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+    StopSignal::listen().wait().await;
+}
+
+/// SIGINT and SIGTERM, listened for from its creation on: one sent before [`StopSignal::wait`]
+/// is awaited is not lost, and no longer kills the process (create it, inside the runtime,
+/// before telling anyone to press Ctrl-C).
+pub(crate) struct StopSignal {
+    interrupt: Option<tokio::signal::unix::Signal>,
+    terminate: Option<tokio::signal::unix::Signal>,
+}
+
+impl StopSignal {
+    /// Start listening (needs a Tokio runtime context).
+    pub(crate) fn listen() -> StopSignal {
+        use tokio::signal::unix::{signal, SignalKind};
+        StopSignal { interrupt: signal(SignalKind::interrupt()).ok(), terminate: signal(SignalKind::terminate()).ok() }
+    }
+
+    /// Until either signal arrives.
+    pub(crate) async fn wait(self) {
+        async fn recv(s: Option<tokio::signal::unix::Signal>) {
+            match s {
+                Some(mut s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending().await,
             }
-            Err(_) => std::future::pending().await,
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = term => {}
+        tokio::select! {
+            () = recv(self.interrupt) => {}
+            () = recv(self.terminate) => {}
+        }
     }
 }
 

@@ -17,6 +17,12 @@
 //! iteration in flight plans its next iteration. This lets a request that arrives exactly when
 //! an iteration ends join the next one (PASCAL Fig. 2's timelines assume so). Ties within a
 //! slice are broken by insertion order, so a seed gives byte-identical results.
+//!
+//! An engine whose next iterations change nothing the controller acts on plans them as one
+//! event (a leap, [`Engine::plan_leap`]). Its load is then published from what it foresaw
+//! ([`Engine::load_report_at`]) before any decision that follows a change, and anything that
+//! changes it first settles it ([`Engine::settle`]: the leap is cut after the iteration in
+//! flight). `[simulator] leap_iterations = false` steps every iteration; the results are the same.
 
 use crate::migration::{Engines, LiveMigration, LiveMigrationSpec};
 use kvfleet_control::arrow::ArrowParams;
@@ -184,7 +190,8 @@ pub struct Cluster {
     load_change_at: Vec<Timestamp>,
 }
 
-/// Iterations an engine may plan in a row by default: a leap ends at the next KV block anyway.
+/// Most iterations one leap may hold: bounds its forecast (a leap ends sooner at a finish,
+/// `</think>`, a priority change such as the end of a quantum, or a lack of free blocks).
 pub const LEAP_MAX: u32 = 1 << 12;
 
 impl Cluster {

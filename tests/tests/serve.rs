@@ -49,3 +49,19 @@ fn serve_keeps_an_openai_endpoint_up_until_ctrl_c_and_leaves_no_process() {
         assert!(!kvfleet_tests::process_alive(pid), "process left behind: {line}");
     }
 }
+
+/// A Ctrl-C the moment `kvfleet serve` says "Ctrl-C to stop" stops it cleanly: it listens for the
+/// signal before saying so (it used to die of the signal in that window).
+#[test]
+fn ctrl_c_right_after_the_prompt_stops_cleanly() {
+    for round in 0..3 {
+        let tmp = TempDir::new("serve-ctrl-c");
+        let serve = Serve::start(
+            &tmp.join("out"),
+            &["--workers", "1", "--kv-memory", "64MiB", "--cpu-memory", "64MiB", "--kv-fill", "stamp", "--no-traces"],
+            &[],
+        );
+        let (status, err) = serve.stop();
+        assert!(status.success(), "round {round}: kvfleet serve exited with {status}:\n{err}");
+    }
+}

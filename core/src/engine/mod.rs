@@ -715,11 +715,6 @@ impl Engine {
         }
     }
 
-    /// Whether iterations are planned beyond the one in flight ([`Engine::plan_leap`]).
-    pub fn is_leaping(&self) -> bool {
-        !self.leap.is_empty()
-    }
-
     /// What [`Engine::load_report`] gives at `now` once every iteration that ended by then is
     /// completed: inside a leap, without completing them (the engine stays as planned).
     pub fn load_report_at(&mut self, now: Timestamp) -> LoadReport {
@@ -963,8 +958,9 @@ impl Engine {
     /// request, reaches or follows `</think>`, nor changes a priority (the scheduler's
     /// [`IntraScheduler::quiet_tokens`]), and the blocks the next plans take are free. What the
     /// engine reports still changes inside a leap: its decode progress after every iteration,
-    /// its blocks and t_i at the times [`Engine::next_load_change`] names. A driver that reads
-    /// or changes the engine before the leap's end calls [`Engine::settle`] first.
+    /// its blocks and t_i at the times [`Engine::next_load_change`] names, and
+    /// [`Engine::load_report_at`] tells it at any time. A driver that changes the engine before
+    /// the leap's end calls [`Engine::settle`] first.
     pub fn plan_leap(&mut self, now: Timestamp, max: u32) -> Option<Timestamp> {
         if self.inflight.is_some() {
             return self.leap.last().map(|l| l.end).or(self.next_wake());
