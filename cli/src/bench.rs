@@ -194,7 +194,11 @@ fn bench_sim_at(b: &SimBench, rate: f64) -> anyhow::Result<kvfleet_core::metrics
     let tokens: u64 = r.instances.iter().map(|s| s.tokens).sum();
     let full_plans: u64 = r.instances.iter().map(|s| s.full_plans).sum();
     crate::say!("  events             {:>12} (every iteration end and every other event)", r.events);
-    crate::say!("  engine iterations  {:>12} ({:.1} % re-planned in full)", iterations, 100.0 * full_plans as f64 / iterations.max(1) as f64);
+    crate::say!(
+        "  engine iterations  {:>12} ({:.1} % re-planned in full)",
+        iterations,
+        100.0 * full_plans as f64 / iterations.max(1) as f64
+    );
     crate::say!("  tokens generated   {:>12}", tokens);
     if b.arrow {
         crate::say!("  role flips         {:>12}", r.role_changes.len());
@@ -212,9 +216,7 @@ fn bench_sim_at(b: &SimBench, rate: f64) -> anyhow::Result<kvfleet_core::metrics
     row("tokens / s (M)", &|_, w| format!("{:.1}", tokens as f64 / w / 1e6));
     row("speed-up vs real time", &|r, w| format!("{:.0}x", r.span_s / w));
     if let [(_, leaping, leap_wall), (_, stepping, step_wall)] = &runs[..] {
-        let same = serde_json::to_string(leaping)? == serde_json::to_string(stepping)?
-            && leaping.instances == stepping.instances
-            && format!("{:?}", leaping.migrations) == format!("{:?}", stepping.migrations);
+        let same = leaping.same_outcome(stepping);
         crate::say!(
             "  leaping / stepping: {:.2}x faster ({:.1} events per event handled); results {}",
             step_wall / leap_wall,

@@ -416,7 +416,11 @@ pub(crate) mod fixtures {
             timing: "analytic".to_string(),
             seed: 42,
         };
-        RunResult::new(id, records, migrations, &SloTargets::default(), 42.0).with_engine_counters(Vec::new(), 1234, 1234)
+        RunResult::new(id, records, migrations, &SloTargets::default(), 42.0).with_engine_counters(
+            Vec::new(),
+            1234,
+            1234,
+        )
     }
 
     pub fn migrations(n: u64) -> Vec<MigrationRecord> {

@@ -304,6 +304,15 @@ impl Cluster {
         }
     }
 
+    /// [`Cluster::settle`] both ends of live migration `key` before it acts on them; false when
+    /// it is over.
+    fn settle_ends(&mut self, now: Timestamp, key: u64) -> bool {
+        let Some((from, to)) = self.migrations.get(&key).map(|f| (f.m.from(), f.m.to())) else { return false };
+        self.settle(now, from.0);
+        self.settle(now, to.0);
+        true
+    }
+
     /// Most iterations instance `i` may plan in a row now. A leaping instance publishes its load
     /// only before decisions (and when its load changed since): its decode progress goes
     /// unpublished in between, and a charge would clear later. So no leap while the controller
@@ -576,12 +585,10 @@ impl Cluster {
                                 continue;
                             }
                             let Some(key) = self.transfer_owner.remove(&id) else { continue };
-                            let Some((from, to)) = self.migrations.get(&key).map(|f| (f.m.from(), f.m.to())) else {
+                            if !self.settle_ends(now, key) {
                                 continue;
-                            };
-                            self.settle(now, from.0);
-                            self.settle(now, to.0);
-                            let f = self.migrations.get_mut(&key).expect("looked up above");
+                            }
+                            let f = self.migrations.get_mut(&key).expect("settled above");
                             let engines =
                                 Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
                             f.m.on_transfer_complete(now, id, engines, &mut self.fabric);
@@ -596,10 +603,8 @@ impl Cluster {
                         self.follow_decisions(now);
                     }
                     Event::MigrationTimeout(key) => {
-                        if let Some((from, to)) = self.migrations.get(&key).map(|f| (f.m.from(), f.m.to())) {
-                            self.settle(now, from.0);
-                            self.settle(now, to.0);
-                            let f = self.migrations.get_mut(&key).expect("looked up above");
+                        if self.settle_ends(now, key) {
+                            let f = self.migrations.get_mut(&key).expect("settled above");
                             f.armed = None;
                             let engines =
                                 Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
@@ -814,8 +819,7 @@ impl Cluster {
     fn on_source_iteration_end(&mut self, now: Timestamp, i: u32) {
         let keys: Vec<u64> = self.migrations.iter().filter(|(_, f)| f.m.from().0 == i).map(|(&k, _)| k).collect();
         for key in keys {
-            let to = self.migrations[&key].m.to().0;
-            self.settle(now, to);
+            self.settle_ends(now, key);
             let f = self.migrations.get_mut(&key).expect("listed above");
             let engines = Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
             f.m.on_source_iteration_end(now, engines, &mut self.fabric);

@@ -13,9 +13,6 @@ mod scrape;
 
 use crate::experiment::{Plan, PlanArgs, Progress, Replayed};
 use crate::{report, say, InputError};
-
-/// Timer lateness (p50, seconds) past which `kvfleet up` says a worker ran behind its model.
-const LATE_NOTE_S: f64 = 0.05;
 use anyhow::bail;
 use clap::Args;
 use cluster::{Cluster, ClusterSpec, Started};
@@ -29,6 +26,9 @@ use std::time::{Duration, Instant};
 
 /// The embedded default: a small PASCAL cluster that finishes in about a minute on a laptop.
 pub const DEFAULT_CONFIG: &str = include_str!("default-up.toml");
+
+/// Timer lateness (p50, seconds) past which `kvfleet up` says a worker ran behind its model.
+const LATE_NOTE_S: f64 = 0.05;
 
 #[derive(Args)]
 pub struct UpArgs {

@@ -1054,7 +1054,8 @@ impl Engine {
             if reasoning > 0 && g <= reasoning {
                 quiet = quiet.min((reasoning - g).saturating_sub(1));
             }
-            let phase = if g + 1 > reasoning { Phase::Answering } else { Phase::Reasoning };
+            // The next token is produced in the phase the request is in.
+            let phase = r.phase();
             let progress = TokenProgress { context_tokens: c + 1, generated_tokens: g + 1 };
             quiet = quiet.min(self.sched.quiet_tokens(&r.sched, phase, progress));
             k = k.min(quiet.saturating_add(1));

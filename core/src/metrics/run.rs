@@ -102,6 +102,17 @@ pub struct RoleChange {
 }
 
 impl RunResult {
+    /// Whether `other` computed the same run: equal serialized results (records, summary, …),
+    /// migrations and engine counters. What the simulator does not compute (its wall-clock
+    /// decision times, events taken off its queue) may differ.
+    pub fn same_outcome(&self, other: &RunResult) -> bool {
+        let json = |r: &RunResult| serde_json::to_string(r).ok();
+        json(self).is_some()
+            && json(self) == json(other)
+            && self.migrations == other.migrations
+            && self.instances == other.instances
+    }
+
     /// A run's result from its records: the summary against `slo`, the tail bins and the
     /// migration statistics are derived here, the same way for every backend.
     pub fn new(
