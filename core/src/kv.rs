@@ -302,6 +302,18 @@ pub struct KvBlockManager {
     prefix_stats: PrefixStats,
     /// Cache changes since the last `drain_events`, when enabled.
     events: Option<Vec<KvEvent>>,
+    /// Blocks lent out ([`KvBlockManager::lend`]), by tier and block.
+    lent: HashMap<(Tier, u32), Loan>,
+}
+
+/// One lent block: how many loans are out, and what its holders did meanwhile.
+#[derive(Clone, Copy, Debug)]
+struct Loan {
+    count: u32,
+    /// A cached GPU block: each loan counts as one more holder of it.
+    hashed: bool,
+    /// A private block whose table let go of it while lent: it is free once the last loan returns.
+    released: bool,
 }
 
 /// Blocks needed to hold `tokens` tokens in blocks of `block_size` tokens (0 when `block_size`
@@ -328,6 +340,7 @@ impl KvBlockManager {
             cpu_cache: None,
             events: None,
             prefix_stats: PrefixStats::default(),
+            lent: HashMap::new(),
         }
     }
 
@@ -518,11 +531,72 @@ impl KvBlockManager {
                     }
                 }
                 private.reverse();
-                self.gpu.give_back(&private);
+                self.give_back_private(Tier::Gpu, &private);
             }
             // CPU tables are private (the CPU tier's cached blocks are never held).
-            _ => self.pool_mut(tier).give_back(blocks),
+            _ => self.give_back_private(tier, blocks),
         }
+    }
+
+    /// Private blocks a table let go of return to the free stack, except lent ones: those wait
+    /// for their last loan ([`KvBlockManager::end_loan`]).
+    fn give_back_private(&mut self, tier: Tier, blocks: &[u32]) {
+        if self.lent.is_empty() {
+            return self.pool_mut(tier).give_back(blocks);
+        }
+        let lent = &mut self.lent;
+        let free: Vec<u32> = blocks
+            .iter()
+            .copied()
+            .filter(|&b| match lent.get_mut(&(tier, b)) {
+                Some(loan) => {
+                    loan.released = true;
+                    false
+                }
+                None => true,
+            })
+            .collect();
+        self.pool_mut(tier).give_back(&free);
+    }
+
+    /// Lend `block` of `tier` out (a worker's transport sending its bytes in place): until the
+    /// loan ends ([`KvBlockManager::end_loan`]) no allocation takes it, whatever its holders do.
+    /// A cached GPU block counts the loan as one more holder (a free cached one leaves the LRU
+    /// meanwhile); a private block must be held by a table when lent, and one let go of while
+    /// lent is free only when its last loan ends. The simulator never lends.
+    pub fn lend(&mut self, tier: Tier, block: u32) {
+        let hashed = match (tier, self.cache.as_deref_mut()) {
+            (Tier::Gpu, Some(cache)) if cache.hash_of.contains_key(&block) => {
+                if cache.lru_key.contains_key(&block) {
+                    cache.unlink(block);
+                }
+                *cache.refs.entry(block).or_insert(0) += 1;
+                true
+            }
+            _ => false,
+        };
+        self.lent.entry((tier, block)).or_insert(Loan { count: 0, hashed, released: false }).count += 1;
+    }
+
+    /// A loan of [`KvBlockManager::lend`] came back; `false` if `block` was not lent.
+    pub fn end_loan(&mut self, tier: Tier, block: u32) -> bool {
+        let Some(loan) = self.lent.get_mut(&(tier, block)) else { return false };
+        loan.count -= 1;
+        let loan = *loan;
+        if loan.count == 0 {
+            self.lent.remove(&(tier, block));
+        }
+        if loan.hashed {
+            self.cache.as_mut().expect("a hashed loan is of a cached GPU block").release(block);
+        } else if loan.count == 0 && loan.released {
+            self.pool_mut(tier).give_back(&[block]);
+        }
+        true
+    }
+
+    /// Loans out now (each [`KvBlockManager::lend`] not yet ended).
+    pub fn loans(&self) -> u32 {
+        self.lent.values().map(|l| l.count).sum()
     }
 
     /// Give `request` blocks for `tokens` tokens on `tier`. All-or-nothing.
@@ -837,6 +911,19 @@ impl KvBlockManager {
                     }
                 }
             }
+            // A loan holds its block as a table would: a cached block counts it among its
+            // holders, a private one is held by its table or, let go of, by the loan alone.
+            for (&(_, b), loan) in self.lent.iter().filter(|((t, _), _)| *t == tier) {
+                let slot = state.get_mut(b as usize).ok_or(format!("{tier:?} lent block {b} out of range"))?;
+                match (loan.hashed, loan.released, *slot) {
+                    (true, _, Some(0)) => return Err(format!("{tier:?} lent cached block {b} is free")),
+                    (true, _, held) => *slot = Some(held.unwrap_or(0) + loan.count),
+                    (false, false, Some(1)) | (false, true, None) => *slot = Some(1),
+                    (false, released, held) => {
+                        return Err(format!("{tier:?} lent private block {b} (let go of: {released}) is {held:?}"))
+                    }
+                }
+            }
             for (b, s) in state.iter().enumerate() {
                 let b = b as u32;
                 let refs = cache.refs.get(&b).copied().unwrap_or(0);
@@ -1107,6 +1194,12 @@ mod tests {
         Grow(u8, u16),
         Move(u8),
         Free(u8),
+        /// Lend logical block `k` (modulo its length) of a request's table.
+        Lend(u8, u8),
+        /// Lend free cached GPU block `k` (modulo their number; a prefix fetch's holder).
+        LendCached(u8),
+        /// End loan `i` (modulo the loans out).
+        EndLoan(u8),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -1116,6 +1209,9 @@ mod tests {
             (0u8..8, 0u16..200).prop_map(|(r, t)| Op::Grow(r, t)),
             (0u8..8).prop_map(Op::Move),
             (0u8..8).prop_map(Op::Free),
+            (0u8..8, any::<u8>()).prop_map(|(r, k)| Op::Lend(r, k)),
+            any::<u8>().prop_map(Op::LendCached),
+            any::<u8>().prop_map(Op::EndLoan),
         ]
     }
 
@@ -1129,8 +1225,36 @@ mod tests {
             // What the events say is cached, replayed as a precise index would.
             let mut seen: std::collections::HashSet<(Tier, BlockHash)> = Default::default();
             let mut events = Vec::new();
+            // Loans out: (tier, block, the request that lent it, its content hash if cached).
+            let mut loans: Vec<(Tier, u32, RequestId, Option<BlockHash>)> = Vec::new();
             for op in ops {
                 let _ = match op {
+                    Op::Lend(r, k) => {
+                        let id = RequestId(r as u64);
+                        if let Some(t) = kv.table(id).filter(|t| !t.blocks.is_empty()) {
+                            let (tier, block) = (t.tier, t.blocks[k as usize % t.blocks.len()]);
+                            let hash = kv.cache_of(tier).and_then(|c| c.hash_of.get(&block).copied()).filter(|_| tier == Tier::Gpu);
+                            kv.lend(tier, block);
+                            loans.push((tier, block, id, hash));
+                        }
+                        Ok(0)
+                    }
+                    Op::LendCached(k) => {
+                        let free_cached: Vec<u32> = kv.cache_of(Tier::Gpu).map(|c| c.lru.values().copied().collect()).unwrap_or_default();
+                        if !free_cached.is_empty() {
+                            let block = free_cached[k as usize % free_cached.len()];
+                            let hash = kv.cache_of(Tier::Gpu).and_then(|c| c.hash_of.get(&block).copied());
+                            kv.lend(Tier::Gpu, block);
+                            loans.push((Tier::Gpu, block, RequestId(u64::MAX), hash));
+                        }
+                        Ok(0)
+                    }
+                    Op::EndLoan(i) if !loans.is_empty() => {
+                        let (tier, block, _, _) = loans.swap_remove(i as usize % loans.len());
+                        prop_assert!(kv.end_loan(tier, block));
+                        Ok(0)
+                    }
+                    Op::EndLoan(_) => Ok(0),
                     Op::Alloc(r, g, t) => kv.allocate(RequestId(r as u64), if g { Tier::Gpu } else { Tier::Cpu }, t as u32).map(|_| 0),
                     Op::Prefixed(r, k, last, t) => {
                         // Prompts under 512 tokens: their first content id decides what they share.
@@ -1150,6 +1274,18 @@ mod tests {
                 prop_assert!(kv.used(Tier::Gpu) <= kv.capacity(Tier::Gpu));
                 prop_assert!(kv.used(Tier::Cpu) <= kv.capacity(Tier::Cpu));
                 if let Err(e) = kv.check_invariants() { prop_assert!(false, "{}", e); }
+                prop_assert_eq!(kv.loans() as usize, loans.len());
+                // A lent block is never taken by anyone else: a private one stays with the
+                // request that lent it (or with nobody), a cached one keeps its content.
+                for &(tier, block, lender, hash) in &loans {
+                    match hash {
+                        Some(h) => prop_assert_eq!(kv.cache_of(tier).and_then(|c| c.by_hash.get(&h)), Some(&block)),
+                        None => {
+                            let other = kv.tables.iter().find(|(id, t)| **id != lender && t.tier == tier && t.blocks.contains(&block));
+                            prop_assert!(other.is_none(), "lent {:?} block {} taken by {:?}", tier, block, other.map(|o| *o.0));
+                        }
+                    }
+                }
                 kv.drain_events(&mut events);
                 for e in events.drain(..) {
                     match e {
@@ -1163,6 +1299,16 @@ mod tests {
                     .flat_map(|t| kv.cache_of(t).into_iter().flat_map(move |c| c.by_hash.keys().map(move |&h| (t, h))))
                     .collect();
                 prop_assert_eq!(&seen, &actual);
+            }
+            // Every loan ended: nothing held but by tables.
+            for (tier, block, _, _) in loans.drain(..) {
+                prop_assert!(kv.end_loan(tier, block));
+            }
+            if let Err(e) = kv.check_invariants() { prop_assert!(false, "{}", e); }
+            prop_assert!(!kv.end_loan(Tier::Gpu, 0), "no loan is out");
+            for tier in [Tier::Gpu, Tier::Cpu] {
+                let held: std::collections::HashSet<u32> = kv.tables.values().filter(|t| t.tier == tier).flat_map(|t| t.blocks.iter().copied()).collect();
+                prop_assert_eq!(kv.used(tier) as usize, held.len(), "{:?}", tier);
             }
         }
     }

@@ -22,6 +22,7 @@ use kvfleet_core::kv::{BlockHash, KvMove, Tier};
 use kvfleet_core::RequestId;
 use kvfleet_netmodel::Payload;
 use memmap2::{MmapMut, MmapOptions};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Bytes of a token slot written in [`KvFill::Stamp`] mode (one cache line).
@@ -134,6 +135,15 @@ pub enum ArenaError {
         got: u64,
         /// Bytes per block in this arena.
         want: u64,
+    },
+    /// A block lent to a reader outside the engine (a migration sending it) cannot be written
+    /// until its lease ends.
+    #[error("{tier:?} block {block} is leased to a transfer in flight")]
+    Leased {
+        /// The pool.
+        tier: Tier,
+        /// The block.
+        block: u32,
     },
     /// Verification found a byte that is not the token's deterministic content.
     #[error(transparent)]
@@ -298,8 +308,66 @@ fn byte_difference(have: &[u8], want: &[u8], at: usize) -> Option<(u64, u8, u8)>
 
 /// One pool's memory (`None` for an empty pool: mmap refuses zero lengths on some systems).
 struct Pool {
-    map: Option<MmapMut>,
+    map: Option<Arc<Mapping>>,
     blocks: u32,
+}
+
+/// A pool's mapping, shared with the leases on its blocks ([`KvArena::lease`]).
+///
+/// Access goes through `base`, never through a reference to the whole map, so that the engine
+/// thread's `&mut` to one block and a transport thread's `&` to another never overlap. A block is
+/// written only through `&mut KvArena` and only while no lease on it is out (its count, read
+/// with `Acquire`, is 0): leases are created only through the arena, so none can appear during
+/// the write, and a lease's reads happen before its `Release` decrement.
+struct Mapping {
+    /// Keeps the memory mapped; read and written only through `base`.
+    _map: MmapMut,
+    base: *mut u8,
+    block_bytes: usize,
+    /// Leases out per block.
+    leases: Box<[AtomicU32]>,
+}
+
+// SAFETY: `base` points into `_map`, which lives as long as the `Mapping`; the rules above keep
+// every write exclusive of every other access to the same block.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Block `block`'s bytes as a pointer (in range: checked by the caller).
+    fn block_ptr(&self, block: u32) -> *mut u8 {
+        debug_assert!((block as usize) < self.leases.len());
+        // SAFETY: block < blocks, so the offset is inside the mapping.
+        unsafe { self.base.add(block as usize * self.block_bytes) }
+    }
+    fn is_leased(&self, block: u32) -> bool {
+        self.leases[block as usize].load(Ordering::Acquire) != 0
+    }
+}
+
+/// A block lent to a reader outside the engine thread (a migration's transport); handed out as
+/// [`Bytes`] that read the arena in place. Dropping the last clone ends the lease: the block may
+/// be written again, and the engine learns it through [`KvArena::returned_leases`].
+struct BlockLease {
+    map: Arc<Mapping>,
+    tier: Tier,
+    block: u32,
+    returned: Arc<Mutex<Vec<(Tier, u32)>>>,
+}
+
+impl AsRef<[u8]> for BlockLease {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the block is in range (checked when leased) and is not written while leased.
+        unsafe { std::slice::from_raw_parts(self.map.block_ptr(self.block), self.map.block_bytes) }
+    }
+}
+
+impl Drop for BlockLease {
+    fn drop(&mut self) {
+        self.map.leases[self.block as usize].fetch_sub(1, Ordering::Release);
+        self.returned.lock().unwrap_or_else(|e| e.into_inner()).push((self.tier, self.block));
+    }
 }
 
 /// The two pools of one worker.
@@ -310,63 +378,8 @@ pub struct KvArena {
     cpu: Pool,
     /// Bytes written per token slot (`kv_bytes_per_token`, or the stamp).
     written_per_token: usize,
-    /// Buffers of blocks copied out, back from the transport for the next copy.
-    copies: Recycled,
-}
-
-/// Copies of blocks handed out of the arena (a live migration's source: the transport holds a
-/// block until the peer has it) land in recycled buffers. A fresh allocation of a block's size is
-/// a fresh mapping whose pages the kernel zeroes on first touch: measured, as much CPU as the
-/// copy itself on the source of a migration.
-#[derive(Clone)]
-struct Recycled {
-    free: Arc<Mutex<Vec<Vec<u8>>>>,
-    /// How many it keeps ([`KvArena::keep_copies`]); more in flight are freed when they come back.
-    keep: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl Default for Recycled {
-    fn default() -> Recycled {
-        Recycled { free: Arc::default(), keep: Arc::new(RECYCLED_BUFFERS.into()) }
-    }
-}
-
-/// Buffers [`Recycled`] keeps by default: four data streams with two blocks read ahead each and
-/// as many in the transport ([`RECYCLED_PER_STREAM`] each).
-const RECYCLED_BUFFERS: usize = 4 * RECYCLED_PER_STREAM;
-
-/// Buffers one migration data stream keeps in flight: its read-ahead and as many in the transport.
-pub const RECYCLED_PER_STREAM: usize = 4;
-
-/// A block's copy; its buffer goes back to the pool when the last [`Bytes`] of it drops.
-struct RecycledBuf {
-    buf: Vec<u8>,
-    home: Recycled,
-}
-
-impl AsRef<[u8]> for RecycledBuf {
-    fn as_ref(&self) -> &[u8] {
-        &self.buf
-    }
-}
-
-impl Drop for RecycledBuf {
-    fn drop(&mut self) {
-        let mut free = self.home.free.lock().unwrap_or_else(|e| e.into_inner());
-        if free.len() < self.home.keep.load(std::sync::atomic::Ordering::Relaxed) {
-            free.push(std::mem::take(&mut self.buf));
-        }
-    }
-}
-
-impl Recycled {
-    fn copy(&self, src: &[u8]) -> Bytes {
-        let reused = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        let mut buf = reused.unwrap_or_default();
-        buf.clear();
-        buf.extend_from_slice(src);
-        Bytes::from_owner(RecycledBuf { buf, home: self.clone() })
-    }
+    /// Blocks whose lease ended since [`KvArena::returned_leases`] last asked.
+    returned: Arc<Mutex<Vec<(Tier, u32)>>>,
 }
 
 impl std::fmt::Debug for KvArena {
@@ -396,8 +409,11 @@ impl KvArena {
             if prefault {
                 opts.populate();
             }
-            let map = opts.map_anon().map_err(|cause| ArenaError::Map { tier, bytes, cause })?;
-            Ok(Pool { map: Some(map), blocks })
+            let mut map = opts.map_anon().map_err(|cause| ArenaError::Map { tier, bytes, cause })?;
+            let base = map.as_mut_ptr();
+            let leases = (0..blocks).map(|_| AtomicU32::new(0)).collect();
+            let block_bytes = layout.block_bytes() as usize;
+            Ok(Pool { map: Some(Arc::new(Mapping { _map: map, base, block_bytes, leases })), blocks })
         };
         let gpu = map(Tier::Gpu)?;
         let cpu = map(Tier::Cpu)?;
@@ -405,7 +421,7 @@ impl KvArena {
             KvFill::Full => layout.kv_bytes_per_token as usize,
             KvFill::Stamp => STAMP_BYTES.min(layout.kv_bytes_per_token as usize),
         };
-        Ok(KvArena { layout, fill, gpu, cpu, written_per_token, copies: Recycled::default() })
+        Ok(KvArena { layout, fill, gpu, cpu, written_per_token, returned: Arc::default() })
     }
 
     /// Shape of the two pools.
@@ -436,29 +452,32 @@ impl KvArena {
         Ok(())
     }
 
-    /// Byte range of a block within its pool (block checked by the caller).
-    fn block_range(&self, block: u32) -> std::ops::Range<usize> {
-        let bb = self.layout.block_bytes() as usize;
-        let start = block as usize * bb;
-        start..start + bb
+    /// A block's mapping, checked in range.
+    fn mapping(&self, tier: Tier, block: u32) -> Result<&Arc<Mapping>, ArenaError> {
+        self.check_block(tier, block)?;
+        self.pool(tier).map.as_ref().ok_or(ArenaError::BlockOutOfRange { tier, block, blocks: 0 })
     }
 
     fn block_bytes_of(&self, tier: Tier, block: u32) -> Result<&[u8], ArenaError> {
-        self.check_block(tier, block)?;
-        let range = self.block_range(block);
-        let map = self.pool(tier).map.as_ref().ok_or(ArenaError::BlockOutOfRange { tier, block, blocks: 0 })?;
-        Ok(&map[range])
+        let map = self.mapping(tier, block)?;
+        // SAFETY: in range; no `&mut` to it can exist while `self` is borrowed shared.
+        Ok(unsafe { std::slice::from_raw_parts(map.block_ptr(block), map.block_bytes) })
     }
 
+    /// A block to write: refused while a lease on it is out.
     fn block_bytes_mut(&mut self, tier: Tier, block: u32) -> Result<&mut [u8], ArenaError> {
-        self.check_block(tier, block)?;
-        let range = self.block_range(block);
-        let pool = match tier {
-            Tier::Gpu => &mut self.gpu,
-            Tier::Cpu => &mut self.cpu,
-        };
-        let map = pool.map.as_mut().ok_or(ArenaError::BlockOutOfRange { tier, block, blocks: 0 })?;
-        Ok(&mut map[range])
+        let ptr = self.writable(tier, block)?;
+        // SAFETY: in range, unleased (see `Mapping`), and `self` is borrowed exclusively.
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, self.layout.block_bytes() as usize) })
+    }
+
+    /// A block's pointer for writing, once checked in range and unleased.
+    fn writable(&self, tier: Tier, block: u32) -> Result<*mut u8, ArenaError> {
+        let map = self.mapping(tier, block)?;
+        if map.is_leased(block) {
+            return Err(ArenaError::Leased { tier, block });
+        }
+        Ok(map.block_ptr(block))
     }
 
     /// Write the KV of token `token` (its absolute position in the request's context) into its
@@ -555,18 +574,29 @@ impl KvArena {
         self.block_bytes_of(tier, block)
     }
 
-    /// Keep up to `buffers` returned block copies for reuse (a migration's data streams times
-    /// [`RECYCLED_PER_STREAM`]); the default suits four streams.
-    pub fn keep_copies(&self, buffers: usize) {
-        self.copies.keep.store(buffers.max(1), std::sync::atomic::Ordering::Relaxed);
-        let mut free = self.copies.free.lock().unwrap_or_else(|e| e.into_inner());
-        free.truncate(buffers.max(1));
+    /// Lend one block to a reader outside the engine thread (a live migration's transport): the
+    /// [`Bytes`] read the arena in place, and until the last clone drops the block cannot be
+    /// written ([`ArenaError::Leased`]). The engine must also keep the block from being reused
+    /// meanwhile (`KvBlockManager::lend`); [`KvArena::returned_leases`] says when to stop.
+    pub fn lease(&self, tier: Tier, block: u32) -> Result<Bytes, ArenaError> {
+        let map = self.mapping(tier, block)?;
+        map.leases[block as usize].fetch_add(1, Ordering::Relaxed);
+        Ok(Bytes::from_owner(BlockLease { map: map.clone(), tier, block, returned: self.returned.clone() }))
     }
 
-    /// A copy of one block that outlives this borrow (a live migration's source hands whole
-    /// blocks to the transport), in a recycled buffer.
+    /// Blocks whose leases ended since the last call (one entry per lease).
+    pub fn returned_leases(&self) -> Vec<(Tier, u32)> {
+        let mut returned = self.returned.lock().unwrap_or_else(|e| e.into_inner());
+        if returned.is_empty() {
+            return Vec::new();
+        }
+        std::mem::take(&mut *returned)
+    }
+
+    /// A copy of one block that outlives this borrow (a block still being written, e.g. the
+    /// partial last block of a request that may resume here).
     pub fn copy_out(&self, tier: Tier, block: u32) -> Result<Bytes, ArenaError> {
-        Ok(self.copies.copy(self.block_bytes_of(tier, block)?))
+        Ok(Bytes::copy_from_slice(self.block_bytes_of(tier, block)?))
     }
 
     /// Overwrite one block with `data` (a live migration's target landing a received block, from
@@ -586,39 +616,31 @@ impl KvArena {
         if m.from.len() != m.to.len() {
             return Err(ArenaError::MoveShape { request: m.request, from: m.from.len(), to: m.to.len() });
         }
+        // Every source in range and every destination writable before anything is copied.
+        let mut pairs = Vec::with_capacity(m.from.len());
         for (&f, &t) in m.from.iter().zip(&m.to) {
-            self.check_block(m.from_tier, f)?;
-            self.check_block(m.to_tier, t)?;
+            let src = self.mapping(m.from_tier, f)?.block_ptr(f);
+            pairs.push((src, self.writable(m.to_tier, t)?));
         }
         let per_token = self.layout.kv_bytes_per_token as usize;
         let n = self.written_per_token;
         let bs = self.layout.block_size as usize;
-        for (&f, &t) in m.from.iter().zip(&m.to) {
-            let (src_range, dst_range) = (self.block_range(f), self.block_range(t));
-            if m.from_tier == m.to_tier {
-                let map = match m.from_tier {
-                    Tier::Gpu => &mut self.gpu,
-                    Tier::Cpu => &mut self.cpu,
-                }
-                .map
-                .as_mut()
-                .ok_or(ArenaError::BlockOutOfRange { tier: m.from_tier, block: f, blocks: 0 })?;
-                map.copy_within(src_range, dst_range.start);
+        let block_bytes = self.layout.block_bytes() as usize;
+        for (src, dst) in pairs {
+            if src == dst {
                 continue;
             }
-            let (src, dst) = match m.from_tier {
-                Tier::Gpu => (&self.gpu, &mut self.cpu),
-                Tier::Cpu => (&self.cpu, &mut self.gpu),
+            // SAFETY: both blocks are in range and distinct (blocks never overlap); the
+            // destination is unleased and `self` is borrowed exclusively, so nothing else reads
+            // or writes it; the source is at most read by leases.
+            let (src, dst) = unsafe {
+                (std::slice::from_raw_parts(src, block_bytes), std::slice::from_raw_parts_mut(dst, block_bytes))
             };
-            let (Some(src), Some(dst)) = (src.map.as_ref(), dst.map.as_mut()) else {
-                return Err(ArenaError::BlockOutOfRange { tier: m.to_tier, block: t, blocks: 0 });
-            };
-            let (src, dst) = (&src[src_range], &mut dst[dst_range]);
-            match self.fill {
-                KvFill::Full => dst.copy_from_slice(src),
+            match (self.fill, m.from_tier == m.to_tier) {
+                (KvFill::Full, _) | (KvFill::Stamp, true) => dst.copy_from_slice(src),
                 // Copy only what was written: touching the rest would fault in pages the stamp
                 // mode exists to leave untouched.
-                KvFill::Stamp => {
+                (KvFill::Stamp, false) => {
                     for slot in 0..bs {
                         let at = slot * per_token;
                         dst[at..at + n].copy_from_slice(&src[at..at + n]);
@@ -720,8 +742,7 @@ mod tests {
         let mut a = small(KvFill::Full);
         write_block(&mut a, Tier::Cpu, 1, RequestId(3), 4, 4);
         // Token 6 sits in slot 2; flip its byte 70 (inside the partial last chunk).
-        let at = a.block_range(1).start + 2 * 72 + 70;
-        a.cpu.map.as_mut().unwrap()[at] ^= 0x10;
+        a.block_bytes_mut(Tier::Cpu, 1).unwrap()[2 * 72 + 70] ^= 0x10;
         match a.verify_block(Tier::Cpu, 1, RequestId(3), 4, 4) {
             Err(ArenaError::Mismatch(m)) => {
                 assert_eq!((m.tier, m.block, m.token, m.slot, m.byte), (Tier::Cpu, 1, 6, 2, 70));
@@ -754,29 +775,58 @@ mod tests {
         assert_eq!(&f.block_bytes_of(Tier::Gpu, 0).unwrap()[..STAMP_BYTES], &bytes[..STAMP_BYTES]);
     }
 
-    /// A block copied out is the block; once its copy is dropped the next copy reuses the
-    /// buffer (no fresh allocation per block), and at most RECYCLED_BUFFERS wait for reuse.
+    /// A leased block is read in place and cannot be written (a token, a received block, a tier
+    /// move into it) until every clone of its lease is dropped; the engine then learns it.
     #[test]
-    fn copies_out_are_exact_and_reuse_returned_buffers() {
+    fn a_leased_block_is_read_in_place_and_never_written_until_returned() {
         let mut a = small(KvFill::Full);
         write_block(&mut a, Tier::Gpu, 2, RequestId(5), 0, 4);
-        let first = a.copy_out(Tier::Gpu, 2).unwrap();
-        assert_eq!(&first[..], a.block(Tier::Gpu, 2).unwrap());
-        let ptr = first.as_ptr();
-        drop(first);
-        let second = a.copy_out(Tier::Gpu, 3).unwrap();
-        assert_eq!(second.as_ptr(), ptr, "the returned buffer is reused");
-        assert_eq!(&second[..], a.block(Tier::Gpu, 3).unwrap());
-        let held: Vec<Bytes> = (0..RECYCLED_BUFFERS + 4).map(|_| a.copy_out(Tier::Gpu, 2).unwrap()).collect();
-        drop(held);
-        assert_eq!(a.copies.free.lock().unwrap().len(), RECYCLED_BUFFERS);
-        // Eight streams keep twice as many; one keeps its own four.
-        for (streams, kept) in [(8, 8 * RECYCLED_PER_STREAM), (1, RECYCLED_PER_STREAM)] {
-            a.keep_copies(streams * RECYCLED_PER_STREAM);
-            let held: Vec<Bytes> = (0..40).map(|_| a.copy_out(Tier::Gpu, 2).unwrap()).collect();
-            drop(held);
-            assert_eq!(a.copies.free.lock().unwrap().len(), kept, "{streams} streams");
-        }
+        let lease = a.lease(Tier::Gpu, 2).unwrap();
+        assert_eq!(lease.as_ptr(), a.block(Tier::Gpu, 2).unwrap().as_ptr(), "read in place");
+        let clone = lease.slice(8..16);
+        drop(lease);
+        let leased = |r: Result<(), ArenaError>| matches!(r, Err(ArenaError::Leased { tier: Tier::Gpu, block: 2 }));
+        assert!(leased(a.write_token(Tier::Gpu, 2, RequestId(9), 0)));
+        let block = Payload::from(Bytes::from(vec![0u8; 4 * 72]));
+        assert!(leased(a.write_block(Tier::Gpu, 2, &block)));
+        let into = |to: Vec<u32>| KvMove {
+            request: RequestId(9),
+            from_tier: Tier::Cpu,
+            to_tier: Tier::Gpu,
+            from: vec![0, 1],
+            to,
+        };
+        assert!(leased(a.copy_blocks(&into(vec![3, 2]))));
+        // All or nothing: block 3 was not written either.
+        assert_eq!(a.block(Tier::Gpu, 3).unwrap(), &vec![0u8; 4 * 72][..]);
+        assert!(a.returned_leases().is_empty());
+        a.verify_block(Tier::Gpu, 2, RequestId(5), 0, 4).unwrap();
+        // Other blocks are writable meanwhile, and leases of the other pool are their own.
+        a.write_token(Tier::Gpu, 1, RequestId(9), 0).unwrap();
+        a.write_token(Tier::Cpu, 2, RequestId(9), 0).unwrap();
+        drop(clone);
+        assert_eq!(a.returned_leases(), vec![(Tier::Gpu, 2)]);
+        assert!(a.returned_leases().is_empty());
+        a.write_block(Tier::Gpu, 2, &block).unwrap();
+        a.copy_blocks(&into(vec![3, 2])).unwrap();
+        // Two leases of one block: written only after both end.
+        let (l1, l2) = (a.lease(Tier::Cpu, 4).unwrap(), a.lease(Tier::Cpu, 4).unwrap());
+        drop(l1);
+        assert!(matches!(a.write_token(Tier::Cpu, 4, RequestId(9), 0), Err(ArenaError::Leased { .. })));
+        drop(l2);
+        a.write_token(Tier::Cpu, 4, RequestId(9), 0).unwrap();
+        assert!(matches!(a.lease(Tier::Gpu, 6), Err(ArenaError::BlockOutOfRange { .. })));
+    }
+
+    /// A lease keeps its memory mapped after the arena is gone.
+    #[test]
+    fn a_lease_outlives_its_arena() {
+        let mut a = small(KvFill::Full);
+        write_block(&mut a, Tier::Gpu, 1, RequestId(5), 0, 4);
+        let want = a.block(Tier::Gpu, 1).unwrap().to_vec();
+        let lease = a.lease(Tier::Gpu, 1).unwrap();
+        drop(a);
+        assert_eq!(&lease[..], &want[..]);
     }
 
     #[test]

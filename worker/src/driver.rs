@@ -364,6 +364,7 @@ impl Driver {
     /// Run until shut down (a `Shutdown` command, or every command sender dropped).
     pub(crate) fn run(mut self, rx: Receiver<Command>) -> DriverReport {
         loop {
+            self.end_returned_leases();
             if let Some(stop) = self.stop_at {
                 if self.ledger.held() == 0 || Instant::now() >= stop {
                     break;
@@ -467,6 +468,7 @@ impl Driver {
     }
 
     fn on_command(&mut self, cmd: Command) {
+        self.end_returned_leases();
         match cmd {
             Command::Load { reply } => {
                 let _ = reply.send(self.engine.load_report());

@@ -231,8 +231,6 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
     let arena = tokio::task::spawn_blocking(move || arena::KvArena::new(layout, fill, prefault))
         .await
         .map_err(|_| WorkerError::DriverPanicked)??;
-    // A migration's block copies in flight: its data streams' read-ahead and transport.
-    arena.keep_copies(opts.migration_streams.max(1) * arena::RECYCLED_PER_STREAM);
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|cause| WorkerError::Bind { addr: opts.listen, cause })?;

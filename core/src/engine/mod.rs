@@ -465,6 +465,16 @@ impl Engine {
     pub fn kv(&self) -> &KvBlockManager {
         &self.kv
     }
+    /// Lend KV block `block` of `tier` to a reader outside the engine (a worker's transport
+    /// sending it in place): no allocation takes it until the loan ends
+    /// ([`KvBlockManager::lend`]).
+    pub fn lend_kv_block(&mut self, tier: crate::kv::Tier, block: u32) {
+        self.kv.lend(tier, block)
+    }
+    /// One loan of [`Engine::lend_kv_block`] ended; `false` if none was out.
+    pub fn end_kv_loan(&mut self, tier: crate::kv::Tier, block: u32) -> bool {
+        self.kv.end_loan(tier, block)
+    }
     /// What the prefix cache stored and evicted since the last call, appended to `out` (always
     /// empty with prefix caching off). A driver hands them to the controller's prefix index.
     pub fn drain_kv_events(&mut self, out: &mut Vec<crate::kv::KvEvent>) {

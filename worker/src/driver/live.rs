@@ -221,9 +221,25 @@ impl Driver {
             if self.arena.verify_stamps(Tier::Gpu, block, content, k as u32 * bs, bs).is_err() {
                 break;
             }
-            out.push(self.arena.copy_out(Tier::Gpu, block)?);
+            out.push(self.lease(Tier::Gpu, block)?);
         }
         Ok(out)
+    }
+
+    /// Lend a block to the transport, read in place: the arena refuses to write it and the
+    /// engine to reuse it until the lease ends ([`Driver::end_returned_leases`]).
+    fn lease(&mut self, tier: Tier, block: u32) -> Result<Bytes, DriverError> {
+        let bytes = self.arena.lease(tier, block)?;
+        self.engine.lend_kv_block(tier, block);
+        Ok(bytes)
+    }
+
+    /// Blocks whose leases ended (the transport is done with them) can be reused.
+    pub(super) fn end_returned_leases(&mut self) {
+        for (tier, block) in self.arena.returned_leases() {
+            let ended = self.engine.end_kv_loan(tier, block);
+            debug_assert!(ended, "a lease on {tier:?} block {block} ended that the engine never lent");
+        }
     }
 
     /// See [`LiveCommand::InstallPrefix`]. Each installed block's stamps are checked: one that
@@ -333,13 +349,19 @@ impl Driver {
         }
         let bs = self.block_size;
         let available = final_tokens.div_ceil(bs);
-        let mut blocks = Vec::new();
-        for i in first..first.saturating_add(count).min(available) {
-            let b = *w
-                .blocks
-                .get(i as usize)
+        let (tier, written) = (table.tier, w.tokens);
+        let end = first.saturating_add(count).min(available);
+        let ids: Vec<u32> =
+            w.blocks.iter().copied().skip(first as usize).take(end.saturating_sub(first) as usize).collect();
+        let mut blocks = Vec::with_capacity(ids.len());
+        for i in first..end {
+            let b = *ids
+                .get((i - first) as usize)
                 .ok_or_else(|| DriverError::Kv { request, message: format!("logical block {i} is not written") })?;
-            blocks.push(self.arena.copy_out(table.tier, b)?);
+            // Full blocks never change again: lent in place. A partial last block (the request
+            // is paused) is copied: if the move aborts, the request resumes writing it.
+            let full = (i + 1) * bs <= written;
+            blocks.push(if full { self.lease(tier, b)? } else { self.arena.copy_out(tier, b)? });
         }
         Ok(BlockRead { kv_tokens: final_tokens, blocks })
     }

@@ -655,3 +655,41 @@ fn a_cached_prefix_is_written_once_shared_and_moves_with_its_content() {
         ask(&a, |reply| Command::Stats { reply }).kv.errors + ask(&b, |reply| Command::Stats { reply }).kv.errors;
     assert_eq!(errors, 0);
 }
+
+/// A block lent to a migration's transport (read in place) is never reused while the transport
+/// holds it, even after its request finished: a request arriving meanwhile gets other blocks, and
+/// the lent bytes keep their content. Once the transport lets go, the blocks are free again.
+#[test]
+fn a_block_lent_to_a_transfer_is_not_reused_until_it_comes_back() {
+    // 8 blocks of 4 tokens: request 9's prompt takes 4, request 10's the other 4.
+    let a = start(0, "fcfs", 8, 0);
+    let id = RequestId(9);
+    ask(&a, |reply| Command::Submit { spec: spec(9, 16, 0, 12), reply });
+    wait_for(&a.log, "its prefill", |s| s.tokens.contains_key(&9));
+    let live = |cmd| Command::Live(cmd);
+    let mig = MigrationId(1);
+    ask(&a, |reply| live(LiveCommand::BeginOut { request: id, migration: mig, reply })).unwrap();
+    let read = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 4, reply })).unwrap();
+    assert_eq!(read.blocks.len(), 4);
+    // It finishes on A while its blocks are still out (the move then ends).
+    wait_for(&a.log, "request 9 finished", |s| s.finished.contains_key(&9));
+    ask(&a, |reply| live(LiveCommand::ResumeOut { request: id, migration: mig, reply })).ok();
+    // A newcomer fits in the free half and runs; it never writes into a lent block.
+    ask(&a, |reply| Command::Submit { spec: spec(10, 12, 0, 3), reply });
+    wait_for(&a.log, "request 10 finished", |s| s.finished.contains_key(&10));
+    for (k, block) in read.blocks.iter().enumerate() {
+        for slot in 0..4u32 {
+            let token = k as u32 * 4 + slot;
+            let mut want = vec![0u8; 96];
+            crate::arena::fill_token(&mut want, crate::arena::token_seed(id, token));
+            assert_eq!(&block[slot as usize * 96..][..96], &want[..], "lent block {k}, token {token}");
+        }
+    }
+    consistent(&a);
+    // Back from the transport: a request needing every block of the pool runs.
+    drop(read);
+    ask(&a, |reply| Command::Submit { spec: spec(11, 30, 0, 2), reply });
+    wait_for(&a.log, "request 11 finished", |s| s.finished.contains_key(&11));
+    consistent(&a);
+    assert_eq!(ask(&a, |reply| Command::Stats { reply }).kv.errors, 0);
+}
