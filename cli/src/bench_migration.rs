@@ -113,6 +113,24 @@ struct Row {
     mode: &'static str,
     stats: v1::MigrationStats,
     sim: Option<Simulated>,
+    /// CPU the two workers spent while it ran.
+    cpu: Option<PairCpu>,
+}
+
+/// CPU seconds two processes spent over the same interval.
+#[derive(Clone, Copy, Debug)]
+struct PairCpu {
+    /// The sender (a migration's source).
+    source_s: f64,
+    /// The receiver (its target).
+    target_s: f64,
+}
+
+impl PairCpu {
+    /// Between two readings of `cpu_seconds` for (source, target).
+    fn between(before: [Option<f64>; 2], after: [Option<f64>; 2]) -> Option<PairCpu> {
+        Some(PairCpu { source_s: after[0]? - before[0]?, target_s: after[1]? - before[1]? })
+    }
 }
 
 /// The simulator's run of the same migration (`--link-gbps`).
@@ -402,7 +420,7 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
                 handoff: mode == "handoff",
                 cached_prefix: if mode == "cached" { b.cached_prefix.min(tokens) } else { 0 },
             };
-            let stats = rt.block_on(migrate_once(&pair, how, &stop_args))?;
+            let (stats, cpu) = rt.block_on(migrate_once(&pair, how, &stop_args))?;
             let simulated = match &sim {
                 Some(s) if mode != "cached" => Some(s.simulate(tokens, stages.parse()?)?),
                 _ => None,
@@ -428,11 +446,19 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
                     if stats.committed() { String::new() } else { format!("  ABORTED: {}", stats.abort_reason) }
                 )
             });
-            rows.push(Row { tokens, mode, stats, sim: simulated });
+            rows.push(Row { tokens, mode, stats, sim: simulated, cpu });
         }
     }
     bar.finish_and_clear();
     say!("{}", table(&rows));
+    // Against QUIC only where nothing else sets the pace (a shaped link or stretched time does).
+    if b.link_gbps.is_none() && dilation.is_none() {
+        let quic_cpu = PairCpu::between([cpu_before.0, cpu_before.1], [cpu_after.0, cpu_after.1]);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if let Some(v) = verdict(&rows, quic_g.gbit_per_s(), quic_cpu, b.bytes, cores) {
+            say!("{v}");
+        }
+    }
     if b.cached_prefix > 0 {
         say!("{}", cached_table(&rows, b.cached_prefix));
     }
@@ -484,7 +510,7 @@ async fn migrate_once(
     pair: &WorkerPair<'_>,
     how: Move<'_>,
     stop_args: &[String],
-) -> anyhow::Result<v1::MigrationStats> {
+) -> anyhow::Result<(v1::MigrationStats, Option<PairCpu>)> {
     let WorkerPair { worker, logs, issue, client, dilation } = *pair;
     let Move { tokens, max_stages, handoff, cached_prefix } = how;
     // Room for the prompt plus what it decodes during the copy, on both sides.
@@ -583,11 +609,77 @@ async fn migrate_once(
     .await;
     anyhow::ensure!(matches!(first, Ok(Ok(true))), "no token from the source within 60 s (emulated)");
     let req = v1::MigrateOutRequest { request_id: 1, target: 1, target_kv_address: target_kv };
+    let pids = [procs[0].pid().to_string(), procs[1].pid().to_string()];
+    let cpu_before = [cpu_seconds(&pids[0]), cpu_seconds(&pids[1])];
     let out = src.migrate_out(req).await?.into_inner();
+    let cpu = PairCpu::between(cpu_before, [cpu_seconds(&pids[0]), cpu_seconds(&pids[1])]);
     for p in &mut procs {
         p.stop(Duration::from_secs(5));
     }
-    out.stats.ok_or_else(|| anyhow::anyhow!("the source reported no migration measurements"))
+    let stats = out.stats.ok_or_else(|| anyhow::anyhow!("the source reported no migration measurements"))?;
+    Ok((stats, cpu))
+}
+
+/// The committed pipelined migration that moved the most bytes.
+fn longest_pipelined(rows: &[Row]) -> Option<&Row> {
+    rows.iter().filter(|r| r.mode == "pipelined" && r.stats.committed()).max_by_key(|r| r.stats.bytes)
+}
+
+/// How the longest unshaped pipelined migration compares with the QUIC transport measured in the
+/// same run (the issue's targets: goodput ≥ 0.9 × QUIC's, total ≤ 1.15 × bytes ÷ QUIC goodput),
+/// and, short of a target, what limits it: the host's CPU (with the CPU per byte of each side
+/// against QUIC's own), or waiting.
+fn verdict(rows: &[Row], quic_gbps: f64, quic_cpu: Option<PairCpu>, quic_bytes: u64, cores: usize) -> Option<String> {
+    let r = longest_pipelined(rows)?;
+    let (bytes, total_ns) = (r.stats.bytes, r.stats.total_ns().max(1));
+    let gbps = bytes as f64 * 8.0 / total_ns as f64;
+    let ratio = gbps / quic_gbps;
+    let ideal_ms = bytes as f64 * 8.0 / quic_gbps / 1e6;
+    let total_ratio = ms(total_ns) / ideal_ms;
+    let mut s = String::new();
+    let mark = |ok: bool| if ok { "met" } else { "NOT met" };
+    let _ = writeln!(
+        s,
+        "  migration / QUIC = {ratio:.2} ({} tokens pipelined: {gbps:.2} of QUIC's {quic_gbps:.2} Gbit/s; target ≥ 0.9: {})",
+        r.tokens,
+        mark(ratio >= 0.9)
+    );
+    let _ = writeln!(
+        s,
+        "  total {:.0} ms = {total_ratio:.2} × (bytes ÷ QUIC goodput = {ideal_ms:.0} ms) (target ≤ 1.15: {})",
+        ms(total_ns),
+        mark(total_ratio <= 1.15)
+    );
+    if ratio < 0.9 {
+        let _ = write!(s, "  short by {:.0} % of the goodput target; ", 100.0 * (0.9 - ratio) / 0.9);
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        match r.cpu {
+            Some(c) => {
+                let busy = (c.source_s + c.target_s) / (total_ns as f64 / 1e9) / cores.max(1) as f64;
+                let per_gib = |cpu: f64, b: u64| cpu / gib(b).max(1e-12);
+                let (src, dst) = (per_gib(c.source_s, bytes), per_gib(c.target_s, bytes));
+                let _ = write!(
+                    s,
+                    "limit: {} (the two workers kept {:.0} % of the host's {cores} cores busy). CPU per GiB moved: \
+                     source {src:.2} s, target {dst:.2} s",
+                    if busy >= 0.85 { "CPU" } else { "not CPU: the pipeline waits" },
+                    busy * 100.0
+                );
+                if let Some(q) = quic_cpu {
+                    let (qs, qr) = (per_gib(q.source_s, quic_bytes), per_gib(q.target_s, quic_bytes));
+                    let _ = write!(
+                        s,
+                        "; QUIC alone: sender {qs:.2} s, receiver {qr:.2} s ({:.2}× and {:.2}× of it)",
+                        src / qs.max(1e-12),
+                        dst / qr.max(1e-12)
+                    );
+                }
+                s.push('\n');
+            }
+            None => s.push_str("no CPU reading of the workers (/proc)\n"),
+        }
+    }
+    Some(s)
 }
 
 fn table(rows: &[Row]) -> String {
@@ -691,13 +783,12 @@ fn sim_table(rows: &[Row], link_gbps: f64) -> String {
     s
 }
 
-/// `gbps`: UDP-GSO, TCP and QUIC goodput.
 /// `gbps`: raw UDP (best), TCP, QUIC, sealed UDP.
 fn write_outputs(out: &Path, rows: &[Row], gbps: [f64; 4], datagram_bytes: usize) -> anyhow::Result<()> {
     let [udp_gbps, tcp_gbps, quic_gbps, sealed_gbps] = gbps;
     let mut csv = String::from(
         "tokens,mode,bytes,stages,total_ms,downtime_ms,goodput_gbps,stage_bytes,abort_reason,\
-         sim_bytes,sim_stages,sim_total_ms,sim_downtime_ms,total_ratio,sim_abort_reason\n",
+         sim_bytes,sim_stages,sim_total_ms,sim_downtime_ms,total_ratio,sim_abort_reason,source_cpu_s,target_cpu_s\n",
     );
     for r in rows {
         let st = &r.stats;
@@ -710,9 +801,10 @@ fn write_outputs(out: &Path, rows: &[Row], gbps: [f64; 4], datagram_bytes: usize
             }
             _ => ",,,,,".to_string(),
         };
+        let cpu = r.cpu.map_or(",".to_string(), |c| format!("{:.3},{:.3}", c.source_s, c.target_s));
         let _ = writeln!(
             csv,
-            "{},{},{},{},{:.3},{:.3},{:.3},{},\"{}\",{sim}",
+            "{},{},{},{},{:.3},{:.3},{:.3},{},\"{}\",{sim},{cpu}",
             r.tokens,
             r.mode,
             st.bytes,
@@ -733,6 +825,7 @@ fn write_outputs(out: &Path, rows: &[Row], gbps: [f64; 4], datagram_bytes: usize
         "quic_over_tcp": quic_gbps / tcp_gbps,
         "udp_aes128gcm_gbit_per_s": sealed_gbps,
         "quic_over_udp_aes128gcm": quic_gbps / sealed_gbps,
+        "migration_over_quic": longest_pipelined(rows).map(|r| r.stats.bytes as f64 * 8.0 / r.stats.total_ns().max(1) as f64 / quic_gbps),
         "datagram_bytes": datagram_bytes,
     });
     std::fs::write(out.join("goodput.json"), serde_json::to_string_pretty(&json)?)?;
@@ -759,6 +852,54 @@ fn parse_cpu_seconds(stat: &str) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn row(tokens: u32, mode: &'static str, bytes: u64, total_ms: u64, cpu: Option<PairCpu>) -> Row {
+        let stats = v1::MigrationStats {
+            bytes,
+            started_ns: 1_000,
+            ended_ns: 1_000 + total_ms * 1_000_000,
+            ..Default::default()
+        };
+        Row { tokens, mode, stats, sim: None, cpu }
+    }
+
+    /// The verdict judges the longest committed pipelined migration against QUIC's goodput and,
+    /// short of the target, names the limit with each side's CPU per byte against QUIC's.
+    #[test]
+    fn the_verdict_compares_the_longest_pipelined_migration_with_quic_and_names_the_limit() {
+        const GIB: u64 = 1 << 30;
+        // 1 GiB in 1 s: 8.59 Gbit/s; 4 GiB in 2 s: 17.18 Gbit/s. QUIC: 20 Gbit/s.
+        let cpu = PairCpu { source_s: 1.0, target_s: 2.0 };
+        let quic_cpu = Some(PairCpu { source_s: 0.5, target_s: 0.5 });
+        let mut rows =
+            vec![row(4096, "pipelined", GIB, 1000, Some(cpu)), row(16384, "pipelined", 4 * GIB, 2000, Some(cpu))];
+        rows.push(row(16384, "blocking", 8 * GIB, 1000, None));
+        let v = verdict(&rows, 20.0, quic_cpu, GIB, 2).unwrap();
+        assert!(v.contains("migration / QUIC = 0.86 (16384 tokens"), "{v}");
+        assert!(v.contains("target ≥ 0.9: NOT met"), "{v}");
+        // Bytes ÷ QUIC goodput: 4 GiB at 20 Gbit/s = 1718 ms; 2000 / 1718 = 1.16.
+        assert!(v.contains("= 1.16 × (bytes ÷ QUIC goodput = 1718 ms) (target ≤ 1.15: NOT met)"), "{v}");
+        // 0.859 of 0.9; 3 CPU-s over 2 s on 2 cores: 75 %, the pipeline waits; per GiB 0.25 and 0.5 s.
+        assert!(v.contains("short by 5 % of the goodput target"), "{v}");
+        assert!(v.contains("limit: not CPU: the pipeline waits (the two workers kept 75 %"), "{v}");
+        assert!(
+            v.contains(
+                "source 0.25 s, target 0.50 s; QUIC alone: sender 0.50 s, receiver 0.50 s (0.50× and 1.00× of it)"
+            ),
+            "{v}"
+        );
+        // Busy host: the limit is CPU.
+        let busy = PairCpu { source_s: 2.0, target_s: 2.0 };
+        rows[1].cpu = Some(busy);
+        assert!(verdict(&rows, 20.0, quic_cpu, GIB, 2).unwrap().contains("limit: CPU (the two workers kept 100 %"));
+        // Fast enough: both targets met, no limit named.
+        let v = verdict(&rows, 18.0, quic_cpu, GIB, 2).unwrap();
+        assert!(v.contains("= 0.95") && v.contains("target ≥ 0.9: met") && !v.contains("limit"), "{v}");
+        // An aborted longest copy is not judged; nothing pipelined: no verdict.
+        rows[1].stats.abort_reason = "disconnected".into();
+        assert!(verdict(&rows, 20.0, quic_cpu, GIB, 2).unwrap().contains("(4096 tokens"));
+        assert!(verdict(&rows[2..], 20.0, quic_cpu, GIB, 2).is_none());
+    }
 
     #[test]
     fn the_simulated_side_copies_the_workers_kv_at_the_link_rate() {

@@ -145,6 +145,18 @@ pub enum ArenaError {
         /// The block.
         block: u32,
     },
+    /// A received block whose bytes do not hash to the checksum its sender computed.
+    #[error("{tier:?} block {block}: received bytes hash to {found:#018x}, the sender's checksum is {expected:#018x}")]
+    Checksum {
+        /// The pool.
+        tier: Tier,
+        /// The block written.
+        block: u32,
+        /// The sender's checksum.
+        expected: u64,
+        /// What the written bytes hash to.
+        found: u64,
+    },
     /// Verification found a byte that is not the token's deterministic content.
     #[error(transparent)]
     Mismatch(#[from] Mismatch),
@@ -600,13 +612,30 @@ impl KvArena {
     }
 
     /// Overwrite one block with `data` (a live migration's target landing a received block, from
-    /// the buffers it arrived in: copied once, in order).
-    pub fn write_block(&mut self, tier: Tier, block: u32, data: &Payload) -> Result<(), ArenaError> {
+    /// the buffers it arrived in: copied once, in order). With `checksum`, what landed must hash
+    /// to it (the migration's xxh3-64, computed in the same pass as the copy): a mismatch is an
+    /// error, and the block holds the bad bytes.
+    pub fn write_block(
+        &mut self,
+        tier: Tier,
+        block: u32,
+        data: &Payload,
+        checksum: Option<u64>,
+    ) -> Result<(), ArenaError> {
         let want = self.layout.block_bytes();
         if data.len() as u64 != want {
             return Err(ArenaError::BlockLength { got: data.len() as u64, want });
         }
-        data.copy_to_slice(self.block_bytes_mut(tier, block)?);
+        let dst = self.block_bytes_mut(tier, block)?;
+        match checksum {
+            None => data.copy_to_slice(dst),
+            Some(expected) => {
+                let found = data.copy_checksummed(dst);
+                if found != expected {
+                    return Err(ArenaError::Checksum { tier, block, expected, found });
+                }
+            }
+        }
         Ok(())
     }
 
@@ -788,7 +817,7 @@ mod tests {
         let leased = |r: Result<(), ArenaError>| matches!(r, Err(ArenaError::Leased { tier: Tier::Gpu, block: 2 }));
         assert!(leased(a.write_token(Tier::Gpu, 2, RequestId(9), 0)));
         let block = Payload::from(Bytes::from(vec![0u8; 4 * 72]));
-        assert!(leased(a.write_block(Tier::Gpu, 2, &block)));
+        assert!(leased(a.write_block(Tier::Gpu, 2, &block, None)));
         let into = |to: Vec<u32>| KvMove {
             request: RequestId(9),
             from_tier: Tier::Cpu,
@@ -807,7 +836,7 @@ mod tests {
         drop(clone);
         assert_eq!(a.returned_leases(), vec![(Tier::Gpu, 2)]);
         assert!(a.returned_leases().is_empty());
-        a.write_block(Tier::Gpu, 2, &block).unwrap();
+        a.write_block(Tier::Gpu, 2, &block, None).unwrap();
         a.copy_blocks(&into(vec![3, 2])).unwrap();
         // Two leases of one block: written only after both end.
         let (l1, l2) = (a.lease(Tier::Cpu, 4).unwrap(), a.lease(Tier::Cpu, 4).unwrap());

@@ -7,7 +7,9 @@
 //! carry `BlockData` frames in parallel. The engine thread does the arena work one block at a time
 //! (`LiveCommand`), so its deadlines hold while gigabytes stream past; tokens decoded during the
 //! live copy stages stream from the source as usual, and the request is paused only for the final
-//! stop-and-copy.
+//! stop-and-copy. The source hands the transport its full blocks in place, under a lease (no
+//! copy); the target copies each block from the buffers it arrived in into its arena and checks
+//! its checksum in the same pass.
 //!
 //! Target side: every inbound stream's first frame says what it is: a `Prepare` opens a control
 //! stream (one migration, one [`TargetMachine`]); a `BlockData` opens a data stream whose frames
@@ -23,6 +25,7 @@
 //! `LiveCommand`s that carry the migration's id; this task keeps only the connections and the
 //! routes of data streams to their migrations. Spans are built in [`trace`].
 
+use crate::arena::ArenaError;
 use crate::clock::ClusterClock;
 use crate::driver::{BeganOut, Command, DriverError, LiveCommand, PausedOut};
 use crate::ledger::Refusal;
@@ -675,8 +678,9 @@ impl Migrator {
     }
 
     async fn run_target(self: &Arc<Self>, prepare: Frame, ctl_r: Reader, mut ctl: Writer) {
+        // Each block's checksum is verified as it lands in the arena (one pass over its bytes).
         let mut m = match TargetMachine::accept(self.now(), &self.cfg.params, prepare) {
-            Ok(m) => m,
+            Ok(m) => m.verify_on_write(),
             Err(refusal) => {
                 let _ = ctl.send(&refusal).await;
                 let _ = ctl.finish().await;
@@ -715,13 +719,15 @@ impl Migrator {
                         trace.phase("migration.reserve", asked, self.now(), Some(blocks));
                         m.on_reserved_prefix(self.now(), r);
                     }
-                    TargetAction::WriteBlock { index, data, .. } => {
+                    TargetAction::WriteBlock { index, data, checksum, .. } => {
                         use kvfleet_core::engine::EngineError as E;
-                        match self
-                            .ask_raw(|reply| LiveCommand::WriteBlock { request, migration: id, index, data, reply })
-                            .await
-                        {
+                        let write =
+                            |reply| LiveCommand::WriteBlock { request, migration: id, index, data, checksum, reply };
+                        match self.ask_raw(write).await {
                             Ok(()) => m.on_written(self.now(), index),
+                            Err(DriverError::Arena(ArenaError::Checksum { .. })) => {
+                                m.on_write_failed(self.now(), AbortReason::ChecksumMismatch { block: index })
+                            }
                             Err(e @ DriverError::Engine(E::NoRoom { .. } | E::TooLarge { .. })) => {
                                 m.on_write_failed(self.now(), AbortReason::TargetOutOfMemory(e.to_string()))
                             }

@@ -45,6 +45,9 @@ pub(super) struct Config {
     pub initial_kv: u32,
     /// Tokens the request decodes while each live stage is copied (deterministic schedules).
     pub decode_per_copy: u32,
+    /// The target leaves checksums to its writer ([`TargetMachine::verify_on_write`]), which
+    /// this world's writer checks as a worker's does.
+    pub verify_on_write: bool,
 }
 
 impl Config {
@@ -52,7 +55,14 @@ impl Config {
     pub fn small(initial_kv: u32, streams: usize) -> Config {
         let mut params = MigrationParams::new(4, 4 * 64);
         params.stop_copy_blocks = 4;
-        Config { params, bytes_per_token: 64, streams: streams.max(1), initial_kv, decode_per_copy: 0 }
+        Config {
+            params,
+            bytes_per_token: 64,
+            streams: streams.max(1),
+            initial_kv,
+            decode_per_copy: 0,
+            verify_on_write: false,
+        }
     }
 }
 
@@ -99,7 +109,7 @@ pub(super) struct World {
     next_stream: usize,
     pub blocks_sent_pending: Option<u32>,
     pub reserve_pending: bool,
-    pub writes_pending: Vec<(u32, u32, crate::Payload)>,
+    pub writes_pending: Vec<(u32, u32, crate::Payload, Option<u64>)>,
     pub attach_pending: Option<(Bytes, u32, u32)>,
     /// The target's arena for this migration: index → (valid tokens, data).
     pub target_blocks: Blocks,
@@ -259,7 +269,10 @@ impl World {
                 self.reserves += 1;
                 self.reserve_pending = true;
             }
-            TargetAction::WriteBlock { index, tokens, data } => self.writes_pending.push((index, tokens, data)),
+            TargetAction::WriteBlock { index, tokens, data, checksum } => {
+                assert_eq!(checksum.is_some(), self.cfg.verify_on_write, "who verifies");
+                self.writes_pending.push((index, tokens, data, checksum))
+            }
             TargetAction::Attach { state, kv_tokens, blocks } => {
                 // The machine attaches only once every block 0..blocks is written, and no more.
                 assert!(self.writes_pending.is_empty(), "Attach with writes pending");
@@ -283,6 +296,7 @@ impl World {
         match self.tgt.as_mut() {
             Some(t) => t.on_frame(self.now, f),
             None => match TargetMachine::accept(self.now, &self.cfg.params, f) {
+                Ok(t) if self.cfg.verify_on_write => self.tgt = Some(t.verify_on_write()),
                 Ok(t) => self.tgt = Some(t),
                 Err(reply) => self.to_source.push_back(*reply),
             },
@@ -374,10 +388,15 @@ impl World {
                 if self.writes_pending.is_empty() {
                     return;
                 }
-                let (index, tokens, data) = self.writes_pending.remove(pick % self.writes_pending.len());
+                let (index, tokens, data, checksum) = self.writes_pending.remove(pick % self.writes_pending.len());
                 let Some(t) = self.tgt.as_mut() else { return };
+                let mut landed = vec![0u8; data.len()];
+                let sum = data.copy_checksummed(&mut landed);
                 match self.fail_next_write.take() {
                     Some(reason) => t.on_write_failed(now, reason),
+                    None if checksum.is_some_and(|c| c != sum) => {
+                        t.on_write_failed(now, AbortReason::ChecksumMismatch { block: index })
+                    }
                     None => {
                         self.target_blocks.insert(index, (tokens, data.to_bytes()));
                         t.on_written(now, index);

@@ -35,9 +35,9 @@ pub enum TargetAction {
         /// [`TargetMachine::on_reserved_prefix`].
         prefix: Vec<BlockHash>,
     },
-    /// Write this verified block (logical `index`, `tokens` valid tokens, exactly `block_bytes`
-    /// long) into the reservation, growing it if needed; a later write of the same index replaces
-    /// it. Answer with [`TargetMachine::on_written`] or [`TargetMachine::on_write_failed`].
+    /// Write this block (logical `index`, `tokens` valid tokens, exactly `block_bytes` long)
+    /// into the reservation, growing it if needed; a later write of the same index replaces it.
+    /// Answer with [`TargetMachine::on_written`] or [`TargetMachine::on_write_failed`].
     /// The data is in the buffers it arrived in (see [`TargetMachine::on_frame_with_payload`]).
     WriteBlock {
         /// Logical block index.
@@ -46,6 +46,11 @@ pub enum TargetAction {
         tokens: u32,
         /// The block's bytes.
         data: Payload,
+        /// `None`: the machine verified the block's checksum. `Some(sum)`: the writer verifies
+        /// that what it wrote hashes to `sum` ([`crate::Payload::copy_checksummed`]) and
+        /// answers a mismatch with `on_write_failed(AbortReason::ChecksumMismatch)`
+        /// ([`TargetMachine::verify_on_write`]).
+        checksum: Option<u64>,
     },
     /// Commit: attach the request with `state`, `kv_tokens` tokens in logical blocks `0..blocks`
     /// (all written), and answer with [`TargetMachine::on_attached`]. This is the commit point:
@@ -135,6 +140,8 @@ pub struct TargetMachine {
     commit: Option<wire::Commit>,
     actions: VecDeque<TargetAction>,
     report: TargetReport,
+    /// Blocks' checksums are left to the writer ([`TargetMachine::verify_on_write`]).
+    verify_on_write: bool,
 }
 
 impl TargetMachine {
@@ -151,6 +158,13 @@ impl TargetMachine {
             }
             None => Err(Box::new(abort_frame(MigrationId(0), &AbortReason::BadFrame("empty frame".into())))),
         }
+    }
+
+    /// Leave each block's checksum to the writer of [`TargetAction::WriteBlock`], which verifies
+    /// the bytes as they land (one pass over them instead of two: a hash, then a copy).
+    pub fn verify_on_write(mut self) -> TargetMachine {
+        self.verify_on_write = true;
+        self
     }
 
     /// A machine for this `Prepare` (see [`TargetMachine::accept`]).
@@ -172,6 +186,7 @@ impl TargetMachine {
             written: BTreeMap::new(),
             commit: None,
             actions: VecDeque::new(),
+            verify_on_write: false,
             report: TargetReport {
                 migration: id,
                 request,
@@ -447,14 +462,15 @@ impl TargetMachine {
             let msg = format!("{} bytes, expected {}", data.len(), self.params.block_bytes);
             return self.fail(now, bad(msg), true);
         }
-        if checksum_payload(&data) != b.checksum {
+        if !self.verify_on_write && checksum_payload(&data) != b.checksum {
             return self.fail(now, AbortReason::ChecksumMismatch { block: b.index }, true);
         }
         self.progress.received += 1;
         self.report.bytes_received += data.len() as u64;
         self.pending.entry(b.index).or_default().push_back(b.tokens);
         self.pending_writes += 1;
-        self.actions.push_back(TargetAction::WriteBlock { index: b.index, tokens: b.tokens, data });
+        let checksum = self.verify_on_write.then_some(b.checksum);
+        self.actions.push_back(TargetAction::WriteBlock { index: b.index, tokens: b.tokens, data, checksum });
     }
 
     fn on_stage_end(&mut self, now: Timestamp, e: wire::StageEnd) {

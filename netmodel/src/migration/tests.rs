@@ -352,8 +352,10 @@ fn corrupt_queued_block(w: &mut World, stage: u32) -> u32 {
 
 #[test]
 fn corrupted_block_is_detected_and_aborts_both_sides() {
-    for (stage, kv) in [(0u32, 64u32), (1, 64)] {
+    // Verified by the machine, or by the target's writer as the block lands.
+    for (stage, kv, verify_on_write) in [(0u32, 64u32, false), (1, 64, false), (0, 64, true), (1, 64, true)] {
         let mut cfg = Config::small(kv, 3);
+        cfg.verify_on_write = verify_on_write;
         cfg.decode_per_copy = 1; // the final stage (stage 1) carries one partial block
         let mut w = World::new(cfg);
         w.start();

@@ -1,6 +1,8 @@
 //! The engine thread's side of a live migration: the few arena and engine operations the
-//! migration task (`crate::migrate`) asks for, each short (one block's memcpy at most), so the
-//! engine loop keeps its deadlines while megabytes stream past. Every command that moves a
+//! migration task (`crate::migrate`) asks for, each short (one block's memcpy and checksum at
+//! most), so the engine loop keeps its deadlines while megabytes stream past. A source's full
+//! blocks are not copied at all: they are lent to the transport in place (`KvArena::lease`),
+//! and the engine reuses none of them until the lease comes back. Every command that moves a
 //! request's lifecycle asks the [`Ledger`](crate::ledger::Ledger) first and carries its
 //! migration's id: only the migration that began a move (or reserved blocks) can finish it.
 //!
@@ -84,11 +86,13 @@ pub(crate) enum LiveCommand {
         prefix: Vec<BlockHash>,
         reply: Reply<u32>,
     },
+    /// With `checksum`, the written bytes must hash to it ([`crate::arena::ArenaError::Checksum`]).
     WriteBlock {
         request: RequestId,
         migration: MigrationId,
         index: u32,
         data: Payload,
+        checksum: Option<u64>,
         reply: Reply<()>,
     },
     /// Replies with when the verification ended (the attach follows at once).
@@ -182,9 +186,9 @@ impl Driver {
             LiveCommand::Reserve { request, migration, kv_tokens, prefix, reply } => {
                 let _ = reply.send(self.reserve(request, migration, kv_tokens, &prefix));
             }
-            LiveCommand::WriteBlock { request, migration, index, data, reply } => {
+            LiveCommand::WriteBlock { request, migration, index, data, checksum, reply } => {
                 let r = self.ledger.may_write(request, migration).map_err(|r| refused(request, r));
-                let _ = reply.send(r.and_then(|()| self.write_block(request, index, &data)));
+                let _ = reply.send(r.and_then(|()| self.write_block(request, index, &data, checksum)));
             }
             LiveCommand::AttachReserved { migration, state, reply } => {
                 let _ = reply.send(self.attach_reserved(migration, *state));
@@ -255,7 +259,7 @@ impl Driver {
         let mut installed = 0;
         for (hash, block) in self.engine.install_prefix(&hashes[first..end]) {
             let Some(k) = hashes[first..end].iter().position(|h| *h == hash).map(|i| first + i) else { continue };
-            let written = self.arena.write_block(Tier::Gpu, block, &blocks[k - first]);
+            let written = self.arena.write_block(Tier::Gpu, block, &blocks[k - first], None);
             let checked = written.and_then(|()| self.arena.verify_stamps(Tier::Gpu, block, content, k as u32 * bs, bs));
             match checked {
                 Ok(()) => {
@@ -405,7 +409,13 @@ impl Driver {
         Ok(())
     }
 
-    fn write_block(&mut self, request: RequestId, index: u32, data: &Payload) -> Result<(), DriverError> {
+    fn write_block(
+        &mut self,
+        request: RequestId,
+        index: u32,
+        data: &Payload,
+        checksum: Option<u64>,
+    ) -> Result<(), DriverError> {
         let bs = self.block_size;
         let blocks = self.engine.kv().table(request).map_or(0, |t| t.blocks.len() as u32);
         if index >= blocks {
@@ -414,7 +424,7 @@ impl Driver {
         }
         let table = self.engine.kv().table(request).ok_or(DriverError::Unknown(request))?;
         let block = table.blocks[index as usize];
-        self.arena.write_block(table.tier, block, data)?;
+        self.arena.write_block(table.tier, block, data, checksum)?;
         self.kv_stats.blocks_copied += 1;
         Ok(())
     }

@@ -266,8 +266,11 @@ fn write_blocks(to: &Running, id: RequestId, migration: MigrationId, first: u32,
     for (i, data) in blocks.iter().enumerate() {
         let index = first + i as u32;
         let cut = (i * 997) % (data.len() + 1);
+        // Verified as it lands, as a migration's target does.
+        let checksum = Some(kvfleet_netmodel::migration::checksum(data));
         let data: kvfleet_netmodel::Payload = [data.slice(..cut), data.slice(cut..)].into_iter().collect();
-        let write = |reply| Command::Live(LiveCommand::WriteBlock { request: id, migration, index, data, reply });
+        let write =
+            |reply| Command::Live(LiveCommand::WriteBlock { request: id, migration, index, data, checksum, reply });
         ask(to, write).unwrap();
     }
 }
@@ -349,7 +352,9 @@ fn live_commit_with_a_corrupt_block_is_refused_and_the_source_resumes() {
             bytes[100] ^= 0x40;
         }
         let data = bytes::Bytes::from(bytes).into();
-        let write = |reply| live(LiveCommand::WriteBlock { request: id, migration: mig, index: i as u32, data, reply });
+        let write = |reply| {
+            live(LiveCommand::WriteBlock { request: id, migration: mig, index: i as u32, data, checksum: None, reply })
+        };
         ask(&b, write).unwrap();
     }
     let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
@@ -692,4 +697,32 @@ fn a_block_lent_to_a_transfer_is_not_reused_until_it_comes_back() {
     wait_for(&a.log, "request 11 finished", |s| s.finished.contains_key(&11));
     consistent(&a);
     assert_eq!(ask(&a, |reply| Command::Stats { reply }).kv.errors, 0);
+}
+
+/// A received block whose bytes do not hash to its sender's checksum is refused as it lands (the
+/// copy and the hash are one pass); the same bytes with their own checksum are written.
+#[test]
+fn a_block_that_does_not_match_its_checksum_is_refused_as_it_lands() {
+    let a = start(0, "fcfs", 32, 8);
+    let b = start(1, "fcfs", 32, 8);
+    let id = RequestId(9);
+    ask(&a, |reply| Command::Submit { spec: spec(9, 9, 60, 10), reply });
+    wait_for(&a.log, "a few tokens on A", |s| s.tokens.get(&9).is_some_and(|t| t.len() >= 2));
+    let live = |cmd| Command::Live(cmd);
+    let mig = MigrationId(1);
+    ask(&a, |reply| live(LiveCommand::BeginOut { request: id, migration: mig, reply })).unwrap();
+    let read = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 1, reply })).unwrap();
+    reserve(&b, id, mig, read.kv_tokens).unwrap();
+    let data = read.blocks[0].clone();
+    let sum = kvfleet_netmodel::migration::checksum(&data);
+    let write = |checksum| {
+        let data = kvfleet_netmodel::Payload::from(data.clone());
+        ask(&b, |reply| live(LiveCommand::WriteBlock { request: id, migration: mig, index: 0, data, checksum, reply }))
+    };
+    let e = write(Some(sum ^ 1)).unwrap_err();
+    assert!(
+        matches!(e, DriverError::Arena(ArenaError::Checksum { expected, found, .. }) if expected == sum ^ 1 && found == sum),
+        "{e}"
+    );
+    write(Some(sum)).unwrap();
 }
