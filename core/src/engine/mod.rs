@@ -1268,11 +1268,20 @@ impl Engine {
             let req = self.slots[self.batch[i].slot as usize].as_ref().expect("batched request is live");
             if req.residence == Residence::Gpu {
                 let (id, tokens) = (req.spec.id, req.context() + 1);
-                self.kv.grow(id, tokens).expect("planned within GPU capacity");
+                // Planned within GPU capacity; only blocks lent out (a worker's transport reading
+                // them) can stay taken when their holder is preempted: then it sits this one out.
+                if self.kv.grow(id, tokens).is_err() {
+                    debug_assert!(self.kv.loans() > 0, "a resident's growth was planned within GPU capacity");
+                    self.batch[i].slot = u32::MAX;
+                    unfit = true;
+                }
             }
         }
         for i in 0..self.batch.len() {
             let slot = self.batch[i].slot;
+            if slot == u32::MAX {
+                continue;
+            }
             let req = self.slots[slot as usize].as_mut().expect("batched request is live");
             let (id, tokens) = (req.spec.id, req.context() + 1);
             let placed = match req.residence {

@@ -697,6 +697,50 @@ proptest! {
     }
 }
 
+/// Blocks lent out (a worker's transport sending them) stay taken when their holder is preempted:
+/// a resident whose next block the plan counted on them sits the iteration out instead of failing,
+/// and runs on once the loans end; every request still finishes, its tokens in order.
+#[test]
+fn a_preempted_request_s_lent_blocks_stay_taken_and_the_plan_copes() {
+    // 4 GPU blocks of 16 tokens, no CPU pool (a preempted request recomputes). 1 and 2 hold two
+    // blocks each; 1 needs a third at its 33rd token, so 2 (lower priority under FCFS) is preempted.
+    let mut e = engine("fcfs", 4, 0, 500);
+    let mut ev = Vec::new();
+    e.submit(Timestamp(0), spec(1, 0, 31, 0, 10)).unwrap();
+    e.submit(Timestamp(0), spec(2, 0, 31, 0, 10)).unwrap();
+    let mut now = e.step(Timestamp(0), &mut ev).unwrap();
+    let lent: Vec<u32> = e.kv().table(RequestId(2)).unwrap().blocks.clone();
+    for &b in &lent {
+        e.lend_kv_block(Tier::Gpu, b);
+    }
+    let mut stalled = 0;
+    let mut finished = Vec::new();
+    for _ in 0..200 {
+        if stalled == 3 && e.kv().loans() > 0 {
+            for &b in &lent {
+                assert!(e.end_kv_loan(Tier::Gpu, b));
+            }
+        }
+        e.complete_iteration(now, &mut ev);
+        let next = e.plan_iteration(now);
+        e.check_invariants().unwrap();
+        // While lent, request 2's blocks are nobody's to take, even preempted.
+        if e.kv().loans() > 0 && e.kv().table(RequestId(2)).is_none() {
+            assert_eq!(e.kv().free(Tier::Gpu), 0, "lent blocks are not free");
+            stalled += 1;
+        }
+        finished.extend(ev.drain(..).filter_map(|x| match x {
+            EngineEvent::Finished(r) => Some(r.id),
+            _ => None,
+        }));
+        now = next.unwrap_or(Timestamp(now.0 + UNIT));
+    }
+    assert!(stalled >= 3, "the setup must preempt request 2 while its blocks are lent");
+    finished.sort();
+    assert_eq!(finished, vec![RequestId(1), RequestId(2)]);
+    assert_eq!(e.kv().used(Tier::Gpu), 0);
+}
+
 #[test]
 fn kv_frozen_by_outgoing_migration_is_not_planned_over() {
     // 4 GPU blocks; A holds 2 and starts migrating out; B needs 3 blocks to start.
