@@ -567,9 +567,7 @@ impl KvBlockManager {
     pub fn lend(&mut self, tier: Tier, block: u32) {
         let hashed = match (tier, self.cache.as_deref_mut()) {
             (Tier::Gpu, Some(cache)) if cache.hash_of.contains_key(&block) => {
-                if cache.lru_key.contains_key(&block) {
-                    cache.unlink(block);
-                }
+                cache.unlink(block); // a free cached one leaves the LRU
                 *cache.refs.entry(block).or_insert(0) += 1;
                 true
             }

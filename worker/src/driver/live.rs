@@ -355,13 +355,14 @@ impl Driver {
         let available = final_tokens.div_ceil(bs);
         let (tier, written) = (table.tier, w.tokens);
         let end = first.saturating_add(count).min(available);
-        let ids: Vec<u32> =
-            w.blocks.iter().copied().skip(first as usize).take(end.saturating_sub(first) as usize).collect();
+        if end > first && w.blocks.len() < end as usize {
+            let i = first.max(w.blocks.len() as u32);
+            return Err(DriverError::Kv { request, message: format!("logical block {i} is not written") });
+        }
+        // Owned: lending them below needs `self` mutably.
+        let ids = w.blocks.get(first as usize..end as usize).unwrap_or_default().to_vec();
         let mut blocks = Vec::with_capacity(ids.len());
-        for i in first..end {
-            let b = *ids
-                .get((i - first) as usize)
-                .ok_or_else(|| DriverError::Kv { request, message: format!("logical block {i} is not written") })?;
+        for (i, b) in (first..).zip(ids) {
             // Full blocks never change again: lent in place. A partial last block (the request
             // is paused) is copied: if the move aborts, the request resumes writing it.
             let full = (i + 1) * bs <= written;
