@@ -472,7 +472,9 @@ impl Engine {
         self.kv.lend(tier, block)
     }
     /// One loan of [`Engine::lend_kv_block`] ended; `false` if none was out.
+    /// The next plan counts the block again if it was freed meanwhile.
     pub fn end_kv_loan(&mut self, tier: crate::kv::Tier, block: u32) -> bool {
+        self.dirty = true;
         self.kv.end_loan(tier, block)
     }
     /// What the prefix cache stored and evicted since the last call, appended to `out` (always

@@ -238,11 +238,16 @@ impl Driver {
         Ok(bytes)
     }
 
-    /// Blocks whose leases ended (the transport is done with them) can be reused.
+    /// Blocks whose leases ended (the transport is done with them) can be reused: a request
+    /// waiting for room is planned now, not at the next command.
     pub(super) fn end_returned_leases(&mut self) {
-        for (tier, block) in self.arena.returned_leases() {
+        let returned = self.arena.returned_leases();
+        for &(tier, block) in &returned {
             let ended = self.engine.end_kv_loan(tier, block);
             debug_assert!(ended, "a lease on {tier:?} block {block} ended that the engine never lent");
+        }
+        if !returned.is_empty() {
+            self.plan_if_idle();
         }
     }
 

@@ -691,9 +691,11 @@ fn a_block_lent_to_a_transfer_is_not_reused_until_it_comes_back() {
         }
     }
     consistent(&a);
-    // Back from the transport: a request needing every block of the pool runs.
-    drop(read);
+    // A request needing every block of the pool waits for them; back from the transport, they
+    // let it run without any further command.
     ask(&a, |reply| Command::Submit { spec: spec(11, 30, 0, 2), reply });
+    assert!(!collect(&a.log).tokens.contains_key(&11), "no room while the blocks are lent");
+    drop(read);
     wait_for(&a.log, "request 11 finished", |s| s.finished.contains_key(&11));
     consistent(&a);
     assert_eq!(ask(&a, |reply| Command::Stats { reply }).kv.errors, 0);
