@@ -146,20 +146,45 @@ fn read(path: &Path) -> Result<String, PkiError> {
     std::fs::read_to_string(path).map_err(|cause| PkiError::Read { path: path.to_path_buf(), cause })
 }
 
+/// Write `path` whole or not at all: the contents go to a temporary file beside it, which is
+/// then renamed over it, so a process reading it meanwhile (etcd loads its `--trusted-ca-file`
+/// after it says it is ready, while the next certificate is issued) sees the old file or the new
+/// one, never a truncated one. A key's temporary file is created with mode 0600.
 fn write(path: &Path, contents: &str, private: bool) -> Result<(), PkiError> {
+    use std::io::Write as _;
     let err = |cause| PkiError::Write { path: path.to_path_buf(), cause };
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(err)?;
     }
-    std::fs::write(path, contents).map_err(err)?;
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{}", std::process::id()));
+    let tmp = path.with_file_name(name);
+    let mut open = std::fs::OpenOptions::new();
+    open.write(true).create(true).truncate(true);
     #[cfg(unix)]
-    if private {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        open.mode(if private { 0o600 } else { 0o644 });
     }
     #[cfg(not(unix))]
     let _ = private;
-    Ok(())
+    let written = open.open(&tmp).and_then(|mut f| {
+        // An existing temporary file keeps its mode: set it again.
+        #[cfg(unix)]
+        if private {
+            use std::os::unix::fs::PermissionsExt as _;
+            f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+        }
+        f.write_all(contents.as_bytes())?;
+        f.sync_all()
+    });
+    match written.and_then(|()| std::fs::rename(&tmp, path)) {
+        Ok(()) => Ok(()),
+        Err(cause) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(err(cause))
+        }
+    }
 }
 
 fn generate<T>(what: &str, r: Result<T, rcgen::Error>) -> Result<T, PkiError> {

@@ -128,6 +128,44 @@ fn ca_and_identities_round_trip_through_files() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// etcd loads its trusted CA file after it says it is ready, while `kvfleet up` issues the next
+/// certificate into the same directory (rewriting `ca.pem`): a reader meanwhile must see the
+/// whole file, never an empty or partial one (an empty CA pool refused every client).
+#[test]
+fn a_reader_never_sees_a_half_written_ca_file() {
+    let dir = tempdir("atomic");
+    let ca = ClusterCa::generate("test").unwrap();
+    ca.save(&dir).unwrap();
+    let path = dir.join(CA_CERT_FILE);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (stop, path, want) = (stop.clone(), path.clone(), ca.cert_pem().to_string());
+        std::thread::spawn(move || {
+            let (mut reads, mut bad) = (0u32, 0u32);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                reads += 1;
+                if std::fs::read_to_string(&path).unwrap_or_default() != want {
+                    bad += 1;
+                }
+            }
+            (reads, bad)
+        })
+    };
+    for i in 0..300 {
+        let files = IdentityFiles::in_dir(&dir, &format!("node-{}", i % 3));
+        ca.issue(Role::Worker, "w", &[]).unwrap().save(&files).unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (reads, bad) = reader.join().unwrap();
+    assert!(reads > 0);
+    assert_eq!(bad, 0, "{bad} of {reads} reads saw a partial ca.pem");
+    // No temporary files are left behind.
+    let names: Vec<String> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(names.iter().all(|n| !n.contains(".tmp")), "{names:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn tls_flags_fail_clearly() {
     assert!(matches!(TlsArgs::default().load(), Err(PkiError::Missing)));
