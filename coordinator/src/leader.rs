@@ -31,6 +31,7 @@ use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 use tonic::Status;
 
+mod reports;
 mod roles;
 pub use roles::PdSetup;
 
@@ -116,6 +117,11 @@ pub struct Leader {
     started: std::time::Instant,
     /// Prefill/decode roles: what each instance was given, the changes, the handoffs open.
     roles: roles::RoleBook,
+    /// When each worker's next load report is due: a placement waits for those due by its
+    /// arrival ([`reports`]).
+    due_reports: reports::DueReports,
+    /// The longest a placement waits for those ([`reports::REPORT_WAIT`]).
+    report_wait: Mutex<Duration>,
 }
 
 /// Why the leader could not carry out a client's or a worker's request.
@@ -189,6 +195,8 @@ impl Leader {
             clock,
             started: std::time::Instant::now(),
             roles: roles::RoleBook::default(),
+            due_reports: reports::DueReports::default(),
+            report_wait: Mutex::new(reports::REPORT_WAIT),
         })
     }
 
@@ -394,6 +402,8 @@ impl Leader {
             heard_ms,
         };
         links.insert(id, link);
+        // A new process: what its predecessor said was due no longer is.
+        self.due_reports.forget(id);
         tracing::info!(instance = id.0, address = %rec.address, incarnation = rec.incarnation, "worker joined");
         Ok(())
     }
@@ -405,6 +415,7 @@ impl Leader {
         if let Some(l) = self.links.lock().expect("links lock").remove(&instance) {
             l.pump.abort();
         }
+        self.due_reports.forget(instance);
         let actions = self.decide(Event::Left { instance }).unwrap_or_default();
         tracing::warn!(instance = instance.0, orphans = actions.len(), "worker left; re-placing its requests");
         let moves = self.execute(actions).await;
@@ -515,6 +526,12 @@ impl Leader {
     /// Accept a client's request: place, persist, tell the client, then hand it to the worker
     /// (in a task of its own).
     pub async fn submit(self: &Arc<Self>, spec: RequestSpec, tx: ClientTx) -> Result<InstanceId, LeaderError> {
+        // On every worker's load as of the arrival, as the simulator places it.
+        let bound = *self.report_wait.lock().expect("report_wait lock");
+        let late = self.due_reports.wait_through(spec.arrival.min(self.cluster_now()), bound, None).await;
+        if !late.is_empty() {
+            tracing::debug!(request = spec.id.0, ?late, "placed without the load reports due by its arrival");
+        }
         let now = self.cluster_now();
         let (to, fetch, note) = {
             let mut control = self.control();
@@ -760,7 +777,7 @@ impl Leader {
                         false
                     }
                     Some(v1::worker_event::Event::Boundary(b)) => {
-                        self.on_boundary(b);
+                        self.on_boundary(instance, b).await;
                         false
                     }
                     Some(v1::worker_event::Event::Finished(r)) => {
@@ -775,9 +792,7 @@ impl Leader {
                         true
                     }
                     Some(v1::worker_event::Event::Load(l)) => {
-                        // A decoder with room again takes the handoffs waiting for one.
-                        let actions = self.decide(Event::Load(LoadReport::from(&l))).unwrap_or_default();
-                        self.act(actions);
+                        self.on_load(instance, &l);
                         false
                     }
                     Some(v1::worker_event::Event::PrefillDone(p)) => {
@@ -819,7 +834,23 @@ impl Leader {
         }
     }
 
-    fn on_boundary(self: &Arc<Self>, b: v1::PhaseBoundary) {
+    /// `instance`'s load report: the controller's view, and placements waiting for it.
+    fn on_load(self: &Arc<Self>, instance: InstanceId, l: &v1::LoadReport) {
+        // A decoder with room again takes the handoffs waiting for one.
+        let actions = self.decide(Event::Load(LoadReport::from(l))).unwrap_or_default();
+        self.due_reports.reported(instance, l.due_ns);
+        self.act(actions);
+    }
+
+    /// A `</think>` on `from`: decided (PASCAL's Alg. 2) on every other instance's load as of
+    /// its instant, as the simulator decides it; `from`'s own came before it on its stream.
+    async fn on_boundary(self: &Arc<Self>, from: InstanceId, b: v1::PhaseBoundary) {
+        let bound = *self.report_wait.lock().expect("report_wait lock");
+        let at = Timestamp(b.at_ns).min(self.cluster_now());
+        let late = self.due_reports.wait_through(at, bound, Some(from)).await;
+        if !late.is_empty() {
+            tracing::debug!(request = b.request_id, ?late, "decided a boundary without the load reports due by it");
+        }
         let event = Event::Boundary {
             request: RequestId(b.request_id),
             instance: InstanceId(b.instance),
@@ -1250,6 +1281,48 @@ mod tests {
             assert_eq!(on, (0..8).collect::<Vec<_>>(), "{policy}: one request per idle worker");
             leader.stop();
         }
+    }
+
+    /// A placement sees every load report due by its arrival: instance 0 reports itself fuller
+    /// than instance 1 with an iteration ending before the arrival; its next report (empty)
+    /// comes 50 ms after the request was submitted, and the request goes to 0 (without waiting
+    /// it went to 1: the simulator, deciding at the arrival, would have seen 0 empty).
+    #[tokio::test]
+    async fn a_placement_waits_for_the_load_reports_due_by_its_arrival() {
+        let leader = leader_with_unserved_workers("least-kv", 2).await;
+        *leader.report_wait.lock().unwrap() = Duration::from_secs(10);
+        let load = |instance: u32, gpu_used_blocks: u32, due_ns: u64| v1::LoadReport {
+            due_ns,
+            ..v1::LoadReport::from(&LoadReport {
+                instance: InstanceId(instance),
+                gpu_used_blocks,
+                gpu_total_blocks: 1000,
+                block_bytes: KV_BYTES * 16,
+                block_tokens: 16,
+                ..LoadReport::default()
+            })
+        };
+        let now = leader.cluster_now();
+        leader.on_load(InstanceId(0), &load(0, 300, now.0 - 1_000_000));
+        leader.on_load(InstanceId(1), &load(1, 100, 0));
+        let report = {
+            let leader = leader.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                leader.on_load(InstanceId(0), &load(0, 0, 0));
+            })
+        };
+        let (tx, mut rx) = mpsc::channel(16);
+        let started = std::time::Instant::now();
+        let on = leader.submit(RequestSpec { arrival: now, ..spec(1, 100) }, tx).await.expect("placed");
+        assert_eq!(on, InstanceId(0), "placed on the load as of its arrival");
+        assert!(started.elapsed() >= Duration::from_millis(40), "{:?}", started.elapsed());
+        assert!(matches!(
+            rx.recv().await,
+            Some(Ok(v1::ClientEvent { event: Some(v1::client_event::Event::AcceptedOn(0)) }))
+        ));
+        report.await.unwrap();
+        leader.stop();
     }
 
     /// Two registered workers nobody can reach; instance 1 is kept "heard" (as its event pump

@@ -88,6 +88,8 @@ impl From<&LoadReport> for v1::LoadReport {
             decode_context_tokens: l.decode_context_tokens,
             decode_tokens_total: l.decode_tokens_total,
             decode_latency_ns_total: l.decode_latency_ns_total,
+            // The driver's to say (the engine's report does not carry it).
+            due_ns: 0,
         }
     }
 }

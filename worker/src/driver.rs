@@ -310,6 +310,10 @@ pub(crate) struct Driver {
     /// The load last published: a changed one is published at once (the simulator's controller
     /// sees every change at once), an unchanged one every `load_interval` as a heartbeat.
     last_load: Option<LoadReport>,
+    /// The `due_ns` last published: when the iteration in flight ends (0: idle). A new one is
+    /// published even with an unchanged load, so a leader waiting for this instance's load as of
+    /// a later instant hears that nothing changed.
+    last_due_ns: u64,
     /// When the requests held for a handoff are next announced again ([`ANNOUNCE_HELD_EVERY`]).
     next_announce: Instant,
     announce_every: Duration,
@@ -350,6 +354,7 @@ impl Driver {
             next_announce: Instant::now() + cfg.announce_every,
             announce_every: cfg.announce_every,
             last_load: None,
+            last_due_ns: 0,
             last_preemptions: 0,
             lateness: LatenessHistogram::new(),
             kv_stats: KvStats::default(),
@@ -427,13 +432,22 @@ impl Driver {
             self.announce_held();
         }
         let load = self.engine.load_report();
-        let due = now >= self.next_load;
-        if !due && self.last_load.as_ref() == Some(&load) {
+        let due_ns = self.engine.next_wake().map_or(0, |t| t.0);
+        let heartbeat = now >= self.next_load;
+        if !heartbeat && self.last_load.as_ref() == Some(&load) && self.last_due_ns == due_ns {
             return;
         }
-        self.log.push(LogEvent::Load(Box::new(v1::LoadReport::from(&load))));
-        self.last_load = Some(load);
+        self.push_load(load, due_ns);
         self.next_load = now + self.load_interval;
+    }
+
+    /// Publish `load`, saying when this instance's next report is due (`due_ns`, cluster time;
+    /// 0: none foreseen).
+    fn push_load(&mut self, load: LoadReport, due_ns: u64) {
+        let report = v1::LoadReport { due_ns, ..v1::LoadReport::from(&load) };
+        self.log.push(LogEvent::Load(Box::new(report)));
+        self.last_load = Some(load);
+        self.last_due_ns = due_ns;
     }
 
     /// Append what the prefix cache stored and evicted since the last call to the log (the
@@ -757,9 +771,9 @@ impl Driver {
             // refreshes the same load, after the iteration and before the next plan). Published
             // after the boundary, the request still counted as reasoning here, so Alg. 2 saw one
             // reasoning request too many and moved requests the simulator kept.
+            // Due at `end` itself: the report after the next plan follows at once.
             let load = self.engine.load_report();
-            self.log.push(LogEvent::Load(Box::new(v1::LoadReport::from(&load))));
-            self.last_load = Some(load);
+            self.push_load(load, end.0);
         }
         self.log.extend(out.drain(..));
         for cmd in std::mem::take(&mut self.pending) {
