@@ -314,6 +314,11 @@ pub(crate) struct Driver {
     /// published even with an unchanged load, so a leader waiting for this instance's load as of
     /// a later instant hears that nothing changed.
     last_due_ns: u64,
+    /// Cluster time since which nothing but submits changed the engine (the end of its last
+    /// iteration, or the last other command): an idle engine given a request plans it as of its
+    /// arrival, if no later than this, as the simulator does (the request's way here, a
+    /// millisecond or, on a new channel, a hundred, would otherwise delay its whole timeline).
+    quiet_since: Timestamp,
     /// When the requests held for a handoff are next announced again ([`ANNOUNCE_HELD_EVERY`]).
     next_announce: Instant,
     announce_every: Duration,
@@ -355,6 +360,7 @@ impl Driver {
             announce_every: cfg.announce_every,
             last_load: None,
             last_due_ns: 0,
+            quiet_since: Timestamp::ZERO,
             last_preemptions: 0,
             lateness: LatenessHistogram::new(),
             kv_stats: KvStats::default(),
@@ -483,6 +489,13 @@ impl Driver {
 
     fn on_command(&mut self, cmd: Command) {
         self.end_returned_leases();
+        let changes_engine = !matches!(
+            cmd,
+            Command::Load { .. } | Command::Stats { .. } | Command::Registration { .. } | Command::Submit { .. }
+        );
+        if changes_engine {
+            self.quiet_since = self.clock.now();
+        }
         match cmd {
             Command::Load { reply } => {
                 let _ = reply.send(self.engine.load_report());
@@ -557,8 +570,13 @@ impl Driver {
                 let _ = reply.send(self.verify_all());
             }
             Command::Submit { spec, reply } => {
+                let idle = self.engine.next_wake().is_none();
+                let arrival = spec.arrival;
                 let _ = reply.send(self.submit(spec));
-                self.plan_if_idle();
+                if idle && self.engine.needs_step() {
+                    let now = self.clock.now();
+                    self.plan(arrival.max(self.quiet_since).min(now));
+                }
             }
             Command::Attach { state, rematerialized, reply } => {
                 let _ = reply.send(self.attach(*state, rematerialized));
@@ -731,6 +749,7 @@ impl Driver {
         events.clear();
         out.clear();
         self.engine.complete_iteration_tokens(end, &mut events, &mut tokens);
+        self.quiet_since = self.quiet_since.max(end);
         for t in &tokens {
             self.write_kv(t.request, t.context_tokens);
             out.push(LogEvent::Tokens(v1::Tokens {

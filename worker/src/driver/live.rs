@@ -247,6 +247,7 @@ impl Driver {
             debug_assert!(ended, "a lease on {tier:?} block {block} ended that the engine never lent");
         }
         if !returned.is_empty() {
+            self.quiet_since = self.clock.now();
             self.plan_if_idle();
         }
     }

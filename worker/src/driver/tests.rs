@@ -728,3 +728,30 @@ fn a_block_that_does_not_match_its_checksum_is_refused_as_it_lands() {
     );
     write(Some(sum)).unwrap();
 }
+
+/// A request that reaches an idle engine late (its way from the leader took 100 ms) runs as of
+/// its arrival, as the simulator runs it: its first token comes one iteration after the
+/// arrival, not one iteration after it got here. A request arriving before the engine's last
+/// change is planned as of that change instead (nothing runs before what happened).
+#[test]
+fn an_idle_engine_plans_a_late_request_as_of_its_arrival() {
+    let r = start(0, "fcfs", 32, 8);
+    std::thread::sleep(Duration::from_millis(200));
+    let arrival = Timestamp(100_000_000);
+    let outcome = ask(&r, |reply| Command::Submit { spec: RequestSpec { arrival, ..spec(1, 4, 0, 2) }, reply });
+    assert!(matches!(outcome, SubmitOutcome::Accepted), "{outcome:?}");
+    let s = wait_for(&r.log, "request 1 finished", |s| s.finished.contains_key(&1));
+    let first = s.tokens[&1][0].2;
+    assert_eq!(first, arrival.0 + 1_000_000, "first token one 1 ms iteration after the arrival");
+    // A cancel (an engine change) now: a request stamped before it starts after it.
+    let cancelled = ask(&r, |reply| Command::Cancel { request: RequestId(7), reply });
+    assert!(cancelled.is_err() || cancelled == Ok(false), "{cancelled:?}");
+    let s = collect(&r.log);
+    let after = s.finished[&1].finish_ns.unwrap();
+    let outcome =
+        ask(&r, |reply| Command::Submit { spec: RequestSpec { arrival: Timestamp(after), ..spec(2, 4, 0, 2) }, reply });
+    assert!(matches!(outcome, SubmitOutcome::Accepted), "{outcome:?}");
+    let s = wait_for(&r.log, "request 2 finished", |s| s.finished.contains_key(&2));
+    let first = s.tokens[&2][0].2;
+    assert!(first > after + 50_000_000, "planned after the cancel ({first} vs arrival {after})");
+}
