@@ -49,6 +49,13 @@ pub(crate) const ANNOUNCE_HELD_EVERY: Duration = Duration::from_secs(2);
 /// Commands served per loop turn while the driver is behind schedule.
 const MAX_COMMANDS_PER_CATCH_UP: usize = 64;
 
+/// How long after its end (real time) an iteration is completed and the next one planned (as of
+/// that end): a request the leader placed just before the end is still on its way here (a
+/// millisecond or two), and the simulator, which places and submits at one instant, has it
+/// join the next iteration. Every token and report is this much later in real time, never in
+/// cluster time; any command other than a submit completes the iteration first.
+pub(crate) const SUBMIT_GRACE: Duration = Duration::from_millis(3);
+
 /// What the gRPC service asks of the driver.
 #[derive(Debug)]
 pub(crate) enum Command {
@@ -112,6 +119,21 @@ pub(crate) enum Command {
     VerifyAll {
         reply: oneshot::Sender<Result<u64, String>>,
     },
+}
+
+impl Command {
+    /// Whether it may change the engine (anything but a submit, which may join an iteration
+    /// that ended in the grace, and the questions).
+    fn changes_engine(&self) -> bool {
+        match self {
+            Command::Load { .. } | Command::Stats { .. } | Command::Registration { .. } | Command::Submit { .. } => {
+                false
+            }
+            #[cfg(test)]
+            Command::VerifyAll { .. } => false,
+            _ => true,
+        }
+    }
 }
 
 /// The answer to a submit.
@@ -288,6 +310,8 @@ pub(crate) struct DriverConfig {
     pub verify_kv: bool,
     /// How often held requests are announced again ([`ANNOUNCE_HELD_EVERY`]).
     pub announce_every: Duration,
+    /// How long after its end an iteration is completed ([`SUBMIT_GRACE`]).
+    pub submit_grace: Duration,
 }
 
 pub(crate) struct Driver {
@@ -296,6 +320,7 @@ pub(crate) struct Driver {
     clock: ClusterClock,
     log: Arc<EventLog>,
     load_interval: Duration,
+    submit_grace: Duration,
     verify_kv: bool,
     instance: u32,
     block_size: u32,
@@ -349,6 +374,7 @@ impl Driver {
             clock: cfg.clock,
             log: cfg.log,
             load_interval: cfg.load_interval.max(Duration::from_millis(1)),
+            submit_grace: cfg.submit_grace,
             verify_kv: cfg.verify_kv,
             written: IdMap::default(),
             ledger: Ledger::new(),
@@ -383,7 +409,7 @@ impl Driver {
             }
             let mut until = self.next_load;
             if let Some(end) = self.engine.next_wake() {
-                until = until.min(self.clock.instant(end));
+                until = until.min(self.clock.instant(end) + self.submit_grace);
             }
             if let Some(stop) = self.stop_at {
                 until = until.min(stop);
@@ -411,7 +437,7 @@ impl Driver {
                 }
             }
             if let Some(end) = self.engine.next_wake() {
-                let deadline = self.clock.instant(end);
+                let deadline = self.clock.instant(end) + self.submit_grace;
                 let woke = Instant::now();
                 if woke >= deadline {
                     self.lateness.record(woke - deadline);
@@ -489,11 +515,11 @@ impl Driver {
 
     fn on_command(&mut self, cmd: Command) {
         self.end_returned_leases();
-        let changes_engine = !matches!(
-            cmd,
-            Command::Load { .. } | Command::Stats { .. } | Command::Registration { .. } | Command::Submit { .. }
-        );
-        if changes_engine {
+        if cmd.changes_engine() {
+            // An iteration that ended (its grace for submits running) completes first.
+            if let Some(end) = self.engine.next_wake().filter(|&end| end <= self.clock.now()) {
+                self.complete(end);
+            }
             self.quiet_since = self.clock.now();
         }
         match cmd {

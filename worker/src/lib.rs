@@ -278,6 +278,7 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
         load_interval: Duration::from_millis(opts.load_interval_ms),
         verify_kv: opts.verify_kv,
         announce_every: crate::driver::ANNOUNCE_HELD_EVERY,
+        submit_grace: crate::driver::SUBMIT_GRACE,
     });
     let (commands, rx) = std::sync::mpsc::channel();
     let (report_tx, report_rx) = oneshot::channel();

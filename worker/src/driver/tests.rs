@@ -15,6 +15,8 @@ use std::collections::BTreeMap;
 use std::sync::mpsc::{channel, Sender};
 
 struct Running {
+    /// The driver's cluster clock.
+    clock: ClusterClock,
     tx: Sender<Command>,
     log: Arc<EventLog>,
     thread: Option<std::thread::JoinHandle<DriverReport>>,
@@ -49,6 +51,18 @@ fn start_full(
     announce_every: Duration,
     prefix_caching: bool,
 ) -> Running {
+    start_graced(instance, scheduler, gpu_blocks, cpu_blocks, announce_every, prefix_caching, SUBMIT_GRACE)
+}
+
+fn start_graced(
+    instance: u32,
+    scheduler: &str,
+    gpu_blocks: u32,
+    cpu_blocks: u32,
+    announce_every: Duration,
+    prefix_caching: bool,
+    submit_grace: Duration,
+) -> Running {
     let cfg = EngineConfig {
         prefix_caching,
         block_size: 4,
@@ -66,19 +80,21 @@ fn start_full(
     let layout = ArenaLayout { block_size: 4, kv_bytes_per_token: 96, gpu_blocks, cpu_blocks };
     let arena = KvArena::new(layout, KvFill::Full, false).unwrap();
     let log = Arc::new(EventLog::new(1 << 20));
+    let clock = ClusterClock::new(None, kvfleet_core::Dilation::NONE).unwrap();
     let driver = Driver::new(DriverConfig {
         engine,
         arena,
-        clock: ClusterClock::new(None, kvfleet_core::Dilation::NONE).unwrap(),
+        clock,
         log: log.clone(),
         load_interval: Duration::from_millis(20),
         verify_kv: true,
         // Periodic announcements as the test asks (an hour: only SetRole and aborted moves).
         announce_every,
+        submit_grace,
     });
     let (tx, rx) = channel();
     let thread = std::thread::spawn(move || driver.run(rx));
-    Running { tx, log, thread: Some(thread) }
+    Running { clock, tx, log, thread: Some(thread) }
 }
 
 fn ask<T>(r: &Running, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> T {
@@ -754,4 +770,29 @@ fn an_idle_engine_plans_a_late_request_as_of_its_arrival() {
     let s = wait_for(&r.log, "request 2 finished", |s| s.finished.contains_key(&2));
     let first = s.tokens[&2][0].2;
     assert!(first > after + 50_000_000, "planned after the cancel ({first} vs arrival {after})");
+}
+
+/// A request the leader placed just before an iteration began, still on its way when the
+/// iteration ended, joins the next iteration as in the simulator: iterations complete a grace
+/// after their end (here 100 ms, so this host's scheduling cannot decide it), and a request
+/// stamped 40 ms before it reaches the driver gets its first token one iteration after the
+/// first iteration boundary at or after its arrival. Without the grace the engine, on time,
+/// had started iterations after that boundary without it.
+#[test]
+fn a_request_on_its_way_joins_the_iteration_after_its_arrival() {
+    let r = start_graced(0, "fcfs", 256, 8, Duration::from_secs(3600), false, Duration::from_millis(100));
+    let outcome = ask(&r, |reply| Command::Submit { spec: spec(1, 4, 400, 2), reply });
+    assert!(matches!(outcome, SubmitOutcome::Accepted), "{outcome:?}");
+    wait_for(&r.log, "request 1 decoding", |s| s.tokens.get(&1).is_some_and(|t| t.len() > 50));
+    let arrival = r.clock.now().0 - 40_000_000;
+    let outcome = ask(&r, |reply| Command::Submit {
+        spec: RequestSpec { arrival: Timestamp(arrival), ..spec(2, 4, 0, 2) },
+        reply,
+    });
+    assert!(matches!(outcome, SubmitOutcome::Accepted), "{outcome:?}");
+    let s = wait_for(&r.log, "request 2 finished", |s| s.finished.contains_key(&2));
+    let boundaries: Vec<u64> = s.tokens[&1].iter().map(|t| t.2).collect();
+    let first_after = *boundaries.iter().find(|&&b| b >= arrival).expect("request 1 ran past the arrival");
+    let first = s.tokens[&2][0].2;
+    assert_eq!(first, first_after + 1_000_000, "joined the iteration starting at {first_after} (arrival {arrival})");
 }
