@@ -32,29 +32,18 @@ impl Drop for Running {
 }
 
 fn start(instance: u32, scheduler: &str, gpu_blocks: u32, cpu_blocks: u32) -> Running {
-    start_full(instance, scheduler, gpu_blocks, cpu_blocks, Duration::from_secs(3600), false)
+    start_full(instance, scheduler, gpu_blocks, cpu_blocks, Duration::from_secs(3600), false, SUBMIT_GRACE)
 }
 
 fn start_with_announce(instance: u32, announce_every: Duration) -> Running {
-    start_full(instance, "fcfs", 32, 8, announce_every, false)
+    start_full(instance, "fcfs", 32, 8, announce_every, false, SUBMIT_GRACE)
 }
 
 fn start_caching(instance: u32) -> Running {
-    start_full(instance, "fcfs", 48, 8, Duration::from_secs(3600), true)
+    start_full(instance, "fcfs", 48, 8, Duration::from_secs(3600), true, SUBMIT_GRACE)
 }
 
 fn start_full(
-    instance: u32,
-    scheduler: &str,
-    gpu_blocks: u32,
-    cpu_blocks: u32,
-    announce_every: Duration,
-    prefix_caching: bool,
-) -> Running {
-    start_graced(instance, scheduler, gpu_blocks, cpu_blocks, announce_every, prefix_caching, SUBMIT_GRACE)
-}
-
-fn start_graced(
     instance: u32,
     scheduler: &str,
     gpu_blocks: u32,
@@ -780,7 +769,7 @@ fn an_idle_engine_plans_a_late_request_as_of_its_arrival() {
 /// had started iterations after that boundary without it.
 #[test]
 fn a_request_on_its_way_joins_the_iteration_after_its_arrival() {
-    let r = start_graced(0, "fcfs", 256, 8, Duration::from_secs(3600), false, Duration::from_millis(100));
+    let r = start_full(0, "fcfs", 256, 8, Duration::from_secs(3600), false, Duration::from_millis(100));
     let outcome = ask(&r, |reply| Command::Submit { spec: spec(1, 4, 400, 2), reply });
     assert!(matches!(outcome, SubmitOutcome::Accepted), "{outcome:?}");
     wait_for(&r.log, "request 1 decoding", |s| s.tokens.get(&1).is_some_and(|t| t.len() > 50));
