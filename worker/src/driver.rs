@@ -53,7 +53,9 @@ const MAX_COMMANDS_PER_CATCH_UP: usize = 64;
 /// that end): a request the leader placed just before the end is still on its way here (a
 /// millisecond or two), and the simulator, which places and submits at one instant, has it
 /// join the next iteration. Every token and report is this much later in real time, never in
-/// cluster time; any command other than a submit completes the iteration first.
+/// cluster time; any command other than a submit completes the iteration first, and none is
+/// given while a command waits for the iteration's end (a move out then starts at that end, as
+/// in the simulator).
 pub(crate) const SUBMIT_GRACE: Duration = Duration::from_millis(3);
 
 /// What the gRPC service asks of the driver.
@@ -409,7 +411,7 @@ impl Driver {
             }
             let mut until = self.next_load;
             if let Some(end) = self.engine.next_wake() {
-                until = until.min(self.clock.instant(end) + self.submit_grace);
+                until = until.min(self.clock.instant(end) + self.grace());
             }
             if let Some(stop) = self.stop_at {
                 until = until.min(stop);
@@ -437,7 +439,7 @@ impl Driver {
                 }
             }
             if let Some(end) = self.engine.next_wake() {
-                let deadline = self.clock.instant(end) + self.submit_grace;
+                let deadline = self.clock.instant(end) + self.grace();
                 let woke = Instant::now();
                 if woke >= deadline {
                     self.lateness.record(woke - deadline);
@@ -626,6 +628,16 @@ impl Driver {
                 self.on_live(cmd);
                 self.plan_if_idle();
             }
+        }
+    }
+
+    /// How long after its end the iteration in flight completes: the submit grace, none when a
+    /// command waits for that end (a move out starts at the iteration's end, as in the simulator).
+    fn grace(&self) -> Duration {
+        if self.pending.is_empty() {
+            self.submit_grace
+        } else {
+            Duration::ZERO
         }
     }
 
