@@ -54,6 +54,8 @@ pub struct ParityBench {
 /// One request as a `requests-*.csv` row has it.
 #[derive(Clone, Debug, PartialEq)]
 struct Req {
+    /// Arrival, s (each backend on its own clock: only the simulator's orders requests).
+    arrival_s: f64,
     placed_on: u32,
     ttft_s: Option<f64>,
     e2e_s: Option<f64>,
@@ -89,6 +91,51 @@ pub struct Parity {
     /// Largest gap between the two backends' hit rates of one instance (over the compared
     /// requests placed there), percentage points (`None` when nothing was cached).
     pub prefix_hit_instance_gap_pp: Option<f64>,
+    /// The first request (in arrival order) the two backends placed apart, if any.
+    pub first_divergence: Option<Divergence>,
+}
+
+/// Where two runs' placements first part, and how far their timelines had drifted by then.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Divergence {
+    pub request: u64,
+    /// Its arrival in the simulated run, s.
+    pub arrival_s: f64,
+    pub sim_on: u32,
+    pub emu_on: u32,
+    /// Requests before it whose TTFT differs between the backends by more than 1 ms: the
+    /// instances' timelines had parted before their placements did.
+    pub ttft_drifted_before: usize,
+}
+
+impl Divergence {
+    /// The requests compared in both, in the simulator's arrival order.
+    fn find(both: &[(u64, &Req, &Req)]) -> Option<Divergence> {
+        let mut order: Vec<&(u64, &Req, &Req)> = both.iter().collect();
+        order.sort_by(|a, b| a.1.arrival_s.total_cmp(&b.1.arrival_s).then(a.0.cmp(&b.0)));
+        let k = order.iter().position(|(_, s, e)| s.placed_on != e.placed_on)?;
+        let (id, s, e) = order[k];
+        let drifted = |(_, s, e): &&&(u64, &Req, &Req)| match (s.ttft_s, e.ttft_s) {
+            (Some(a), Some(b)) => (a - b).abs() > 1e-3,
+            _ => false,
+        };
+        Some(Divergence {
+            request: *id,
+            arrival_s: s.arrival_s,
+            sim_on: s.placed_on,
+            emu_on: e.placed_on,
+            ttft_drifted_before: order[..k].iter().filter(drifted).count(),
+        })
+    }
+
+    /// One line: where and what.
+    fn describe(&self, workload: &str) -> String {
+        format!(
+            "{workload}: placements first part at request {} (t = {:.3} s: instance {} in sim, {} in emu); \
+             {} earlier requests' TTFTs differ by > 1 ms",
+            self.request, self.arrival_s, self.sim_on, self.emu_on, self.ttft_drifted_before
+        )
+    }
 }
 
 pub fn run(b: ParityBench) -> anyhow::Result<()> {
@@ -156,6 +203,9 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
         run_step(&exe, &[&up_args[..], &policy_args].concat())?;
         let p = compare(&name, &sim_dir, &emu_dir)?;
         say!("{}", table(std::slice::from_ref(&p)));
+        if let Some(d) = &p.first_divergence {
+            say!("{}", d.describe(&p.workload));
+        }
         results.push(p);
     }
     say!("\n{}", table(&results));
@@ -242,6 +292,7 @@ fn requests(dir: &Path) -> anyhow::Result<BTreeMap<u64, Req>> {
     for row in rows(&path)? {
         let id = field(&row, "id", &path)?.unwrap_or_default();
         let req = Req {
+            arrival_s: field(&row, "arrival_s", &path)?.unwrap_or_default(),
             placed_on: field(&row, "placed_on", &path)?.unwrap_or_default(),
             ttft_s: field(&row, "ttft_s", &path)?,
             e2e_s: field(&row, "e2e_s", &path)?,
@@ -284,11 +335,12 @@ fn ape(sim: Option<f64>, emu: Option<f64>) -> Option<f64> {
 
 fn figures(name: &str, sim: &BTreeMap<u64, Req>, emu: &BTreeMap<u64, Req>) -> Parity {
     let finished = |m: &BTreeMap<u64, Req>| m.values().filter(|r| r.e2e_s.is_some()).count();
-    let both: Vec<(&Req, &Req)> = sim
+    let both_ids: Vec<(u64, &Req, &Req)> = sim
         .iter()
-        .filter_map(|(id, s)| emu.get(id).map(|e| (s, e)))
-        .filter(|(s, e)| s.e2e_s.is_some() && e.e2e_s.is_some())
+        .filter_map(|(id, s)| emu.get(id).map(|e| (*id, s, e)))
+        .filter(|(_, s, e)| s.e2e_s.is_some() && e.e2e_s.is_some())
         .collect();
+    let both: Vec<(&Req, &Req)> = both_ids.iter().map(|&(_, s, e)| (s, e)).collect();
     let mean = |v: Vec<f64>| Distribution::new(v).mean().unwrap_or(f64::NAN);
     let e2e: Vec<f64> = both.iter().filter_map(|(s, e)| ape(s.e2e_s, e.e2e_s)).collect();
     let share = |n: usize| if both.is_empty() { f64::NAN } else { 100.0 * n as f64 / both.len() as f64 };
@@ -312,6 +364,7 @@ fn figures(name: &str, sim: &BTreeMap<u64, Req>, emu: &BTreeMap<u64, Req>) -> Pa
         emu_prefix_hit_pct: hit(cached.1),
         same_cached_pct: share(both.iter().filter(|(s, e)| s.cached_tokens == e.cached_tokens).count()),
         prefix_hit_instance_gap_pp: if cached == (0, 0) { None } else { instance_hit_gap(&both) },
+        first_divergence: Divergence::find(&both_ids),
     }
 }
 
@@ -405,7 +458,37 @@ mod tests {
     use super::*;
 
     fn req(placed_on: u32, ttft: f64, e2e: f64, migrations: u32) -> Req {
-        Req { placed_on, ttft_s: Some(ttft), e2e_s: Some(e2e), migrations, prompt_tokens: 100, cached_tokens: 0 }
+        Req {
+            arrival_s: 0.0,
+            placed_on,
+            ttft_s: Some(ttft),
+            e2e_s: Some(e2e),
+            migrations,
+            prompt_tokens: 100,
+            cached_tokens: 0,
+        }
+    }
+
+    /// The first request placed apart, in the simulator's arrival order (not by id), and the
+    /// earlier ones whose TTFTs had drifted.
+    #[test]
+    fn the_first_divergence_is_found_in_arrival_order() {
+        let at = |arrival_s: f64, placed_on: u32, ttft: f64| Req { arrival_s, ..req(placed_on, ttft, 10.0, 0) };
+        let sim: BTreeMap<u64, Req> =
+            [(1, at(3.0, 0, 1.0)), (2, at(1.0, 1, 1.0)), (3, at(2.0, 2, 1.0)), (4, at(0.5, 0, 1.0))].into();
+        let mut emu = sim.clone();
+        emu.insert(1, at(3.1, 1, 1.0)); // placed apart, last to arrive
+        emu.insert(3, at(2.1, 3, 1.0)); // placed apart, arrives first of the two
+        emu.insert(2, at(1.1, 1, 1.01)); // drifted by 10 ms before it
+        emu.insert(4, at(0.6, 0, 1.0005)); // within 1 ms
+        let d = figures("w", &sim, &emu).first_divergence.expect("placements part");
+        assert_eq!(d, Divergence { request: 3, arrival_s: 2.0, sim_on: 2, emu_on: 3, ttft_drifted_before: 1 });
+        assert!(
+            d.describe("w").contains("request 3 (t = 2.000 s: instance 2 in sim, 3 in emu)"),
+            "{}",
+            d.describe("w")
+        );
+        assert_eq!(figures("w", &sim, &sim).first_divergence, None);
     }
 
     #[test]
@@ -441,14 +524,22 @@ mod tests {
     fn csv_rows_are_read_by_header_and_bad_numbers_named() {
         let dir = std::env::temp_dir().join(format!("kvfleet-parity-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let head = "id,placed_on,ttft_s,e2e_s,migrations,prompt_tokens,cached_tokens";
-        std::fs::write(dir.join("requests-x.csv"), format!("{head}\n4,2,0.5,,0,64,16\n")).unwrap();
+        let head = "id,arrival_s,placed_on,ttft_s,e2e_s,migrations,prompt_tokens,cached_tokens";
+        std::fs::write(dir.join("requests-x.csv"), format!("{head}\n4,1.5,2,0.5,,0,64,16\n")).unwrap();
         let r = requests(&dir).unwrap();
         assert_eq!(
             r[&4],
-            Req { placed_on: 2, ttft_s: Some(0.5), e2e_s: None, migrations: 0, prompt_tokens: 64, cached_tokens: 16 }
+            Req {
+                arrival_s: 1.5,
+                placed_on: 2,
+                ttft_s: Some(0.5),
+                e2e_s: None,
+                migrations: 0,
+                prompt_tokens: 64,
+                cached_tokens: 16
+            }
         );
-        std::fs::write(dir.join("requests-x.csv"), format!("{head}\n4,two,0.5,1,0,64,0\n")).unwrap();
+        std::fs::write(dir.join("requests-x.csv"), format!("{head}\n4,0,two,0.5,1,0,64,0\n")).unwrap();
         let e = requests(&dir).unwrap_err().to_string();
         assert!(e.contains("`placed_on`") && e.contains("two"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
