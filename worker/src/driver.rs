@@ -58,6 +58,11 @@ const MAX_COMMANDS_PER_CATCH_UP: usize = 64;
 /// in the simulator).
 pub(crate) const SUBMIT_GRACE: Duration = Duration::from_millis(3);
 
+/// The longest a request can have been on its way from its arrival to this worker, cluster ns:
+/// an idle engine plans a request that arrived at most this long ago as of its arrival (250 ms:
+/// a first submit on a new channel took 90 ms here), one that arrived earlier as of now.
+const MAX_SUBMIT_DELAY_NS: u64 = 250_000_000;
+
 /// What the gRPC service asks of the driver.
 #[derive(Debug)]
 pub(crate) enum Command {
@@ -602,8 +607,13 @@ impl Driver {
                 let arrival = spec.arrival;
                 let _ = reply.send(self.submit(spec));
                 if idle && self.engine.needs_step() {
+                    // As of its arrival if it is on its way from that arrival; a request arriving
+                    // long before (re-placed after its worker died, resubmitted by a new leader)
+                    // starts now: nothing ran it meanwhile.
                     let now = self.clock.now();
-                    self.plan(arrival.max(self.quiet_since).min(now));
+                    let late_by = now.0.saturating_sub(arrival.0);
+                    let at = if late_by <= MAX_SUBMIT_DELAY_NS { arrival.max(self.quiet_since).min(now) } else { now };
+                    self.plan(at);
                 }
             }
             Command::Attach { state, rematerialized, reply } => {

@@ -759,6 +759,16 @@ fn an_idle_engine_plans_a_late_request_as_of_its_arrival() {
     let s = wait_for(&r.log, "request 2 finished", |s| s.finished.contains_key(&2));
     let first = s.tokens[&2][0].2;
     assert!(first > after + 50_000_000, "planned after the cancel ({first} vs arrival {after})");
+    // One that arrived long ago (re-placed after its worker died) starts now, not back when
+    // this engine last ran (it once ran its whole output at once, in the past).
+    std::thread::sleep(Duration::from_millis(300));
+    let submitted = r.clock.now().0;
+    let outcome =
+        ask(&r, |reply| Command::Submit { spec: RequestSpec { arrival: Timestamp(0), ..spec(3, 4, 0, 2) }, reply });
+    assert!(matches!(outcome, SubmitOutcome::Accepted), "{outcome:?}");
+    let s = wait_for(&r.log, "request 3 finished", |s| s.finished.contains_key(&3));
+    let first = s.tokens[&3][0].2;
+    assert!(first >= submitted, "started when submitted ({first} vs {submitted})");
 }
 
 /// A request the leader placed just before an iteration began, still on its way when the
