@@ -59,8 +59,9 @@ const MAX_COMMANDS_PER_CATCH_UP: usize = 64;
 pub(crate) const SUBMIT_GRACE: Duration = Duration::from_millis(3);
 
 /// The longest a request can have been on its way from its arrival to this worker, cluster ns:
-/// an idle engine plans a request that arrived at most this long ago as of its arrival (250 ms:
-/// a first submit on a new channel took 90 ms here), one that arrived earlier as of now.
+/// an idle engine plans a request that arrived at most this long ago (and after the engine's
+/// last change) as of its arrival (250 ms: a first submit on a new channel took 90 ms here),
+/// any other as of now.
 const MAX_SUBMIT_DELAY_NS: u64 = 250_000_000;
 
 /// What the gRPC service asks of the driver.
@@ -347,9 +348,9 @@ pub(crate) struct Driver {
     /// a later instant hears that nothing changed.
     last_due_ns: u64,
     /// Cluster time since which nothing but submits changed the engine (the end of its last
-    /// iteration, or the last other command): an idle engine given a request plans it as of its
-    /// arrival, if no later than this, as the simulator does (the request's way here, a
-    /// millisecond or, on a new channel, a hundred, would otherwise delay its whole timeline).
+    /// iteration, or the last other command): an idle engine given a request that arrived since
+    /// plans it as of its arrival, as the simulator does (the request's way here, a millisecond
+    /// or, on a new channel, a hundred, would otherwise delay its whole timeline).
     quiet_since: Timestamp,
     /// When the requests held for a handoff are next announced again ([`ANNOUNCE_HELD_EVERY`]).
     next_announce: Instant,
@@ -607,13 +608,14 @@ impl Driver {
                 let arrival = spec.arrival;
                 let _ = reply.send(self.submit(spec));
                 if idle && self.engine.needs_step() {
-                    // As of its arrival if it is on its way from that arrival; a request arriving
-                    // long before (re-placed after its worker died, resubmitted by a new leader)
-                    // starts now: nothing ran it meanwhile.
+                    // As of its arrival if it is on its way from that arrival to an engine idle
+                    // since before it; a request arriving long before (re-placed after its
+                    // worker died, resubmitted by a new leader) or before the engine's last
+                    // change starts now: nothing ran it meanwhile.
                     let now = self.clock.now();
                     let late_by = now.0.saturating_sub(arrival.0);
-                    let at = if late_by <= MAX_SUBMIT_DELAY_NS { arrival.max(self.quiet_since).min(now) } else { now };
-                    self.plan(at);
+                    let on_its_way = late_by <= MAX_SUBMIT_DELAY_NS && self.quiet_since <= arrival;
+                    self.plan(if on_its_way { arrival.min(now) } else { now });
                 }
             }
             Command::Attach { state, rematerialized, reply } => {

@@ -737,7 +737,7 @@ fn a_block_that_does_not_match_its_checksum_is_refused_as_it_lands() {
 /// A request that reaches an idle engine late (its way from the leader took 100 ms) runs as of
 /// its arrival, as the simulator runs it: its first token comes one iteration after the
 /// arrival, not one iteration after it got here. A request arriving before the engine's last
-/// change is planned as of that change instead (nothing runs before what happened).
+/// change, or long ago (re-placed after its worker died), starts when it gets here.
 #[test]
 fn an_idle_engine_plans_a_late_request_as_of_its_arrival() {
     let r = start(0, "fcfs", 32, 8);
@@ -759,14 +759,15 @@ fn an_idle_engine_plans_a_late_request_as_of_its_arrival() {
     let s = wait_for(&r.log, "request 2 finished", |s| s.finished.contains_key(&2));
     let first = s.tokens[&2][0].2;
     assert!(first > after + 50_000_000, "planned after the cancel ({first} vs arrival {after})");
-    // One that arrived long ago (re-placed after its worker died) starts now, not back when
-    // this engine last ran (it once ran its whole output at once, in the past).
+    // An engine idle since its start given one that arrived 300 ms ago: it starts now, not back
+    // then (it once ran its whole output at once, in the past).
+    let fresh = start(1, "fcfs", 32, 8);
     std::thread::sleep(Duration::from_millis(300));
-    let submitted = r.clock.now().0;
+    let submitted = fresh.clock.now().0;
     let outcome =
-        ask(&r, |reply| Command::Submit { spec: RequestSpec { arrival: Timestamp(0), ..spec(3, 4, 0, 2) }, reply });
+        ask(&fresh, |reply| Command::Submit { spec: RequestSpec { arrival: Timestamp(1), ..spec(3, 4, 0, 2) }, reply });
     assert!(matches!(outcome, SubmitOutcome::Accepted), "{outcome:?}");
-    let s = wait_for(&r.log, "request 3 finished", |s| s.finished.contains_key(&3));
+    let s = wait_for(&fresh.log, "request 3 finished", |s| s.finished.contains_key(&3));
     let first = s.tokens[&3][0].2;
     assert!(first >= submitted, "started when submitted ({first} vs {submitted})");
 }
