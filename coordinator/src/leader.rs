@@ -527,11 +527,7 @@ impl Leader {
     /// (in a task of its own).
     pub async fn submit(self: &Arc<Self>, spec: RequestSpec, tx: ClientTx) -> Result<InstanceId, LeaderError> {
         // On every worker's load as of the arrival, as the simulator places it.
-        let bound = *self.report_wait.lock().expect("report_wait lock");
-        let late = self.due_reports.wait_through(spec.arrival.min(self.cluster_now()), bound, None).await;
-        if !late.is_empty() {
-            tracing::debug!(request = spec.id.0, ?late, "placed without the load reports due by its arrival");
-        }
+        self.await_reports(spec.arrival, None, spec.id).await;
         let now = self.cluster_now();
         let (to, fetch, note) = {
             let mut control = self.control();
@@ -834,6 +830,16 @@ impl Leader {
         }
     }
 
+    /// Before deciding about `request` as of `at` (no later than now): wait for the load reports
+    /// due by then, but `except`'s ([`reports::DueReports::wait_through`]); log any given up on.
+    async fn await_reports(&self, at: Timestamp, except: Option<InstanceId>, request: RequestId) {
+        let bound = *self.report_wait.lock().expect("report_wait lock");
+        let late = self.due_reports.wait_through(at.min(self.cluster_now()), bound, except).await;
+        if !late.is_empty() {
+            tracing::debug!(request = request.0, ?late, "decided without the load reports due by its instant");
+        }
+    }
+
     /// `instance`'s load report: the controller's view, and placements waiting for it.
     fn on_load(self: &Arc<Self>, instance: InstanceId, l: &v1::LoadReport) {
         // A decoder with room again takes the handoffs waiting for one.
@@ -845,12 +851,7 @@ impl Leader {
     /// A `</think>` on `from`: decided (PASCAL's Alg. 2) on every other instance's load as of
     /// its instant, as the simulator decides it; `from`'s own came before it on its stream.
     async fn on_boundary(self: &Arc<Self>, from: InstanceId, b: v1::PhaseBoundary) {
-        let bound = *self.report_wait.lock().expect("report_wait lock");
-        let at = Timestamp(b.at_ns).min(self.cluster_now());
-        let late = self.due_reports.wait_through(at, bound, Some(from)).await;
-        if !late.is_empty() {
-            tracing::debug!(request = b.request_id, ?late, "decided a boundary without the load reports due by it");
-        }
+        self.await_reports(Timestamp(b.at_ns), Some(from), RequestId(b.request_id)).await;
         let event = Event::Boundary {
             request: RequestId(b.request_id),
             instance: InstanceId(b.instance),

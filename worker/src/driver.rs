@@ -604,10 +604,10 @@ impl Driver {
                 let _ = reply.send(self.verify_all());
             }
             Command::Submit { spec, reply } => {
-                let idle = self.engine.next_wake().is_none();
                 let arrival = spec.arrival;
                 let _ = reply.send(self.submit(spec));
-                if idle && self.engine.needs_step() {
+                // Idle (a submit plans nothing, so no iteration was in flight before it either).
+                if self.engine.needs_step() {
                     // As of its arrival if it is on its way from that arrival to an engine idle
                     // since before it; a request arriving long before (re-placed after its
                     // worker died, resubmitted by a new leader) or before the engine's last
