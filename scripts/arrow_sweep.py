@@ -57,19 +57,28 @@ def pct(values, q):
     return f"{1e3 * values[min(len(values), max(1, rank)) - 1]:.1f}"
 
 
+# The handoff's latency breakdown in attainment.csv: q2, c, q3 (see handoff_times).
+HANDOFF_COLUMNS = ("q2_p50_ms", "q2_p99_ms", "c_p50_ms", "c_p99_ms", "q3_p50_ms", "q3_p99_ms")
+
+
 def handoff_times(folder):
-    """q2 (first token -> its handoff starts: the wait for a decoder) and c (the handoff's copy),
-    P50/P99 in ms, from a run's request and migration CSVs (its first migration is its handoff)."""
+    """q2 (first token -> its handoff starts: the wait for a decoder), c (the handoff's copy) and
+    q3 (the handoff's commit -> the first iteration that runs the request on the decode instance),
+    P50/P99 in ms, from a run's request and migration CSVs (its first migration is its handoff;
+    q3 is the requests CSV's `q3_s`, measured after a request's last migration, which is its
+    handoff unless it moved again)."""
     files = os.listdir(folder)
     reqs = next((f for f in files if f.startswith("requests-")), None)
     migs = next((f for f in files if f.startswith("migrations-")), None)
     if not reqs or not migs:
         return {}
-    first_token = {}
+    first_token, q3 = {}, []
     with open(os.path.join(folder, reqs)) as f:
         for r in csv.DictReader(f):
             if r["ttft_s"]:
                 first_token[r["id"]] = float(r["arrival_s"]) + float(r["ttft_s"])
+            if r.get("q3_s"):
+                q3.append(float(r["q3_s"]))
     q2, c, seen = [], [], set()
     with open(os.path.join(folder, migs)) as f:
         for m in csv.DictReader(f):
@@ -78,7 +87,8 @@ def handoff_times(folder):
             seen.add(m["request"])
             q2.append(max(0.0, float(m["start_s"]) - first_token[m["request"]]))
             c.append(float(m["transfer_s"]))
-    return {"q2_p50_ms": pct(q2, 0.5), "q2_p99_ms": pct(q2, 0.99), "c_p50_ms": pct(c, 0.5), "c_p99_ms": pct(c, 0.99)}
+    return {"q2_p50_ms": pct(q2, 0.5), "q2_p99_ms": pct(q2, 0.99), "c_p50_ms": pct(c, 0.5), "c_p99_ms": pct(c, 0.99),
+            "q3_p50_ms": pct(q3, 0.5), "q3_p99_ms": pct(q3, 0.99)}
 
 
 def goodput(points, target):
@@ -154,12 +164,12 @@ def main():
     with open(os.path.join(a.out, "attainment.csv"), "w", newline="") as f:
         out = csv.writer(f)
         out.writerow(["setup", "rate_scale", "rate_req_s", "slo_attainment", "flips", "ttft_p50_s", "ttft_p99_s",
-                      "tpot_p50_s", "q2_p50_ms", "q2_p99_ms", "c_p50_ms", "c_p99_ms"])
+                      "tpot_p50_s", *HANDOFF_COLUMNS])
         for setup, scale, att, _, flips, row in results:
             rate = a.base_rate * scale
             series[setup].append((rate, att))
             out.writerow([setup, scale, f"{rate:.2f}", f"{att:.4f}", flips, row["ttft_p50_s"], row["ttft_p99_s"],
-                          row["tpot_p50_s"], *(row.get(k, "") for k in ("q2_p50_ms", "q2_p99_ms", "c_p50_ms", "c_p99_ms"))])
+                          row["tpot_p50_s"], *(row.get(k, "") for k in HANDOFF_COLUMNS)])
     print("rate req/s  " + "  ".join(f"{s:>10}" for s in setups))
     for scale in scales:
         cells = []

@@ -186,23 +186,27 @@ fn opt_cell(v: Option<f64>) -> String {
 }
 
 const REQUESTS_HEADER: &str = "id,arrival_s,prompt_tokens,reasoning_tokens,answer_tokens,placed_on,finished_on,\
-ttft_s,ttfat_s,e2e_s,blocking_s,qoe,preemptions,migrations,rejected,cached_tokens";
+ttft_s,ttfat_s,e2e_s,blocking_s,qoe,preemptions,migrations,rejected,cached_tokens,q3_s";
 
 /// One request as a CSV line (no newline). Latencies follow [`kvfleet_core::metrics::summary`]:
-/// a rejected request has none.
+/// a rejected request has none. `q3_s` is the wait in the queue of the instance its last
+/// migration moved it to (a prefill → decode handoff's decode-queue wait): from that migration's
+/// commit (`migrated_in`) to the start of the first iteration that ran it there; empty for a
+/// request that never migrated.
 fn request_row(r: &RequestRecord) -> String {
     let live = !r.rejected;
-    let (ttfat, e2e, blocking) = if live {
+    let (ttfat, e2e, blocking, q3) = if live {
         (
             span_cell(r.reasoning_end, r.first_answer_token),
             span_cell(Some(r.arrival), r.finish),
             span_cell(r.reasoning_end, r.first_scheduled_after_reasoning),
+            span_cell(r.migrated_in, r.first_scheduled_after_migration),
         )
     } else {
         Default::default()
     };
     format!(
-        "{},{:.6},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+        "{},{:.6},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
         r.id.0,
         r.arrival.as_secs_f64(),
         r.prompt_tokens,
@@ -219,6 +223,7 @@ fn request_row(r: &RequestRecord) -> String {
         r.migrations,
         r.rejected,
         r.cached_tokens,
+        q3,
     )
 }
 
@@ -397,6 +402,8 @@ pub(crate) mod fixtures {
                     preemptions: u32::from(i % 7 == 0),
                     migrations: u32::from(i % 3 == 0),
                     rejected,
+                    migrated_in: (i % 3 == 0).then_some(t(arrival + 0.07)),
+                    first_scheduled_after_migration: (i % 3 == 0).then_some(t(arrival + 0.0725)),
                 }
             })
             .collect()
@@ -590,6 +597,12 @@ mod tests {
             assert!(last_id < Some(id), "ids ascending: {line}");
             last_id = Some(id);
             let rejected: bool = cells[14].parse().expect("rejected");
+            let migrated = cells[13] != "0";
+            if rejected || !migrated {
+                assert_eq!(cells[16], "", "q3 only after a migration: {line}");
+            } else {
+                assert_eq!(cells[16], "0.002500", "{line}");
+            }
             if rejected {
                 assert_eq!(&cells[6..12], ["", "", "", "", "", ""], "{line}");
             } else {

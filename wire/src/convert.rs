@@ -152,6 +152,8 @@ impl From<&RequestRecord> for v1::RequestRecord {
             rejected: r.rejected,
             kv_rematerialized: false,
             cached_tokens: r.cached_tokens,
+            migrated_in_ns: ns(r.migrated_in),
+            first_scheduled_after_migration_ns: ns(r.first_scheduled_after_migration),
         }
     }
 }
@@ -177,6 +179,8 @@ impl From<&v1::RequestRecord> for RequestRecord {
             preemptions: r.preemptions,
             migrations: r.migrations,
             rejected: r.rejected,
+            migrated_in: time(r.migrated_in_ns),
+            first_scheduled_after_migration: time(r.first_scheduled_after_migration_ns),
         }
     }
 }
@@ -239,6 +243,8 @@ mod tests {
             qoe: Some(0.5),
             migrations: 1,
             cached_tokens: 48,
+            migrated_in: Some(Timestamp(8)),
+            first_scheduled_after_migration: Some(Timestamp(9)),
             ..RequestRecord::default()
         };
         assert_eq!(RequestRecord::from(&v1::RequestRecord::from(&r)), r);

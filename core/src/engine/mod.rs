@@ -157,6 +157,8 @@ struct Req {
     residence: Residence,
     /// Reasoning ended and it has not been scheduled since (blocking latency).
     awaiting_after_reasoning: bool,
+    /// A migration attached it here and no iteration has run it since (the decode-queue wait).
+    awaiting_after_migration: bool,
     sched: SchedState,
     spec: RequestSpec,
     pacer: Option<TokenPacer>,
@@ -620,6 +622,7 @@ impl Engine {
             pacer: None,
             record,
             awaiting_after_reasoning: false,
+            awaiting_after_migration: false,
             selected_epoch: 0,
             hashes,
             prefill_cached: 0,
@@ -949,6 +952,12 @@ impl Engine {
             if req.awaiting_after_reasoning {
                 req.awaiting_after_reasoning = false;
                 req.record.first_scheduled_after_reasoning = Some(now);
+            }
+            // A prefill entry left without a chunk (chunked prefill's budget spent on decodes)
+            // computes nothing in this iteration: its wait after the attach goes on.
+            if req.awaiting_after_migration && (!e.prefill || e.chunk > 0) {
+                req.awaiting_after_migration = false;
+                req.record.first_scheduled_after_migration = Some(now);
             }
         }
         if shape.is_empty() {
@@ -1651,6 +1660,9 @@ impl Engine {
         };
         let mut record = m.record;
         record.migrations += 1;
+        // q3 is measured from the latest attach: an earlier move's wait is not this one's.
+        record.migrated_in = Some(now);
+        record.first_scheduled_after_migration = None;
         let hashes = self.prompt_hashes(&m.spec);
         let req = Req {
             spec: m.spec,
@@ -1660,6 +1672,7 @@ impl Engine {
             pacer: m.pacer,
             record,
             awaiting_after_reasoning: m.awaiting_after_reasoning,
+            awaiting_after_migration: true,
             selected_epoch: 0,
             hashes,
             prefill_cached: 0,

@@ -480,6 +480,57 @@ fn a_held_request_leaves_mid_iteration_a_running_one_does_not() {
     src.check_invariants().unwrap();
 }
 
+/// q3, the wait in the decode queue after a handoff: from the attach (mid-iteration here, on a
+/// decode instance that runs one sequence at a time) to the start of the first iteration that
+/// runs the request, not the attach itself nor the next iteration's start. A request that never
+/// moved has neither time.
+#[test]
+fn a_handed_off_request_records_the_first_iteration_that_runs_it_after_the_attach() {
+    let mut src = engine("fcfs", 64, 0, 500);
+    src.set_hand_off(true);
+    let mut dst = Engine::new(
+        InstanceId(1),
+        EngineConfig { max_num_seqs: 1, ..cfg(64, 0) },
+        Arc::new(FixedTiming { iteration: TimeSpan(UNIT), transfer: TimeSpan::ZERO }),
+        build_scheduler("fcfs", &SchedulerParams::default()).unwrap(),
+    );
+    let mut ev = Vec::new();
+    // The decode instance runs request 1 (arrived first) over 0..4: prefill, then three decodes.
+    dst.submit(Timestamp(0), spec(1, 0, 10, 0, 4)).unwrap();
+    dst.step(Timestamp(0), &mut ev);
+    // Request 2 is prefilled on the prefill instance over 1..2 and handed off.
+    src.submit(Timestamp(UNIT), spec(2, 1, 30, 0, 3)).unwrap();
+    src.step(Timestamp(UNIT), &mut ev);
+    dst.step(Timestamp(UNIT), &mut ev);
+    src.step(Timestamp(2 * UNIT), &mut ev);
+    dst.step(Timestamp(2 * UNIT), &mut ev);
+    assert!(src.is_held(RequestId(2)));
+    src.begin_migration_out(RequestId(2)).unwrap();
+    let m = src.finish_migration_out(RequestId(2)).unwrap();
+    assert_eq!(m.record.migrated_in, None);
+    // Attached while the decode instance's iteration 2..3 runs; the one slot is 1's until it
+    // finishes at 4.
+    let attach = Timestamp(2 * UNIT + UNIT / 2);
+    dst.attach(attach, m).unwrap();
+    ev.clear();
+    let mut t = dst.step(Timestamp(3 * UNIT), &mut ev).expect("1 decodes on");
+    while let Some(next) = dst.step(t, &mut ev) {
+        t = next;
+    }
+    let records: Vec<&RequestRecord> =
+        ev.iter().filter_map(|e| if let EngineEvent::Finished(r) = e { Some(&**r) } else { None }).collect();
+    let [one, two] = records[..] else { panic!("both finish: {ev:?}") };
+    assert_eq!((one.id, two.id), (RequestId(1), RequestId(2)));
+    assert_eq!((one.migrated_in, one.first_scheduled_after_migration), (None, None), "1 never moved");
+    assert_eq!(two.migrated_in, Some(attach));
+    assert_eq!(
+        two.first_scheduled_after_migration,
+        Some(Timestamp(4 * UNIT)),
+        "the first iteration that ran 2 after its attach at 2.5 (not the one at 3, which ran only 1)"
+    );
+    assert_eq!(two.finish, Some(Timestamp(6 * UNIT)), "its two decodes over 4..6");
+}
+
 /// A cancelled request is gone at once, mid-iteration too: its KV freed, no token and no record
 /// from it, the others unaffected; a request frozen for a migration is the migration's.
 #[test]

@@ -45,4 +45,14 @@ pub struct RequestRecord {
     /// Prompt tokens its first prefill found in the instance's prefix cache (not computed).
     #[serde(default)]
     pub cached_tokens: u32,
+    /// When its most recent migration attached it to the instance it runs on: the migration's
+    /// commit ([`crate::engine::Engine::attach`]; a live migration's `resumed_at`). `None` when
+    /// it never migrated.
+    #[serde(default)]
+    pub migrated_in: Option<Timestamp>,
+    /// Start of the first iteration that ran the request after `migrated_in`: the decode-queue
+    /// wait after a prefill → decode handoff (Arrow's q3) is this minus `migrated_in`. `None`
+    /// when it never migrated, or nothing ran it since its last attach.
+    #[serde(default)]
+    pub first_scheduled_after_migration: Option<Timestamp>,
 }

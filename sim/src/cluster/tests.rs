@@ -240,10 +240,25 @@ fn prefill_instances_hand_every_request_to_a_decode_instance() {
     }
     let to: std::collections::BTreeSet<u32> = out.migrations.iter().map(|m| m.to.0).collect();
     assert_eq!(to.len(), 2, "handoffs spread over both decode instances: {to:?}");
+    // q3: each handoff's commit (the target resumed it) to its first iteration on the decode
+    // instance, which follows the commit.
+    for m in &out.migrations {
+        let r = out.records.iter().find(|r| r.id == m.request).expect("a record per request");
+        assert_eq!(r.migrated_in, m.resumed_at, "{}: attached at the commit", r.id);
+        let (Some(attached), Some(ran)) = (r.migrated_in, r.first_scheduled_after_migration) else {
+            panic!("{}: a handoff records its attach and the first iteration after it: {r:?}", r.id)
+        };
+        assert!(ran >= attached, "{}: q3 < 0 ({ran:?} before {attached:?})", r.id);
+        assert!(r.first_scheduled.is_some_and(|first| first < attached), "{}", r.id);
+    }
     // Without the split the same run moves nothing and finishes where it was placed.
     let out = run_split(&cfg, build_policy("least-kv", &cfg.scheduler.instance).unwrap(), 0, &requests);
     assert!(out.migrations.is_empty());
     assert!(out.records.iter().all(|r| r.finished_on == Some(r.placed_on)));
+    assert!(
+        out.records.iter().all(|r| r.migrated_in.is_none() && r.first_scheduled_after_migration.is_none()),
+        "no q3 without a migration"
+    );
 }
 
 /// A handoff that cannot complete (every one times out here) leaves the request where it was
@@ -262,6 +277,7 @@ fn a_failed_handoff_decodes_where_it_was_prefilled() {
     assert_eq!(ids, (0..6).collect::<Vec<_>>(), "each once");
     for r in &out.records {
         assert_eq!((r.placed_on, r.finished_on, r.migrations), (InstanceId(0), Some(InstanceId(0)), 0), "{}", r.id);
+        assert_eq!((r.migrated_in, r.first_scheduled_after_migration), (None, None), "{}: never moved", r.id);
     }
     assert!(out.migrations.iter().all(|m| m.outcome_name() == "aborted"), "{:?}", out.migrations);
     assert!(!out.migrations.is_empty());
@@ -315,6 +331,14 @@ fn arrow_flips_roles_and_every_request_finishes_once() {
         let ids: Vec<u64> = out.records.iter().map(|r| r.id.0).collect();
         assert_eq!(ids, (0..60).collect::<Vec<_>>(), "seed {seed}: each request once");
         assert!(out.records.iter().all(|r| r.finish.is_some() && !r.rejected), "seed {seed}: all finished");
+        for r in &out.records {
+            // Every request that moved ran again after its last move, no sooner than its commit.
+            match (r.migrations, r.migrated_in, r.first_scheduled_after_migration) {
+                (0, None, None) => {}
+                (1.., Some(attached), Some(ran)) => assert!(ran >= attached, "seed {seed}: q3 < 0: {r:?}"),
+                _ => panic!("seed {seed}: q3's times do not match the migrations: {r:?}"),
+            }
+        }
         for m in out.migrations.iter().filter(|m| m.outcome_name() == "committed") {
             // Its prompt and first token; more when its instance flipped to decode and it ran on
             // until its move began.
