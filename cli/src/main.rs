@@ -147,7 +147,10 @@ impl std::error::Error for InputError {}
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Sim(args) => cmd_sim(args),
+        Command::Sim(args) => {
+            sim_logs();
+            cmd_sim(args)
+        }
         Command::Bench(b) => bench::run(b),
         Command::Up(args) => up::run(args),
         Command::Serve(args) => serve::run(args),
@@ -167,6 +170,14 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         }
+    }
+}
+
+/// `kvfleet sim` logs nothing unless `RUST_LOG` asks (e.g. `RUST_LOG=kvfleet::decisions=debug`
+/// prints the controller's decisions, as the leader of `kvfleet up` logs them): then to stderr.
+fn sim_logs() {
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
     }
 }
 

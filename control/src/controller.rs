@@ -958,6 +958,7 @@ impl Controller {
             None => (self.policy.place(spec, live, &mut self.rng), None),
         };
         if live.iter().any(|l| l.instance == to) {
+            trace_decision("place", self.now, spec.id, to, live);
             self.note_prefix(spec, to);
             return Some((to, fetch));
         }
@@ -1124,6 +1125,13 @@ impl Controller {
                 .collect();
             self.policy.on_phase_change(&change, &loads, &mut self.rng)
         };
+        if tracing::enabled!(target: DECISIONS, tracing::Level::DEBUG) {
+            let to = match decision {
+                PhaseDecision::Migrate { to } => to,
+                _ => m.from,
+            };
+            trace_decision("phase", self.now, id, to, &self.live);
+        }
         let PhaseDecision::Migrate { to } = decision else {
             self.moves.remove(&id);
             return;
@@ -1364,6 +1372,28 @@ fn charge_kind(spec: &RequestSpec) -> ChargeKind {
     } else {
         ChargeKind::Answering
     }
+}
+
+/// The `tracing` target of [`trace_decision`]: `RUST_LOG=kvfleet::decisions=debug` logs every
+/// placement and `</think>` decision with the loads it saw, in `kvfleet sim` and on the leader
+/// alike (one line format, so two runs' decisions can be compared line by line).
+pub const DECISIONS: &str = "kvfleet::decisions";
+
+/// Logs a decision (`kind`: `place` or `phase`) for `request` at `now` (ns) that chose `to`, with
+/// each instance's load as `instance:kv_blocks:reasoning:fresh_answering:slo_ok`.
+fn trace_decision(kind: &str, now: Timestamp, request: RequestId, to: InstanceId, loads: &[LoadReport]) {
+    if !tracing::enabled!(target: DECISIONS, tracing::Level::DEBUG) {
+        return;
+    }
+    let loads: Vec<String> = loads
+        .iter()
+        .map(|l| {
+            let blocks = l.gpu_used_blocks + l.cpu_used_blocks + l.waiting_blocks;
+            let (r, a, ok) = (l.reasoning_requests, l.fresh_answering_requests, u8::from(l.answering_slo_ok));
+            format!("{}:{blocks}:{r}:{a}:{ok}", l.instance.0)
+        })
+        .collect();
+    tracing::debug!(target: DECISIONS, kind, at_ns = now.as_nanos(), request = request.0, to = to.0, loads = %loads.join(" "));
 }
 
 #[cfg(test)]

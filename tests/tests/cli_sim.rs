@@ -6,7 +6,7 @@
 //!
 //! Workloads are a few hundred requests so the whole file runs in seconds on a debug build.
 
-use kvfleet_tests::{describe, fixture, read_dir_files, run_kvfleet, TempDir};
+use kvfleet_tests::{describe, fixture, kvfleet_bin, read_dir_files, run_kvfleet, TempDir};
 use std::collections::BTreeSet;
 use std::path::Path;
 
@@ -688,4 +688,33 @@ fn bench_sim_compares_leaping_with_stepping_in_one_run() {
     assert!(matches!(handled[..], [leap, step] if leap < step), "{text}");
     let refused = run_kvfleet(["bench", "sim", "--mode", "sideways"].iter());
     assert_eq!(refused.status.code(), Some(2), "{}", describe(&refused));
+}
+
+/// `RUST_LOG=kvfleet::decisions=debug` makes `kvfleet sim` log every placement the controller
+/// makes, with the loads it saw (the leader of `kvfleet up` logs the same lines): one per request,
+/// in arrival order. Without `RUST_LOG` it logs nothing.
+#[test]
+fn sim_logs_each_placement_with_its_loads_when_asked() {
+    let tmp = TempDir::new("decisions");
+    let config = tmp.write("c.toml", "[cluster]\ninstances = 3\n[workload]\nnum_requests = 6\n");
+    let out_dir = tmp.join("out");
+    let args = ["sim", "--config", path_str(&config), "--no-plots", "-q", "--out", path_str(&out_dir)];
+    let bin = kvfleet_bin();
+    let out = std::process::Command::new(&bin)
+        .args(args)
+        .env("RUST_LOG", "kvfleet::decisions=debug")
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("kvfleet sim");
+    assert!(out.status.success(), "{}", describe(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let places: Vec<&str> = stderr.lines().filter(|l| l.contains("kind=\"place\"")).collect();
+    assert_eq!(places.len(), 6, "{}", describe(&out));
+    for (i, line) in places.iter().enumerate() {
+        assert!(line.contains(&format!("request={i} ")), "arrival order: {line}");
+        let loads = line.split("loads=").nth(1).expect("loads");
+        assert_eq!(loads.split_whitespace().count(), 3, "one load per instance: {line}");
+    }
+    let quiet = std::process::Command::new(&bin).args(args).env_remove("RUST_LOG").output().expect("kvfleet sim");
+    assert!(quiet.status.success() && quiet.stderr.is_empty(), "{}", describe(&quiet));
 }
