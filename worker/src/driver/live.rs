@@ -287,7 +287,10 @@ impl Driver {
         match self.read_blocks(request, 0, 0) {
             Ok(read) => {
                 let prefix = self.engine.spec(request).map(|s| shared_blocks(s, self.block_size).into_vec());
-                Ok(BeganOut { kv_tokens: read.kv_tokens, prefix: prefix.unwrap_or_default() })
+                // The KV as it is, partial last block included (`read` counts only the full
+                // blocks a live stage may copy): the target reserves for it, as in the simulator.
+                let kv_tokens = self.written.get(&request).map_or(read.kv_tokens, |w| w.tokens);
+                Ok(BeganOut { kv_tokens, prefix: prefix.unwrap_or_default() })
             }
             Err(e) => {
                 // Nothing to move yet (no KV): it carries on here.

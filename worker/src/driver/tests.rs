@@ -52,6 +52,19 @@ fn start_full(
     prefix_caching: bool,
     submit_grace: Duration,
 ) -> Running {
+    start_timed(instance, scheduler, (gpu_blocks, cpu_blocks), announce_every, prefix_caching, submit_grace, 1.0)
+}
+
+/// [`start_full`] with every iteration taking `iteration_ms`.
+fn start_timed(
+    instance: u32,
+    scheduler: &str,
+    (gpu_blocks, cpu_blocks): (u32, u32),
+    announce_every: Duration,
+    prefix_caching: bool,
+    submit_grace: Duration,
+    iteration_ms: f64,
+) -> Running {
     let cfg = EngineConfig {
         prefix_caching,
         block_size: 4,
@@ -63,7 +76,7 @@ fn start_full(
         tpot: TimeSpan::from_millis_f64(5.0),
     };
     let timing =
-        Arc::new(FixedTiming { iteration: TimeSpan::from_millis_f64(1.0), transfer: TimeSpan::from_millis_f64(0.2) });
+        Arc::new(FixedTiming { iteration: TimeSpan::from_millis_f64(iteration_ms), transfer: TimeSpan::from_millis_f64(0.2) });
     let params = SchedulerParams { quantum_tokens: 3, ..SchedulerParams::default() };
     let engine = Engine::new(InstanceId(instance), cfg.clone(), timing, build_scheduler(scheduler, &params).unwrap());
     let layout = ArenaLayout { block_size: 4, kv_bytes_per_token: 96, gpu_blocks, cpu_blocks };
@@ -335,6 +348,21 @@ fn live_commands_copy_a_running_request_block_by_block() {
     let stats_b = ask(&b, |reply| Command::Stats { reply });
     assert!(stats_b.kv.tokens_verified >= paused.kv_tokens as u64, "B checked every received token: {stats_b:?}");
     assert_eq!(stats_b.kv.errors + ask(&a, |reply| Command::Stats { reply }).kv.errors, 0);
+}
+
+/// A move out announces the request's KV as it is, its partial last block included (what the
+/// target reserves for; the simulator announces the same): a 9-token prompt with one token out
+/// holds 9 or 10 tokens of KV (4-token blocks), not the 8 of its full blocks.
+#[test]
+fn a_move_out_announces_the_kv_with_its_partial_block() {
+    // Iterations of 300 ms: the KV does not change between the first token and the BeginOut.
+    let a = start_timed(0, "fcfs", (32, 8), Duration::from_secs(3600), false, SUBMIT_GRACE, 300.0);
+    ask(&a, |reply| Command::Submit { spec: spec(9, 9, 60, 10), reply });
+    wait_for(&a.log, "the first token", |s| s.tokens.get(&9).is_some_and(|t| !t.is_empty()));
+    let live = |cmd| Command::Live(cmd);
+    let began = ask(&a, |reply| live(LiveCommand::BeginOut { request: RequestId(9), migration: MigrationId(1), reply }));
+    let kv = began.unwrap().kv_tokens;
+    assert!((9..=10).contains(&kv), "announced {kv} KV tokens");
 }
 
 /// A corrupted block is caught on the target before the request is attached; the reservation is
