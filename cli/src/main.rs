@@ -177,7 +177,8 @@ fn main() -> ExitCode {
 /// prints the controller's decisions, as the leader of `kvfleet up` logs them): then to stderr.
 fn sim_logs() {
     if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
-        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+        let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init();
     }
 }
 

@@ -703,7 +703,7 @@ fn sim_logs_each_placement_with_its_loads_when_asked() {
     let out = std::process::Command::new(&bin)
         .args(args)
         .env("RUST_LOG", "kvfleet::decisions=debug")
-        .env("NO_COLOR", "1")
+        .env_remove("NO_COLOR")
         .output()
         .expect("kvfleet sim");
     assert!(out.status.success(), "{}", describe(&out));
