@@ -1111,27 +1111,23 @@ impl Controller {
             return;
         }
         let change = PhaseChange { request: id, current: m.from, kv_blocks: m.kv_blocks };
-        let decision = if m.declined.is_empty() && !self.disaggregated {
-            self.policy.on_phase_change(&change, &self.live, &mut self.rng)
-        } else {
-            // Not the targets that declined it, and, disaggregated, only instances that decode.
+        // Not the targets that declined it, and, disaggregated, only instances that decode.
+        let narrowed: Option<Vec<LoadReport>> = (!m.declined.is_empty() || self.disaggregated).then(|| {
             let instances = &self.instances;
-            let loads: Vec<LoadReport> = self
-                .live
+            self.live
                 .iter()
                 .filter(|l| !m.declined.contains(&l.instance))
                 .filter(|l| !self.disaggregated || instances.get(&l.instance).is_some_and(|i| i.role.decodes()))
                 .cloned()
-                .collect();
-            self.policy.on_phase_change(&change, &loads, &mut self.rng)
+                .collect()
+        });
+        let loads = narrowed.as_deref().unwrap_or(&self.live);
+        let decision = self.policy.on_phase_change(&change, loads, &mut self.rng);
+        let chosen = match decision {
+            PhaseDecision::Migrate { to } => to,
+            _ => m.from,
         };
-        if tracing::enabled!(target: DECISIONS, tracing::Level::DEBUG) {
-            let to = match decision {
-                PhaseDecision::Migrate { to } => to,
-                _ => m.from,
-            };
-            trace_decision("phase", self.now, id, to, &self.live);
-        }
+        trace_decision("phase", self.now, id, chosen, loads);
         let PhaseDecision::Migrate { to } = decision else {
             self.moves.remove(&id);
             return;

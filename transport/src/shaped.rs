@@ -215,13 +215,13 @@ struct Credit {
     paid: usize,
     /// A reservation waiting for its time, and its size.
     waiting: Option<(Pin<Box<Sleep>>, usize)>,
-    /// When the last reservation's bytes were allowed to leave.
-    released: Option<Instant>,
+    /// The last reservation's turn ([`Slot::turn`]): the rest of a buffer has waited since.
+    turn: Option<Instant>,
 }
 
 impl Credit {
     fn new(link: Flow) -> Credit {
-        Credit { link, paid: 0, waiting: None, released: None }
+        Credit { link, paid: 0, waiting: None, turn: None }
     }
 
     /// Wait until at least one byte of `want` is paid for; returns how many (at most `want`).
@@ -231,8 +231,8 @@ impl Credit {
         if self.paid == 0 {
             if self.waiting.is_none() {
                 let n = want.min(MAX_RESERVATION_BYTES);
-                let Slot { leave, turn } = self.link.reserve(n, self.released.filter(|_| backlogged));
-                self.released = Some(turn);
+                let Slot { leave, turn } = self.link.reserve(n, self.turn.filter(|_| backlogged));
+                self.turn = Some(turn);
                 if leave <= Instant::now() {
                     self.paid = n;
                 } else {
@@ -263,8 +263,8 @@ pub struct ShapedReader<R> {
     link: Flow,
     /// Until when the bytes read last occupy the link.
     debt: Option<Pin<Box<Sleep>>>,
-    /// When the link let this stream read again after its last read (the end of that read's
-    /// debt): bytes already waiting then have been backlogged since.
+    /// The last read's turn ([`Slot::turn`], when its debt would have ended on a host that ran
+    /// the stream on time): bytes already waiting when it reads again have waited since.
     due: Option<Instant>,
     /// The read in progress found nothing waiting at first (the inner stream said pending).
     waited: bool,
@@ -344,15 +344,13 @@ impl<R: crate::RecvHalf> crate::RecvHalf for ShapedReader<R> {
         Box::pin(async move {
             self.pay_debt().await;
             let mut read = self.inner.read_chunk(max.min(MAX_RESERVATION_BYTES));
-            let mut waited = false;
             let chunk = std::future::poll_fn(|cx| {
                 let polled = read.as_mut().poll(cx);
-                waited |= polled.is_pending();
+                self.waited |= polled.is_pending();
                 polled
             })
             .await?;
             drop(read);
-            self.waited = waited;
             self.charge(chunk.as_ref().map_or(0, Bytes::len));
             Ok(chunk)
         })
