@@ -178,7 +178,8 @@ fn main() -> ExitCode {
 fn sim_logs() {
     if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
         let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init();
+        let _ =
+            tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init();
     }
 }
 

@@ -1468,7 +1468,11 @@ mod tests {
         use kvfleet_control::roles::PdConfig;
         use kvfleet_control::Role;
         let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
-        let pd = PdSetup { config: PdConfig { prefill_instances: 1, ..PdConfig::default() }, arrow_profile: None };
+        let pd = PdSetup {
+            config: PdConfig { prefill_instances: 1, ..PdConfig::default() },
+            arrow_profile: None,
+            decode_profile: None,
+        };
         let a = leader_on(store.clone(), "least-kv", &pd, 3).await;
         // The split, as the workers joined; then a flip decided by the controller.
         stored_role(&store, 0, "prefill").await;

@@ -72,6 +72,11 @@ struct Args {
     /// GPUs per worker instance (tensor parallelism), for the same profiles.
     #[arg(long, default_value_t = 1)]
     tensor_parallel_size: u32,
+    /// GPUs per worker instance of the initial decode pool under `--pd` (those numbered from its
+    /// `prefill_instances` on), where it differs from `--tensor-parallel-size`: Arrow profiles
+    /// them on their own.
+    #[arg(long)]
+    decode_tensor_parallel_size: Option<u32>,
     /// `cache-aware` placement: the link a prefix fetch crosses, Gbit/s (the experiment's
     /// `[link]`). Its prefill curve is profiled on `--timing` as Arrow's is.
     #[arg(long, default_value_t = 100.0)]
@@ -245,17 +250,26 @@ fn pd_setup(args: &Args, model: &ModelSpec) -> anyhow::Result<PdSetup> {
     // How many instances there will be is not known here: only the pool of decoders being left
     // non-empty is checked as workers join.
     config.validate(u32::MAX).map_err(|e| anyhow::anyhow!("--pd: {e}"))?;
+    let mut decode_profile = None;
     let arrow_profile = match config.policy {
         PdPolicy::Static => None,
         PdPolicy::Arrow => {
             let gpu = GpuSpec::load(&args.gpu).with_context(|| format!("--gpu {}", args.gpu))?;
-            let timing =
-                build_timing(&args.timing, model, &gpu, None, args.tensor_parallel_size).context("--timing")?;
-            let profile = ArrowProfile::measure(timing.as_ref(), config.arrow.slo_tpot_s)
-                .map_err(|e| anyhow::anyhow!("Arrow's profile: {e}"))?;
+            let measure = |tp: u32, flag: &str| -> anyhow::Result<ArrowProfile> {
+                let timing =
+                    build_timing(&args.timing, model, &gpu, None, tp).with_context(|| format!("{flag} {tp}"))?;
+                ArrowProfile::measure(timing.as_ref(), config.arrow.slo_tpot_s)
+                    .map_err(|e| anyhow::anyhow!("Arrow's profile at {flag} {tp}: {e}"))
+            };
+            let profile = measure(args.tensor_parallel_size, "--tensor-parallel-size")?;
             tracing::info!(?profile, "Arrow's profile of the instances");
+            if let Some(tp) = args.decode_tensor_parallel_size.filter(|&t| t != args.tensor_parallel_size) {
+                let decode = measure(tp, "--decode-tensor-parallel-size")?;
+                tracing::info!(profile = ?decode, tp, "Arrow's profile of the decode pool");
+                decode_profile = Some(decode);
+            }
             Some(profile)
         }
     };
-    Ok(PdSetup { config, arrow_profile })
+    Ok(PdSetup { config, arrow_profile, decode_profile })
 }

@@ -330,11 +330,11 @@ impl Cluster {
         }
     }
 
-    /// Arrow's profile of instance `i` measured on `timing` (an instance of other hardware than
-    /// the one [`Cluster::use_arrow`] profiled).
-    pub fn use_arrow_profile(&mut self, i: u32, slo_tpot_s: f64, timing: &dyn TimingModel) -> Result<(), String> {
+    /// Arrow's profile of the initial decode pool measured on `timing` (its instances run other
+    /// hardware than the one [`Cluster::use_arrow`] profiled); after the split.
+    pub fn use_decode_pool_profile(&mut self, slo_tpot_s: f64, timing: &dyn TimingModel) -> Result<(), String> {
         let profile = ArrowProfile::measure(timing, slo_tpot_s).map_err(|e| format!("arrow profile: {e}"))?;
-        self.control.set_arrow_profile(InstanceId(i), profile).map_err(|e| e.to_string())
+        self.control.set_decode_pool_profile(profile).map_err(|e| e.to_string())
     }
 
     /// Hand a cost-based policy (`cache-aware`) its prefill curve, profiled on `timing` as

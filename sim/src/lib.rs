@@ -151,7 +151,7 @@ pub fn run_one_until(
         Some(tp) => {
             let engine = cfg.engine_config_tp(&model, &gpu, tp)?;
             let timing = timing_model_tp(&cfg, base_dir, tp)?;
-            for i in decoders.clone() {
+            for i in decoders {
                 cluster.set_instance_hardware(i, &engine, timing.clone()).map_err(SimError::Setup)?;
             }
             Some(timing)
@@ -162,9 +162,7 @@ pub fn run_one_until(
     if cfg.pd.policy == PdPolicy::Arrow {
         cluster.use_arrow(cfg.pd.arrow, timing.as_ref()).map_err(SimError::Setup)?;
         if let Some(t) = &decode_timing {
-            for i in decoders {
-                cluster.use_arrow_profile(i, cfg.pd.arrow.slo_tpot_s, t.as_ref()).map_err(SimError::Setup)?;
-            }
+            cluster.use_decode_pool_profile(cfg.pd.arrow.slo_tpot_s, t.as_ref()).map_err(SimError::Setup)?;
         }
     }
     cluster.set_leaping(cfg.simulator.leap_iterations);

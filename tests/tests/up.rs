@@ -398,7 +398,7 @@ fn up_with_time_dilation_auto_measures_the_transport_and_says_its_k() {
 /// arrival; the leader is killed mid-run (the new one reads the roles back from etcd and takes
 /// over the held requests and open handoffs). Every request completes exactly once, the handoffs
 /// are counted, the flip is recorded (and etcd's results match the clients', or `kvfleet up`
-/// fails).
+/// fails). The decode pool's workers span two GPUs each, the prefill pool's one.
 #[test]
 fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     if !etcd_installed() {
@@ -411,7 +411,12 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     let cfg = std::fs::read_to_string(&example).expect("examples/arrow-up.toml");
     assert!(cfg.contains("slo_ttft_s = 1.5"), "the example's Arrow TTFT SLO moved; update this test");
     let config = tmp.join("arrow.toml");
-    std::fs::write(&config, cfg.replace("slo_ttft_s = 1.5", "slo_ttft_s = 0.001")).unwrap();
+    // The decode pool spans two GPUs per instance, the prefill pool one (Arrow's heterogeneous
+    // setup): each worker runs its own timing, and handoffs cross tensor-parallel degrees.
+    let cfg = cfg
+        .replace("slo_ttft_s = 1.5", "slo_ttft_s = 0.001")
+        .replace("[cluster]\n", "[cluster]\ndecode_tensor_parallel_size = 2\n");
+    std::fs::write(&config, cfg).unwrap();
     let config = config.to_str().unwrap();
     let args =
         ["up", "-c", config, "--requests", "60", "--kill-leader-after-s", "8", "-q", "--out", out.to_str().unwrap()];
@@ -432,6 +437,12 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     assert!(changes.iter().any(|c| c["role"] == "prefill"), "a decoder flipped to prefill: {changes:?}");
     let migrations = runs[0]["live_migrations"]["committed"].as_u64().unwrap_or(0);
     assert!(migrations >= handoffs, "each handoff is a committed live migration: {}", runs[0]["live_migrations"]);
+    for (worker, tp) in [(0, 1), (1, 1), (2, 2), (3, 2)] {
+        let log = std::fs::read_to_string(out.join(format!("logs/worker-{worker}.log"))).unwrap_or_default();
+        let ready =
+            log.lines().find(|l| l.contains("worker ready")).unwrap_or_else(|| panic!("worker-{worker}: {log}"));
+        assert!(ready.contains(&format!("tensor_parallel_size={tp}")), "worker-{worker} spans {tp} GPUs: {ready}");
+    }
     assert_no_process_left(&out);
 }
 

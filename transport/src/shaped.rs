@@ -737,7 +737,8 @@ mod tests {
     #[test]
     fn idle_time_is_not_made_up_and_catch_up_is_bounded() {
         let rate = 100e6;
-        let params = ShapeParams { rate_bytes_per_s: Some(rate), latency: kvfleet_core::TimeSpan::ZERO, burst_bytes: 200_000 };
+        let params =
+            ShapeParams { rate_bytes_per_s: Some(rate), latency: kvfleet_core::TimeSpan::ZERO, burst_bytes: 200_000 };
         let link = ShapedLink::new(&params).unwrap();
         let t0 = Instant::now();
         // 1 MB after an idle second: its last byte passes 10 ms after the reservation, less the

@@ -262,6 +262,7 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
         kv_arena_bytes = info.kv_arena_bytes,
         scheduler = %info.scheduler,
         timing = %info.timing,
+        tensor_parallel_size = opts.tensor_parallel_size,
         epoch_unix_ns = clock.epoch_unix_ns(),
         time_dilation = %clock.dilation(),
         "worker ready on {local_addr}"

@@ -266,6 +266,77 @@ impl Cluster {
     }
 }
 
+/// The GPUs and KV arena of each worker. Under `[pd]` the initial decode pool (instances from
+/// `prefill_instances` on) may span another tensor-parallel degree
+/// (`cluster.decode_tensor_parallel_size`); its workers' arenas are `--kv-memory` scaled as the
+/// config scales an instance's KV with its GPUs (the same under `kv_cache_gb`), so that the
+/// emulator's pools keep the simulator's proportions.
+struct WorkerHardware {
+    /// The first instance of the decode pool (`instances` when there is none).
+    decode_from: u32,
+    decode_tp: u32,
+    /// The decode pool's arena, bytes.
+    decode_kv_memory: String,
+}
+
+impl WorkerHardware {
+    fn new(args: &ClusterSpec) -> anyhow::Result<WorkerHardware> {
+        let c = &args.cfg.cluster;
+        let decode_tp = c.decode_tensor_parallel_size.unwrap_or(c.tensor_parallel_size);
+        let same = WorkerHardware {
+            decode_from: c.instances,
+            decode_tp: c.tensor_parallel_size,
+            decode_kv_memory: args.kv_memory.to_string(),
+        };
+        if args.cfg.pd.is_off() || decode_tp == c.tensor_parallel_size {
+            return Ok(same);
+        }
+        let bytes =
+            kvfleet_worker::options::parse_bytes(args.kv_memory).map_err(|e| InputError(format!("--kv-memory {e}")))?;
+        let (model, gpu) = args.cfg.specs().map_err(|e| InputError(e.to_string()))?;
+        let blocks = |tp| {
+            args.cfg
+                .engine_config_tp(&model, &gpu, tp)
+                .map(|e| u128::from(e.gpu_blocks))
+                .map_err(|e| InputError(e.to_string()))
+        };
+        let (base, decode) = (blocks(c.tensor_parallel_size)?.max(1), blocks(decode_tp)?);
+        let decode_bytes = u64::try_from(u128::from(bytes) * decode / base).map_err(|_| {
+            InputError(format!("--kv-memory {} scaled to the decode pool is too large", args.kv_memory))
+        })?;
+        Ok(WorkerHardware {
+            decode_from: args.cfg.pd.prefill_instances,
+            decode_tp,
+            decode_kv_memory: decode_bytes.to_string(),
+        })
+    }
+
+    /// Worker `i`'s tensor-parallel degree and `--kv-memory`.
+    fn of<'a>(&'a self, i: u32, args: &'a ClusterSpec) -> (u32, &'a str) {
+        if i >= self.decode_from {
+            (self.decode_tp, &self.decode_kv_memory)
+        } else {
+            (args.cfg.cluster.tensor_parallel_size, args.kv_memory)
+        }
+    }
+
+    /// A line about the decode pool, where its hardware differs.
+    fn describe(&self, args: &ClusterSpec) -> Option<String> {
+        (self.decode_from < args.cfg.cluster.instances && self.decode_tp != args.cfg.cluster.tensor_parallel_size).then(
+            || {
+                format!(
+                    "decode pool workers {}..{} span {} GPUs each (the rest {}), {:.1} MiB KV arena each",
+                    self.decode_from,
+                    args.cfg.cluster.instances,
+                    self.decode_tp,
+                    args.cfg.cluster.tensor_parallel_size,
+                    kvfleet_worker::options::parse_bytes(&self.decode_kv_memory).unwrap_or(0) as f64 / (1 << 20) as f64
+                )
+            },
+        )
+    }
+}
+
 /// A line saying so when the workers' real KV arenas hold fewer (or more) blocks than the config
 /// sizes an instance at: the emulator runs the arena's capacity, the simulator the config's.
 fn capacity_note(args: &ClusterSpec) -> anyhow::Result<Option<String>> {
@@ -298,6 +369,7 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
     let logs = args.out.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let epoch_unix_ns = args.clock.epoch_unix_ns;
+    let hardware = WorkerHardware::new(args)?;
     if let Some(note) = capacity_note(args)? {
         say!("{note}");
     }
@@ -383,6 +455,8 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             args.cfg.cluster.timing.clone(),
             "--tensor-parallel-size".into(),
             args.cfg.cluster.tensor_parallel_size.to_string(),
+            "--decode-tensor-parallel-size".into(),
+            hardware.decode_tp.to_string(),
             "--placement-link-gbps".into(),
             args.cfg.link.bandwidth_gbps.to_string(),
             "--placement-link-latency-us".into(),
@@ -431,6 +505,7 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
     let (_, status) = rt.block_on(finder.leader(Duration::from_secs(30))).context("waiting for a leader")?;
     say!("leader      {} (store: {})", status.leader, status.store);
     for i in 0..args.cfg.cluster.instances {
+        let (tp, kv_memory) = hardware.of(i, args);
         let mut a = vec![
             "--instance".to_string(),
             i.to_string(),
@@ -441,7 +516,7 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             "--timing".into(),
             args.cfg.cluster.timing.clone(),
             "--tensor-parallel-size".into(),
-            args.cfg.cluster.tensor_parallel_size.to_string(),
+            tp.to_string(),
             "--scheduler".into(),
             args.intra.to_string(),
             "--quantum".into(),
@@ -459,7 +534,7 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             "--max-num-seqs".into(),
             args.cfg.cluster.max_num_seqs.to_string(),
             "--kv-memory".into(),
-            args.kv_memory.to_string(),
+            kv_memory.to_string(),
             "--cpu-memory".into(),
             args.cpu_memory.to_string(),
             "--kv-fill".into(),
@@ -539,6 +614,9 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         std::thread::sleep(Duration::from_millis(100));
     }
     say!("workers     {want} registered ({} scheduler, {} KV arena each)", args.intra, args.kv_memory);
+    if let Some(line) = hardware.describe(args) {
+        say!("{line}");
+    }
     // Every child's pid, so callers (and tests) can check that none outlives `kvfleet up`.
     let pids: Vec<String> = cluster
         .etcd

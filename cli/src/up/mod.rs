@@ -155,16 +155,6 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         return Err(InputError(format!("--link-latency-us must be ≥ 0, got {}", args.link_latency_us)).into());
     }
 
-    let c = &plan.cfg.cluster;
-    if c.decode_tensor_parallel_size.is_some_and(|t| t != c.tensor_parallel_size) {
-        return Err(InputError(
-            "`cluster.decode_tensor_parallel_size` runs in `kvfleet sim` only: every worker of `kvfleet up` spans \
-             `cluster.tensor_parallel_size` GPUs"
-                .into(),
-        )
-        .into());
-    }
-
     let dilation = args.time_dilation.resolve(args.link_gbps, &args.out)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let clock = ClusterTime { epoch_unix_ns: replay::unix_now_ns(), dilation };

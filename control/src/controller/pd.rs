@@ -84,8 +84,9 @@ struct ItlMark {
 pub(super) struct ArrowDriver {
     params: ArrowParams,
     profile: ArrowProfile,
-    /// Instances whose speed differs from `profile` (another tensor-parallel degree).
-    own_profiles: BTreeMap<InstanceId, ArrowProfile>,
+    /// The initial decode pool's profile, where its instances span another tensor-parallel
+    /// degree than `profile` was measured on: instances numbered from this id on.
+    decode_pool: Option<(InstanceId, ArrowProfile)>,
     /// When any instance last flipped, seconds (the P→D cooldown counts from it).
     last_flip_s: Option<f64>,
     /// The next monitoring pass.
@@ -93,6 +94,16 @@ pub(super) struct ArrowDriver {
     marks: BTreeMap<InstanceId, ItlMark>,
     /// Placements so far into each pool ([`Placement::RoundRobin`]'s turn).
     turns: [usize; 2],
+}
+
+impl ArrowDriver {
+    /// What Arrow knows of `instance`'s speed.
+    fn profile_of(&self, instance: InstanceId) -> &ArrowProfile {
+        match &self.decode_pool {
+            Some((first, p)) if instance >= *first => p,
+            _ => &self.profile,
+        }
+    }
 }
 
 /// Where a held request's handoff goes.
@@ -124,7 +135,7 @@ impl Controller {
         self.arrow = Some(ArrowDriver {
             params,
             profile,
-            own_profiles: BTreeMap::new(),
+            decode_pool: None,
             last_flip_s: None,
             next_pass,
             marks: BTreeMap::new(),
@@ -133,14 +144,18 @@ impl Controller {
         Ok(())
     }
 
-    /// Give `instance` a profile of its own (an instance of another tensor-parallel degree than
-    /// the rest), after [`Controller::use_arrow`]; the others keep the one given there.
-    pub fn set_arrow_profile(&mut self, instance: InstanceId, profile: ArrowProfile) -> Result<(), ArrowError> {
+    /// Give the initial decode pool ([`Controller::split_prefill_decode`]'s instances numbered
+    /// from `prefill_instances` on, also those that join later) a profile of its own: its
+    /// instances span another tensor-parallel degree, and keep their GPUs when they flip. After
+    /// [`Controller::use_arrow`] and the split.
+    pub fn set_decode_pool_profile(&mut self, profile: ArrowProfile) -> Result<(), ArrowError> {
         check_profile(&profile)?;
-        let Some(a) = self.arrow.as_mut() else {
-            return Err(ArrowError::InvalidParam { field: "profile", problem: "Arrow is not in use".into() });
+        let first = self.split.as_ref().map(|s| InstanceId(s.prefill_instances));
+        let (Some(a), Some(first)) = (self.arrow.as_mut(), first) else {
+            let problem = "Arrow and a prefill/decode split must be in use".into();
+            return Err(ArrowError::InvalidParam { field: "profile", problem });
         };
-        a.own_profiles.insert(instance, profile);
+        a.decode_pool = Some((first, profile));
         Ok(())
     }
 
@@ -160,7 +175,7 @@ impl Controller {
             .filter_map(|l| {
                 let role = self.instances.get(&l.instance)?.role;
                 let itl = a.marks.get(&l.instance).and_then(|m| m.mean_s);
-                Some(instance_load(l, role, a.own_profiles.get(&l.instance).unwrap_or(&a.profile), itl))
+                Some(instance_load(l, role, a.profile_of(l.instance), itl))
             })
             .collect();
         match Snapshot::new(loads) {

@@ -24,6 +24,9 @@ pub struct PdSetup {
     pub config: PdConfig,
     /// Arrow's profile (`config.policy = "arrow"`).
     pub arrow_profile: Option<ArrowProfile>,
+    /// Arrow's profile of the initial decode pool, where its instances span another
+    /// tensor-parallel degree ([`Controller::set_decode_pool_profile`]).
+    pub decode_profile: Option<ArrowProfile>,
 }
 
 impl PdSetup {
@@ -33,6 +36,9 @@ impl PdSetup {
         if self.config.policy == PdPolicy::Arrow {
             let profile = self.arrow_profile.ok_or("[pd] policy = \"arrow\" needs Arrow's profile")?;
             control.use_arrow(self.config.arrow, profile).map_err(|e| e.to_string())?;
+            if let Some(p) = self.decode_profile {
+                control.set_decode_pool_profile(p).map_err(|e| e.to_string())?;
+            }
         }
         Ok(())
     }

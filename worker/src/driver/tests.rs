@@ -75,8 +75,10 @@ fn start_timed(
         kv_bytes_per_token: 96,
         tpot: TimeSpan::from_millis_f64(5.0),
     };
-    let timing =
-        Arc::new(FixedTiming { iteration: TimeSpan::from_millis_f64(iteration_ms), transfer: TimeSpan::from_millis_f64(0.2) });
+    let timing = Arc::new(FixedTiming {
+        iteration: TimeSpan::from_millis_f64(iteration_ms),
+        transfer: TimeSpan::from_millis_f64(0.2),
+    });
     let params = SchedulerParams { quantum_tokens: 3, ..SchedulerParams::default() };
     let engine = Engine::new(InstanceId(instance), cfg.clone(), timing, build_scheduler(scheduler, &params).unwrap());
     let layout = ArenaLayout { block_size: 4, kv_bytes_per_token: 96, gpu_blocks, cpu_blocks };
@@ -360,7 +362,8 @@ fn a_move_out_announces_the_kv_with_its_partial_block() {
     ask(&a, |reply| Command::Submit { spec: spec(9, 9, 60, 10), reply });
     wait_for(&a.log, "the first token", |s| s.tokens.get(&9).is_some_and(|t| !t.is_empty()));
     let live = |cmd| Command::Live(cmd);
-    let began = ask(&a, |reply| live(LiveCommand::BeginOut { request: RequestId(9), migration: MigrationId(1), reply }));
+    let began =
+        ask(&a, |reply| live(LiveCommand::BeginOut { request: RequestId(9), migration: MigrationId(1), reply }));
     let kv = began.unwrap().kv_tokens;
     assert!((9..=10).contains(&kv), "announced {kv} KV tokens");
 }

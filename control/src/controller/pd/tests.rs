@@ -381,3 +381,24 @@ fn a_waiting_handoff_announced_again_keeps_its_place_and_moves_once() {
     assert_eq!(moves, [1, 2]);
     assert_eq!(c.waiting_handoffs(), 0);
 }
+
+/// A decode pool of another tensor-parallel degree: Arrow weighs the instances numbered from the
+/// split's `prefill_instances` on (also one that joins later) with their own profile, the rest
+/// with the one given to `use_arrow`; without a split the pool profile is refused.
+#[test]
+fn the_decode_pool_is_weighed_with_its_own_profile() {
+    let policy = build_policy("least-kv", &PolicyParams::default()).unwrap();
+    let mut c = Controller::new(policy, SimRng::seed_from_u64(1));
+    c.use_arrow(ArrowParams::default(), profile()).unwrap();
+    let pool = ArrowProfile { prefill: Quadratic { a: 0.0, b: 0.0, c: 0.5 }, decode_max_tokens: 4_000 };
+    assert!(c.set_decode_pool_profile(pool).is_err(), "no split yet");
+    c.split_prefill_decode(&PdConfig { prefill_instances: 2, ..PdConfig::default() });
+    c.set_decode_pool_profile(pool).unwrap();
+    for i in 0..5 {
+        join(&mut c, i);
+    }
+    let snapshot = c.arrow_snapshot(&[]).unwrap();
+    let seen: Vec<(u32, u64, f64)> =
+        snapshot.loads().iter().map(|l| (l.instance.0, l.max_tokens, l.profile.c)).collect();
+    assert_eq!(seen, [(0, 16_000, 1.0), (1, 16_000, 1.0), (2, 4_000, 0.5), (3, 4_000, 0.5), (4, 4_000, 0.5)]);
+}
