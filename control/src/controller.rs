@@ -99,6 +99,17 @@ pub enum Event {
         /// KV it holds now, in blocks.
         kv_blocks: u32,
     },
+    /// On a prefill instance ([`Role::Prefill`]) the first chunk of the request's chunked prefill
+    /// was written and more follow: with [`Overlap::Chunk`](crate::roles::Overlap::Chunk) its
+    /// handoff is decided now, and the move follows the prefill (ignored otherwise).
+    PrefillStarted {
+        /// The request.
+        request: RequestId,
+        /// Where it is prefilled.
+        instance: InstanceId,
+        /// KV it will hold at the prefill's end, in blocks (what the handoff moves).
+        kv_blocks: u32,
+    },
     /// On a prefill instance ([`Role::Prefill`]) the request's prefill produced its first token;
     /// it is held there, KV in place, for its handoff to a decode instance.
     PrefillDone {
@@ -650,6 +661,10 @@ impl Controller {
                 self.on_boundary(request, instance, kv_blocks);
                 Ok(())
             }
+            Event::PrefillStarted { request, instance, kv_blocks } => {
+                self.on_prefill_started(request, instance, kv_blocks);
+                Ok(())
+            }
             Event::PrefillDone { request, instance, kv_blocks } => {
                 self.on_prefill_done(request, instance, kv_blocks);
                 Ok(())
@@ -1190,25 +1205,44 @@ impl Controller {
 
     /// A request's prefill ended on a prefill instance, where it is held: hand it off.
     fn on_prefill_done(&mut self, id: RequestId, instance: InstanceId, kv_blocks: u32) {
-        let Some(o) = self.requests.get(&id) else {
-            tracing::debug!(request = id.0, "prefill done for an unknown request; ignored");
-            return;
-        };
-        // A driver may announce a held request again (a worker told its role once more, or whose
-        // move aborted): a handoff already open or waiting its turn is not started a second time.
-        if o.instance != instance || !o.unfinished() || o.migrating_to.is_some() || self.moves.contains_key(&id) {
-            tracing::debug!(
-                request = id.0,
-                instance = instance.0,
-                owner = o.instance.0,
-                "stale prefill-done event; ignored"
-            );
+        if let Some(m) = self.new_handoff(id, instance, kv_blocks, "prefill-done") {
+            self.moves.insert(id, m);
+            self.decide_move(id);
+        }
+    }
+
+    /// A chunked prefill's first chunk is written on a prefill instance: with
+    /// [`Overlap::Chunk`](crate::roles::Overlap::Chunk), hand it off now if a decode instance
+    /// takes it (the move follows the prefill); else, or without overlap, at the prefill's end.
+    fn on_prefill_started(&mut self, id: RequestId, instance: InstanceId, kv_blocks: u32) {
+        if self.split.as_ref().is_none_or(|s| s.overlap != crate::roles::Overlap::Chunk) {
             return;
         }
-        let after = o.phase;
-        self.moves
-            .insert(id, Move { from: instance, kv_blocks, declined: Vec::new(), handoff: true, after, failed: 0 });
-        self.decide_move(id);
+        let Some(m) = self.new_handoff(id, instance, kv_blocks, "prefill-started") else { return };
+        self.moves.insert(id, m.clone());
+        match self.handoff_target(id, &m) {
+            Handoff::To(to) => self.start_move(id, &m, to),
+            // No decoder with room now, or it decodes where it is prefilled: decided at the end.
+            Handoff::Here | Handoff::Wait | Handoff::NoDecoder => {
+                self.moves.remove(&id);
+            }
+        }
+    }
+
+    /// The handoff of `id`, prefilled on `instance` with `kv_blocks` of KV, unless the event
+    /// (`what`) is stale: a driver may announce a held request again (a worker told its role
+    /// once more, or whose move aborted), and a handoff already open or waiting its turn is not
+    /// started a second time.
+    fn new_handoff(&self, id: RequestId, instance: InstanceId, kv_blocks: u32, what: &str) -> Option<Move> {
+        let Some(o) = self.requests.get(&id) else {
+            tracing::debug!(request = id.0, what, "an event for an unknown request; ignored");
+            return None;
+        };
+        if o.instance != instance || !o.unfinished() || o.migrating_to.is_some() || self.moves.contains_key(&id) {
+            tracing::debug!(request = id.0, instance = instance.0, owner = o.instance.0, what, "stale event; ignored");
+            return None;
+        }
+        Some(Move { from: instance, kv_blocks, declined: Vec::new(), handoff: true, after: o.phase, failed: 0 })
     }
 
     /// Whether a report of `id`'s move from `from` to `to` is about a move superseded meanwhile

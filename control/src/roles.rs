@@ -65,6 +65,24 @@ pub struct PdConfig {
     /// Arrow's knobs (`policy = "arrow"`).
     #[serde(skip_serializing_if = "is_default_arrow")]
     pub arrow: ArrowParams,
+    /// When a handoff starts: after the prefill (`none`), or as soon as a chunked prefill's
+    /// first chunk is written (`chunk`), so each chunk's KV crosses while the next computes.
+    pub overlap: Overlap,
+}
+
+/// When a prefill/decode handoff starts ([`PdConfig::overlap`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Overlap {
+    /// One-shot: the decode instance is chosen, and the KV copied, once the prefill produced its
+    /// first token.
+    #[default]
+    None,
+    /// The decode instance is chosen when the first chunk of a chunked prefill is written, and
+    /// the migration follows the prefill: every full block leaves as soon as a chunk writes it;
+    /// what is exposed after the first token is the last chunk's KV. A prefill of one chunk is
+    /// handed off one-shot.
+    Chunk,
 }
 
 /// Who places prefills and handoffs under disaggregation.
@@ -96,6 +114,11 @@ impl PdConfig {
                 "`pd.prefill_instances` must leave at least one decode instance: {} of {} instances",
                 self.prefill_instances, instances
             ));
+        }
+        if self.overlap != Overlap::None && self.is_off() {
+            return Err(
+                "`pd.overlap` overlaps handoffs with prefills: it needs `pd.prefill_instances` of at least 1".into()
+            );
         }
         if self.policy == PdPolicy::Arrow {
             if self.is_off() {

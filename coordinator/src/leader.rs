@@ -795,6 +795,10 @@ impl Leader {
                         self.on_prefill_done(p);
                         false
                     }
+                    Some(v1::worker_event::Event::PrefillStarted(p)) => {
+                        self.on_prefill_started(p);
+                        false
+                    }
                     Some(v1::worker_event::Event::KvEvents(k)) => {
                         // The prefix index follows the instance's cache (it said its own number).
                         let events = kvfleet_proto::kv_events_from_proto(&k);

@@ -217,6 +217,9 @@ pub enum MigrationPhase {
     LiveCopy,
     /// Source: `StageEnd` sent, waiting for `StageAck`.
     StageAck,
+    /// Source: following a prefill, every full block copied, waiting for it to write more or
+    /// to end.
+    FollowingPrefill,
     /// Source: `Pause` asked, waiting for `on_paused`.
     Pausing,
     /// Source: the final stage's blocks are being written (request paused).
@@ -240,6 +243,7 @@ impl fmt::Display for MigrationPhase {
             MigrationPhase::Preparing => "waiting for the prepare reply",
             MigrationPhase::LiveCopy => "sending a live stage",
             MigrationPhase::StageAck => "waiting for a stage ack",
+            MigrationPhase::FollowingPrefill => "waiting for the prefill to write more KV",
             MigrationPhase::Pausing => "pausing the request",
             MigrationPhase::StopAndCopy => "sending the stop-and-copy stage",
             MigrationPhase::Committing => "waiting for the commit reply",

@@ -551,15 +551,14 @@ impl Cluster {
                                 EngineEvent::PhaseBoundary { request, kv_blocks } => {
                                     self.on_phase_boundary(now, i, request, kv_blocks, &mut records);
                                 }
+                                EngineEvent::PrefillStarted { request, kv_blocks } => {
+                                    let instance = InstanceId(i);
+                                    let ev = Control::PrefillStarted { request, instance, kv_blocks };
+                                    self.on_prefill_event(now, i, ev);
+                                }
                                 EngineEvent::PrefillDone { request, kv_blocks } => {
-                                    // Loads as of this instant, as for a phase boundary.
-                                    self.refresh_load(now, i);
-                                    self.refresh_touched_loads(now);
                                     let done = Control::PrefillDone { request, instance: InstanceId(i), kv_blocks };
-                                    let started = Instant::now();
-                                    let _ = self.control.handle(now, done);
-                                    self.decisions.handoff_ns.push(elapsed_ns(started));
-                                    self.follow_decisions(now);
+                                    self.on_prefill_event(now, i, done);
                                 }
                             }
                         }
@@ -765,6 +764,18 @@ impl Cluster {
         }
     }
 
+    /// A prefill on instance `i` started (with overlap, its handoff may be decided now) or ended
+    /// (the request is held for its handoff): the controller decides on the loads as of now, as
+    /// for a phase boundary.
+    fn on_prefill_event(&mut self, now: Timestamp, i: u32, ev: Control) {
+        self.refresh_load(now, i);
+        self.refresh_touched_loads(now);
+        let started = Instant::now();
+        let _ = self.control.handle(now, ev);
+        self.decisions.handoff_ns.push(elapsed_ns(started));
+        self.follow_decisions(now);
+    }
+
     /// Execute a move the controller decided as a worker does: its source takes a move out only
     /// between iterations, and by the time the decision reaches it (the boundary that prompted it
     /// travelled to the leader, the move back) it has planned its next one — so a source that
@@ -778,8 +789,10 @@ impl Cluster {
         let source = &self.engines[from.0 as usize];
         // A request held after its prefill runs in no iteration and does not grow: its handoff
         // starts at once, whatever the source runs (an instance holding only handoffs may never
-        // run another iteration).
-        if !source.is_held(request) && (source.next_wake().is_some() || source.needs_step()) {
+        // run another iteration). One whose prefill runs starts at once too: the move follows the
+        // prefill, copying only the blocks its chunks wrote, and pauses at its end.
+        let at_once = source.is_held(request) || source.prompt_written(request).is_some();
+        if !at_once && (source.next_wake().is_some() || source.needs_step()) {
             self.pending_moves[from.0 as usize].push((request, to));
         } else {
             self.start_migration(now, request, from, to);

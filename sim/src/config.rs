@@ -457,6 +457,15 @@ impl SimConfig {
                 "`cluster.decode_tensor_parallel_size` sizes the decode pool: it needs `[pd] prefill_instances`".into(),
             ));
         }
+        if self.pd.overlap == kvfleet_control::roles::Overlap::Chunk
+            && self.scheduler.intra.chunked_prefill_tokens.is_none()
+        {
+            return Err(ConfigError::Invalid(
+                "`pd.overlap = \"chunk\"` hands a prefill off chunk by chunk: it needs \
+                 `scheduler.intra.chunked_prefill_tokens`"
+                    .into(),
+            ));
+        }
         let e = self.engine_config(&model, &gpu)?;
         let blocks = c.instances as u64 * (e.gpu_blocks as u64 + e.cpu_blocks as u64);
         if blocks > MAX_CLUSTER_BLOCKS {

@@ -59,8 +59,8 @@ use kvfleet_core::metrics::{MigrationOutcome, MigrationRecord};
 use kvfleet_core::{InstanceId, RequestId, Timestamp};
 use kvfleet_netmodel::migration::wire::{frame::Body, BlockData, Frame};
 use kvfleet_netmodel::migration::{
-    block_tokens, checksum, AbortReason, MigrationId, MigrationParams, MigrationPhase, MigrationReport, Outcome,
-    ParamsError, SourceAction, SourceMachine, TargetAction, TargetMachine,
+    block_tokens, checksum, AbortReason, MigrationId, MigrationParams, MigrationReport, Outcome, ParamsError,
+    SourceAction, SourceMachine, TargetAction, TargetMachine,
 };
 use kvfleet_netmodel::{Fabric, Payload, TransferId};
 use prost::Message as _;
@@ -238,8 +238,12 @@ impl LiveMigration {
         if engines.source.is_migrating_out(request) {
             return Err(StartError::AlreadyMigrating(request));
         }
-        let kv_tokens = engines.source.kv().table(request).map_or(0, |t| t.tokens);
-        if kv_tokens == 0 {
+        let table_tokens = engines.source.kv().table(request).map_or(0, |t| t.tokens);
+        // A request whose prefill still runs (a handoff overlapped with it): the migration
+        // follows the prefill, copying what it has written; its table holds the whole prompt.
+        let written = engines.source.prompt_written(request);
+        let kv_tokens = written.unwrap_or(table_tokens);
+        if table_tokens == 0 {
             return Err(StartError::NoKv(request));
         }
         let geometry = |params: &MigrationParams, e: &Engine| MigrationParams {
@@ -254,9 +258,12 @@ impl LiveMigration {
             .source
             .spec(request)
             .map_or_else(Vec::new, |s| prompt_block_hashes(&s.content_ids, s.prompt_tokens, bs));
-        let source = SourceMachine::new(spec.id, request, source_params, now, kv_tokens)?
+        let mut source = SourceMachine::new(spec.id, request, source_params, now, kv_tokens)?
             .with_source_instance(spec.from.0)
             .with_prefix(prefix);
+        if written.is_some() {
+            source = source.following_prefill(table_tokens);
+        }
         let stand_in = Payload::from(vec![0u8; STAND_IN_BLOCK_BYTES as usize]);
         let mut m = LiveMigration {
             block_bytes: engines.source.config().block_bytes(),
@@ -402,8 +409,9 @@ impl LiveMigration {
             } else if let Some(t) = engines.source.kv().table(request) {
                 // The table's token count trails the request by up to a block (the engine grows
                 // it only when a block fills): its full blocks are at most one short, which then
-                // go in the next stage.
-                self.source.on_kv_progress(t.tokens);
+                // go in the next stage. During its prefill, what the chunks so far computed.
+                let written = engines.source.prompt_written(request);
+                self.source.on_kv_progress(now, written.unwrap_or(t.tokens));
             }
         }
         if self.pause_pending {
@@ -482,13 +490,15 @@ impl LiveMigration {
     /// Freeze the request if the pause is still wanted and no iteration is in flight (else
     /// [`LiveMigration::on_source_iteration_end`] comes back here).
     fn pause(&mut self, now: Timestamp, e: &mut Engines<'_>) {
-        if self.source.phase() != MigrationPhase::Pausing {
+        if !self.source.pause_wanted() {
             self.pause_pending = false;
             return;
         }
         let request = self.spec.request;
-        // A request held after its prefill runs in no iteration: it pauses at once.
-        if e.source.next_wake().is_some() && !e.source.is_held(request) {
+        // A request held after its prefill runs in no iteration: it pauses at once. One whose
+        // prefill still runs (a migration following it) pauses at its end, when it is held.
+        if (e.source.next_wake().is_some() && !e.source.is_held(request)) || e.source.prompt_written(request).is_some()
+        {
             return;
         }
         self.pause_pending = false;

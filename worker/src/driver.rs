@@ -337,6 +337,9 @@ pub(crate) struct Driver {
     ledger: Ledger,
     /// Migrations-out waiting for the iteration in flight to end.
     pending: Vec<Command>,
+    /// Commands of moves following a prefill that wait for it to write more or to end
+    /// ([`Driver::waits_for_prefill`]); checked again after each iteration and command.
+    waiting: Vec<LiveCommand>,
     stop_at: Option<Instant>,
     commands_closed: bool,
     next_load: Instant,
@@ -387,6 +390,7 @@ impl Driver {
             written: IdMap::default(),
             ledger: Ledger::new(),
             pending: Vec::new(),
+            waiting: Vec::new(),
             stop_at: None,
             commands_closed: false,
             next_load: Instant::now(),
@@ -624,7 +628,10 @@ impl Driver {
             }
             Command::MigrateOut { request, reply } => {
                 // A request held for its handoff is out of the iteration in flight: it leaves now.
-                if self.engine.next_wake().is_some() && !self.engine.is_held(request) {
+                // So does one whose prefill runs: the move follows it, copying only what its
+                // chunks wrote, and pauses it at its end.
+                let at_once = self.engine.is_held(request) || self.engine.prompt_written(request).is_some();
+                if self.engine.next_wake().is_some() && !at_once {
                     self.pending.push(Command::MigrateOut { request, reply });
                 } else {
                     let _ = reply.send(self.migrate_out(request));
@@ -636,11 +643,28 @@ impl Driver {
             {
                 self.pending.push(Command::Live(cmd));
             }
+            Command::Live(cmd) if self.waits_for_prefill(&cmd) => self.waiting.push(cmd),
             Command::Live(cmd) => {
                 self.on_live(cmd);
                 self.plan_if_idle();
             }
         }
+        self.recheck_waiting();
+    }
+
+    /// Carry out the commands waiting for a prefill that no longer need to wait.
+    fn recheck_waiting(&mut self) {
+        if self.waiting.is_empty() {
+            return;
+        }
+        for cmd in std::mem::take(&mut self.waiting) {
+            if self.waits_for_prefill(&cmd) {
+                self.waiting.push(cmd);
+            } else {
+                self.on_live(cmd);
+            }
+        }
+        self.plan_if_idle();
     }
 
     /// How long after its end the iteration in flight completes: the submit grace, none when a
@@ -831,6 +855,15 @@ impl Driver {
                 }
                 // A prefill instance (`Command::SetRole`) holds the request for its handoff.
                 EngineEvent::PrefillDone { request, kv_blocks } => out.push(self.prefill_done(request, kv_blocks, end)),
+                // Its handoff may start now and follow the prefill.
+                EngineEvent::PrefillStarted { request, kv_blocks } => {
+                    out.push(LogEvent::PrefillStarted(v1::PrefillStarted {
+                        request_id: request.0,
+                        instance: self.instance,
+                        kv_blocks,
+                        at_ns: end.0,
+                    }))
+                }
             }
         }
         if out.iter().any(|e| matches!(e, LogEvent::Boundary(_))) {
@@ -850,8 +883,16 @@ impl Driver {
                 Command::MigrateOut { request, reply } => {
                     let _ = reply.send(self.migrate_out(request));
                 }
+                Command::Live(cmd) if self.waits_for_prefill(&cmd) => self.waiting.push(cmd),
                 Command::Live(cmd) => self.on_live(cmd),
                 _ => {}
+            }
+        }
+        for cmd in std::mem::take(&mut self.waiting) {
+            if self.waits_for_prefill(&cmd) {
+                self.waiting.push(cmd);
+            } else {
+                self.on_live(cmd);
             }
         }
         if self.engine.needs_step() {

@@ -30,6 +30,9 @@ pub enum LogEvent {
     Load(Box<v1::LoadReport>),
     /// A request's prefill ended here and it is held for a handoff; never dropped.
     PrefillDone(v1::PrefillDone),
+    /// The first chunk of a request's chunked prefill was written here (its handoff may start);
+    /// never dropped.
+    PrefillStarted(v1::PrefillStarted),
     /// What the prefix cache stored and evicted (droppable: a lost one costs only cache hits).
     KvEvents(Box<v1::KvCacheEvents>),
 }
@@ -48,6 +51,7 @@ impl LogEvent {
             LogEvent::Finished(r) => Event::Finished(**r),
             LogEvent::Load(l) => Event::Load(**l),
             LogEvent::PrefillDone(p) => Event::PrefillDone(*p),
+            LogEvent::PrefillStarted(p) => Event::PrefillStarted(*p),
             LogEvent::KvEvents(k) => Event::KvEvents((**k).clone()),
         };
         v1::WorkerEvent { seq, event: Some(event) }

@@ -147,6 +147,18 @@ impl Migrator {
         rx.await.map_err(|_| DriverError::Draining)?
     }
 
+    /// Send a command to the engine thread without waiting for its answer (one that may take
+    /// a prefill's time: the migration keeps copying meanwhile).
+    fn ask_later<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, DriverError>>) -> LiveCommand,
+    ) -> oneshot::Receiver<Result<T, DriverError>> {
+        let (tx, rx) = oneshot::channel();
+        // Closed: the receiver then reads a dropped sender, i.e. draining.
+        let _ = self.commands.send(Command::Live(make(tx)));
+        rx
+    }
+
     fn now(&self) -> Timestamp {
         self.clock.now()
     }
@@ -230,7 +242,14 @@ impl Migrator {
         trace_context: kvfleet_telemetry::Carrier,
     ) -> (Outcome, MigrationReport, bool) {
         let mut m = match SourceMachine::new(id, request, self.cfg.params.clone(), self.now(), began.kv_tokens) {
-            Ok(m) => m.with_source_instance(self.instance).with_trace_context(trace_context).with_prefix(began.prefix),
+            Ok(m) => {
+                let m =
+                    m.with_source_instance(self.instance).with_trace_context(trace_context).with_prefix(began.prefix);
+                match began.following {
+                    Some(expected) => m.following_prefill(expected),
+                    None => m,
+                }
+            }
             Err(e) => {
                 let report = self.failed_before_start(id, request, e.to_string());
                 let outcome = report.outcome.clone().unwrap_or(Outcome::Aborted(AbortReason::Disconnected));
@@ -279,6 +298,10 @@ impl Migrator {
         let (reader, mut frames) = spawn_control_reader(FrameReader::new(ctl_r));
         let mut data: Vec<Writer> = Vec::new();
         let mut copy: Option<CopyTask> = None;
+        // Answers the engine thread gives when it can: the pause (a request whose prefill runs
+        // is frozen at its end), and, following a prefill, KV beyond what was copied.
+        let mut pausing: Option<oneshot::Receiver<Result<PausedOut, DriverError>>> = None;
+        let mut watching: Option<oneshot::Receiver<Result<u32, DriverError>>> = None;
         let outcome = loop {
             // Act on everything the machine wants.
             while let Some(action) = m.poll_action() {
@@ -310,13 +333,13 @@ impl Migrator {
                         )));
                     }
                     SourceAction::Pause => {
-                        match self.ask(|reply| LiveCommand::PauseOut { request, migration, reply }).await {
-                            Ok(PausedOut { kv_tokens, state }) => m.on_paused(self.now(), kv_tokens, state),
-                            Err(e) => m.on_read_failed(self.now(), e),
-                        }
+                        pausing = Some(self.ask_later(|reply| LiveCommand::PauseOut { request, migration, reply }));
                     }
                     SourceAction::Done(_) => {}
                 }
+            }
+            if let (Some(above), None) = (m.awaiting_kv(), &watching) {
+                watching = Some(self.ask_later(|reply| LiveCommand::WaitKv { request, above, reply }));
             }
             if let Some(o) = m.outcome().cloned() {
                 if m.is_done() {
@@ -330,7 +353,7 @@ impl Migrator {
                         if matches!(frame.body, Some(Body::StageAck(_))) {
                             // The next stage's size depends on how far the request has decoded.
                             if let Ok(r) = self.ask(|reply| LiveCommand::ReadBlocks { request, first: 0, count: 0, reply }).await {
-                                m.on_kv_progress(r.kv_tokens);
+                                m.on_kv_progress(self.now(), r.kv_tokens);
                             }
                         }
                         m.on_frame(self.now(), frame);
@@ -346,6 +369,20 @@ impl Migrator {
                         }
                         Ok((_, Err(e))) if e.starts_with("read:") => m.on_read_failed(self.now(), e),
                         _ => m.on_disconnect(self.now()),
+                    }
+                }
+                paused = async { pausing.as_mut().expect("guarded").await }, if pausing.is_some() => {
+                    pausing = None;
+                    match paused.unwrap_or(Err(DriverError::Draining)) {
+                        Ok(PausedOut { kv_tokens, state }) => m.on_paused(self.now(), kv_tokens, state),
+                        Err(e) => m.on_read_failed(self.now(), driver_reason(e)),
+                    }
+                }
+                kv = async { watching.as_mut().expect("guarded").await }, if watching.is_some() => {
+                    watching = None;
+                    match kv.unwrap_or(Err(DriverError::Draining)) {
+                        Ok(kv_tokens) => m.on_kv_progress(self.now(), kv_tokens),
+                        Err(e) => m.on_read_failed(self.now(), driver_reason(e)),
                     }
                 }
                 _ = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() => {

@@ -166,6 +166,18 @@ impl Leader {
         self.act(actions);
     }
 
+    /// A worker's request wrote the first chunk of its prefill: with overlap on, the controller
+    /// may hand it off now (the move follows the prefill).
+    pub(super) fn on_prefill_started(self: &Arc<Self>, p: v1::PrefillStarted) {
+        let request = RequestId(p.request_id);
+        let event = Event::PrefillStarted { request, instance: InstanceId(p.instance), kv_blocks: p.kv_blocks };
+        let Ok(actions) = self.decide(event) else { return };
+        if actions.iter().any(|a| matches!(a, kvfleet_control::Action::Migrate { request: r, .. } if *r == request)) {
+            self.roles.handoffs.lock().expect("handoffs lock").insert(request);
+        }
+        self.act(actions);
+    }
+
     /// A move of `request` committed: counted as a handoff when it was one.
     pub(super) fn handed_off(&self, request: RequestId) {
         if self.roles.handoffs.lock().expect("handoffs lock").remove(&request) {

@@ -73,6 +73,15 @@ pub enum EngineEvent {
     },
     /// The request produced its last token; its KV is freed.
     Finished(Box<RequestRecord>),
+    /// On a prefill instance ([`Engine::set_hand_off`]): the first chunk of a request's prefill
+    /// ended and more follow (chunked prefill), so its handoff may start now and copy each chunk's
+    /// KV as it is written ([`Engine::prompt_written`]) while the rest computes.
+    PrefillStarted {
+        /// The request.
+        request: RequestId,
+        /// KV blocks it will hold at the prefill's end (what the handoff moves).
+        kv_blocks: u32,
+    },
     /// On a prefill instance ([`Engine::set_hand_off`]): the request's prefill produced its first
     /// token and it is held, KV in place, until it is migrated out to a decode instance
     /// ([`Engine::begin_migration_out`]) or released to decode here ([`Engine::release_held`]).
@@ -782,9 +791,15 @@ impl Engine {
             let BatchEntry { slot, prefill, chunk } = self.batch[i];
             if prefill {
                 let req = self.slots[slot as usize].as_mut().expect("batched request is live");
+                let first_chunk = req.prefill_left == req.context() - req.prefill_cached && req.generated == 0;
                 req.prefill_left -= chunk;
                 if req.prefill_left > 0 {
                     // A chunk of a longer prefill: no token yet, the rest comes next iteration.
+                    if first_chunk && self.hand_off {
+                        let request = req.spec.id;
+                        let kv_blocks = self.kv.table(request).map_or(0, |t| t.blocks.len() as u32);
+                        events.push(EngineEvent::PrefillStarted { request, kv_blocks });
+                    }
                     continue;
                 }
             }
@@ -1478,6 +1493,18 @@ impl Engine {
                 self.active.push(slot);
             }
             self.dirty = true;
+        }
+    }
+
+    /// While `request`'s prefill runs before its first token: the prompt tokens whose KV is
+    /// computed so far (cached ones included; 0 while it waits to be admitted). `None` once it
+    /// has a token, or for a request not here.
+    pub fn prompt_written(&self, request: RequestId) -> Option<u32> {
+        let req = self.req(*self.index.get(&request)?);
+        match (req.generated, req.residence) {
+            (0, Residence::Waiting) => Some(0),
+            (0, _) => Some(req.context() - req.prefill_left),
+            _ => None,
         }
     }
 

@@ -239,7 +239,7 @@ impl World {
                 self.blocks_sent_pending = Some(stage);
                 if !final_stage && self.cfg.decode_per_copy > 0 {
                     self.kv_tokens += self.cfg.decode_per_copy;
-                    self.src.on_kv_progress(self.kv_tokens);
+                    self.src.on_kv_progress(self.now, self.kv_tokens);
                 }
             }
             SourceAction::Pause => {
@@ -247,7 +247,7 @@ impl World {
                 self.pause_asked = true;
                 if self.decode_while_pausing > 0 {
                     self.kv_tokens += self.decode_while_pausing;
-                    self.src.on_kv_progress(self.kv_tokens);
+                    self.src.on_kv_progress(self.now, self.kv_tokens);
                 }
             }
             SourceAction::Done(o) => self.src_done.push(o),
@@ -365,7 +365,7 @@ impl World {
             }
             Ev::Decode => {
                 self.kv_tokens += 1;
-                self.src.on_kv_progress(self.kv_tokens);
+                self.src.on_kv_progress(self.now, self.kv_tokens);
             }
             Ev::BlocksSent => {
                 if let Some(stage) = self.blocks_sent_pending.take() {

@@ -349,7 +349,7 @@ fn poke_both_machines(pokes: Vec<Poke>, start: bool) -> Result<(), TestCaseError
             }
             Poke::Paused(kv) => src.on_paused(now, kv, Bytes::from_static(b"state")),
             Poke::BlocksSent(stage) => src.on_blocks_sent(now, stage),
-            Poke::KvProgress(kv) => src.on_kv_progress(kv),
+            Poke::KvProgress(kv) => src.on_kv_progress(now, kv),
             Poke::Disconnect => {
                 src.on_disconnect(now);
                 if let Some(t) = tgt.as_mut() {

@@ -44,10 +44,21 @@ pub enum SourceAction {
 enum State {
     Idle,
     Preparing,
-    Copying { stage: u32 },
-    AwaitingAck { stage: u32 },
+    Copying {
+        stage: u32,
+    },
+    AwaitingAck {
+        stage: u32,
+    },
+    /// Following a prefill: every full block so far has been copied; waiting for the prefill
+    /// to write more (`on_kv_progress`) or to end (`on_paused`).
+    AwaitingKv,
     Pausing,
-    FinalCopy { stage: u32, kv_final: u32, blocks_total: u32 },
+    FinalCopy {
+        stage: u32,
+        kv_final: u32,
+        blocks_total: u32,
+    },
     Committing,
     Done,
 }
@@ -72,6 +83,11 @@ pub struct SourceMachine {
     request_state: Bytes,
     /// Content hashes of its leading full prompt blocks, sent in `Prepare`.
     prefix: Vec<BlockHash>,
+    /// Following a prefill still running on the source: the KV it will hold at its end.
+    follow: Option<u32>,
+    /// Following a prefill, the pause (its end) came during a live stage: the final length and
+    /// state, for the final stage once that stage is acknowledged.
+    paused_early: Option<(u32, Bytes)>,
     actions: VecDeque<SourceAction>,
     report: MigrationReport,
 }
@@ -101,6 +117,8 @@ impl SourceMachine {
             deadline: None,
             request_state: Bytes::new(),
             prefix: Vec::new(),
+            follow: None,
+            paused_early: None,
             actions: VecDeque::new(),
             report: MigrationReport {
                 migration: id,
@@ -130,6 +148,37 @@ impl SourceMachine {
     pub fn with_prefix(mut self, prefix: Vec<BlockHash>) -> Self {
         self.prefix = prefix;
         self
+    }
+
+    /// Follow a prefill still running on the source (an overlapped prefill/decode handoff): the
+    /// request will hold `expected_kv_tokens` of KV at its end, which the target reserves at once.
+    /// `Pause` is asked as soon as the target accepts and means "at the prefill's end"; meanwhile
+    /// live stages copy each full block the prefill writes, as many stages as it takes (neither
+    /// `max_stages` nor the stop-copy rule applies), waiting for more
+    /// ([`SourceMachine::awaiting_kv`]) when every full block has left. [`SourceMachine::on_paused`]
+    /// may then come in any live state: the final stage (the blocks written since, and the partial
+    /// last one) follows the stage in flight.
+    pub fn following_prefill(mut self, expected_kv_tokens: u32) -> Self {
+        self.follow = Some(expected_kv_tokens);
+        self
+    }
+
+    /// Following a prefill, every full block so far has left: the KV length (tokens) the driver
+    /// should report growth beyond ([`SourceMachine::on_kv_progress`]), or the prefill's end.
+    pub fn awaiting_kv(&self) -> Option<u32> {
+        (self.state == State::AwaitingKv).then_some(self.kv_tokens)
+    }
+
+    /// Whether `Pause` was asked and [`SourceMachine::on_paused`] is still awaited (following a
+    /// prefill, from the target's acceptance to the prefill's end).
+    pub fn pause_wanted(&self) -> bool {
+        match self.state {
+            State::Pausing => true,
+            State::Copying { .. } | State::AwaitingAck { .. } | State::AwaitingKv => {
+                self.follow.is_some() && self.report.pause_requested_at.is_some() && self.report.paused_at.is_none()
+            }
+            _ => false,
+        }
     }
 
     /// The model name sent in `Prepare` (the target refuses a model it does not serve).
@@ -182,6 +231,7 @@ impl SourceMachine {
             State::Preparing => MigrationPhase::Preparing,
             State::Copying { .. } => MigrationPhase::LiveCopy,
             State::AwaitingAck { .. } => MigrationPhase::StageAck,
+            State::AwaitingKv => MigrationPhase::FollowingPrefill,
             State::Pausing => MigrationPhase::Pausing,
             State::FinalCopy { .. } => MigrationPhase::StopAndCopy,
             State::Committing => MigrationPhase::Committing,
@@ -220,6 +270,7 @@ impl SourceMachine {
             source_instance: self.source_instance,
             trace_context: self.trace_context.clone(),
             prefix: self.prefix.iter().map(|&h| wire::BlockHash { hi: (h >> 64) as u64, lo: h as u64 }).collect(),
+            expected_kv_tokens: self.follow.unwrap_or(0),
         }));
     }
 
@@ -252,6 +303,11 @@ impl SourceMachine {
                     self.sent_blocks = r.cached_blocks;
                     self.report.skipped_blocks = r.cached_blocks;
                     self.report.bytes_skipped = r.cached_blocks as u64 * self.params.block_bytes;
+                    if self.follow.is_some() {
+                        // Held at the prefill's end: the driver answers when it comes.
+                        self.report.pause_requested_at = Some(now);
+                        self.actions.push_back(SourceAction::Pause);
+                    }
                     self.next_stage(now);
                 } else {
                     self.finish(now, Outcome::Aborted(AbortReason::Refused(r.reason)));
@@ -287,9 +343,19 @@ impl SourceMachine {
 
     /// The request decoded more tokens; it now holds `kv_tokens` tokens of KV. Smaller values than
     /// before are ignored (KV is append-only), and so are reports once the pause was asked for.
-    pub fn on_kv_progress(&mut self, kv_tokens: u32) {
-        if matches!(self.state, State::Idle | State::Preparing | State::Copying { .. } | State::AwaitingAck { .. }) {
-            self.kv_tokens = self.kv_tokens.max(kv_tokens);
+    pub fn on_kv_progress(&mut self, now: Timestamp, kv_tokens: u32) {
+        if self.paused_early.is_some() {
+            return;
+        }
+        match self.state {
+            State::Idle | State::Preparing | State::Copying { .. } | State::AwaitingAck { .. } => {
+                self.kv_tokens = self.kv_tokens.max(kv_tokens);
+            }
+            State::AwaitingKv => {
+                self.kv_tokens = self.kv_tokens.max(kv_tokens);
+                self.next_stage(now);
+            }
+            _ => {}
         }
     }
 
@@ -317,10 +383,25 @@ impl SourceMachine {
     /// The driver froze the request after [`SourceAction::Pause`]: it holds `kv_tokens_final`
     /// tokens and `state` is its serialized state for the target.
     pub fn on_paused(&mut self, now: Timestamp, kv_tokens_final: u32, state: impl Into<Bytes>) {
-        if self.state != State::Pausing {
-            return;
+        let following = self.follow.is_some() && self.paused_early.is_none() && self.report.paused_at.is_none();
+        match self.state {
+            State::Pausing => {}
+            State::AwaitingKv if following => {}
+            State::Copying { .. } | State::AwaitingAck { .. } if following => {
+                // The prefill ended during a live stage: the final stage follows its ack.
+                self.report.paused_at = Some(now);
+                self.report.kv_tokens_final = Some(kv_tokens_final);
+                self.paused_early = Some((kv_tokens_final, state.into()));
+                return;
+            }
+            _ => return,
         }
         self.report.paused_at = Some(now);
+        self.final_stage(now, kv_tokens_final, state.into());
+    }
+
+    /// The request is paused with `kv_tokens_final` tokens: copy what is left and commit.
+    fn final_stage(&mut self, now: Timestamp, kv_tokens_final: u32, state: Bytes) {
         self.report.kv_tokens_final = Some(kv_tokens_final);
         let already_sent_tokens = self.sent_blocks as u64 * self.params.block_size as u64;
         if (kv_tokens_final as u64) < already_sent_tokens {
@@ -329,7 +410,7 @@ impl SourceMachine {
             return self.fail(now, AbortReason::SourceKvUnavailable(msg), true);
         }
         self.kv_tokens = kv_tokens_final;
-        self.request_state = state.into();
+        self.request_state = state;
         let stage = self.live_stages_done;
         let blocks_total = blocks_for_tokens(kv_tokens_final, self.params.block_size);
         let blocks = self.sent_blocks..blocks_total;
@@ -392,8 +473,19 @@ impl SourceMachine {
     /// After `PrepareReply { ok }` or a `StageAck`: copy the full blocks added since the last
     /// stage, or pause if few remain (fewer than `stop_copy_blocks`) or enough live stages ran.
     fn next_stage(&mut self, now: Timestamp) {
+        if let Some((kv_final, state)) = self.paused_early.take() {
+            return self.final_stage(now, kv_final, state);
+        }
         let full_blocks = self.kv_tokens / self.params.block_size;
         let remaining = full_blocks.saturating_sub(self.sent_blocks);
+        if self.follow.is_some() {
+            // Following a prefill: copy what it wrote, or wait for more (the pause is its end).
+            if remaining == 0 {
+                self.state = State::AwaitingKv;
+                return;
+            }
+            return self.live_stage(now, full_blocks);
+        }
         // The link as the last live stage measured it: its bytes over Copy → StageAck.
         let rate = self.report.stages.iter().rev().find(|s| !s.final_stage).and_then(|s| {
             let took = s.ended?.saturating_since(s.started).as_secs_f64();
@@ -405,6 +497,11 @@ impl SourceMachine {
             self.actions.push_back(SourceAction::Pause);
             return;
         }
+        self.live_stage(now, full_blocks);
+    }
+
+    /// A live stage copying the full blocks not sent yet, up to `full_blocks`.
+    fn live_stage(&mut self, now: Timestamp, full_blocks: u32) {
         let stage = self.live_stages_done;
         let blocks = self.sent_blocks..full_blocks;
         self.begin_stage(now, stage, blocks.clone(), false);

@@ -215,10 +215,12 @@ impl TargetMachine {
             Some(reason) => m.refuse(now, AbortReason::Refused(reason)),
             None => {
                 m.reserved = true;
+                // A migration that follows a prefill announces the KV it will end with.
+                let kv_tokens = prepare.kv_tokens.max(prepare.expected_kv_tokens);
                 m.actions.push_back(TargetAction::Reserve {
                     request,
-                    kv_tokens: prepare.kv_tokens,
-                    blocks: blocks_for_tokens(prepare.kv_tokens, params.block_size),
+                    kv_tokens,
+                    blocks: blocks_for_tokens(kv_tokens, params.block_size),
                     model: prepare.model,
                     prefix: prepare.prefix.iter().map(|h| (h.hi as BlockHash) << 64 | h.lo as BlockHash).collect(),
                 });

@@ -861,3 +861,90 @@ fn a_target_caching_the_prefix_is_sent_only_what_it_lacks() {
         "{acts:?}"
     );
 }
+
+/// Runs in order every enabled event but decoding and the freeze (the prefill's end, which the
+/// test chooses), until none is left.
+fn advance_prefill(w: &mut World) {
+    while let Some(ev) = w.enabled().into_iter().find(|e| !matches!(e, Ev::Decode | Ev::Freeze)) {
+        w.apply(ev, 0);
+    }
+}
+
+/// The prefill writes KV up to `kv` tokens (a chunk ended on the source).
+fn prefill_writes(w: &mut World, kv: u32) {
+    w.kv_tokens = kv;
+    w.src.on_kv_progress(w.now, kv);
+    w.pump();
+}
+
+/// A migration that follows a prefill (an overlapped handoff): the target reserves the KV the
+/// prefill will end with at once; `Pause` is asked at the start and means the prefill's end;
+/// each chunk's full blocks leave in a live stage of their own as the prefill writes them, with
+/// the source waiting for KV in between; the prefill ending during a live stage starts the final
+/// stage (the rest, partial block included) after that stage's ack; the target ends up with
+/// exactly the source's KV.
+#[test]
+fn a_migration_following_a_prefill_copies_each_chunk_as_it_is_written() {
+    let mut w = World::new(Config::small(8, 2));
+    w.src = w.src.clone().following_prefill(30);
+    w.start();
+    let Body::Prepare(p) = body(&w.src_sent[0]) else { panic!("first frame must be Prepare") };
+    assert_eq!((p.kv_tokens, p.expected_kv_tokens), (8, 30));
+    advance_prefill(&mut w);
+    assert!(w.pause_asked, "the pause is asked up front");
+    assert_eq!(w.src.awaiting_kv(), Some(8), "both full blocks of the first chunk went");
+    assert_eq!(w.src.phase(), MigrationPhase::FollowingPrefill);
+    assert_eq!(stage_blocks(&w), [2]);
+    prefill_writes(&mut w, 16);
+    advance_prefill(&mut w);
+    assert_eq!((stage_blocks(&w), w.src.awaiting_kv()), (vec![2, 2], Some(16)));
+    // The third chunk's stage is on its way when the prefill ends (its last 6 tokens written).
+    prefill_writes(&mut w, 24);
+    assert!(w.blocks_sent_pending.is_some());
+    w.kv_tokens = 30;
+    w.apply(Ev::Freeze, 0);
+    assert!(!w.finished());
+    w.drain();
+    assert_eq!(w.src_outcome(), Some(&Outcome::Committed));
+    assert_eq!(w.tgt_outcome(), Some(&Outcome::Committed));
+    w.check_safety();
+    w.check_target_kv_equals_source();
+    assert_eq!(stage_blocks(&w), [2, 2, 2, 2], "blocks 6..8 (one partial) in the final stage");
+    let r = w.src.report();
+    assert!(r.stages[3].final_stage && r.stages[..3].iter().all(|s| !s.final_stage));
+    assert_eq!(r.kv_tokens_final, Some(30));
+    assert!(r.paused_at.unwrap() < r.stages[3].started, "the final stage waited for the third's ack");
+    assert_eq!(r.bytes, 8 * 256);
+}
+
+/// Following a prefill, its end while every full block has already left (the KV ends on a block
+/// boundary) commits at once with an empty final stage; a target told the expected KV reserves
+/// all of it.
+#[test]
+fn a_prefill_ending_with_every_block_sent_commits_at_once() {
+    let mut w = World::new(Config::small(8, 1));
+    w.src = w.src.clone().following_prefill(16);
+    w.start();
+    advance_prefill(&mut w);
+    prefill_writes(&mut w, 16);
+    advance_prefill(&mut w);
+    assert_eq!(w.src.awaiting_kv(), Some(16));
+    w.apply(Ev::Freeze, 0);
+    w.drain();
+    assert_eq!(w.src_outcome(), Some(&Outcome::Committed));
+    w.check_target_kv_equals_source();
+    assert_eq!(stage_blocks(&w), [2, 2, 0]);
+
+    let params = MigrationParams::new(4, 8);
+    let prepare = wire::Prepare {
+        migration_id: 9,
+        request_id: 1,
+        kv_tokens: 8,
+        block_size: 4,
+        block_bytes: 8,
+        expected_kv_tokens: 30,
+        ..Default::default()
+    };
+    let mut t = TargetMachine::new(Timestamp(0), &params, prepare);
+    assert!(matches!(t.poll_action(), Some(TargetAction::Reserve { kv_tokens: 30, blocks: 8, .. })));
+}

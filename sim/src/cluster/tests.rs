@@ -22,6 +22,10 @@ fn run_split(
     prefill: u32,
     requests: &[RequestSpec],
 ) -> ClusterOutcome {
+    run_pd(cfg, policy, &PdConfig { prefill_instances: prefill, ..PdConfig::default() }, requests)
+}
+
+fn run_pd(cfg: &SimConfig, policy: Box<dyn InstancePolicy>, pd: &PdConfig, requests: &[RequestSpec]) -> ClusterOutcome {
     let (intra, _) = resolve_policy(&cfg.scheduler.policy).unwrap();
     let (model, gpu) = cfg.specs().unwrap();
     let engine = cfg.engine_config(&model, &gpu).unwrap();
@@ -40,7 +44,7 @@ fn run_split(
         0,
     )
     .unwrap();
-    cluster.split_prefill_decode(&PdConfig { prefill_instances: prefill, ..PdConfig::default() });
+    cluster.split_prefill_decode(pd);
     cluster.run(requests, |_| {}).expect("the run ends within RUN_LIMIT")
 }
 
@@ -259,6 +263,49 @@ fn prefill_instances_hand_every_request_to_a_decode_instance() {
         out.records.iter().all(|r| r.migrated_in.is_none() && r.first_scheduled_after_migration.is_none()),
         "no q3 without a migration"
     );
+}
+
+/// Overlapped handoffs (`[pd] overlap = "chunk"`, prompts of 4,096 tokens prefilled in chunks of
+/// 512): each handoff starts once the first chunk is written, copies every chunk's full blocks
+/// while the next computes and pauses at the prefill's end. The same KV moves as one-shot
+/// (the prompt's and the first token's), every request finishes once on the decode instance, its
+/// first token comes no later, and what is exposed after it (first token → attached on the
+/// decoder) is under a fifth of one-shot's, which copies everything after the first token.
+#[test]
+fn an_overlapped_handoff_follows_the_prefill_and_exposes_only_its_last_chunk() {
+    use kvfleet_control::roles::Overlap;
+    let mut cfg = SimConfig::default();
+    cfg.cluster.instances = 2;
+    cfg.scheduler.intra.chunked_prefill_tokens = Some(512);
+    let (model, gpu) = cfg.specs().unwrap();
+    let engine = cfg.engine_config(&model, &gpu).unwrap();
+    let requests: Vec<RequestSpec> = (0..4).map(|i| request(i, 5.0 * i as f64, 4096, 0, 20)).collect();
+    let go = |overlap| {
+        let pd = PdConfig { prefill_instances: 1, overlap, ..PdConfig::default() };
+        run_pd(&cfg, build_policy("least-kv", &cfg.scheduler.instance).unwrap(), &pd, &requests)
+    };
+    let (one_shot, overlapped) = (go(Overlap::None), go(Overlap::Chunk));
+    let exposed = |out: &ClusterOutcome, id: u64| {
+        let r = out.records.iter().find(|r| r.id.0 == id).expect("a record per request");
+        assert_eq!((r.placed_on.0, r.finished_on, r.migrations), (0, Some(InstanceId(1)), 1), "{}", r.id);
+        let m = out.migrations.iter().find(|m| m.request.0 == id).expect("one handoff each");
+        assert_eq!(m.outcome_name(), "committed", "{m:?}");
+        assert_eq!(m.bytes, u64::from(4097u32.div_ceil(engine.block_size)) * engine.block_bytes(), "{m:?}");
+        (r.first_token.unwrap(), r.migrated_in.unwrap().saturating_since(r.first_token.unwrap()), m.live_stages)
+    };
+    for out in [&one_shot, &overlapped] {
+        assert_eq!((out.records.len(), out.migrations.len()), (4, 4));
+    }
+    for id in 0..4 {
+        let (first_one, exposed_one, stages_one) = exposed(&one_shot, id);
+        let (first_ov, exposed_ov, stages_ov) = exposed(&overlapped, id);
+        assert!(first_ov <= first_one, "{id}: the copy does not slow the prefill");
+        assert!(stages_ov >= 7 && stages_one <= 1, "{id}: a live stage per chunk: {stages_ov} vs {stages_one}");
+        assert!(
+            exposed_ov.as_secs_f64() < 0.2 * exposed_one.as_secs_f64(),
+            "{id}: exposed {exposed_ov:?} overlapped vs {exposed_one:?} one-shot"
+        );
+    }
 }
 
 /// A handoff that cannot complete (every one times out here) leaves the request where it was

@@ -8,6 +8,7 @@ use kvfleet_core::kv::Tier;
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::timing::FixedTiming;
 use kvfleet_core::{RequestSpec, TimeSpan};
+use kvfleet_netmodel::migration::MigrationPhase;
 use kvfleet_netmodel::LinkParams;
 use std::sync::Arc;
 

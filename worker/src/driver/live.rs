@@ -51,10 +51,19 @@ pub(crate) enum LiveCommand {
         count: u32,
         reply: Reply<BlockRead>,
     },
+    /// Freeze the request for the final copy; one whose prefill still runs (a move following
+    /// it) is frozen at the prefill's end, when it is held.
     PauseOut {
         request: RequestId,
         migration: MigrationId,
         reply: Reply<PausedOut>,
+    },
+    /// A move following a prefill has copied every full block up to `above` tokens: replies
+    /// with the tokens whose content is final once the prefill has written more, or has ended.
+    WaitKv {
+        request: RequestId,
+        above: u32,
+        reply: Reply<u32>,
     },
     FinishOut {
         request: RequestId,
@@ -140,6 +149,8 @@ pub(crate) enum LiveCommand {
 pub(crate) struct BeganOut {
     pub kv_tokens: u32,
     pub prefix: Vec<BlockHash>,
+    /// Its prefill still runs: the KV it will hold at its end (the move follows the prefill).
+    pub following: Option<u32>,
 }
 
 /// Blocks read for sending.
@@ -170,6 +181,9 @@ impl Driver {
             }
             LiveCommand::PauseOut { request, migration, reply } => {
                 let _ = reply.send(self.pause_out(request, migration));
+            }
+            LiveCommand::WaitKv { request, reply, .. } => {
+                let _ = reply.send(self.read_blocks(request, 0, 0).map(|r| r.kv_tokens));
             }
             LiveCommand::FinishOut { request, migration, reply } => {
                 let _ = reply.send(self.finish_out(request, migration));
@@ -290,7 +304,10 @@ impl Driver {
                 // The KV as it is, partial last block included (`read` counts only the full
                 // blocks a live stage may copy): the target reserves for it, as in the simulator.
                 let kv_tokens = self.written.get(&request).map_or(read.kv_tokens, |w| w.tokens);
-                Ok(BeganOut { kv_tokens, prefix: prefix.unwrap_or_default() })
+                // Its prefill still runs: its table holds the whole prompt already.
+                let following =
+                    self.engine.prompt_written(request).and_then(|_| self.engine.kv().table(request).map(|t| t.tokens));
+                Ok(BeganOut { kv_tokens, prefix: prefix.unwrap_or_default(), following })
             }
             Err(e) => {
                 // Nothing to move yet (no KV): it carries on here.
@@ -349,6 +366,11 @@ impl Driver {
         if !self.ledger.holds(request) {
             return Err(DriverError::Unknown(request));
         }
+        // A prefill's KV is written chunk by chunk (its first token writes it all otherwise):
+        // what its chunks so far computed is final, and a move following it copies that.
+        if let Some(computed) = self.engine.prompt_written(request) {
+            self.write_kv(request, computed);
+        }
         let paused = self.engine.is_migrating_out(request);
         let table = self.engine.kv().table(request).ok_or_else(|| DriverError::Kv {
             request,
@@ -378,6 +400,20 @@ impl Driver {
             blocks.push(if full { self.lease(tier, b)? } else { self.arena.copy_out(tier, b)? });
         }
         Ok(BlockRead { kv_tokens: final_tokens, blocks })
+    }
+
+    /// Whether `cmd` waits for the prefill it is about (checked again after each iteration and
+    /// each command): a pause of a request whose prefill runs (frozen once it is held), or a
+    /// wait for KV beyond what the prefill's chunks have written yet.
+    pub(super) fn waits_for_prefill(&self, cmd: &LiveCommand) -> bool {
+        match *cmd {
+            LiveCommand::PauseOut { request, .. } => self.engine.prompt_written(request).is_some(),
+            LiveCommand::WaitKv { request, above, .. } => {
+                let bs = self.block_size;
+                self.engine.prompt_written(request).is_some_and(|computed| computed / bs * bs <= above)
+            }
+            _ => false,
+        }
     }
 
     fn pause_out(&mut self, request: RequestId, migration: MigrationId) -> Result<PausedOut, DriverError> {

@@ -126,6 +126,7 @@ struct Seen {
     finished: BTreeMap<u64, v1::RequestRecord>,
     loads: usize,
     prefill_done: Vec<u64>,
+    prefill_started: Vec<u64>,
     kv_events: Vec<KvEvent>,
 }
 
@@ -146,6 +147,7 @@ fn collect(log: &EventLog) -> Seen {
             }
             v1::worker_event::Event::Load(_) => s.loads += 1,
             v1::worker_event::Event::PrefillDone(p) => s.prefill_done.push(p.request_id),
+            v1::worker_event::Event::PrefillStarted(p) => s.prefill_started.push(p.request_id),
             v1::worker_event::Event::KvEvents(k) => s.kv_events.extend(kvfleet_proto::kv_events_from_proto(&k)),
         }
     }

@@ -223,6 +223,7 @@ pub struct Collected {
     pub finished: std::collections::BTreeMap<u64, v1::RequestRecord>,
     pub loads: Vec<v1::LoadReport>,
     pub prefill_done: Vec<v1::PrefillDone>,
+    pub prefill_started: Vec<v1::PrefillStarted>,
     pub kv_events: Vec<kvfleet_core::kv::KvEvent>,
 }
 
@@ -240,6 +241,7 @@ impl Collected {
             }
             Event::Load(l) => self.loads.push(l),
             Event::PrefillDone(p) => self.prefill_done.push(p),
+            Event::PrefillStarted(p) => self.prefill_started.push(p),
             Event::KvEvents(k) => self.kv_events.extend(kvfleet_proto::kv_events_from_proto(&k)),
         }
     }
