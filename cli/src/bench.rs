@@ -28,6 +28,10 @@ pub enum BenchCommand {
     /// 256…16k-token requests between two worker processes (total time, downtime; pipelined vs
     /// blocking stop-and-copy).
     Migration(crate::bench_migration::MigrationBench),
+    /// Prefill/decode handoffs of 1k/4k/16k-token prompts, one-shot and overlapped with the
+    /// chunked prefill, between two worker processes and in the simulator: the time each exposes
+    /// after the first token, and the ratio overlapped ÷ one-shot.
+    Handoff(crate::bench_handoff::HandoffBench),
     /// Simulator ↔ emulator parity: each workload (default: the quickstart, a Mooncake-trace
     /// workload, a migration-heavy PASCAL run) through `kvfleet sim` and `kvfleet up`; per-request
     /// TTFT/E2E error, placement agreement, migrations and downtime, side by side.
@@ -102,6 +106,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Sim(b) => bench_sim(b),
         BenchCommand::Migration(b) => crate::bench_migration::run(b),
+        BenchCommand::Handoff(b) => crate::bench_handoff::run(b),
         BenchCommand::Parity(b) => crate::bench_parity::run(b),
         BenchCommand::Sink(a) => crate::bench_migration::run_sink(a),
         BenchCommand::Workers(b) => bench_workers(b),

@@ -119,7 +119,7 @@ struct Row {
 
 /// CPU seconds two processes spent over the same interval.
 #[derive(Clone, Copy, Debug)]
-struct PairCpu {
+pub(crate) struct PairCpu {
     /// The sender (a migration's source).
     source_s: f64,
     /// The receiver (its target).
@@ -418,9 +418,13 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
                 tokens,
                 max_stages: stages,
                 handoff: mode == "handoff",
+                prefill_chunk: None,
+                overlap: false,
                 cached_prefix: if mode == "cached" { b.cached_prefix.min(tokens) } else { 0 },
+                model: None,
+                kv_bytes_per_token: KV_BYTES_PER_TOKEN,
             };
-            let (stats, cpu) = rt.block_on(migrate_once(&pair, how, &stop_args))?;
+            let Moved { stats, cpu, .. } = rt.block_on(migrate_once(&pair, how, &stop_args))?;
             let simulated = match &sim {
                 Some(s) if mode != "cached" => Some(s.simulate(tokens, stages.parse()?)?),
                 _ => None,
@@ -481,40 +485,55 @@ fn human(bytes: u64) -> String {
 
 /// What every pair of bench workers shares.
 #[derive(Clone, Copy)]
-struct WorkerPair<'a> {
-    worker: &'a Path,
-    logs: &'a Path,
+pub(crate) struct WorkerPair<'a> {
+    pub worker: &'a Path,
+    pub logs: &'a Path,
     /// The certificate arguments of a worker by name.
-    issue: &'a dyn Fn(&str) -> anyhow::Result<Vec<String>>,
+    pub issue: &'a dyn Fn(&str) -> anyhow::Result<Vec<String>>,
     /// The bench's identity towards them (a coordinator's).
-    client: &'a NodeIdentity,
-    dilation: kvfleet_core::Dilation,
+    pub client: &'a NodeIdentity,
+    pub dilation: kvfleet_core::Dilation,
 }
 
 /// One bench migration.
 #[derive(Clone, Copy)]
-struct Move<'a> {
+pub(crate) struct Move<'a> {
     /// The request's prompt, tokens.
-    tokens: u32,
+    pub tokens: u32,
     /// The workers' `--max-stages` (`0`: a blocking copy).
-    max_stages: &'a str,
+    pub max_stages: &'a str,
     /// Moved as a prefill/decode handoff (held after its prefill).
-    handoff: bool,
+    pub handoff: bool,
+    /// The source prefills in chunks of this many tokens (`None`: whole prompts).
+    pub prefill_chunk: Option<u32>,
+    /// A handoff overlapped with its chunked prefill: the move starts once the first chunk is
+    /// written (it follows the prefill).
+    pub overlap: bool,
     /// Leading prompt tokens the target caches before the move (0: none, no prefix caching).
-    cached_prefix: u32,
+    pub cached_prefix: u32,
+    /// The workers' `--model` and `--gpu` (their defaults when `None`) and that model's KV bytes
+    /// per token (sizes their arenas).
+    pub model: Option<(&'a str, &'a str)>,
+    pub kv_bytes_per_token: u64,
+}
+
+/// What one bench migration measured.
+pub(crate) struct Moved {
+    /// The source's measurements.
+    pub stats: v1::MigrationStats,
+    /// CPU the two workers spent during the move.
+    pub cpu: Option<PairCpu>,
+    /// A handoff's prefill end on the source (its first token; cluster time, ns).
+    pub prefill_done_ns: Option<u64>,
 }
 
 /// Start two workers sized for the request, run it on the first, migrate it to the second once
 /// it decodes, and return the source's measurements.
-async fn migrate_once(
-    pair: &WorkerPair<'_>,
-    how: Move<'_>,
-    stop_args: &[String],
-) -> anyhow::Result<(v1::MigrationStats, Option<PairCpu>)> {
+pub(crate) async fn migrate_once(pair: &WorkerPair<'_>, how: Move<'_>, stop_args: &[String]) -> anyhow::Result<Moved> {
     let WorkerPair { worker, logs, issue, client, dilation } = *pair;
-    let Move { tokens, max_stages, handoff, cached_prefix } = how;
+    let Move { tokens, max_stages, handoff, prefill_chunk, overlap, cached_prefix, model, kv_bytes_per_token } = how;
     // Room for the prompt plus what it decodes during the copy, on both sides.
-    let arena = ((tokens as u64 + 1040) * KV_BYTES_PER_TOKEN).div_ceil(64 << 20) * (64 << 20);
+    let arena = ((tokens as u64 + 1040) * kv_bytes_per_token).div_ceil(64 << 20) * (64 << 20);
     let mut procs = Vec::new();
     for i in 0..2u32 {
         let mut a: Vec<String> = [
@@ -540,7 +559,14 @@ async fn migrate_once(
         if cached_prefix > 0 {
             a.push("--prefix-caching".into());
         }
-        let log = logs.join(format!("worker-{tokens}-{max_stages}-{cached_prefix}-{i}.log"));
+        if let Some((model, gpu)) = model {
+            a.extend(["--model".into(), model.into(), "--gpu".into(), gpu.into()]);
+        }
+        if let Some(chunk) = prefill_chunk {
+            a.extend(["--chunked-prefill-tokens".into(), chunk.to_string()]);
+        }
+        let mode = if overlap { "-overlap" } else { "" };
+        let log = logs.join(format!("worker-{tokens}-{max_stages}-{cached_prefix}{mode}-{i}.log"));
         procs.push(Proc::spawn(&format!("worker-{i}"), worker, &a, &log, Some(Duration::from_secs(60)))?);
     }
     let connect = |addr: &str| -> anyhow::Result<v1::worker_client::WorkerClient<tonic::transport::Channel>> {
@@ -592,12 +618,19 @@ async fn migrate_once(
     // Migrate once it decodes (its prompt is prefilled and written), or, handed off, once it is
     // held after its prefill.
     let mut events = src.events(v1::EventsRequest { after_seq: 0 }).await?.into_inner();
-    // A minute of emulated time (a long prompt's prefill, stretched by the dilation).
-    let first = tokio::time::timeout(dilation.real(kvfleet_core::TimeSpan::from_secs_f64(60.0)), async {
+    // A minute of emulated time (a long prompt's prefill, stretched by the dilation). An
+    // overlapped handoff starts once the first chunk is written.
+    let minute = dilation.real(kvfleet_core::TimeSpan::from_secs_f64(60.0));
+    let mut prefill_done_ns = None;
+    let first = tokio::time::timeout(minute, async {
         while let Some(ev) = events.message().await? {
             let ready = match ev.event {
                 Some(v1::worker_event::Event::Tokens(_)) => !handoff,
-                Some(v1::worker_event::Event::PrefillDone(_)) => handoff,
+                Some(v1::worker_event::Event::PrefillStarted(_)) => overlap,
+                Some(v1::worker_event::Event::PrefillDone(p)) => {
+                    prefill_done_ns = Some(p.at_ns);
+                    handoff
+                }
                 _ => false,
             };
             if ready {
@@ -613,11 +646,24 @@ async fn migrate_once(
     let cpu_before = [cpu_seconds(&pids[0]), cpu_seconds(&pids[1])];
     let out = src.migrate_out(req).await?.into_inner();
     let cpu = PairCpu::between(cpu_before, [cpu_seconds(&pids[0]), cpu_seconds(&pids[1])]);
+    if handoff && prefill_done_ns.is_none() {
+        // Overlapped: the prefill ended during the move (its event is in the log).
+        let done = tokio::time::timeout(minute, async {
+            while let Some(ev) = events.message().await? {
+                if let Some(v1::worker_event::Event::PrefillDone(p)) = ev.event {
+                    return Ok::<_, tonic::Status>(Some(p.at_ns));
+                }
+            }
+            Ok(None)
+        })
+        .await;
+        prefill_done_ns = done.ok().and_then(Result::ok).flatten();
+    }
     for p in &mut procs {
         p.stop(Duration::from_secs(5));
     }
     let stats = out.stats.ok_or_else(|| anyhow::anyhow!("the source reported no migration measurements"))?;
-    Ok((stats, cpu))
+    Ok(Moved { stats, cpu, prefill_done_ns })
 }
 
 /// The committed pipelined migration that moved the most bytes.

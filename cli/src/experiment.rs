@@ -186,6 +186,8 @@ pub struct Replayed {
     pub role_changes: Vec<v1::RoleChange>,
     pub handoffs: u64,
     pub handoffs_released: u64,
+    /// Of `handoffs`, those decided while the prefill ran (`[pd] overlap`).
+    pub handoffs_overlapped: u64,
     /// Cache-aware placements that copied a cached prefix first, and their bytes (the leader's
     /// count).
     pub prefix_fetches: u64,
@@ -211,8 +213,12 @@ impl Replayed {
             return None;
         }
         let to = |role: &str| self.role_changes.iter().filter(|c| c.role == role).count();
+        let overlapped = match self.handoffs_overlapped {
+            0 => String::new(),
+            n => format!(" ({n} overlapped with their prefill)"),
+        };
         Some(format!(
-            "prefill/decode: {} handoffs moved to a decoder, {} decoded where prefilled; {} role flips ({} to decode, {} to prefill)",
+            "prefill/decode: {} handoffs moved to a decoder{overlapped}, {} decoded where prefilled; {} role flips ({} to decode, {} to prefill)",
             self.handoffs,
             self.handoffs_released,
             self.role_changes.len(),

@@ -11,6 +11,7 @@
 //! Exit codes: 0 success, 1 runtime failure, 2 invalid input (bad flag, bad config, missing file).
 
 mod bench;
+mod bench_handoff;
 mod bench_migration;
 mod bench_parity;
 mod certs;

@@ -210,6 +210,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         role_changes: end.as_ref().map(|s| s.role_changes.clone()).unwrap_or_default(),
         handoffs: end.as_ref().map_or(0, |s| s.handoffs),
         handoffs_released: end.as_ref().map_or(0, |s| s.handoffs_released),
+        handoffs_overlapped: end.as_ref().map_or(0, |s| s.handoffs_overlapped),
         prefix_fetches: end.as_ref().map_or(0, |s| s.prefix_fetches),
         prefix_fetch_bytes: end.as_ref().map_or(0, |s| s.prefix_fetch_bytes),
     };

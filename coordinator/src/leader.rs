@@ -62,6 +62,8 @@ pub struct LeaderStats {
     pub handoffs: AtomicU64,
     /// Held requests released to decode where they were prefilled.
     pub handoffs_released: AtomicU64,
+    /// Of `handoffs`, those whose move was decided while the prefill ran (`[pd] overlap`).
+    pub handoffs_overlapped: AtomicU64,
     /// Cache-aware placements whose target copied a cached prefix from another worker first.
     pub prefix_fetches: AtomicU64,
     /// The bytes those copies moved.
@@ -1043,6 +1045,7 @@ impl Leader {
             role_changes: self.roles.changes(),
             handoffs: self.stats.handoffs.load(Ordering::Relaxed),
             handoffs_released: self.stats.handoffs_released.load(Ordering::Relaxed),
+            handoffs_overlapped: self.stats.handoffs_overlapped.load(Ordering::Relaxed),
             prefix_fetches: self.stats.prefix_fetches.load(Ordering::Relaxed),
             prefix_fetch_bytes: self.stats.prefix_fetch_bytes.load(Ordering::Relaxed),
         }

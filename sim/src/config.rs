@@ -3,7 +3,7 @@
 //! Every field has a default, so a config file only states what differs from PASCAL's setup
 //! (8 × H100 96 GB, 100 Gbps, DeepSeek-R1-Distill-Qwen-32B, profile timing).
 
-pub use kvfleet_control::roles::{PdConfig, PdPolicy};
+pub use kvfleet_control::roles::{Overlap, PdConfig, PdPolicy};
 use kvfleet_core::engine::sched::{build_scheduler, SchedulerParams, SCHEDULER_NAMES};
 use kvfleet_core::engine::sizing;
 use kvfleet_core::engine::EngineConfig;
@@ -457,9 +457,7 @@ impl SimConfig {
                 "`cluster.decode_tensor_parallel_size` sizes the decode pool: it needs `[pd] prefill_instances`".into(),
             ));
         }
-        if self.pd.overlap == kvfleet_control::roles::Overlap::Chunk
-            && self.scheduler.intra.chunked_prefill_tokens.is_none()
-        {
+        if self.pd.overlap == Overlap::Chunk && self.scheduler.intra.chunked_prefill_tokens.is_none() {
             return Err(ConfigError::Invalid(
                 "`pd.overlap = \"chunk\"` hands a prefill off chunk by chunk: it needs \
                  `scheduler.intra.chunked_prefill_tokens`"

@@ -398,7 +398,8 @@ fn up_with_time_dilation_auto_measures_the_transport_and_says_its_k() {
 /// arrival; the leader is killed mid-run (the new one reads the roles back from etcd and takes
 /// over the held requests and open handoffs). Every request completes exactly once, the handoffs
 /// are counted, the flip is recorded (and etcd's results match the clients', or `kvfleet up`
-/// fails). The decode pool's workers span two GPUs each, the prefill pool's one.
+/// fails). The decode pool's workers span two GPUs each, the prefill pool's one; prompts are
+/// prefilled in chunks and their handoffs overlap the prefill.
 #[test]
 fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     if !etcd_installed() {
@@ -412,10 +413,15 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     assert!(cfg.contains("slo_ttft_s = 1.5"), "the example's Arrow TTFT SLO moved; update this test");
     let config = tmp.join("arrow.toml");
     // The decode pool spans two GPUs per instance, the prefill pool one (Arrow's heterogeneous
-    // setup): each worker runs its own timing, and handoffs cross tensor-parallel degrees.
+    // setup): each worker runs its own timing, and handoffs cross tensor-parallel degrees. Prompts
+    // are prefilled in chunks of 256 tokens and handed off overlapped: a move starts after the
+    // first chunk and follows the prefill.
     let cfg = cfg
         .replace("slo_ttft_s = 1.5", "slo_ttft_s = 0.001")
-        .replace("[cluster]\n", "[cluster]\ndecode_tensor_parallel_size = 2\n");
+        .replace("[cluster]\n", "[cluster]\ndecode_tensor_parallel_size = 2\n")
+        .replace("policy = \"arrow\"\n", "policy = \"arrow\"\noverlap = \"chunk\"\n")
+        .replace("[scheduler]\n", "[scheduler.intra]\nchunked_prefill_tokens = 256\n\n[scheduler]\n");
+    assert!(cfg.contains("overlap = ") && cfg.contains("chunked_prefill_tokens"), "{cfg}");
     std::fs::write(&config, cfg).unwrap();
     let config = config.to_str().unwrap();
     let args =
@@ -430,6 +436,14 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     let line = stdout.lines().find(|l| l.starts_with("prefill/decode:")).unwrap_or_else(|| panic!("{stdout}"));
     let handoffs: u64 = line.split_whitespace().nth(1).and_then(|n| n.parse().ok()).unwrap_or(0);
     assert!(handoffs >= 30, "most requests were handed off over QUIC: {line}");
+    // "(N overlapped with their prefill)": moves decided after a first chunk, committed.
+    let overlapped: u64 = line
+        .split(" overlapped")
+        .next()
+        .and_then(|head| head.rsplit('(').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(overlapped >= 5, "handoffs overlapped with their prefill: {line}");
     let runs: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
     let changes = runs[0]["role_changes"].as_array().cloned().unwrap_or_default();

@@ -241,6 +241,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             role_changes: last.role_changes,
             handoffs: last.handoffs,
             handoffs_released: last.handoffs_released,
+            handoffs_overlapped: last.handoffs_overlapped,
             prefix_fetches: last.prefix_fetches,
             prefix_fetch_bytes: last.prefix_fetch_bytes,
         };

@@ -51,6 +51,8 @@ pub(super) struct RoleBook {
     given: Mutex<BTreeMap<InstanceId, Role>>,
     changes: Mutex<Vec<v1::RoleChange>>,
     handoffs: Mutex<HashSet<RequestId>>,
+    /// Of those, the ones whose move was decided while the prefill ran.
+    overlapped: Mutex<HashSet<RequestId>>,
     /// Role decisions in the order made, for the task that stores and sends them.
     queue: Mutex<Option<mpsc::UnboundedSender<(InstanceId, Role)>>>,
 }
@@ -174,6 +176,7 @@ impl Leader {
         let Ok(actions) = self.decide(event) else { return };
         if actions.iter().any(|a| matches!(a, kvfleet_control::Action::Migrate { request: r, .. } if *r == request)) {
             self.roles.handoffs.lock().expect("handoffs lock").insert(request);
+            self.roles.overlapped.lock().expect("overlapped lock").insert(request);
         }
         self.act(actions);
     }
@@ -182,6 +185,9 @@ impl Leader {
     pub(super) fn handed_off(&self, request: RequestId) {
         if self.roles.handoffs.lock().expect("handoffs lock").remove(&request) {
             self.stats.handoffs.fetch_add(1, Ordering::Relaxed);
+        }
+        if self.roles.overlapped.lock().expect("overlapped lock").remove(&request) {
+            self.stats.handoffs_overlapped.fetch_add(1, Ordering::Relaxed);
         }
     }
 
