@@ -17,3 +17,10 @@ done
 # divided by 4): the host's QUIC no longer sets the pace of the handoffs.
 $B up -c examples/arrow-up.toml --link-gbps 10 --time-dilation 4 --out /tmp/arrow-emu/up-10-k4 -q > $D/up-10-k4.txt 2>&1 || exit 1
 cp /tmp/arrow-emu/up-10-k4/summary.csv $D/up-10-k4-summary.csv
+# Heterogeneous TP: the decode pool (instances 2, 3) spans two GPUs per instance, the prefill pool
+# one; 2 Gbit/s links.
+sed 's/^\[cluster\]$/[cluster]\ndecode_tensor_parallel_size = 2/' examples/arrow-up.toml > /tmp/arrow-up-tp.toml
+$B up -c /tmp/arrow-up-tp.toml --link-gbps 2 --out /tmp/arrow-emu/tp2-up-2 -q > $D/tp2-up-2.txt 2>&1 || exit 1
+$B sim -c /tmp/arrow-up-tp.toml --set link.bandwidth_gbps=2 --out /tmp/arrow-emu/tp2-sim-2 > $D/tp2-sim-2.txt 2>&1 || exit 1
+cp /tmp/arrow-emu/tp2-up-2/summary.csv $D/tp2-up-2-summary.csv
+cp /tmp/arrow-emu/tp2-sim-2/summary.csv $D/tp2-sim-2-summary.csv
