@@ -52,10 +52,12 @@ fn start_full(
     prefix_caching: bool,
     submit_grace: Duration,
 ) -> Running {
-    start_timed(instance, scheduler, (gpu_blocks, cpu_blocks), announce_every, prefix_caching, submit_grace, 1.0)
+    let timing = (1.0, None);
+    start_timed(instance, scheduler, (gpu_blocks, cpu_blocks), announce_every, prefix_caching, submit_grace, timing)
 }
 
-/// [`start_full`] with every iteration taking `iteration_ms`.
+/// [`start_full`] with every iteration taking `iteration_ms`, prompts prefilled in chunks of
+/// `chunk` tokens (`None`: whole).
 fn start_timed(
     instance: u32,
     scheduler: &str,
@@ -63,7 +65,7 @@ fn start_timed(
     announce_every: Duration,
     prefix_caching: bool,
     submit_grace: Duration,
-    iteration_ms: f64,
+    (iteration_ms, chunk): (f64, Option<u32>),
 ) -> Running {
     let cfg = EngineConfig {
         prefix_caching,
@@ -79,7 +81,7 @@ fn start_timed(
         iteration: TimeSpan::from_millis_f64(iteration_ms),
         transfer: TimeSpan::from_millis_f64(0.2),
     });
-    let params = SchedulerParams { quantum_tokens: 3, ..SchedulerParams::default() };
+    let params = SchedulerParams { quantum_tokens: 3, chunked_prefill_tokens: chunk, ..SchedulerParams::default() };
     let engine = Engine::new(InstanceId(instance), cfg.clone(), timing, build_scheduler(scheduler, &params).unwrap());
     let layout = ArenaLayout { block_size: 4, kv_bytes_per_token: 96, gpu_blocks, cpu_blocks };
     let arena = KvArena::new(layout, KvFill::Full, false).unwrap();
@@ -360,7 +362,7 @@ fn live_commands_copy_a_running_request_block_by_block() {
 #[test]
 fn a_move_out_announces_the_kv_with_its_partial_block() {
     // Iterations of 300 ms: the KV does not change between the first token and the BeginOut.
-    let a = start_timed(0, "fcfs", (32, 8), Duration::from_secs(3600), false, SUBMIT_GRACE, 300.0);
+    let a = start_timed(0, "fcfs", (32, 8), Duration::from_secs(3600), false, SUBMIT_GRACE, (300.0, None));
     ask(&a, |reply| Command::Submit { spec: spec(9, 9, 60, 10), reply });
     wait_for(&a.log, "the first token", |s| s.tokens.get(&9).is_some_and(|t| !t.is_empty()));
     let live = |cmd| Command::Live(cmd);
@@ -368,6 +370,51 @@ fn a_move_out_announces_the_kv_with_its_partial_block() {
         ask(&a, |reply| live(LiveCommand::BeginOut { request: RequestId(9), migration: MigrationId(1), reply }));
     let kv = began.unwrap().kv_tokens;
     assert!((9..=10).contains(&kv), "announced {kv} KV tokens");
+}
+
+/// A move that follows a prefill (an overlapped handoff) on a prefill instance prefilling 40-token
+/// prompts in chunks of 8 (4-token blocks, 40 ms iterations): the first chunk is announced; the
+/// move begun then sees the first chunk's KV written and the whole prompt's KV to come; a wait for
+/// more KV is answered once a later chunk is written; the pause is answered only at the prefill's
+/// end, the request held with its first token; the blocks read along the way and after the pause
+/// attach on another worker, which verifies every token and finishes the request.
+#[test]
+fn a_move_following_a_prefill_reads_each_chunk_and_pauses_at_its_end() {
+    let a = start_timed(0, "fcfs", (32, 8), Duration::from_secs(3600), false, SUBMIT_GRACE, (40.0, Some(8)));
+    let b = start(1, "fcfs", 32, 8);
+    ask(&a, |reply| Command::SetRole { role: "prefill".into(), hand_off: true, reply });
+    let (id, mig) = (RequestId(5), MigrationId(1));
+    ask(&a, |reply| Command::Submit { spec: spec(5, 40, 0, 10), reply });
+    wait_for(&a.log, "the first chunk announced", |s| s.prefill_started == [5]);
+    let live = |cmd| Command::Live(cmd);
+    let began = ask(&a, |reply| live(LiveCommand::BeginOut { request: id, migration: mig, reply })).unwrap();
+    assert_eq!(began.following, Some(41), "the KV at the prefill's end (the prompt and its first token) is to come");
+    assert!(began.kv_tokens >= 8 && began.kv_tokens < 40, "a chunk or more is written: {}", began.kv_tokens);
+    let (tx, paused) = oneshot::channel();
+    a.tx.send(live(LiveCommand::PauseOut { request: id, migration: mig, reply: tx })).unwrap();
+    let more = ask(&a, |reply| live(LiveCommand::WaitKv { request: id, above: began.kv_tokens, reply })).unwrap();
+    assert!(more > began.kv_tokens && more % 4 == 0 && more <= 40, "a later chunk's full blocks: {more}");
+    let read = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
+    assert_eq!(read.blocks.len() as u32 * 4, read.kv_tokens);
+    // Asked mid-prefill, the pause waited for its end (else the engine refuses a prefilling
+    // request: an error here).
+    let paused = paused.blocking_recv().unwrap().unwrap();
+    let s = collect(&a.log);
+    assert_eq!((s.prefill_done.as_slice(), s.tokens[&5].len()), ([5].as_slice(), 1), "held after its first token");
+    assert_eq!(paused.kv_tokens, 41, "the prompt's KV and its first token's");
+    let sent = read.blocks.len() as u32;
+    let rest = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: sent, count: 100, reply })).unwrap();
+    reserve(&b, id, mig, began.following.unwrap()).unwrap();
+    write_blocks(&b, id, mig, 0, &read.blocks);
+    write_blocks(&b, id, mig, sent, &rest.blocks);
+    let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
+    ask(&b, |reply| live(LiveCommand::AttachReserved { migration: mig, state: Box::new(m), reply })).unwrap();
+    ask(&a, |reply| live(LiveCommand::FinishOut { request: id, migration: mig, reply })).unwrap();
+    let s = wait_for(&b.log, "the record on B", |s| s.finished.contains_key(&5));
+    assert_eq!(s.finished[&5].finished_on, Some(1));
+    let stats_b = ask(&b, |reply| Command::Stats { reply });
+    assert!(stats_b.kv.tokens_verified >= 41, "B checked every received token: {stats_b:?}");
+    assert_eq!(stats_b.kv.errors + ask(&a, |reply| Command::Stats { reply }).kv.errors, 0);
 }
 
 /// A corrupted block is caught on the target before the request is attached; the reservation is
