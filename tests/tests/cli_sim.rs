@@ -290,6 +290,24 @@ const BAD_INPUTS: &[BadInput] = &[
         mentions: &["decode_tensor_parallel_size", "prefill_instances"],
     },
     BadInput {
+        name: "overlapped handoffs without chunked prefill",
+        config: Some("[pd]\nprefill_instances = 1\noverlap = \"chunk\"\n"),
+        args: &[],
+        mentions: &["pd.overlap", "chunked_prefill_tokens"],
+    },
+    BadInput {
+        name: "overlapped handoffs without disaggregation",
+        config: Some("[scheduler.intra]\nchunked_prefill_tokens = 256\n[pd]\noverlap = \"chunk\"\n"),
+        args: &[],
+        mentions: &["pd.overlap", "prefill_instances"],
+    },
+    BadInput {
+        name: "an overlap mode that does not exist",
+        config: Some("[pd]\nprefill_instances = 1\noverlap = \"layers\"\n"),
+        args: &[],
+        mentions: &["overlap", "layers"],
+    },
+    BadInput {
         name: "zero chunked prefill",
         config: Some("[scheduler.intra]\nchunked_prefill_tokens = 0\n"),
         args: &[],
