@@ -9,13 +9,12 @@
 //! The figure that matters is the *exposed* time, from the prefill's end (its first token) to the
 //! request attached on the decode instance: what the handoff adds to the request's latency.
 
-use crate::bench_migration::{migrate_once, quic_goodput_gbps, Move, Moved, WorkerPair};
+use crate::bench_migration::{migrate_once, quic_goodput_gbps, BenchPki, Move, Moved, WorkerPair};
 use crate::up::cluster::DilationArg;
 use crate::up::procs::sibling_binary;
 use crate::{say, InputError};
 use clap::Args;
 use kvfleet_core::workload::{ArrivalConfig, FixedLengths, LengthConfig};
-use kvfleet_pki::{ClusterCa, IdentityFiles, Role, TlsArgs};
 use kvfleet_sim::config::{Overlap, PdConfig};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -159,15 +158,9 @@ fn simulate(b: &HandoffBench, tokens: u32, overlap: bool) -> anyhow::Result<Figu
 fn emulate(b: &HandoffBench, kv_bytes_per_token: u64, rows: &mut [Row]) -> anyhow::Result<()> {
     let logs = b.out.join("logs");
     std::fs::create_dir_all(&logs)?;
-    let pki_dir = b.out.join("pki");
-    let ca = ClusterCa::generate("bench handoff")?;
-    ca.save(&pki_dir)?;
-    let issue = |stem: &str| -> anyhow::Result<Vec<String>> {
-        let files = IdentityFiles::in_dir(&pki_dir, stem);
-        ca.issue(Role::Worker, stem, &[])?.save(&files)?;
-        Ok(TlsArgs::files(&files).to_args())
-    };
-    let client = ca.issue(Role::Coordinator, "bench", &[])?;
+    let pki = BenchPki::new(b.out.join("pki"), "bench handoff")?;
+    let issue = |stem: &str| pki.worker_args(stem);
+    let client = pki.client()?;
     let dilation =
         b.time_dilation.resolve_with(Some(b.link_gbps), || quic_goodput_gbps(&logs.join("goodput"), 1 << 30, 4))?;
     let worker = sibling_binary("kvfleet-worker")?;

@@ -205,6 +205,33 @@ fn ms(ns: u64) -> f64 {
     ns as f64 / 1e6
 }
 
+/// A bench's own cluster CA, saved under `dir`: workers' certificates by name, and the bench's
+/// identity towards them (it orders migrations as a coordinator would).
+pub(crate) struct BenchPki {
+    pub ca: ClusterCa,
+    dir: PathBuf,
+}
+
+impl BenchPki {
+    pub fn new(dir: PathBuf, name: &str) -> anyhow::Result<BenchPki> {
+        let ca = ClusterCa::generate(name)?;
+        ca.save(&dir)?;
+        Ok(BenchPki { ca, dir })
+    }
+
+    /// The certificate arguments of worker `stem` (issued and saved now).
+    pub fn worker_args(&self, stem: &str) -> anyhow::Result<Vec<String>> {
+        let files = IdentityFiles::in_dir(&self.dir, stem);
+        self.ca.issue(Role::Worker, stem, &[])?.save(&files)?;
+        Ok(TlsArgs::files(&files).to_args())
+    }
+
+    /// The bench's identity towards the workers.
+    pub fn client(&self) -> anyhow::Result<NodeIdentity> {
+        Ok(self.ca.issue(Role::Coordinator, "bench", &[])?)
+    }
+}
+
 /// This host's QUIC goodput between two processes with the cluster's mutual TLS, Gbit/s: `bytes`
 /// over `streams` streams to a `kvfleet bench sink` (its certificates and log under `dir`).
 pub fn quic_goodput_gbps(dir: &Path, bytes: u64, streams: usize) -> anyhow::Result<f64> {
@@ -237,16 +264,10 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
     }
     let logs = b.out.join("logs");
     std::fs::create_dir_all(&logs)?;
-    let pki_dir = b.out.join("pki");
-    let ca = ClusterCa::generate("bench migration")?;
-    ca.save(&pki_dir)?;
-    let issue = |stem: &str| -> anyhow::Result<Vec<String>> {
-        let files = IdentityFiles::in_dir(&pki_dir, stem);
-        ca.issue(Role::Worker, stem, &[])?.save(&files)?;
-        Ok(TlsArgs::files(&files).to_args())
-    };
-    // The bench orders migrations as a coordinator would.
-    let client = ca.issue(Role::Coordinator, "bench", &[])?;
+    let pki = BenchPki::new(b.out.join("pki"), "bench migration")?;
+    let ca = &pki.ca;
+    let issue = |stem: &str| pki.worker_args(stem);
+    let client = pki.client()?;
     let me = std::env::current_exe()?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
 
