@@ -337,8 +337,9 @@ pub(crate) struct Driver {
     ledger: Ledger,
     /// Migrations-out waiting for the iteration in flight to end.
     pending: Vec<Command>,
-    /// Commands of moves following a prefill that wait for it to write more or to end
-    /// ([`Driver::waits_for_prefill`]); checked again after each iteration and command.
+    /// Live commands that wait for their request: a move following a prefill waits for it to
+    /// write more KV or to end ([`Driver::waits_for_its_request`]); checked again after each
+    /// iteration and command.
     waiting: Vec<LiveCommand>,
     stop_at: Option<Instant>,
     commands_closed: bool,
@@ -643,7 +644,7 @@ impl Driver {
             {
                 self.pending.push(Command::Live(cmd));
             }
-            Command::Live(cmd) if self.waits_for_prefill(&cmd) => self.waiting.push(cmd),
+            Command::Live(cmd) if self.waits_for_its_request(&cmd) => self.waiting.push(cmd),
             Command::Live(cmd) => {
                 self.on_live(cmd);
                 self.plan_if_idle();
@@ -652,19 +653,23 @@ impl Driver {
         self.recheck_waiting();
     }
 
-    /// Carry out the commands waiting for a prefill that no longer need to wait.
+    /// After a command: carry out the waiting commands that need not wait any more.
     fn recheck_waiting(&mut self) {
-        if self.waiting.is_empty() {
-            return;
+        if !self.waiting.is_empty() {
+            self.run_waiting();
+            self.plan_if_idle();
         }
+    }
+
+    /// Carry out the waiting commands that need not wait any more (no planning).
+    fn run_waiting(&mut self) {
         for cmd in std::mem::take(&mut self.waiting) {
-            if self.waits_for_prefill(&cmd) {
+            if self.waits_for_its_request(&cmd) {
                 self.waiting.push(cmd);
             } else {
                 self.on_live(cmd);
             }
         }
-        self.plan_if_idle();
     }
 
     /// How long after its end the iteration in flight completes: the submit grace, none when a
@@ -883,18 +888,12 @@ impl Driver {
                 Command::MigrateOut { request, reply } => {
                     let _ = reply.send(self.migrate_out(request));
                 }
-                Command::Live(cmd) if self.waits_for_prefill(&cmd) => self.waiting.push(cmd),
+                Command::Live(cmd) if self.waits_for_its_request(&cmd) => self.waiting.push(cmd),
                 Command::Live(cmd) => self.on_live(cmd),
                 _ => {}
             }
         }
-        for cmd in std::mem::take(&mut self.waiting) {
-            if self.waits_for_prefill(&cmd) {
-                self.waiting.push(cmd);
-            } else {
-                self.on_live(cmd);
-            }
-        }
+        self.run_waiting();
         if self.engine.needs_step() {
             self.plan(end);
         }

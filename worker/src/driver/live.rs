@@ -402,15 +402,22 @@ impl Driver {
         Ok(BlockRead { kv_tokens: final_tokens, blocks })
     }
 
-    /// Whether `cmd` waits for the prefill it is about (checked again after each iteration and
+    /// Whether `cmd` waits for the request it is about (checked again after each iteration and
     /// each command): a pause of a request whose prefill runs (frozen once it is held), or a
-    /// wait for KV beyond what the prefill's chunks have written yet.
-    pub(super) fn waits_for_prefill(&self, cmd: &LiveCommand) -> bool {
+    /// wait for KV while the request runs here and has no full block beyond `above` yet (it is
+    /// answered once one is written, or the request is held, paused or gone: then nothing more
+    /// comes, and the pause's answer is on its way).
+    pub(super) fn waits_for_its_request(&self, cmd: &LiveCommand) -> bool {
         match *cmd {
             LiveCommand::PauseOut { request, .. } => self.engine.prompt_written(request).is_some(),
             LiveCommand::WaitKv { request, above, .. } => {
+                let runs = self.engine.contains(request)
+                    && !self.engine.is_held(request)
+                    && !self.engine.is_migrating_out(request);
                 let bs = self.block_size;
-                self.engine.prompt_written(request).is_some_and(|computed| computed / bs * bs <= above)
+                let written = self.written.get(&request).map_or(0, |w| w.tokens);
+                let computed = self.engine.prompt_written(request).unwrap_or(0).max(written);
+                runs && computed / bs * bs <= above
             }
             _ => false,
         }
