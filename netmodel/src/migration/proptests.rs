@@ -62,6 +62,36 @@ proptest! {
         prop_assert_eq!(w.tgt.as_ref().unwrap().report().blocks_written, total);
         prop_assert!(r.downtime.is_some() && r.downtime <= r.total_time);
     }
+
+    /// Following a prefill (an overlapped handoff: the request writes KV until the freeze, which
+    /// may come in any state once the pause is asked): every interleaving commits, every block
+    /// crosses exactly once, every live stage carries at least one block, and the target's KV
+    /// equals the source's byte for byte.
+    #[test]
+    fn random_interleavings_following_a_prefill_commit_and_copy_every_byte(
+        initial_kv in 0u32..100,
+        streams in 1usize..=4,
+        expected in 0u32..300,
+        steps in prop::collection::vec(any::<u32>(), 0..600),
+    ) {
+        let mut w = World::new(config(initial_kv, streams, 4, 3));
+        w.src = w.src.clone().following_prefill(expected);
+        w.start();
+        run_random(&mut w, &steps);
+        w.drain();
+        prop_assert_eq!(w.src_outcome(), Some(&Outcome::Committed));
+        prop_assert_eq!(w.tgt_outcome(), Some(&Outcome::Committed));
+        w.check_safety();
+        let r = w.src.report();
+        let total = blocks_for_tokens(w.kv_tokens, 4);
+        prop_assert_eq!(r.stages.iter().map(|s| s.blocks).sum::<u32>(), total, "every block sent exactly once");
+        prop_assert_eq!(w.tgt.as_ref().unwrap().report().blocks_written, total);
+        for (i, s) in r.stages.iter().enumerate() {
+            prop_assert_eq!(s.stage, i as u32);
+            prop_assert!(s.final_stage || s.blocks >= 1, "live stage {} is empty", i);
+        }
+        prop_assert!(r.paused_at.is_some_and(|p| r.stages.last().is_some_and(|s| s.started >= p)));
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -176,12 +206,16 @@ proptest! {
     fn faults_never_lose_or_duplicate_the_request(
         initial_kv in 0u32..120,
         streams in 1usize..=4,
+        follow in any::<bool>(),
         steps in prop::collection::vec(
             prop_oneof![30 => any::<u32>().prop_map(Step::Go), 1 => fault().prop_map(Step::Fault)],
             0..400,
         ),
     ) {
         let mut w = World::new(config(initial_kv, streams, 2, 3));
+        if follow {
+            w.src = w.src.clone().following_prefill(initial_kv + 40);
+        }
         w.start();
         for step in &steps {
             match step {
@@ -294,14 +328,21 @@ proptest! {
 
     /// Any sequence of frames and driver events: no panic, at most one Done, nothing after it.
     #[test]
-    fn random_frames_never_panic(pokes in prop::collection::vec(arb_poke(), 0..60), start in any::<bool>()) {
-        poke_both_machines(pokes, start)?;
+    fn random_frames_never_panic(
+        pokes in prop::collection::vec(arb_poke(), 0..60),
+        start in any::<bool>(),
+        follow in any::<bool>(),
+    ) {
+        poke_both_machines(pokes, start, follow)?;
     }
 }
 
-fn poke_both_machines(pokes: Vec<Poke>, start: bool) -> Result<(), TestCaseError> {
+fn poke_both_machines(pokes: Vec<Poke>, start: bool, follow: bool) -> Result<(), TestCaseError> {
     let params = MigrationParams { stop_copy_blocks: 1, ..MigrationParams::new(4, 8) };
     let mut src = SourceMachine::new(MigrationId(1), RequestId(1), params.clone(), Timestamp(0), 9).unwrap();
+    if follow {
+        src = src.following_prefill(30);
+    }
     if start {
         src.start(Timestamp(0));
     }
