@@ -708,6 +708,39 @@ fn bench_sim_compares_leaping_with_stepping_in_one_run() {
     assert_eq!(refused.status.code(), Some(2), "{}", describe(&refused));
 }
 
+/// `kvfleet bench handoff --sim-only`: each length one-shot and overlapped; at 16k tokens the
+/// overlapped handoff exposes under 0.3× the one-shot's time after the first token at 100 Gbit/s
+/// (met), at 2 Gbit/s the link cannot keep up with the prefill (NOT met, with the shortfall);
+/// `handoff.csv` holds a row per handoff; a rate of 0 is refused.
+#[test]
+fn bench_handoff_prints_the_exposed_time_ratio_and_its_verdict() {
+    let tmp = TempDir::new("bench-handoff");
+    let run = |gbps: &str| {
+        let out_dir = tmp.join(&format!("out-{gbps}"));
+        let args = ["bench", "handoff", "--sim-only", "--lengths", "4096,16384", "--link-gbps", gbps, "--out"];
+        let out = run_kvfleet(args.iter().copied().chain([path_str(&out_dir)]));
+        (out, out_dir)
+    };
+    let (fast, out_dir) = run("100");
+    assert_eq!(fast.status.code(), Some(0), "{}", describe(&fast));
+    let text = String::from_utf8_lossy(&fast.stdout);
+    let ratio: f64 = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("16384 tokens:"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|r| r.parse().ok())
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(ratio > 0.0 && ratio <= 0.3, "{text}");
+    assert!(text.contains("target met"), "{text}");
+    let csv = Csv::read(&out_dir.join("handoff.csv"));
+    assert_eq!(csv.rows.len(), 4, "two lengths, two modes");
+    let (slow, _) = run("2");
+    assert_eq!(slow.status.code(), Some(0), "{}", describe(&slow));
+    assert!(String::from_utf8_lossy(&slow.stdout).contains("target NOT met"), "{}", describe(&slow));
+    let (refused, _) = run("0");
+    assert_eq!(refused.status.code(), Some(2), "{}", describe(&refused));
+}
+
 /// `RUST_LOG=kvfleet::decisions=debug` makes `kvfleet sim` log every placement the controller
 /// makes, with the loads it saw (the leader of `kvfleet up` logs the same lines): one per request,
 /// in arrival order. Without `RUST_LOG` it logs nothing.
