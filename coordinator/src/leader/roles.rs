@@ -10,7 +10,7 @@ use kvfleet_control::{ArrowProfile, Controller, Event, Role};
 use kvfleet_core::{InstanceId, RequestId};
 use kvfleet_meta::layout as keys;
 use kvfleet_proto::v1;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -50,9 +50,8 @@ impl PdSetup {
 pub(super) struct RoleBook {
     given: Mutex<BTreeMap<InstanceId, Role>>,
     changes: Mutex<Vec<v1::RoleChange>>,
-    handoffs: Mutex<HashSet<RequestId>>,
-    /// Of those, the ones whose move was decided while the prefill ran.
-    overlapped: Mutex<HashSet<RequestId>>,
+    /// Open handoffs, each with whether its move was decided while the prefill ran.
+    handoffs: Mutex<HashMap<RequestId, bool>>,
     /// Role decisions in the order made, for the task that stores and sends them.
     queue: Mutex<Option<mpsc::UnboundedSender<(InstanceId, Role)>>>,
 }
@@ -164,7 +163,7 @@ impl Leader {
         let request = RequestId(p.request_id);
         let event = Event::PrefillDone { request, instance: InstanceId(p.instance), kv_blocks: p.kv_blocks };
         let Ok(actions) = self.decide(event) else { return };
-        self.roles.handoffs.lock().expect("handoffs lock").insert(request);
+        self.roles.handoffs.lock().expect("handoffs lock").entry(request).or_insert(false);
         self.act(actions);
     }
 
@@ -175,18 +174,16 @@ impl Leader {
         let event = Event::PrefillStarted { request, instance: InstanceId(p.instance), kv_blocks: p.kv_blocks };
         let Ok(actions) = self.decide(event) else { return };
         if actions.iter().any(|a| matches!(a, kvfleet_control::Action::Migrate { request: r, .. } if *r == request)) {
-            self.roles.handoffs.lock().expect("handoffs lock").insert(request);
-            self.roles.overlapped.lock().expect("overlapped lock").insert(request);
+            self.roles.handoffs.lock().expect("handoffs lock").insert(request, true);
         }
         self.act(actions);
     }
 
     /// A move of `request` committed: counted as a handoff when it was one.
     pub(super) fn handed_off(&self, request: RequestId) {
-        if self.roles.handoffs.lock().expect("handoffs lock").remove(&request) {
-            self.stats.handoffs.fetch_add(1, Ordering::Relaxed);
-        }
-        if self.roles.overlapped.lock().expect("overlapped lock").remove(&request) {
+        let Some(overlapped) = self.roles.handoffs.lock().expect("handoffs lock").remove(&request) else { return };
+        self.stats.handoffs.fetch_add(1, Ordering::Relaxed);
+        if overlapped {
             self.stats.handoffs_overlapped.fetch_add(1, Ordering::Relaxed);
         }
     }
