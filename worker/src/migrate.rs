@@ -142,9 +142,7 @@ impl Migrator {
         &self,
         make: impl FnOnce(oneshot::Sender<Result<T, DriverError>>) -> LiveCommand,
     ) -> Result<T, DriverError> {
-        let (tx, rx) = oneshot::channel();
-        self.commands.send(Command::Live(make(tx))).map_err(|_| DriverError::Draining)?;
-        rx.await.map_err(|_| DriverError::Draining)?
+        self.ask_later(make).await.map_err(|_| DriverError::Draining)?
     }
 
     /// Send a command to the engine thread without waiting for its answer (one that may take
@@ -154,7 +152,8 @@ impl Migrator {
         make: impl FnOnce(oneshot::Sender<Result<T, DriverError>>) -> LiveCommand,
     ) -> oneshot::Receiver<Result<T, DriverError>> {
         let (tx, rx) = oneshot::channel();
-        // Closed: the receiver then reads a dropped sender, i.e. draining.
+        // Closed (the engine thread is gone): the receiver then reads a dropped sender, which
+        // its reader takes for draining.
         let _ = self.commands.send(Command::Live(make(tx)));
         rx
     }
