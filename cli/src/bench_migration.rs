@@ -17,6 +17,7 @@ use crate::{say, InputError};
 use clap::Args;
 use kvfleet_pki::{ClusterCa, IdentityFiles, NodeIdentity, Role, TlsArgs};
 use kvfleet_proto::v1;
+use kvfleet_proto::v1::worker_event::Event;
 use kvfleet_transport::bench::{self, SinkKind, DEFAULT_CHUNK_BYTES};
 use kvfleet_transport::bench_udp;
 use kvfleet_transport::QuicTuning;
@@ -596,6 +597,9 @@ pub(crate) async fn migrate_once(pair: &WorkerPair<'_>, how: Move<'_>, stop_args
     };
     let (mut src, mut dst) = (connect(procs[0].addr()?)?, connect(procs[1].addr()?)?);
     let target_kv = dst.info(v1::InfoRequest {}).await?.into_inner().kv_address;
+    // How long to wait for a worker's event: a minute of emulated time (a long prompt's prefill,
+    // stretched by the dilation).
+    let minute = dilation.real(kvfleet_core::TimeSpan::from_secs_f64(60.0));
     if handoff {
         // A prefill instance: the request is held after its first token, its KV final.
         src.set_role(v1::SetRoleRequest { role: "prefill".into(), hand_off: true }).await?;
@@ -615,16 +619,8 @@ pub(crate) async fn migrate_once(pair: &WorkerPair<'_>, how: Move<'_>, stop_args
         let accepted = dst.submit(v1::SubmitRequest { spec: Some(warm) }).await?.into_inner();
         anyhow::ensure!(accepted.accepted, "the target refused the warm-up request: {}", accepted.reason);
         let mut events = dst.events(v1::EventsRequest { after_seq: 0 }).await?.into_inner();
-        let done = tokio::time::timeout(dilation.real(kvfleet_core::TimeSpan::from_secs_f64(60.0)), async {
-            while let Some(ev) = events.message().await? {
-                if matches!(ev.event, Some(v1::worker_event::Event::Finished(_))) {
-                    return Ok::<_, tonic::Status>(true);
-                }
-            }
-            Ok(false)
-        })
-        .await;
-        anyhow::ensure!(matches!(done, Ok(Ok(true))), "the warm-up request did not finish within 60 s (emulated)");
+        let done = first_event(&mut events, minute, |e| matches!(e, Event::Finished(_)).then_some(())).await;
+        anyhow::ensure!(done.is_some(), "the warm-up request did not finish within 60 s (emulated)");
     }
     let spec = v1::RequestSpec {
         id: 1,
@@ -639,29 +635,22 @@ pub(crate) async fn migrate_once(pair: &WorkerPair<'_>, how: Move<'_>, stop_args
     // Migrate once it decodes (its prompt is prefilled and written), or, handed off, once it is
     // held after its prefill.
     let mut events = src.events(v1::EventsRequest { after_seq: 0 }).await?.into_inner();
-    // A minute of emulated time (a long prompt's prefill, stretched by the dilation). An
-    // overlapped handoff starts once the first chunk is written.
-    let minute = dilation.real(kvfleet_core::TimeSpan::from_secs_f64(60.0));
+    // An overlapped handoff starts once the first chunk is written.
     let mut prefill_done_ns = None;
-    let first = tokio::time::timeout(minute, async {
-        while let Some(ev) = events.message().await? {
-            let ready = match ev.event {
-                Some(v1::worker_event::Event::Tokens(_)) => !handoff,
-                Some(v1::worker_event::Event::PrefillStarted(_)) => overlap,
-                Some(v1::worker_event::Event::PrefillDone(p)) => {
-                    prefill_done_ns = Some(p.at_ns);
-                    handoff
-                }
-                _ => false,
-            };
-            if ready {
-                return Ok::<_, tonic::Status>(true);
+    let first = first_event(&mut events, minute, |e| {
+        let ready = match e {
+            Event::Tokens(_) => !handoff,
+            Event::PrefillStarted(_) => overlap,
+            Event::PrefillDone(p) => {
+                prefill_done_ns = Some(p.at_ns);
+                handoff
             }
-        }
-        Ok(false)
+            _ => false,
+        };
+        ready.then_some(())
     })
     .await;
-    anyhow::ensure!(matches!(first, Ok(Ok(true))), "no token from the source within 60 s (emulated)");
+    anyhow::ensure!(first.is_some(), "no token from the source within 60 s (emulated)");
     let req = v1::MigrateOutRequest { request_id: 1, target: 1, target_kv_address: target_kv };
     let pids = [procs[0].pid().to_string(), procs[1].pid().to_string()];
     let cpu_before = [cpu_seconds(&pids[0]), cpu_seconds(&pids[1])];
@@ -669,22 +658,35 @@ pub(crate) async fn migrate_once(pair: &WorkerPair<'_>, how: Move<'_>, stop_args
     let cpu = PairCpu::between(cpu_before, [cpu_seconds(&pids[0]), cpu_seconds(&pids[1])]);
     if handoff && prefill_done_ns.is_none() {
         // Overlapped: the prefill ended during the move (its event is in the log).
-        let done = tokio::time::timeout(minute, async {
-            while let Some(ev) = events.message().await? {
-                if let Some(v1::worker_event::Event::PrefillDone(p)) = ev.event {
-                    return Ok::<_, tonic::Status>(Some(p.at_ns));
-                }
-            }
-            Ok(None)
-        })
-        .await;
-        prefill_done_ns = done.ok().and_then(Result::ok).flatten();
+        let done = |e| match e {
+            Event::PrefillDone(p) => Some(p.at_ns),
+            _ => None,
+        };
+        prefill_done_ns = first_event(&mut events, minute, done).await;
     }
     for p in &mut procs {
         p.stop(Duration::from_secs(5));
     }
     let stats = out.stats.ok_or_else(|| anyhow::anyhow!("the source reported no migration measurements"))?;
     Ok(Moved { stats, cpu, prefill_done_ns })
+}
+
+/// The first of a worker's `events` that `pick` maps to a value, within `limit` (real time);
+/// `None` when the stream ends or fails, or the time runs out.
+async fn first_event<T>(
+    events: &mut tonic::Streaming<v1::WorkerEvent>,
+    limit: Duration,
+    mut pick: impl FnMut(Event) -> Option<T>,
+) -> Option<T> {
+    let found = tokio::time::timeout(limit, async {
+        while let Ok(Some(ev)) = events.message().await {
+            if let Some(v) = ev.event.and_then(&mut pick) {
+                return Some(v);
+            }
+        }
+        None
+    });
+    found.await.ok().flatten()
 }
 
 /// The committed pipelined migration that moved the most bytes.
