@@ -441,7 +441,7 @@ pub fn run(b: MigrationBench) -> anyhow::Result<()> {
                 max_stages: stages,
                 handoff: mode == "handoff",
                 prefill_chunk: None,
-                overlap: false,
+                overlap: kvfleet_sim::config::Overlap::None,
                 cached_prefix: if mode == "cached" { b.cached_prefix.min(tokens) } else { 0 },
                 model: None,
                 kv_bytes_per_token: KV_BYTES_PER_TOKEN,
@@ -528,9 +528,10 @@ pub(crate) struct Move<'a> {
     pub handoff: bool,
     /// The source prefills in chunks of this many tokens (`None`: whole prompts).
     pub prefill_chunk: Option<u32>,
-    /// A handoff overlapped with its chunked prefill: the move starts once the first chunk is
-    /// written (it follows the prefill).
-    pub overlap: bool,
+    /// A handoff overlapped with its prefill (the move follows it): started once the first chunk
+    /// is written (`Chunk`) or once the first iteration starts, following it layer by layer
+    /// (`Layer`).
+    pub overlap: kvfleet_sim::config::Overlap,
     /// Leading prompt tokens the target caches before the move (0: none, no prefix caching).
     pub cached_prefix: u32,
     /// The workers' `--model` and `--gpu` (their defaults when `None`) and that model's KV bytes
@@ -587,7 +588,15 @@ pub(crate) async fn migrate_once(pair: &WorkerPair<'_>, how: Move<'_>, stop_args
         if let Some(chunk) = prefill_chunk {
             a.extend(["--chunked-prefill-tokens".into(), chunk.to_string()]);
         }
-        let mode = if overlap { "-overlap" } else { "" };
+        if overlap == kvfleet_sim::config::Overlap::Layer {
+            let groups = kvfleet_sim::config::LAYER_GROUPS;
+            a.extend(["--handoff-layer-groups".into(), groups.to_string()]);
+        }
+        let mode = match overlap {
+            kvfleet_sim::config::Overlap::None => "",
+            kvfleet_sim::config::Overlap::Chunk => "-overlap",
+            kvfleet_sim::config::Overlap::Layer => "-layers",
+        };
         let log = logs.join(format!("worker-{tokens}-{max_stages}-{cached_prefix}{mode}-{i}.log"));
         procs.push(Proc::spawn(&format!("worker-{i}"), worker, &a, &log, Some(Duration::from_secs(60)))?);
     }
@@ -635,12 +644,13 @@ pub(crate) async fn migrate_once(pair: &WorkerPair<'_>, how: Move<'_>, stop_args
     // Migrate once it decodes (its prompt is prefilled and written), or, handed off, once it is
     // held after its prefill.
     let mut events = src.events(v1::EventsRequest { after_seq: 0 }).await?.into_inner();
-    // An overlapped handoff starts once the first chunk is written.
+    // An overlapped handoff starts once the prefill does (its first chunk written, or its first
+    // iteration started).
     let mut prefill_done_ns = None;
     let first = first_event(&mut events, minute, |e| {
         let ready = match e {
             Event::Tokens(_) => !handoff,
-            Event::PrefillStarted(_) => overlap,
+            Event::PrefillStarted(_) => overlap.overlaps(),
             Event::PrefillDone(p) => {
                 prefill_done_ns = Some(p.at_ns);
                 handoff

@@ -99,9 +99,10 @@ pub enum Event {
         /// KV it holds now, in blocks.
         kv_blocks: u32,
     },
-    /// On a prefill instance ([`Role::Prefill`]) the first chunk of the request's chunked prefill
-    /// was written and more follow: with [`Overlap::Chunk`](crate::roles::Overlap::Chunk) its
-    /// handoff is decided now, and the move follows the prefill (ignored otherwise).
+    /// On a prefill instance ([`Role::Prefill`]) the request's prefill started: with
+    /// [`Overlap::Chunk`](crate::roles::Overlap::Chunk) its first chunk was written and more
+    /// follow, with [`Overlap::Layer`](crate::roles::Overlap::Layer) its first iteration began.
+    /// Its handoff is decided now, and the move follows the prefill (ignored without overlap).
     PrefillStarted {
         /// The request.
         request: RequestId,
@@ -1211,11 +1212,12 @@ impl Controller {
         }
     }
 
-    /// A chunked prefill's first chunk is written on a prefill instance: with
-    /// [`Overlap::Chunk`](crate::roles::Overlap::Chunk), hand it off now if a decode instance
+    /// A prefill started on a prefill instance (its first chunk written with
+    /// [`Overlap::Chunk`](crate::roles::Overlap::Chunk), its first iteration planned with
+    /// [`Overlap::Layer`](crate::roles::Overlap::Layer)): hand it off now if a decode instance
     /// takes it (the move follows the prefill); else, or without overlap, at the prefill's end.
     fn on_prefill_started(&mut self, id: RequestId, instance: InstanceId, kv_blocks: u32) {
-        if self.split.as_ref().is_none_or(|s| s.overlap != crate::roles::Overlap::Chunk) {
+        if self.split.as_ref().is_none_or(|s| !s.overlap.overlaps()) {
             return;
         }
         let Some(m) = self.new_handoff(id, instance, kv_blocks, "prefill-started") else { return };

@@ -65,8 +65,9 @@ pub struct PdConfig {
     /// Arrow's knobs (`policy = "arrow"`).
     #[serde(skip_serializing_if = "is_default_arrow")]
     pub arrow: ArrowParams,
-    /// When a handoff starts: after the prefill (`none`), or as soon as a chunked prefill's
-    /// first chunk is written (`chunk`), so each chunk's KV crosses while the next computes.
+    /// When a handoff starts: after the prefill (`none`), as soon as a chunked prefill's first
+    /// chunk is written (`chunk`), so each chunk's KV crosses while the next computes, or when the
+    /// prefill starts (`layer`), so each layer group's KV crosses while the next computes.
     pub overlap: Overlap,
 }
 
@@ -83,6 +84,19 @@ pub enum Overlap {
     /// what is exposed after the first token is the last chunk's KV. A prefill of one chunk is
     /// handed off one-shot.
     Chunk,
+    /// The decode instance is chosen when the prefill's first iteration starts, and the
+    /// migration follows the prefill layer by layer: as each iteration computes a quarter of the
+    /// model's layers, that layer group of the blocks it fills leaves; what is exposed after the
+    /// first token is the last layer group of the last iteration's blocks (and its partial
+    /// block). Works with and without chunked prefill.
+    Layer,
+}
+
+impl Overlap {
+    /// Whether handoffs start before the prefill ends.
+    pub fn overlaps(self) -> bool {
+        self != Overlap::None
+    }
 }
 
 /// Who places prefills and handoffs under disaggregation.

@@ -85,7 +85,7 @@ mod proptests;
 mod tests;
 
 pub use kvfleet_wire::migration as wire;
-pub use source::{SourceAction, SourceMachine};
+pub use source::{Slices, SourceAction, SourceMachine};
 pub use target::{TargetAction, TargetMachine, TargetReport};
 
 use bytes::Bytes;
@@ -97,6 +97,22 @@ use wire::Frame;
 
 /// Largest block the protocol accepts (a guard against absurd configurations and frames).
 pub const MAX_BLOCK_BYTES: u64 = 1 << 30;
+
+/// Most layer groups a block may be sent in (`Prepare.layer_groups`).
+pub const MAX_LAYER_GROUPS: u32 = 64;
+
+/// Layer groups a handoff that follows a prefill layer by layer sends each block in
+/// (`[pd] overlap = "layer"`; ours): a quarter of the model's layers at a time.
+pub const LAYER_GROUPS: u32 = 4;
+
+/// The bytes of a block of `block_bytes` that layer groups `groups` (of `layer_groups`) occupy:
+/// `[block_bytes × first / G, block_bytes × end / G)`. A block's bytes hold its layers in order, so
+/// a group's are one range; the ranges of all groups tile the block.
+pub fn slice_bytes(block_bytes: u64, layer_groups: u32, groups: std::ops::Range<u32>) -> std::ops::Range<u64> {
+    let g = u128::from(layer_groups.max(1));
+    let at = |k: u32| (u128::from(block_bytes) * u128::from(k.min(layer_groups.max(1))) / g) as u64;
+    at(groups.start)..at(groups.end)
+}
 
 /// Tuning of one migration; the same on both sides (the target checks `block_size` and
 /// `block_bytes` against the source's `Prepare`).
@@ -537,7 +553,33 @@ pub const BLOCK_DATA_PAYLOAD_PATH: [u32; 2] = [3, 6];
 /// [`block_frame`]'s `BlockData` without the data (checksum included), for sending the data
 /// separately at [`BLOCK_DATA_PAYLOAD_PATH`].
 pub fn block_frame_head(id: MigrationId, stage: u32, index: u32, tokens: u32, data: &[u8]) -> wire::BlockData {
-    wire::BlockData { migration_id: id.0, stage, index, tokens, checksum: checksum(data), data: Bytes::new() }
+    wire::BlockData {
+        migration_id: id.0,
+        stage,
+        index,
+        tokens,
+        checksum: checksum(data),
+        data: Bytes::new(),
+        group_first: 0,
+        group_end: 0,
+    }
+}
+
+/// [`block_frame_head`] for a slice of a block: layer groups `groups` of it, whose bytes
+/// ([`slice_bytes`]) are `data`.
+pub fn slice_frame_head(
+    id: MigrationId,
+    stage: u32,
+    index: u32,
+    tokens: u32,
+    groups: std::ops::Range<u32>,
+    data: &[u8],
+) -> wire::BlockData {
+    wire::BlockData {
+        group_first: groups.start,
+        group_end: groups.end,
+        ..block_frame_head(id, stage, index, tokens, data)
+    }
 }
 
 /// Blocks that `kv_tokens` tokens occupy: `ceil(kv_tokens / block_size)` (0 if `block_size` is 0).

@@ -26,7 +26,7 @@
 
 use crate::migration::{Engines, LiveMigration, LiveMigrationSpec};
 use kvfleet_control::arrow::ArrowParams;
-use kvfleet_control::roles::PdConfig;
+use kvfleet_control::roles::{Overlap, PdConfig};
 use kvfleet_control::{Action, ArrowProfile, Controller, Event as Control, MoveOutcome};
 use kvfleet_core::engine::sched::build_scheduler;
 use kvfleet_core::engine::{Engine, EngineConfig, EngineEvent, EngineStats, Settled};
@@ -37,7 +37,7 @@ use kvfleet_core::policy::InstancePolicy;
 use kvfleet_core::time::RUN_LIMIT;
 use kvfleet_core::timing::TimingModel;
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimRng, Timestamp};
-use kvfleet_netmodel::migration::{MigrationId, MigrationParams};
+use kvfleet_netmodel::migration::{MigrationId, MigrationParams, LAYER_GROUPS};
 use kvfleet_netmodel::{Fabric, LinkParams, TransferId};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
@@ -157,6 +157,9 @@ pub struct Cluster {
     /// A transfer started since the fabric's wake-up was last scheduled.
     fabric_dirty: bool,
     migration: MigrationParams,
+    /// Handoffs follow prefills layer by layer (`[pd] overlap = "layer"`): the layer groups a
+    /// block leaves in; 1 otherwise.
+    layer_groups: u32,
     /// Live migrations in progress, by key (the migration id), so iteration order is fixed.
     migrations: BTreeMap<u64, InFlight>,
     next_migration: u64,
@@ -240,6 +243,7 @@ impl Cluster {
             migration,
             migrations: BTreeMap::new(),
             next_migration: 0,
+            layer_groups: 1,
             transfer_owner: HashMap::new(),
             migrating_out_of: vec![0; instances as usize],
             pending_moves: vec![Vec::new(); instances as usize],
@@ -355,6 +359,7 @@ impl Cluster {
     /// token to one of the others, which decode). Off: every instance does both.
     pub fn split_prefill_decode(&mut self, pd: &PdConfig) {
         self.control.split_prefill_decode(pd);
+        self.layer_groups = if pd.overlap == Overlap::Layer { LAYER_GROUPS } else { 1 };
         self.follow_decisions(Timestamp::ZERO);
         // The split is where the run starts, not a change: a flip at t = 0 is one.
         self.role_changes.clear();
@@ -633,6 +638,9 @@ impl Cluster {
                             self.iteration_gen[i as usize] += 1;
                             let gen = self.iteration_gen[i as usize];
                             self.push(end, Event::IterationEnd(i, gen));
+                            if self.layer_groups > 1 {
+                                self.on_iteration_planned(now, i);
+                            }
                         }
                     }
                     self.refresh_load(now, i);
@@ -806,7 +814,10 @@ impl Cluster {
         self.settle(now, to.0);
         let key = self.next_migration;
         self.next_migration += 1;
-        let spec = LiveMigrationSpec::new(MigrationId(key), request, from, to, self.migration.clone());
+        let spec = LiveMigrationSpec {
+            layer_groups: self.layer_groups,
+            ..LiveMigrationSpec::new(MigrationId(key), request, from, to, self.migration.clone())
+        };
         let started = match Engines::pick(&mut self.engines, from, to) {
             Some(engines) => LiveMigration::start(now, spec, engines, &mut self.fabric).map_err(|e| e.to_string()),
             None => Err(format!("no instance pair {from} → {to}")),
@@ -824,6 +835,26 @@ impl Cluster {
                     .handle(now, Control::MigrationEnded { request, from, to, outcome: MoveOutcome::Aborted });
                 self.follow_decisions(now);
             }
+        }
+    }
+
+    /// Handoffs following prefills layer by layer: instance `i` planned an iteration. A prefill
+    /// whose first chunk it computes may be handed off now (the controller decides), and every
+    /// migration out of it follows the layer groups of the chunk it computes.
+    fn on_iteration_planned(&mut self, now: Timestamp, i: u32) {
+        for (request, kv_blocks) in self.engines[i as usize].prefills_starting() {
+            let instance = InstanceId(i);
+            self.on_prefill_event(now, i, Control::PrefillStarted { request, instance, kv_blocks });
+        }
+        if self.migrating_out_of[i as usize] == 0 {
+            return;
+        }
+        let keys: Vec<u64> = self.migrations.iter().filter(|(_, f)| f.m.from().0 == i).map(|(&k, _)| k).collect();
+        for key in keys {
+            let f = self.migrations.get_mut(&key).expect("listed above");
+            let engines = Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
+            f.m.on_source_iteration_planned(now, engines, &mut self.fabric);
+            self.after_migration_call(key);
         }
     }
 

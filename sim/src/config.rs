@@ -13,6 +13,8 @@ use kvfleet_core::spec::{GpuSpec, ModelSpec};
 use kvfleet_core::time::TimeSpan;
 use kvfleet_core::workload::WorkloadConfig;
 use kvfleet_netmodel::migration::MigrationParams;
+/// Layer groups a handoff following a prefill layer by layer sends each block in (`[pd] overlap = "layer"`).
+pub use kvfleet_netmodel::migration::LAYER_GROUPS;
 use kvfleet_netmodel::LinkParams;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};

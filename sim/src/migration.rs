@@ -18,7 +18,7 @@
 //! | the ordered control stream of each direction | frames are delivered in send order (one that completes early waits for those before it) | transfers of different sizes may finish out of order; a stream may not |
 //! | `CopyBlocks { blocks }` (the `BlockData` frames of one stage) | **one** fabric transfer of `blocks × block_bytes` (the engine's real block size; whole blocks, the partial last one too, as the emulator sends); when it completes every `BlockData` of the stage reaches the target, then `on_blocks_sent` | the worker's data streams share one QUIC connection (one congestion-controlled flow), so one flow per stage contends fairly with other migrations; the target acks only a whole stage and writes are instant here, so per-block delivery would change no time. Frame headers (~30 B per MiB-sized block) are ignored |
 //! | `on_blocks_sent` | when the stage's transfer completes | StageEnd/Commit follow the data; the source stays in StopAndCopy (not Committing) while the final blocks are on the wire, so a timeout then aborts cleanly as in the worker. Costs one extra latency per stage |
-//! | `BlockData.data` / checksum | one byte per block ([`STAND_IN_BLOCK_BYTES`]: the machines' `block_bytes`), checksummed like any block | the target machine checks the length and xxh3 of every block, so that path runs; hashing the real 4 MiB per block would cost more CPU than the rest of a run. The fabric carries the real bytes; the record's byte counts are converted back |
+//! | `BlockData.data` / checksum | a few bytes per block ([`STAND_IN_BLOCK_BYTES`]: the machines' `block_bytes`; a layer-group slice carries its share), checksummed like any block | the target machine checks the length and xxh3 of every block, so that path runs; hashing the real 4 MiB per block would cost more CPU than the rest of a run. The fabric carries the real bytes; the record's byte counts are converted back |
 //! | source `Pause` | [`Engine::begin_migration_out`] at the end of the source's iteration in flight ([`LiveMigration::on_source_iteration_end`]), at once if none is | the engine refuses to freeze a request mid-iteration, as the worker's engine thread does |
 //! | `on_paused(kv_final, state)` | `kv_final` from `begin_migration_out`; `state` empty: the [`MigratedRequest`] travels out of band (kept by the driver) | the engines share a process; nothing needs serialising |
 //! | KV progress (`on_kv_progress`) | the token count of the request's KV table at each source iteration end (it trails the request by at most a block) | while live, only full blocks are copied; they never change again |
@@ -53,14 +53,14 @@
 //! [`pair`] is the smallest such loop: two engines and a fabric. Its [`simulate_one`] migrates one
 //! decoding request between two idle instances, what `kvfleet bench migration` measures for real.
 
-use kvfleet_core::engine::{Engine, EngineError, MigratedRequest};
+use kvfleet_core::engine::{Engine, EngineError, MigratedRequest, PrefillInFlight};
 use kvfleet_core::kv::prompt_block_hashes;
 use kvfleet_core::metrics::{MigrationOutcome, MigrationRecord};
 use kvfleet_core::{InstanceId, RequestId, Timestamp};
 use kvfleet_netmodel::migration::wire::{frame::Body, BlockData, Frame};
 use kvfleet_netmodel::migration::{
-    block_tokens, checksum, AbortReason, MigrationId, MigrationParams, MigrationReport, Outcome, ParamsError,
-    SourceAction, SourceMachine, TargetAction, TargetMachine,
+    block_tokens, checksum, slice_bytes, slice_frame_head, AbortReason, MigrationId, MigrationParams, MigrationReport,
+    Outcome, ParamsError, Slices, SourceAction, SourceMachine, TargetAction, TargetMachine, LAYER_GROUPS,
 };
 use kvfleet_netmodel::{Fabric, Payload, TransferId};
 use prost::Message as _;
@@ -75,9 +75,10 @@ pub const RESERVE_HEADROOM_BLOCKS: u32 = 4;
 /// The transport's length prefix in front of every frame (`kvfleet-transport`: `u32` big-endian).
 pub const FRAME_HEADER_BYTES: u64 = 4;
 
-/// The machines' `block_bytes`: each block's `BlockData` carries one byte standing for the block
-/// (module doc). Their byte counts are therefore block counts, converted back in the record.
-pub const STAND_IN_BLOCK_BYTES: u64 = 1;
+/// The machines' `block_bytes`: each block's `BlockData` carries this many bytes standing for the
+/// block (module doc), one per layer group so that a slice of a block has its share. Their byte
+/// counts are converted back to real bytes in the record.
+pub const STAND_IN_BLOCK_BYTES: u64 = LAYER_GROUPS as u64;
 
 /// The two engines of one migration, borrowed for one call.
 pub struct Engines<'a> {
@@ -121,12 +122,23 @@ pub struct LiveMigrationSpec {
     pub params: MigrationParams,
     /// Blocks the target reserves beyond the KV announced by `Prepare`, where it has room.
     pub reserve_headroom_blocks: u32,
+    /// A migration following a prefill sends each block in this many layer groups as the
+    /// iteration computing it goes (`[pd] overlap = "layer"`); 1: whole blocks.
+    pub layer_groups: u32,
 }
 
 impl LiveMigrationSpec {
     /// A spec with the worker's reservation headroom ([`RESERVE_HEADROOM_BLOCKS`]).
     pub fn new(id: MigrationId, request: RequestId, from: InstanceId, to: InstanceId, params: MigrationParams) -> Self {
-        LiveMigrationSpec { id, request, from, to, params, reserve_headroom_blocks: RESERVE_HEADROOM_BLOCKS }
+        LiveMigrationSpec {
+            id,
+            request,
+            from,
+            to,
+            params,
+            reserve_headroom_blocks: RESERVE_HEADROOM_BLOCKS,
+            layer_groups: 1,
+        }
     }
 }
 
@@ -163,7 +175,7 @@ pub enum StartError {
 #[derive(Debug)]
 enum Carried {
     Control { to_target: bool, seq: u64, frame: Frame },
-    Blocks { stage: u32, blocks: Range<u32>, kv_tokens: u32 },
+    Blocks { stage: u32, blocks: Range<u32>, slices: Option<Slices>, kv_tokens: u32 },
 }
 
 /// One direction's ordered control stream.
@@ -213,6 +225,9 @@ pub struct LiveMigration {
     record: Option<MigrationRecord>,
     stand_in: Payload,
     stand_in_checksum: u64,
+    /// Following a prefill in layer groups: the source's iteration computing a chunk of it, and
+    /// the groups of that iteration reported to the source machine so far.
+    layers: Option<(PrefillInFlight, u32)>,
 }
 
 impl LiveMigration {
@@ -262,7 +277,7 @@ impl LiveMigration {
             .with_source_instance(spec.from.0)
             .with_prefix(prefix);
         if written.is_some() {
-            source = source.following_prefill(table_tokens);
+            source = source.following_prefill(table_tokens).in_layer_groups(spec.layer_groups);
         }
         let stand_in = Payload::from(vec![0u8; STAND_IN_BLOCK_BYTES as usize]);
         let mut m = LiveMigration {
@@ -284,11 +299,38 @@ impl LiveMigration {
             record: None,
             stand_in_checksum: checksum(&stand_in.to_bytes()),
             stand_in,
+            layers: None,
             spec: LiveMigrationSpec { params: geometry(&spec.params, engines.target), ..spec },
         };
         m.source.start(now);
         m.pump(now, &mut engines, fabric);
+        m.on_source_iteration_planned(now, engines, fabric);
         Ok(m)
+    }
+
+    /// The source planned an iteration (or the migration started during one): following a
+    /// prefill in layer groups, the layer groups of a chunk of it that iteration computes are
+    /// reported to the source machine as the iteration reaches them ([`LiveMigration::next_timeout`]).
+    pub fn on_source_iteration_planned(&mut self, now: Timestamp, mut engines: Engines<'_>, fabric: &mut Fabric) {
+        if self.spec.layer_groups <= 1 || self.source.is_done() {
+            return;
+        }
+        self.layers = engines.source.prefill_in_flight(self.spec.request).map(|f| (f, 0));
+        self.report_layers(now, &mut engines, fabric);
+    }
+
+    /// Reports the layer groups the source's iteration in flight has computed by `now` (its last
+    /// group comes with the iteration's end, [`LiveMigration::on_source_iteration_end`]).
+    fn report_layers(&mut self, now: Timestamp, e: &mut Engines<'_>, fabric: &mut Fabric) {
+        let g = self.spec.layer_groups;
+        let Some((f, reported)) = self.layers.as_mut() else { return };
+        let done = f.groups_done(now, g).min(g - 1);
+        if done > *reported {
+            *reported = done;
+            let tokens = f.tokens;
+            self.source.on_layer_progress(now, tokens, done);
+            self.pump(now, e, fabric);
+        }
     }
 
     /// The migration's id.
@@ -333,10 +375,10 @@ impl LiveMigration {
     /// When to call [`LiveMigration::on_timeout`] (`None` when neither side waits on a deadline).
     pub fn next_timeout(&self) -> Option<Timestamp> {
         let target = self.target.as_ref().and_then(|t| t.poll_timeout());
-        match (self.source.poll_timeout(), target) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let g = self.spec.layer_groups;
+        // The next layer group the source's iteration in flight computes.
+        let layer = self.layers.filter(|&(_, reported)| reported + 1 < g).map(|(f, r)| f.group_done_at(r + 1, g));
+        [self.source.poll_timeout(), target, layer].into_iter().flatten().min()
     }
 
     /// A fabric transfer completed. Returns false if it is not this migration's (nothing done).
@@ -371,23 +413,32 @@ impl LiveMigration {
                     self.pump(now, e, fabric);
                 }
             }
-            Carried::Blocks { stage, blocks, kv_tokens } => {
+            Carried::Blocks { stage, blocks, slices, kv_tokens } => {
                 let bs = self.spec.params.block_size;
-                for index in blocks {
+                let g = self.spec.layer_groups;
+                let sliced = slices.iter().flat_map(|s| s.blocks.clone().map(|i| (i, Some(s.groups.clone()))));
+                for (index, groups) in sliced.chain(blocks.map(|i| (i, None))) {
                     let Some(t) = self.target.as_mut() else { break };
-                    let head = BlockData {
-                        migration_id: self.spec.id.0,
-                        stage,
-                        index,
-                        tokens: block_tokens(index, kv_tokens, bs),
-                        checksum: self.stand_in_checksum,
-                        data: Default::default(),
+                    let (data, head) = match groups {
+                        Some(groups) => {
+                            let r = slice_bytes(STAND_IN_BLOCK_BYTES, g, groups.clone());
+                            let data = self.stand_in.to_bytes().slice(r.start as usize..r.end as usize);
+                            let head = slice_frame_head(self.spec.id, stage, index, bs, groups, &data);
+                            (Payload::from(data), head)
+                        }
+                        None => {
+                            let head = BlockData {
+                                migration_id: self.spec.id.0,
+                                stage,
+                                index,
+                                tokens: block_tokens(index, kv_tokens, bs),
+                                checksum: self.stand_in_checksum,
+                                ..Default::default()
+                            };
+                            (self.stand_in.clone(), head)
+                        }
                     };
-                    t.on_frame_with_payload(
-                        now,
-                        Frame { body: Some(Body::BlockData(head)) },
-                        Some(self.stand_in.clone()),
-                    );
+                    t.on_frame_with_payload(now, Frame { body: Some(Body::BlockData(head)) }, Some(data));
                     self.pump(now, e, fabric);
                 }
                 self.source.on_blocks_sent(now, stage);
@@ -403,6 +454,12 @@ impl LiveMigration {
     /// pause, and cancels the migration if the request finished meanwhile.
     pub fn on_source_iteration_end(&mut self, now: Timestamp, mut engines: Engines<'_>, fabric: &mut Fabric) {
         let request = self.spec.request;
+        if self.pause_pending && engines.source.is_held(request) {
+            // A followed prefill ended: its pause first, so that the blocks its last iteration
+            // filled go in the final stage (as the worker's engine thread answers the pause it
+            // holds before the wait for more KV).
+            self.pause(now, &mut engines);
+        }
         if !self.source.is_done() {
             if !engines.source.contains(request) {
                 self.source.cancel(now, format!("{request} left the source (finished) during the copy"));
@@ -414,6 +471,8 @@ impl LiveMigration {
                 self.source.on_kv_progress(now, written.unwrap_or(t.tokens));
             }
         }
+        // The iteration's last layer group came with its end.
+        self.layers = None;
         if self.pause_pending {
             self.pause(now, &mut engines);
         }
@@ -422,6 +481,7 @@ impl LiveMigration {
 
     /// Deadlines from [`LiveMigration::next_timeout`] may have passed (early calls do nothing).
     pub fn on_timeout(&mut self, now: Timestamp, mut engines: Engines<'_>, fabric: &mut Fabric) {
+        self.report_layers(now, &mut engines, fabric);
         self.source.on_timeout(now);
         if let Some(t) = self.target.as_mut() {
             t.on_timeout(now);
@@ -465,18 +525,23 @@ impl LiveMigration {
         let request = self.spec.request;
         match action {
             SourceAction::Send(frame) => self.send(now, true, frame, fabric),
-            SourceAction::CopyBlocks { stage, blocks, kv_tokens, .. } => {
+            SourceAction::CopyBlocks { stage, blocks, slices, kv_tokens, .. } => {
                 // The worker reads each block from the arena; here, the blocks must exist: a
                 // request preempted and dropped since holds no KV to read.
                 let have = e.source.kv().table(request).map_or(0, |t| t.blocks.len() as u32);
-                if have < blocks.end {
-                    let msg = format!("{request} holds {have} KV blocks, stage {stage} copies up to {}", blocks.end);
+                let upto = slices.as_ref().map_or(blocks.end, |s| s.blocks.end.max(blocks.end));
+                if have < upto {
+                    let msg = format!("{request} holds {have} KV blocks, stage {stage} copies up to {upto}");
                     self.source.on_read_failed(now, msg);
                     return;
                 }
-                let bytes = u64::from(blocks.end - blocks.start) * self.block_bytes;
+                let mut bytes = u64::from(blocks.end - blocks.start) * self.block_bytes;
+                if let Some(s) = &slices {
+                    let r = slice_bytes(self.block_bytes, self.spec.layer_groups, s.groups.clone());
+                    bytes += u64::from(s.blocks.end - s.blocks.start) * (r.end - r.start);
+                }
                 let id = fabric.start(now, self.spec.from, self.spec.to, bytes);
-                self.inflight.insert(id, Carried::Blocks { stage, blocks, kv_tokens });
+                self.inflight.insert(id, Carried::Blocks { stage, blocks, slices, kv_tokens });
                 self.new_transfers.push(id);
             }
             SourceAction::Pause => {
@@ -645,8 +710,8 @@ impl LiveMigration {
             return;
         }
         let report = self.source.report();
-        // The machines count one stand-in byte per block (module doc): back to real bytes.
-        let scale = self.block_bytes / STAND_IN_BLOCK_BYTES;
+        // The machines count stand-in bytes (module doc): back to real bytes.
+        let real = |b: u64| real_bytes(b, self.block_bytes);
         // Stages whose blocks went on the wire (one can be begun, then fail reading its blocks).
         let sent: Vec<_> = report.stages.iter().filter(|s| s.sent.is_some()).collect();
         let start = report.started.unwrap_or(report.created);
@@ -657,14 +722,15 @@ impl LiveMigration {
             to: self.spec.to,
             outcome: measured(outcome),
             in_doubt: self.in_doubt,
-            bytes: report.bytes.saturating_mul(scale),
-            bytes_skipped: report.bytes_skipped.saturating_mul(scale),
+            bytes: real(report.bytes),
+            bytes_skipped: real(report.bytes_skipped),
             start,
             end,
             live_stages: report.live_stages(),
-            stage_bytes: sent.iter().map(|s| s.bytes.saturating_mul(scale)).collect(),
+            stage_bytes: sent.iter().map(|s| real(s.bytes)).collect(),
             stage_times: sent.iter().map(|s| s.ended.unwrap_or(s.started).saturating_since(s.started)).collect(),
-            blocks: sent.iter().map(|s| u64::from(s.blocks)).sum(),
+            // Blocks' worth (a block sent in layer-group slices counts once).
+            blocks: sent.iter().map(|s| s.bytes).sum::<u64>().div_ceil(STAND_IN_BLOCK_BYTES),
             kv_tokens_start: Some(report.kv_tokens_start),
             kv_tokens_final: report.kv_tokens_final,
             paused_at: self.paused_at,
@@ -686,13 +752,19 @@ fn measured(outcome: Outcome) -> MigrationOutcome {
 
 /// `report` with its byte counts (kept in [`STAND_IN_BLOCK_BYTES`] per block) in real bytes.
 fn in_real_bytes(mut report: MigrationReport, block_bytes: u64) -> MigrationReport {
-    let scale = block_bytes / STAND_IN_BLOCK_BYTES;
-    report.bytes = report.bytes.saturating_mul(scale);
+    report.bytes = real_bytes(report.bytes, block_bytes);
     for s in &mut report.stages {
-        s.bytes = s.bytes.saturating_mul(scale);
+        s.bytes = real_bytes(s.bytes, block_bytes);
     }
-    report.goodput_bytes_per_s = report.goodput_bytes_per_s.map(|g| g * scale as f64);
+    let scale = block_bytes as f64 / STAND_IN_BLOCK_BYTES as f64;
+    report.goodput_bytes_per_s = report.goodput_bytes_per_s.map(|g| g * scale);
     report
+}
+
+/// `stand_in` bytes of the machines' blocks ([`STAND_IN_BLOCK_BYTES`] each) in real bytes, for
+/// blocks of `block_bytes`.
+fn real_bytes(stand_in: u64, block_bytes: u64) -> u64 {
+    (u128::from(stand_in) * u128::from(block_bytes) / u128::from(STAND_IN_BLOCK_BYTES)) as u64
 }
 
 /// Bytes `frame` takes on a stream: its protobuf encoding plus the transport's

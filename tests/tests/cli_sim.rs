@@ -715,29 +715,36 @@ fn bench_sim_compares_leaping_with_stepping_in_one_run() {
 #[test]
 fn bench_handoff_prints_the_exposed_time_ratio_and_its_verdict() {
     let tmp = TempDir::new("bench-handoff");
-    let run = |gbps: &str| {
-        let out_dir = tmp.join(&format!("out-{gbps}"));
-        let args = ["bench", "handoff", "--sim-only", "--lengths", "4096,16384", "--link-gbps", gbps, "--out"];
-        let out = run_kvfleet(args.iter().copied().chain([path_str(&out_dir)]));
+    let run = |gbps: &str, chunks: &str| {
+        let out_dir = tmp.join(&format!("out-{gbps}-{chunks}"));
+        let args = ["bench", "handoff", "--sim-only", "--lengths", "4096,16384", "--link-gbps", gbps];
+        let args = args.iter().copied().chain(["--chunk-tokens", chunks, "--out", path_str(&out_dir)]);
+        let out = run_kvfleet(args);
         (out, out_dir)
     };
-    let (fast, out_dir) = run("100");
+    // The ratios at 16k tokens, in the order printed (by chunk, then by layer).
+    let ratios = |text: &str| -> Vec<f64> {
+        let lines = text.lines().filter(|l| l.trim_start().starts_with("16384 tokens:"));
+        lines.map(|l| l.rsplit(' ').next().and_then(|r| r.parse().ok()).unwrap_or_else(|| panic!("{text}"))).collect()
+    };
+    let (fast, out_dir) = run("100", "2048");
     assert_eq!(fast.status.code(), Some(0), "{}", describe(&fast));
     let text = String::from_utf8_lossy(&fast.stdout);
-    let ratio: f64 = text
-        .lines()
-        .find(|l| l.trim_start().starts_with("16384 tokens:"))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|r| r.parse().ok())
-        .unwrap_or_else(|| panic!("{text}"));
-    assert!(ratio > 0.0 && ratio <= 0.3, "{text}");
+    let [by_chunk, by_layer] = ratios(&text)[..] else { panic!("{text}") };
+    assert!(by_chunk > 0.0 && by_chunk <= 0.3, "{text}");
+    assert!(by_layer > 0.0 && by_layer < by_chunk, "layer slices of each chunk expose less: {text}");
     assert!(text.contains("target met"), "{text}");
     let csv = Csv::read(&out_dir.join("handoff.csv"));
-    assert_eq!(csv.rows.len(), 4, "two lengths, two modes");
-    let (slow, _) = run("2");
+    assert_eq!(csv.rows.len(), 6, "two lengths, three modes");
+    // Whole prompts: no chunk-level overlap; by layer, the last of 4 layer groups is exposed.
+    let (whole, _) = run("100", "0");
+    let text = String::from_utf8_lossy(&whole.stdout);
+    let [by_layer] = ratios(&text)[..] else { panic!("{text}") };
+    assert!((0.2..=0.3).contains(&by_layer), "a quarter and the latency: {text}");
+    let (slow, _) = run("2", "2048");
     assert_eq!(slow.status.code(), Some(0), "{}", describe(&slow));
     assert!(String::from_utf8_lossy(&slow.stdout).contains("target NOT met"), "{}", describe(&slow));
-    let (refused, _) = run("0");
+    let (refused, _) = run("0", "2048");
     assert_eq!(refused.status.code(), Some(2), "{}", describe(&refused));
 }
 

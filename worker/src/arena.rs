@@ -626,7 +626,25 @@ impl KvArena {
         if data.len() as u64 != want {
             return Err(ArenaError::BlockLength { got: data.len() as u64, want });
         }
-        let dst = self.block_bytes_mut(tier, block)?;
+        self.write_block_at(tier, block, 0, data, checksum)
+    }
+
+    /// [`KvArena::write_block`] of a slice of a block: `data` lands at `offset` (a layer-group
+    /// slice of a migration following a prefill layer by layer); it must fit in the block.
+    pub fn write_block_at(
+        &mut self,
+        tier: Tier,
+        block: u32,
+        offset: u64,
+        data: &Payload,
+        checksum: Option<u64>,
+    ) -> Result<(), ArenaError> {
+        let size = self.layout.block_bytes();
+        let end = offset.checked_add(data.len() as u64).filter(|&end| end <= size);
+        let Some(end) = end else {
+            return Err(ArenaError::BlockLength { got: offset.saturating_add(data.len() as u64), want: size });
+        };
+        let dst = &mut self.block_bytes_mut(tier, block)?[offset as usize..end as usize];
         match checksum {
             None => data.copy_to_slice(dst),
             Some(expected) => {

@@ -320,6 +320,10 @@ pub(crate) struct DriverConfig {
     pub announce_every: Duration,
     /// How long after its end an iteration is completed ([`SUBMIT_GRACE`]).
     pub submit_grace: Duration,
+    /// A move following a prefill follows it layer by layer, in this many layer groups, and a
+    /// prefill instance reports each prefill when its first iteration starts; 1: whole blocks,
+    /// reported when its first chunk ends (`[pd] overlap = "layer"` vs `"chunk"`).
+    pub layer_groups: u32,
 }
 
 pub(crate) struct Driver {
@@ -332,6 +336,8 @@ pub(crate) struct Driver {
     verify_kv: bool,
     instance: u32,
     block_size: u32,
+    /// [`DriverConfig::layer_groups`].
+    layer_groups: u32,
     written: IdMap<RequestId, Written>,
     /// Where every request stands on this instance (the engine has no iterator over them).
     ledger: Ledger,
@@ -388,6 +394,7 @@ impl Driver {
             load_interval: cfg.load_interval.max(Duration::from_millis(1)),
             submit_grace: cfg.submit_grace,
             verify_kv: cfg.verify_kv,
+            layer_groups: cfg.layer_groups.clamp(1, kvfleet_netmodel::migration::MAX_LAYER_GROUPS),
             written: IdMap::default(),
             ledger: Ledger::new(),
             pending: Vec::new(),
@@ -424,6 +431,11 @@ impl Driver {
             if let Some(end) = self.engine.next_wake() {
                 until = until.min(self.clock.instant(end) + self.grace());
             }
+            // A move following a prefill layer by layer hears of each layer group as it is done.
+            let layer_wake = self.next_layer_group();
+            if let Some(at) = layer_wake {
+                until = until.min(self.clock.instant(at));
+            }
             if let Some(stop) = self.stop_at {
                 until = until.min(stop);
             }
@@ -456,6 +468,9 @@ impl Driver {
                     self.lateness.record(woke - deadline);
                     self.complete(end);
                 }
+            }
+            if layer_wake.is_some_and(|at| Instant::now() >= self.clock.instant(at)) {
+                self.recheck_waiting();
             }
             self.publish_load();
         }
@@ -691,6 +706,15 @@ impl Driver {
 
     fn plan(&mut self, now: Timestamp) {
         self.engine.plan_iteration(now);
+        if self.layer_groups > 1 {
+            // A handoff following the prefill layer by layer may start with its first iteration.
+            for (request, kv_blocks) in self.engine.prefills_starting() {
+                let at_ns = self.engine.prefill_in_flight(request).map_or(now, |f| f.start).0;
+                let instance = self.instance;
+                let started = v1::PrefillStarted { request_id: request.0, instance, kv_blocks, at_ns };
+                self.log.push(LogEvent::PrefillStarted(started));
+            }
+        }
         for m in self.engine.drain_kv_moves() {
             if let Err(e) = self.arena.copy_blocks(&m) {
                 self.kv_error(m.request, &e);
@@ -1085,7 +1109,7 @@ fn proto_record(r: &RequestRecord, rematerialized: bool) -> v1::RequestRecord {
 }
 
 mod live;
-pub(crate) use live::{BeganOut, LiveCommand, PausedOut};
+pub(crate) use live::{BeganOut, KvProgress, LiveCommand, PausedOut};
 
 #[cfg(test)]
 mod tests;

@@ -280,6 +280,7 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
         verify_kv: opts.verify_kv,
         announce_every: crate::driver::ANNOUNCE_HELD_EVERY,
         submit_grace: crate::driver::SUBMIT_GRACE,
+        layer_groups: opts.handoff_layer_groups,
     });
     let (commands, rx) = std::sync::mpsc::channel();
     let (report_tx, report_rx) = oneshot::channel();

@@ -27,15 +27,15 @@
 
 use crate::arena::ArenaError;
 use crate::clock::ClusterClock;
-use crate::driver::{BeganOut, Command, DriverError, LiveCommand, PausedOut};
+use crate::driver::{BeganOut, Command, DriverError, KvProgress, LiveCommand, PausedOut};
 use crate::ledger::Refusal;
 use bytes::Bytes;
 use kvfleet_core::kv::BlockHash;
 use kvfleet_core::{RequestId, Timestamp};
 use kvfleet_netmodel::migration::wire::{frame::Body, BlockHash as WireHash, Frame, PrefixBlock, PrefixPull};
 use kvfleet_netmodel::migration::{
-    block_frame_head, block_tokens, checksum, AbortReason, MigrationId, MigrationParams, MigrationReport, Outcome,
-    SourceAction, SourceMachine, TargetAction, TargetMachine, BLOCK_DATA_PAYLOAD_PATH,
+    block_frame_head, block_tokens, checksum, slice_bytes, slice_frame_head, AbortReason, MigrationId, MigrationParams,
+    MigrationReport, Outcome, SourceAction, SourceMachine, TargetAction, TargetMachine, BLOCK_DATA_PAYLOAD_PATH,
 };
 use kvfleet_proto::v1;
 use kvfleet_transport::{FrameReader, FrameWriter, KvConnection, KvTransport, Payload, StreamReader, StreamWriter};
@@ -56,6 +56,10 @@ const PREFIX_CHUNK_BLOCKS: u32 = 8;
 type Reader = FrameReader<StreamReader>;
 /// One stage's copy in flight: its writers back, and the stage or why it failed.
 type CopyTask = tokio::task::JoinHandle<(Vec<Writer>, Result<u32, String>)>;
+
+/// One frame of a copy stage: a block, whole or (with its layer groups and how many groups a
+/// block has) a slice of it.
+type Item = (u32, Option<(std::ops::Range<u32>, u32)>);
 /// Blocks a data stream's reader keeps ready ahead of its writer.
 const READ_AHEAD_BLOCKS: usize = 2;
 /// A target's inbound data-stream frames, each with its block's data if it arrived apart.
@@ -245,7 +249,7 @@ impl Migrator {
                 let m =
                     m.with_source_instance(self.instance).with_trace_context(trace_context).with_prefix(began.prefix);
                 match began.following {
-                    Some(expected) => m.following_prefill(expected),
+                    Some(expected) => m.following_prefill(expected).in_layer_groups(began.layer_groups),
                     None => m,
                 }
             }
@@ -300,7 +304,7 @@ impl Migrator {
         // Answers the engine thread gives when it can: the pause (a request whose prefill runs
         // is frozen at its end), and, following a prefill, KV beyond what was copied.
         let mut pausing: Option<oneshot::Receiver<Result<PausedOut, DriverError>>> = None;
-        let mut watching: Option<oneshot::Receiver<Result<u32, DriverError>>> = None;
+        let mut watching: Option<oneshot::Receiver<Result<KvProgress, DriverError>>> = None;
         let outcome = loop {
             // Act on everything the machine wants.
             while let Some(action) = m.poll_action() {
@@ -310,7 +314,7 @@ impl Migrator {
                             m.on_disconnect(self.now());
                         }
                     }
-                    SourceAction::CopyBlocks { stage, blocks, kv_tokens, .. } => {
+                    SourceAction::CopyBlocks { stage, blocks, slices, kv_tokens, .. } => {
                         if data.is_empty() {
                             match self.open_data_streams(&conn).await {
                                 Ok(d) => data = d,
@@ -322,11 +326,16 @@ impl Migrator {
                             }
                         }
                         let writers = std::mem::take(&mut data);
+                        let layer_groups = m.layer_groups();
+                        let sliced = slices
+                            .into_iter()
+                            .flat_map(move |s| s.blocks.map(move |i| (i, Some((s.groups.clone(), layer_groups)))));
+                        let items: Vec<Item> = sliced.chain(blocks.map(|i| (i, None))).collect();
                         copy = Some(tokio::spawn(self.clone().copy_stage(
                             m.id(),
                             request,
                             stage,
-                            blocks,
+                            items,
                             kv_tokens,
                             writers,
                         )));
@@ -338,7 +347,8 @@ impl Migrator {
                 }
             }
             if let (Some(above), None) = (m.awaiting_kv(), &watching) {
-                watching = Some(self.ask_later(|reply| LiveCommand::WaitKv { request, above, reply }));
+                let layers = m.awaiting_layers();
+                watching = Some(self.ask_later(|reply| LiveCommand::WaitKv { request, above, layers, reply }));
             }
             if let Some(o) = m.outcome().cloned() {
                 if m.is_done() {
@@ -380,7 +390,12 @@ impl Migrator {
                 kv = async { watching.as_mut().expect("guarded").await }, if watching.is_some() => {
                     watching = None;
                     match kv.unwrap_or(Err(DriverError::Draining)) {
-                        Ok(kv_tokens) => m.on_kv_progress(self.now(), kv_tokens),
+                        Ok(KvProgress { kv_tokens, layers }) => {
+                            m.on_kv_progress(self.now(), kv_tokens);
+                            if let Some((tokens, done)) = layers {
+                                m.on_layer_progress(self.now(), tokens, done);
+                            }
+                        }
                         Err(e) => m.on_read_failed(self.now(), driver_reason(e)),
                     }
                 }
@@ -416,7 +431,7 @@ impl Migrator {
         Ok(out)
     }
 
-    /// Send blocks `blocks` of one stage, block `i` on stream `i % streams`. Each stream's blocks
+    /// Send the `items` of one stage (blocks, or slices of blocks), item `j` on stream `j % streams`. Each stream's blocks
     /// are read from the engine by a task of their own, [`READ_AHEAD_BLOCKS`] ahead of the writer,
     /// so the link never waits for a read (a shaped link would lose the time for good: its bucket
     /// keeps only a burst's worth of idle credit). Returns the writers and the stage (or why it
@@ -427,26 +442,37 @@ impl Migrator {
         id: MigrationId,
         request: RequestId,
         stage: u32,
-        blocks: std::ops::Range<u32>,
+        items: Vec<Item>,
         kv_tokens: u32,
         writers: Vec<Writer>,
     ) -> (Vec<Writer>, Result<u32, String>) {
-        let n = writers.len().max(1) as u32;
+        let n = writers.len().max(1);
         let bs = self.cfg.params.block_size;
+        let block_bytes = self.cfg.params.block_bytes;
         // Scoped: a copy aborted mid-stage (the migration timed out or its target refused)
         // takes its per-stream tasks, and with them their read-ahead, down with it.
         let mut tasks = Vec::new();
         for (k, mut w) in writers.into_iter().enumerate() {
-            let mut read = self.clone().read_ahead(request, (blocks.start + k as u32..blocks.end).step_by(n as usize));
+            let mine: Vec<Item> = items.iter().skip(k).step_by(n).cloned().collect();
+            let mut read = self.clone().read_ahead(request, mine.into_iter());
             tasks.push(Scoped(tokio::spawn(async move {
                 while let Some(next) = read.recv().await {
-                    let (i, data) = match next {
+                    let ((i, slice), data) = match next {
                         Ok(block) => block,
                         Err(e) => return (w, Err(e)),
                     };
-                    // The block's bytes go to the stream whole (no copy into the frame buffer,
-                    // none into QUIC's send buffer).
-                    let head = block_frame_head(id, stage, i, block_tokens(i, kv_tokens, bs), &data);
+                    // The block's bytes (or its layer groups' range of them) go to the stream
+                    // as they are in the arena (no copy into the frame buffer, none into QUIC's
+                    // send buffer).
+                    let tokens = block_tokens(i, kv_tokens, bs);
+                    let (head, data) = match slice {
+                        Some((groups, g)) => {
+                            let r = slice_bytes(block_bytes, g, groups.clone());
+                            let data = data.slice(r.start as usize..r.end as usize);
+                            (slice_frame_head(id, stage, i, tokens, groups, &data), data)
+                        }
+                        None => (block_frame_head(id, stage, i, tokens, &data), data),
+                    };
                     if let Err(e) = w.send_with_payload(&head, &BLOCK_DATA_PAYLOAD_PATH, data).await {
                         return (w, Err(format!("send: {e}")));
                     }
@@ -480,14 +506,15 @@ impl Migrator {
     fn read_ahead(
         self: Arc<Self>,
         request: RequestId,
-        indices: impl Iterator<Item = u32> + Send + 'static,
-    ) -> mpsc::Receiver<Result<(u32, Bytes), String>> {
+        items: impl Iterator<Item = Item> + Send + 'static,
+    ) -> mpsc::Receiver<Result<(Item, Bytes), String>> {
         let (tx, rx) = mpsc::channel(READ_AHEAD_BLOCKS);
         tokio::spawn(async move {
-            for i in indices {
+            for item in items {
+                let i = item.0;
                 let read = self.ask(|reply| LiveCommand::ReadBlocks { request, first: i, count: 1, reply }).await;
                 let next = match read {
-                    Ok(mut r) if !r.blocks.is_empty() => Ok((i, r.blocks.swap_remove(0))),
+                    Ok(mut r) if !r.blocks.is_empty() => Ok((item, r.blocks.swap_remove(0))),
                     Ok(_) => Err(format!("read: block {i} is not final yet")),
                     Err(e) => Err(format!("read: {e}")),
                 };
@@ -755,10 +782,17 @@ impl Migrator {
                         trace.phase("migration.reserve", asked, self.now(), Some(blocks));
                         m.on_reserved_prefix(self.now(), r);
                     }
-                    TargetAction::WriteBlock { index, data, checksum, .. } => {
+                    TargetAction::WriteBlock { index, offset, data, checksum, .. } => {
                         use kvfleet_core::engine::EngineError as E;
-                        let write =
-                            |reply| LiveCommand::WriteBlock { request, migration: id, index, data, checksum, reply };
+                        let write = |reply| LiveCommand::WriteBlock {
+                            request,
+                            migration: id,
+                            index,
+                            offset,
+                            data,
+                            checksum,
+                            reply,
+                        };
                         match self.ask_raw(write).await {
                             Ok(()) => m.on_written(self.now(), index),
                             Err(DriverError::Arena(ArenaError::Checksum { .. })) => {

@@ -74,6 +74,12 @@ pub struct WorkerOptions {
     /// many tokens in all (default: whole prompts).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub chunked_prefill_tokens: Option<u32>,
+    /// On a prefill instance, a handoff may start when a prefill's first iteration starts and
+    /// follow it layer by layer: each block leaves in this many layer groups, each as soon as
+    /// the iteration computing it has gone through those layers (`[pd] overlap = "layer"`,
+    /// which uses 4). 1: blocks leave whole (`"chunk"`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub handoff_layer_groups: u32,
     /// Token pacer pace: the user's expected time per output token, in ms.
     #[arg(long, default_value_t = 100.0)]
     pub tpot_ms: f64,

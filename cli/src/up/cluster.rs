@@ -564,6 +564,10 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         if let Some(s) = args.cfg.scheduler.intra.ttfat_starvation_s {
             a.extend(["--ttfat-starvation-s".into(), s.to_string()]);
         }
+        if args.cfg.pd.overlap == kvfleet_sim::config::Overlap::Layer {
+            let groups = kvfleet_sim::config::LAYER_GROUPS;
+            a.extend(["--handoff-layer-groups".into(), groups.to_string()]);
+        }
         if let Some(c) = args.cfg.scheduler.intra.chunked_prefill_tokens {
             a.extend(["--chunked-prefill-tokens".into(), c.to_string()]);
         }

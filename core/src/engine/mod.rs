@@ -61,6 +61,39 @@ impl EngineConfig {
     }
 }
 
+/// A chunk of a request's prefill in the iteration in flight ([`Engine::prefill_in_flight`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefillInFlight {
+    /// When the iteration started.
+    pub start: Timestamp,
+    /// When it ends.
+    pub end: Timestamp,
+    /// Prompt tokens whose KV is computed at its end.
+    pub tokens: u32,
+}
+
+impl PrefillInFlight {
+    /// Layer groups (of `groups`) the iteration has computed at `now`: its layers run in order
+    /// through its time, so group k is done at `start + (k + 1)/groups` of it. `groups` at its end.
+    pub fn groups_done(&self, now: Timestamp, groups: u32) -> u32 {
+        let span = self.end.saturating_since(self.start).as_nanos();
+        if now >= self.end || span == 0 {
+            return groups;
+        }
+        let gone = now.saturating_since(self.start).as_nanos();
+        (u128::from(gone) * u128::from(groups) / u128::from(span)) as u32
+    }
+
+    /// When layer group `k` (counted from 1; `groups` in all) is computed.
+    pub fn group_done_at(&self, k: u32, groups: u32) -> Timestamp {
+        let span = self.end.saturating_since(self.start).as_nanos();
+        let at = u128::from(span) * u128::from(k.min(groups)) / u128::from(groups.max(1));
+        // Rounded up, so that `groups_done` at this instant counts group k.
+        let exact = u128::from(span) * u128::from(k.min(groups)) % u128::from(groups.max(1)) == 0;
+        self.start + TimeSpan::from_nanos((at + u128::from(!exact)) as u64)
+    }
+}
+
 /// What the engine reports to its driver.
 #[derive(Clone, Debug, PartialEq)]
 pub enum EngineEvent {
@@ -1506,6 +1539,34 @@ impl Engine {
             (0, _) => Some(req.context() - req.prefill_left),
             _ => None,
         }
+    }
+
+    /// While `request`'s prefill computes a chunk in the iteration in flight: when that iteration
+    /// started and ends, and the prompt tokens whose KV is computed at its end (a handoff
+    /// following the prefill layer by layer sends each layer group of them as the iteration
+    /// reaches it). `None` when no chunk of its prefill is in flight.
+    pub fn prefill_in_flight(&self, request: RequestId) -> Option<PrefillInFlight> {
+        let (start, end) = self.inflight?;
+        let slot = *self.index.get(&request)?;
+        let e = self.batch.iter().find(|e| e.slot == slot && e.prefill && e.chunk > 0)?;
+        let req = self.req(slot);
+        (req.generated == 0).then(|| PrefillInFlight { start, end, tokens: req.context() - req.prefill_left + e.chunk })
+    }
+
+    /// On a prefill instance, the requests whose prefill's first chunk the iteration in flight
+    /// computes, with the KV blocks each will hold at its prefill's end: a handoff following the
+    /// prefill layer by layer may start now. Empty elsewhere, and when no iteration is in flight.
+    pub fn prefills_starting(&self) -> Vec<(RequestId, u32)> {
+        if !self.hand_off || self.inflight.is_none() {
+            return Vec::new();
+        }
+        self.batch
+            .iter()
+            .filter(|e| e.prefill && e.chunk > 0)
+            .map(|e| self.req(e.slot))
+            .filter(|r| r.generated == 0 && r.prefill_left == r.context() - r.prefill_cached)
+            .map(|r| (r.spec.id, self.kv.table(r.spec.id).map_or(0, |t| t.blocks.len() as u32)))
+            .collect()
     }
 
     /// Whether `request` is held here after its prefill, waiting for its handoff.

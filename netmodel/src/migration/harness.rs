@@ -87,6 +87,9 @@ pub(super) enum Ev {
     WriteDone,
     /// The target driver answers `Attach`.
     AttachDone,
+    /// A prefill followed in layer groups ([`World::layers`]) goes one layer group further: an
+    /// iteration starts (its first group computed), or computes its next group, or ends.
+    Layer,
 }
 
 /// The target arena for one migration: logical index → (valid tokens, data).
@@ -109,7 +112,7 @@ pub(super) struct World {
     next_stream: usize,
     pub blocks_sent_pending: Option<u32>,
     pub reserve_pending: bool,
-    pub writes_pending: Vec<(u32, u32, crate::Payload, Option<u64>)>,
+    pub writes_pending: Vec<(u32, u32, u64, crate::Payload, Option<u64>)>,
     pub attach_pending: Option<(Bytes, u32, u32)>,
     /// The target's arena for this migration: index → (valid tokens, data).
     pub target_blocks: Blocks,
@@ -130,6 +133,12 @@ pub(super) struct World {
     pub fail_next_write: Option<AbortReason>,
     /// Tokens decoded after `Pause` was asked and before the freeze (the iteration in flight).
     pub decode_while_pausing: u32,
+    /// A prefill followed in layer groups: (tokens each iteration computes, layer groups). The
+    /// request's KV then grows only by whole iterations ([`Ev::Layer`]), never by [`Ev::Decode`],
+    /// and it freezes only between iterations.
+    pub layers: Option<(u32, u32)>,
+    /// The iteration in flight: the KV it ends with, and the layer groups it has computed.
+    pub in_flight: Option<(u32, u32)>,
 }
 
 impl World {
@@ -168,6 +177,8 @@ impl World {
             attach_result: Ok(()),
             fail_next_write: None,
             decode_while_pausing: 0,
+            layers: None,
+            in_flight: None,
             cfg,
         }
     }
@@ -218,10 +229,32 @@ impl World {
                     self.to_target.push_back(f);
                 }
             }
-            SourceAction::CopyBlocks { stage, blocks, kv_tokens, final_stage } => {
-                assert!(!blocks.is_empty(), "empty CopyBlocks");
+            SourceAction::CopyBlocks { stage, blocks, slices, kv_tokens, final_stage } => {
+                assert!(!blocks.is_empty() || slices.is_some(), "empty CopyBlocks");
                 assert!(self.blocks_sent_pending.is_none(), "CopyBlocks while another is pending");
                 assert_eq!(final_stage, self.frozen, "final stage iff frozen");
+                let bs = self.block_size();
+                for index in slices.iter().flat_map(|s| s.blocks.clone()) {
+                    let groups = slices.as_ref().expect("iterated").groups.clone();
+                    let (_, g) = self.layers.expect("slices only for a prefill followed in layer groups");
+                    assert!(groups.start < groups.end && groups.end <= g, "layer groups {groups:?} of {g}");
+                    // Only what is computed: a full block, or groups the iteration in flight did.
+                    let computed = match self.in_flight {
+                        _ if (index + 1) * bs <= self.kv_tokens => true,
+                        Some((tokens, done)) => (index + 1) * bs <= tokens && groups.end <= done,
+                        None => false,
+                    };
+                    assert!(computed, "block {index} groups {groups:?} sent before they were computed");
+                    let bytes = slice_bytes(self.cfg.params.block_bytes, g, groups.clone());
+                    let data = self.read_block(index, bs).slice(bytes.start as usize..bytes.end as usize);
+                    let head = slice_frame_head(self.src.id(), stage, index, bs, groups, &data);
+                    let f = Frame { body: Some(wire::frame::Body::BlockData(wire::BlockData { data, ..head })) };
+                    if self.connected {
+                        let k = self.next_stream % self.data.len();
+                        self.next_stream += 1;
+                        self.data[k].push_back(f);
+                    }
+                }
                 for index in blocks {
                     // What the driver really holds now: a live stage must only ask for full blocks.
                     let tokens = block_tokens(index, self.kv_tokens, self.block_size());
@@ -269,9 +302,9 @@ impl World {
                 self.reserves += 1;
                 self.reserve_pending = true;
             }
-            TargetAction::WriteBlock { index, tokens, data, checksum } => {
+            TargetAction::WriteBlock { index, tokens, offset, data, checksum } => {
                 assert_eq!(checksum.is_some(), self.cfg.verify_on_write, "who verifies");
-                self.writes_pending.push((index, tokens, data, checksum))
+                self.writes_pending.push((index, tokens, offset, data, checksum))
             }
             TargetAction::Attach { state, kv_tokens, blocks } => {
                 // The machine attaches only once every block 0..blocks is written, and no more.
@@ -333,7 +366,11 @@ impl World {
             evs.push(Ev::AttachDone);
         }
         if !self.frozen && !self.src.is_done() {
-            evs.push(Ev::Decode);
+            evs.push(if self.layers.is_some() { Ev::Layer } else { Ev::Decode });
+        }
+        if self.in_flight.is_some() {
+            // The pause waits for the iteration's end.
+            evs.retain(|e| *e != Ev::Freeze);
         }
         evs
     }
@@ -367,6 +404,21 @@ impl World {
                 self.kv_tokens += 1;
                 self.src.on_kv_progress(self.now, self.kv_tokens);
             }
+            Ev::Layer => {
+                let (chunk, g) = self.layers.expect("enabled only with layers");
+                match self.in_flight {
+                    Some((tokens, done)) if done >= g => {
+                        self.in_flight = None;
+                        self.kv_tokens = tokens;
+                        self.src.on_kv_progress(now, tokens);
+                    }
+                    Some((tokens, done)) => self.in_flight = Some((tokens, done + 1)),
+                    None => self.in_flight = Some((self.kv_tokens + chunk, 1)),
+                }
+                if let Some((tokens, done)) = self.in_flight {
+                    self.src.on_layer_progress(now, tokens, done);
+                }
+            }
             Ev::BlocksSent => {
                 if let Some(stage) = self.blocks_sent_pending.take() {
                     self.src.on_blocks_sent(now, stage);
@@ -388,7 +440,8 @@ impl World {
                 if self.writes_pending.is_empty() {
                     return;
                 }
-                let (index, tokens, data, checksum) = self.writes_pending.remove(pick % self.writes_pending.len());
+                let (index, tokens, offset, data, checksum) =
+                    self.writes_pending.remove(pick % self.writes_pending.len());
                 let Some(t) = self.tgt.as_mut() else { return };
                 let mut landed = vec![0u8; data.len()];
                 let sum = data.copy_checksummed(&mut landed);
@@ -398,7 +451,11 @@ impl World {
                         t.on_write_failed(now, AbortReason::ChecksumMismatch { block: index })
                     }
                     None => {
-                        self.target_blocks.insert(index, (tokens, data.to_bytes()));
+                        let size = self.cfg.params.block_bytes as usize;
+                        let entry = self.target_blocks.entry(index).or_insert((tokens, vec![0u8; size].into()));
+                        let mut whole = entry.1.to_vec();
+                        whole[offset as usize..offset as usize + landed.len()].copy_from_slice(&landed);
+                        *entry = (tokens, whole.into());
                         t.on_written(now, index);
                     }
                 }

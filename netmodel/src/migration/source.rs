@@ -17,15 +17,19 @@ pub enum SourceAction {
     /// Send this frame on the control stream.
     Send(Frame),
     /// Read logical blocks `blocks` of the request and send one `BlockData` frame per block
-    /// ([`super::block_frame`]) on the data streams, then call
+    /// ([`super::block_frame`]) on the data streams, and first, with `slices`, one frame per
+    /// block of its range carrying only its layer groups ([`super::slice_frame`]); then call
     /// [`SourceMachine::on_blocks_sent`] with `stage`. Block `i` holds
     /// [`super::block_tokens`]`(i, kv_tokens, block_size)` valid tokens; in a live stage every block of the
-    /// range is full. Never emitted with an empty range.
+    /// ranges is full. Never emitted with nothing to send.
     CopyBlocks {
         /// The copy stage (0, 1, ...).
         stage: u32,
-        /// Logical block indices to send.
+        /// Logical block indices to send whole.
         blocks: Range<u32>,
+        /// Blocks of which only some layer groups go (a migration following a prefill iteration
+        /// layer by layer), before `blocks`.
+        slices: Option<Slices>,
         /// The request's KV length (tokens) this stage copies up to.
         kv_tokens: u32,
         /// True for the stop-and-copy stage (request paused).
@@ -38,6 +42,24 @@ pub enum SourceAction {
     /// `Aborted`: resume (or keep running) the request here. `Unknown`: keep it paused and ask
     /// the coordinator (module doc, "The commit point").
     Done(Outcome),
+}
+
+/// Layer groups `groups` (of the migration's [`SourceMachine::in_layer_groups`]) of each block of
+/// `blocks`: a [`SourceAction::CopyBlocks`]'s slices.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Slices {
+    /// Logical block indices.
+    pub blocks: Range<u32>,
+    /// The layer groups of each that go, `first..end` of the migration's groups.
+    pub groups: Range<u32>,
+}
+
+/// The iteration computing part of a followed prefill, as far as it has gone: it will leave the
+/// request with `tokens` of KV, and its first `groups_done` layer groups are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct InFlight {
+    tokens: u32,
+    groups_done: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,6 +110,13 @@ pub struct SourceMachine {
     /// Following a prefill, the pause (its end) came during a live stage: the final length and
     /// state, for the final stage once that stage is acknowledged.
     paused_early: Option<(u32, Bytes)>,
+    /// Layer groups a block may be sent in (1: whole blocks only).
+    layer_groups: u32,
+    /// The followed prefill's iteration in flight ([`SourceMachine::on_layer_progress`]).
+    in_flight: Option<InFlight>,
+    /// Blocks `sent_blocks..end` have had their first `groups` layer groups sent, not the rest
+    /// (they fill in the iteration in flight).
+    frontier: Option<(u32, u32)>,
     actions: VecDeque<SourceAction>,
     report: MigrationReport,
 }
@@ -119,6 +148,9 @@ impl SourceMachine {
             prefix: Vec::new(),
             follow: None,
             paused_early: None,
+            layer_groups: 1,
+            in_flight: None,
+            frontier: None,
             actions: VecDeque::new(),
             report: MigrationReport {
                 migration: id,
@@ -163,10 +195,34 @@ impl SourceMachine {
         self
     }
 
+    /// Following a prefill, send blocks in `groups` layer groups (at most 64; 1: whole): as the
+    /// iteration computing a chunk of it goes through the model's layers
+    /// ([`SourceMachine::on_layer_progress`]), each group of the blocks that chunk fills leaves as
+    /// soon as it is computed, so what is left at the prefill's end is its last group.
+    pub fn in_layer_groups(mut self, groups: u32) -> Self {
+        self.layer_groups = groups.clamp(1, super::MAX_LAYER_GROUPS);
+        self
+    }
+
+    /// Layer groups a block may be sent in ([`SourceMachine::in_layer_groups`]; 1: whole).
+    pub fn layer_groups(&self) -> u32 {
+        self.layer_groups
+    }
+
     /// Following a prefill, every full block so far has left: the KV length (tokens) the driver
     /// should report growth beyond ([`SourceMachine::on_kv_progress`]), or the prefill's end.
     pub fn awaiting_kv(&self) -> Option<u32> {
         (self.state == State::AwaitingKv).then_some(self.kv_tokens)
+    }
+
+    /// Following a prefill in layer groups and waiting for more KV: the layer progress already
+    /// known (the iteration in flight's KV length and groups computed; `(0, 0)` for none), which
+    /// the driver should report progress beyond.
+    pub fn awaiting_layers(&self) -> Option<(u32, u32)> {
+        if self.state != State::AwaitingKv || self.layer_groups <= 1 {
+            return None;
+        }
+        Some(self.in_flight.map_or((0, 0), |f| (f.tokens, f.groups_done)))
     }
 
     /// Whether `Pause` was asked and [`SourceMachine::on_paused`] is still awaited (following a
@@ -271,6 +327,7 @@ impl SourceMachine {
             trace_context: self.trace_context.clone(),
             prefix: self.prefix.iter().map(|&h| wire::BlockHash { hi: (h >> 64) as u64, lo: h as u64 }).collect(),
             expected_kv_tokens: self.follow.unwrap_or(0),
+            layer_groups: if self.follow.is_some() && self.layer_groups > 1 { self.layer_groups } else { 0 },
         }));
     }
 
@@ -359,6 +416,25 @@ impl SourceMachine {
         }
     }
 
+    /// Following a prefill in layer groups: the iteration in flight will leave the request with
+    /// `tokens` of KV and has computed its first `groups_done` layer groups (of
+    /// [`SourceMachine::in_layer_groups`]). Blocks it fills may leave group by group.
+    pub fn on_layer_progress(&mut self, now: Timestamp, tokens: u32, groups_done: u32) {
+        if self.follow.is_none() || self.layer_groups <= 1 || self.paused_early.is_some() {
+            return;
+        }
+        let groups_done = groups_done.min(self.layer_groups);
+        let next = InFlight { tokens, groups_done };
+        match self.in_flight {
+            // Progress only goes forward within one iteration.
+            Some(f) if f.tokens == tokens && f.groups_done >= groups_done => return,
+            _ => self.in_flight = Some(next),
+        }
+        if self.state == State::AwaitingKv {
+            self.next_stage(now);
+        }
+    }
+
     /// The driver has written every block of the `CopyBlocks` of `stage` to the transport.
     pub fn on_blocks_sent(&mut self, now: Timestamp, stage: u32) {
         match self.state {
@@ -413,10 +489,19 @@ impl SourceMachine {
         self.request_state = state;
         let stage = self.live_stages_done;
         let blocks_total = blocks_for_tokens(kv_tokens_final, self.params.block_size);
-        let blocks = self.sent_blocks..blocks_total;
-        self.begin_stage(now, stage, blocks.clone(), true);
+        // The rest of the blocks whose first layer groups left during the last iteration.
+        let slices = self.frontier.take().map(|(end, groups)| Slices {
+            blocks: self.sent_blocks..end.min(blocks_total),
+            groups: groups..self.layer_groups,
+        });
+        let slices = slices.filter(|s| !s.blocks.is_empty());
+        let first_whole = slices.as_ref().map_or(self.sent_blocks, |s| s.blocks.end);
+        let blocks = first_whole..blocks_total;
+        self.begin_stage(now, stage, slices.as_ref(), blocks.clone(), true);
+        self.sent_blocks = blocks_total;
+        self.in_flight = None;
         self.state = State::FinalCopy { stage, kv_final: kv_tokens_final, blocks_total };
-        if blocks.is_empty() {
+        if blocks.is_empty() && slices.is_none() {
             // Every block went in live stages (the KV ends on a block boundary): nothing to copy.
             self.mark_stage_sent(now);
             self.end_final_stage(now, stage, kv_tokens_final, blocks_total);
@@ -424,6 +509,7 @@ impl SourceMachine {
             self.actions.push_back(SourceAction::CopyBlocks {
                 stage,
                 blocks,
+                slices,
                 kv_tokens: kv_tokens_final,
                 final_stage: true,
             });
@@ -480,11 +566,7 @@ impl SourceMachine {
         let remaining = full_blocks.saturating_sub(self.sent_blocks);
         if self.follow.is_some() {
             // Following a prefill: copy what it wrote, or wait for more (the pause is its end).
-            if remaining == 0 {
-                self.state = State::AwaitingKv;
-                return;
-            }
-            return self.live_stage(now, full_blocks);
+            return self.follow_stage(now, full_blocks);
         }
         // The link as the last live stage measured it: its bytes over Copy → StageAck.
         let rate = self.report.stages.iter().rev().find(|s| !s.final_stage).and_then(|s| {
@@ -497,31 +579,89 @@ impl SourceMachine {
             self.actions.push_back(SourceAction::Pause);
             return;
         }
-        self.live_stage(now, full_blocks);
+        self.live_stage_whole(now, full_blocks);
+    }
+
+    /// Following a prefill, the next live stage: the rest of the blocks whose first groups left
+    /// once the iteration that fills them ended, then the full blocks not sent yet, then the
+    /// layer groups the iteration in flight computed of the blocks it fills; or wait for more.
+    fn follow_stage(&mut self, now: Timestamp, full_blocks: u32) {
+        let bs = self.params.block_size;
+        let g = self.layer_groups;
+        let (start, sent_groups) = match self.frontier {
+            // Their iteration ended: their other groups, and any full block after them.
+            Some((end, groups)) if end <= full_blocks => {
+                self.frontier = None;
+                let slices = Slices { blocks: self.sent_blocks..end, groups: groups..g };
+                return self.live_stage(now, Some(slices), end..full_blocks);
+            }
+            Some((end, groups)) => (end, groups),
+            None if full_blocks > self.sent_blocks => {
+                return self.live_stage(now, None, self.sent_blocks..full_blocks);
+            }
+            None => (self.sent_blocks, 0),
+        };
+        // The groups the iteration in flight computed since, of the blocks it fills.
+        match self.in_flight {
+            Some(f) if g > 1 && f.groups_done > sent_groups && f.tokens / bs > self.sent_blocks => {
+                let end = f.tokens / bs;
+                if self.frontier.is_some() && end != start {
+                    // Another iteration than the frontier's: its end is reported first.
+                    self.state = State::AwaitingKv;
+                    return;
+                }
+                let slices = Slices { blocks: self.sent_blocks..end, groups: sent_groups..f.groups_done };
+                self.frontier = Some((end, f.groups_done));
+                if f.groups_done >= g {
+                    self.frontier = None;
+                }
+                self.live_stage(now, Some(slices), end..end)
+            }
+            _ => self.state = State::AwaitingKv,
+        }
     }
 
     /// A live stage copying the full blocks not sent yet, up to `full_blocks`.
-    fn live_stage(&mut self, now: Timestamp, full_blocks: u32) {
-        let stage = self.live_stages_done;
-        let blocks = self.sent_blocks..full_blocks;
-        self.begin_stage(now, stage, blocks.clone(), false);
-        self.state = State::Copying { stage };
-        self.actions.push_back(SourceAction::CopyBlocks {
-            stage,
-            blocks,
-            kv_tokens: full_blocks * self.params.block_size,
-            final_stage: false,
-        });
+    fn live_stage_whole(&mut self, now: Timestamp, full_blocks: u32) {
+        self.live_stage(now, None, self.sent_blocks..full_blocks)
     }
 
-    fn begin_stage(&mut self, now: Timestamp, stage: u32, blocks: Range<u32>, final_stage: bool) {
+    /// A live stage sending `slices`, then `blocks` whole (all full). Every block of both counts
+    /// as sent afterwards, except a frontier's (their last groups go later).
+    fn live_stage(&mut self, now: Timestamp, slices: Option<Slices>, blocks: Range<u32>) {
+        let stage = self.live_stages_done;
+        self.begin_stage(now, stage, slices.as_ref(), blocks.clone(), false);
+        let end = slices.as_ref().map_or(blocks.end, |s| s.blocks.end.max(blocks.end));
+        if self.frontier.is_none() {
+            self.sent_blocks = self.sent_blocks.max(end);
+        }
+        self.state = State::Copying { stage };
+        let kv_tokens = end * self.params.block_size;
+        self.actions.push_back(SourceAction::CopyBlocks { stage, blocks, slices, kv_tokens, final_stage: false });
+    }
+
+    fn begin_stage(
+        &mut self,
+        now: Timestamp,
+        stage: u32,
+        slices: Option<&Slices>,
+        blocks: Range<u32>,
+        final_stage: bool,
+    ) {
         let n = blocks.end.saturating_sub(blocks.start);
-        self.sent_blocks = self.sent_blocks.max(blocks.end);
+        let (frames, bytes) = match slices {
+            Some(s) => {
+                let k = s.blocks.end.saturating_sub(s.blocks.start);
+                let r = super::slice_bytes(self.params.block_bytes, self.layer_groups, s.groups.clone());
+                (k, k as u64 * (r.end - r.start))
+            }
+            None => (0, 0),
+        };
         self.report.stages.push(StageReport {
             stage,
             final_stage,
-            blocks: n,
-            bytes: n as u64 * self.params.block_bytes,
+            blocks: n + frames,
+            bytes: n as u64 * self.params.block_bytes + bytes,
             started: now,
             sent: None,
             ended: None,

@@ -35,8 +35,9 @@ pub enum TargetAction {
         /// [`TargetMachine::on_reserved_prefix`].
         prefix: Vec<BlockHash>,
     },
-    /// Write this block (logical `index`, `tokens` valid tokens, exactly `block_bytes` long)
-    /// into the reservation, growing it if needed; a later write of the same index replaces it.
+    /// Write this block (logical `index`, `tokens` valid tokens, exactly `block_bytes` long), or
+    /// a slice of it (`data` at `offset`: some of its layer groups), into the reservation,
+    /// growing it if needed; a later write of the same bytes replaces them.
     /// Answer with [`TargetMachine::on_written`] or [`TargetMachine::on_write_failed`].
     /// The data is in the buffers it arrived in (see [`TargetMachine::on_frame_with_payload`]).
     WriteBlock {
@@ -44,7 +45,9 @@ pub enum TargetAction {
         index: u32,
         /// Valid tokens in the block.
         tokens: u32,
-        /// The block's bytes.
+        /// Where in the block `data` goes (0 for a whole block).
+        offset: u64,
+        /// The block's bytes (or the slice's).
         data: Payload,
         /// `None`: the machine verified the block's checksum. `Some(sum)`: the writer verifies
         /// that what it wrote hashes to `sum` ([`crate::Payload::copy_checksummed`]) and
@@ -132,11 +135,16 @@ pub struct TargetMachine {
     reserved: bool,
     stage: u32,
     progress: StageProgress,
-    /// Writes handed to the driver and not yet confirmed: index → `tokens` of each, in order.
-    pending: BTreeMap<u32, VecDeque<u32>>,
+    /// Writes handed to the driver and not yet confirmed: index → `tokens` of each and the
+    /// layer groups it holds (a mask; all of them for a whole block), in order.
+    pending: BTreeMap<u32, VecDeque<(u32, u64)>>,
     pending_writes: u32,
-    /// Confirmed blocks: index → valid tokens.
+    /// Confirmed blocks, every layer group of them: index → valid tokens.
     written: BTreeMap<u32, u32>,
+    /// Blocks of which some layer groups are confirmed, not all: index → their mask.
+    partly_written: BTreeMap<u32, u64>,
+    /// Layer groups a block may come in (`Prepare.layer_groups`; 1: whole blocks only).
+    layer_groups: u32,
     commit: Option<wire::Commit>,
     actions: VecDeque<TargetAction>,
     report: TargetReport,
@@ -184,6 +192,8 @@ impl TargetMachine {
             pending: BTreeMap::new(),
             pending_writes: 0,
             written: BTreeMap::new(),
+            partly_written: BTreeMap::new(),
+            layer_groups: prepare.layer_groups.max(1),
             commit: None,
             actions: VecDeque::new(),
             verify_on_write: false,
@@ -208,6 +218,8 @@ impl TargetMachine {
             Some(format!("block_size {} differs from the target's {}", prepare.block_size, params.block_size))
         } else if prepare.block_bytes != params.block_bytes {
             Some(format!("block_bytes {} differs from the target's {}", prepare.block_bytes, params.block_bytes))
+        } else if prepare.layer_groups > super::MAX_LAYER_GROUPS {
+            Some(format!("{} layer groups, at most {}", prepare.layer_groups, super::MAX_LAYER_GROUPS))
         } else {
             None
         };
@@ -368,14 +380,25 @@ impl TargetMachine {
             return;
         }
         let Some(queue) = self.pending.get_mut(&index) else { return };
-        let Some(tokens) = queue.pop_front() else { return };
+        let Some((tokens, groups)) = queue.pop_front() else { return };
         if queue.is_empty() {
             self.pending.remove(&index);
         }
         self.pending_writes = self.pending_writes.saturating_sub(1);
-        self.written.insert(index, tokens);
         self.progress.written += 1;
-        self.report.blocks_written += 1;
+        let all = self.all_groups();
+        let have = match self.partly_written.remove(&index) {
+            Some(mask) => mask | groups,
+            None if self.written.contains_key(&index) => all,
+            None => groups,
+        };
+        if have == all {
+            if self.written.insert(index, tokens).is_none() {
+                self.report.blocks_written += 1;
+            }
+        } else {
+            self.partly_written.insert(index, have);
+        }
         self.advance(now);
     }
 
@@ -438,6 +461,11 @@ impl TargetMachine {
         self.fail(now, reason, true);
     }
 
+    /// The mask of every layer group of a block.
+    fn all_groups(&self) -> u64 {
+        u64::MAX >> (64 - self.layer_groups)
+    }
+
     fn on_block(&mut self, now: Timestamp, b: wire::BlockData, data: Payload) {
         let bad = |msg: String| AbortReason::BadFrame(format!("BlockData {} of stage {}: {msg}", b.index, b.stage));
         if b.stage != self.stage {
@@ -460,8 +488,17 @@ impl TargetMachine {
             let msg = format!("{} tokens, expected 1..={}", b.tokens, self.params.block_size);
             return self.fail(now, bad(msg), true);
         }
-        if data.len() as u64 != self.params.block_bytes {
-            let msg = format!("{} bytes, expected {}", data.len(), self.params.block_bytes);
+        let g = self.layer_groups;
+        let (range, groups) = match (b.group_first, b.group_end) {
+            (0, 0) => (0..self.params.block_bytes, self.all_groups()),
+            (first, end) if first < end && end <= g => {
+                let mask = (u64::MAX >> (64 - (end - first))) << first;
+                (super::slice_bytes(self.params.block_bytes, g, first..end), mask)
+            }
+            (first, end) => return self.fail(now, bad(format!("layer groups {first}..{end} of {g}")), true),
+        };
+        if data.len() as u64 != range.end - range.start {
+            let msg = format!("{} bytes, expected {}", data.len(), range.end - range.start);
             return self.fail(now, bad(msg), true);
         }
         if !self.verify_on_write && checksum_payload(&data) != b.checksum {
@@ -469,10 +506,11 @@ impl TargetMachine {
         }
         self.progress.received += 1;
         self.report.bytes_received += data.len() as u64;
-        self.pending.entry(b.index).or_default().push_back(b.tokens);
+        self.pending.entry(b.index).or_default().push_back((b.tokens, groups));
         self.pending_writes += 1;
         let checksum = self.verify_on_write.then_some(b.checksum);
-        self.actions.push_back(TargetAction::WriteBlock { index: b.index, tokens: b.tokens, data, checksum });
+        let (index, tokens, offset) = (b.index, b.tokens, range.start);
+        self.actions.push_back(TargetAction::WriteBlock { index, tokens, offset, data, checksum });
     }
 
     fn on_stage_end(&mut self, now: Timestamp, e: wire::StageEnd) {

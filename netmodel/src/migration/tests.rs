@@ -862,10 +862,10 @@ fn a_target_caching_the_prefix_is_sent_only_what_it_lacks() {
     );
 }
 
-/// Runs in order every enabled event but decoding and the freeze (the prefill's end, which the
+/// Runs in order every enabled event but decoding, layer progress and the freeze (the prefill's end, which the
 /// test chooses), until none is left.
 fn advance_prefill(w: &mut World) {
-    while let Some(ev) = w.enabled().into_iter().find(|e| !matches!(e, Ev::Decode | Ev::Freeze)) {
+    while let Some(ev) = w.enabled().into_iter().find(|e| !matches!(e, Ev::Decode | Ev::Freeze | Ev::Layer)) {
         w.apply(ev, 0);
     }
 }
@@ -947,4 +947,118 @@ fn a_prefill_ending_with_every_block_sent_commits_at_once() {
     };
     let mut t = TargetMachine::new(Timestamp(0), &params, prepare);
     assert!(matches!(t.poll_action(), Some(TargetAction::Reserve { kv_tokens: 30, blocks: 8, .. })));
+}
+
+/// Following a one-iteration prefill in 4 layer groups: each group of the blocks the iteration
+/// fills leaves in a live stage of its own once computed (a quarter of each block), and the final
+/// stage at the prefill's end carries only the last group of those blocks and the partial last
+/// block whole; the target counts a block once all its groups are written and ends up with the
+/// source's KV byte for byte.
+#[test]
+fn a_prefill_followed_in_layer_groups_leaves_its_last_group_for_the_end() {
+    let mut w = World::new(Config::small(0, 2));
+    w.src = w.src.clone().following_prefill(18).in_layer_groups(4);
+    w.layers = Some((18, 4));
+    w.start();
+    let Body::Prepare(p) = body(&w.src_sent[0]) else { panic!("first frame must be Prepare") };
+    assert_eq!((p.expected_kv_tokens, p.layer_groups), (18, 4));
+    advance_prefill(&mut w);
+    assert_eq!(w.src.awaiting_layers(), Some((0, 0)), "nothing computed yet");
+    for done in 1..=3 {
+        w.apply(Ev::Layer, 0);
+        advance_prefill(&mut w);
+        assert_eq!(w.src.awaiting_layers(), Some((18, done)), "group {done} of the 4 full blocks left");
+        assert_eq!(w.tgt.as_ref().unwrap().report().blocks_written, 0, "no block whole yet");
+    }
+    assert_eq!(stage_blocks(&w), [4, 4, 4]);
+    w.apply(Ev::Layer, 0); // the 4th group: its blocks leave whole now, or with the final stage
+    w.apply(Ev::Layer, 0); // the iteration ends: 18 tokens
+    assert_eq!(w.kv_tokens, 18);
+    advance_prefill(&mut w);
+    w.apply(Ev::Freeze, 0);
+    w.drain();
+    assert_eq!(w.src_outcome(), Some(&Outcome::Committed));
+    w.check_safety();
+    w.check_target_kv_equals_source();
+    let r = w.src.report();
+    assert_eq!(r.bytes, 5 * 256, "every byte once");
+    let last: Vec<u64> = r.stages.iter().skip(3).map(|s| s.bytes).collect();
+    assert_eq!(last.iter().sum::<u64>(), 4 * 64 + 256, "after the third group: a quarter of 4 blocks, 1 block");
+    assert_eq!(w.tgt.as_ref().unwrap().report().blocks_written, 5);
+}
+
+/// Slices a target must refuse: groups out of range or empty, a length that is not the groups'
+/// bytes, more than 64 groups; and a block missing a group at the commit is incomplete.
+#[test]
+fn a_target_refuses_bad_slices_and_counts_a_block_only_once_every_group_came() {
+    let params = MigrationParams::new(4, 256);
+    let prepare = |groups: u32| wire::Prepare {
+        migration_id: 9,
+        request_id: 1,
+        kv_tokens: 8,
+        block_size: 4,
+        block_bytes: 256,
+        layer_groups: groups,
+        ..Default::default()
+    };
+    let accepted = || {
+        let mut t = TargetMachine::new(Timestamp(0), &params, prepare(4));
+        t.on_reserved(Timestamp(0), Ok(()));
+        std::iter::from_fn(|| t.poll_action()).for_each(drop);
+        t
+    };
+    let slice = |index: u32, groups: std::ops::Range<u32>, len: usize| {
+        let data = Bytes::from(vec![1u8; len]);
+        let head = slice_frame_head(MigrationId(9), 0, index, 4, groups, &data);
+        Frame { body: Some(Body::BlockData(wire::BlockData { data, ..head })) }
+    };
+    for (groups, len, why) in
+        [(2..5, 192, "layer groups 2..5 of 4"), (3..3, 0, "layer groups 3..3"), (0..2, 64, "64 bytes, expected 128")]
+    {
+        let mut t = accepted();
+        t.on_frame(Timestamp(1), slice(0, groups, len));
+        let acts: Vec<_> = std::iter::from_fn(|| t.poll_action()).collect();
+        assert!(
+            acts.iter().any(
+                |a| matches!(a, TargetAction::Done(Outcome::Aborted(AbortReason::BadFrame(m))) if m.contains(why))
+            ),
+            "{why}: {acts:?}"
+        );
+    }
+    let mut t = TargetMachine::new(Timestamp(0), &params, prepare(65));
+    assert!(matches!(t.poll_action(), Some(TargetAction::Send(_))), "refused at once");
+    assert!(matches!(t.outcome(), Some(Outcome::Aborted(AbortReason::Refused(m))) if m.contains("65 layer groups")));
+
+    // Groups 0..3 of block 0 and block 1 whole: block 0 is not written, the commit incomplete.
+    let mut t = accepted();
+    let whole = |index: u32| {
+        let data = Bytes::from(vec![2u8; 256]);
+        block_frame(MigrationId(9), 0, index, 4, data)
+    };
+    for f in [slice(0, 0..1, 64), slice(0, 1..3, 128), whole(1)] {
+        t.on_frame(Timestamp(1), f);
+    }
+    let writes: Vec<_> = std::iter::from_fn(|| t.poll_action()).collect();
+    let offsets: Vec<u64> = writes
+        .iter()
+        .filter_map(|a| if let TargetAction::WriteBlock { offset, .. } = a { Some(*offset) } else { None })
+        .collect();
+    assert_eq!(offsets, [0, 64, 0]);
+    for i in [0, 0, 1] {
+        t.on_written(Timestamp(2), i);
+    }
+    assert_eq!(t.report().blocks_written, 1, "block 0 lacks its last group");
+    t.on_frame(
+        Timestamp(3),
+        frame(Body::StageEnd(wire::StageEnd { migration_id: 9, stage: 0, blocks: 3, final_stage: true })),
+    );
+    t.on_frame(
+        Timestamp(3),
+        frame(Body::Commit(wire::Commit { migration_id: 9, kv_tokens: 8, blocks_total: 2, state: Bytes::new() })),
+    );
+    let acts: Vec<_> = std::iter::from_fn(|| t.poll_action()).collect();
+    assert!(
+        acts.iter().any(|a| matches!(a, TargetAction::Done(Outcome::Aborted(AbortReason::Incomplete { missing: 1 })))),
+        "{acts:?}"
+    );
 }

@@ -308,6 +308,54 @@ fn an_overlapped_handoff_follows_the_prefill_and_exposes_only_its_last_chunk() {
     }
 }
 
+/// Handoffs following the prefill layer by layer (`[pd] overlap = "layer"`): each starts when the
+/// prefill's first iteration is planned, and as the iteration computes each quarter of the
+/// model's layers that quarter of the blocks it fills leaves. Unchunked 4,096-token prompts: the
+/// same KV moves as one-shot, its first token comes no later, and what is exposed after it is
+/// under 0.35 of one-shot's (the last layer group: a quarter, and the latency). Chunked in 512s,
+/// the layer slices cut what chunk-level overlap exposes (the last chunk's KV) by more than half.
+#[test]
+fn a_handoff_following_the_prefill_layer_by_layer_exposes_only_its_last_layer_group() {
+    use kvfleet_control::roles::Overlap;
+    let requests: Vec<RequestSpec> = (0..4).map(|i| request(i, 5.0 * i as f64, 4096, 0, 20)).collect();
+    let go = |chunks: Option<u32>, overlap| {
+        let mut cfg = SimConfig::default();
+        cfg.cluster.instances = 2;
+        cfg.scheduler.intra.chunked_prefill_tokens = chunks;
+        let (model, gpu) = cfg.specs().unwrap();
+        let engine = cfg.engine_config(&model, &gpu).unwrap();
+        let pd = PdConfig { prefill_instances: 1, overlap, ..PdConfig::default() };
+        let out = run_pd(&cfg, build_policy("least-kv", &cfg.scheduler.instance).unwrap(), &pd, &requests);
+        assert_eq!((out.records.len(), out.migrations.len()), (4, 4));
+        (0..4u64)
+            .map(|id| {
+                let r = out.records.iter().find(|r| r.id.0 == id).expect("a record per request");
+                assert_eq!((r.placed_on.0, r.finished_on, r.migrations), (0, Some(InstanceId(1)), 1), "{}", r.id);
+                let m = out.migrations.iter().find(|m| m.request.0 == id).expect("one handoff each");
+                assert_eq!(m.outcome_name(), "committed", "{m:?}");
+                assert_eq!(m.bytes, u64::from(4097u32.div_ceil(engine.block_size)) * engine.block_bytes(), "{m:?}");
+                let first = r.first_token.unwrap();
+                (first, r.migrated_in.unwrap().saturating_since(first).as_secs_f64(), m.live_stages)
+            })
+            .collect::<Vec<_>>()
+    };
+    let (one_shot, layered) = (go(None, Overlap::None), go(None, Overlap::Layer));
+    for id in 0..4 {
+        let ((first_one, exposed_one, _), (first_ly, exposed_ly, stages)) = (one_shot[id], layered[id]);
+        assert!(first_ly <= first_one, "{id}: the copy does not slow the prefill");
+        assert!(stages >= 3, "{id}: a live stage per layer group but the last: {stages}");
+        assert!(exposed_ly < 0.35 * exposed_one, "{id}: exposed {exposed_ly} layered vs {exposed_one} one-shot");
+    }
+    let (chunked, both) = (go(Some(512), Overlap::Chunk), go(Some(512), Overlap::Layer));
+    for id in 0..4 {
+        let ((_, exposed_chunk, _), (_, exposed_both, _)) = (chunked[id], both[id]);
+        assert!(
+            exposed_both < 0.5 * exposed_chunk,
+            "{id}: exposed {exposed_both} layer+chunk vs {exposed_chunk} chunk"
+        );
+    }
+}
+
 /// A handoff that cannot complete (every one times out here) leaves the request where it was
 /// prefilled, released to decode there: every request still finishes, once.
 #[test]

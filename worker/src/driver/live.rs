@@ -25,7 +25,7 @@ use crate::ledger::{Arrival, Settle};
 use bytes::Bytes;
 use kvfleet_core::engine::MigratedRequest;
 use kvfleet_core::kv::{BlockHash, BlockTable, Tier};
-use kvfleet_core::RequestId;
+use kvfleet_core::{RequestId, Timestamp};
 use kvfleet_netmodel::migration::MigrationId;
 use kvfleet_netmodel::Payload;
 use std::sync::Arc;
@@ -58,12 +58,15 @@ pub(crate) enum LiveCommand {
         migration: MigrationId,
         reply: Reply<PausedOut>,
     },
-    /// A move following a prefill has copied every full block up to `above` tokens: replies
-    /// with the tokens whose content is final once the prefill has written more, or has ended.
+    /// A move following a prefill has copied every full block up to `above` tokens (and, layer
+    /// by layer, `layers`: the layer groups known done of the iteration in flight, which ends
+    /// with `.0` tokens): replies once the prefill has written more, computed another layer group,
+    /// or ended.
     WaitKv {
         request: RequestId,
         above: u32,
-        reply: Reply<u32>,
+        layers: Option<(u32, u32)>,
+        reply: Reply<KvProgress>,
     },
     FinishOut {
         request: RequestId,
@@ -100,6 +103,8 @@ pub(crate) enum LiveCommand {
         request: RequestId,
         migration: MigrationId,
         index: u32,
+        /// Where in the block `data` goes (a slice of its layer groups; 0 for the whole block).
+        offset: u64,
         data: Payload,
         checksum: Option<u64>,
         reply: Reply<()>,
@@ -151,6 +156,18 @@ pub(crate) struct BeganOut {
     pub prefix: Vec<BlockHash>,
     /// Its prefill still runs: the KV it will hold at its end (the move follows the prefill).
     pub following: Option<u32>,
+    /// Layer groups the move follows the prefill in (1: whole blocks).
+    pub layer_groups: u32,
+}
+
+/// How far a followed prefill has gone.
+#[derive(Debug)]
+pub(crate) struct KvProgress {
+    /// Tokens whose content is final.
+    pub kv_tokens: u32,
+    /// Following it layer by layer: the iteration in flight ends with `.0` tokens and has
+    /// computed its first `.1` layer groups (never the last: that comes with its end).
+    pub layers: Option<(u32, u32)>,
 }
 
 /// Blocks read for sending.
@@ -183,7 +200,9 @@ impl Driver {
                 let _ = reply.send(self.pause_out(request, migration));
             }
             LiveCommand::WaitKv { request, reply, .. } => {
-                let _ = reply.send(self.read_blocks(request, 0, 0).map(|r| r.kv_tokens));
+                let layers = self.layer_progress(request);
+                let _ =
+                    reply.send(self.read_blocks(request, 0, 0).map(|r| KvProgress { kv_tokens: r.kv_tokens, layers }));
             }
             LiveCommand::FinishOut { request, migration, reply } => {
                 let _ = reply.send(self.finish_out(request, migration));
@@ -200,9 +219,9 @@ impl Driver {
             LiveCommand::Reserve { request, migration, kv_tokens, prefix, reply } => {
                 let _ = reply.send(self.reserve(request, migration, kv_tokens, &prefix));
             }
-            LiveCommand::WriteBlock { request, migration, index, data, checksum, reply } => {
+            LiveCommand::WriteBlock { request, migration, index, offset, data, checksum, reply } => {
                 let r = self.ledger.may_write(request, migration).map_err(|r| refused(request, r));
-                let _ = reply.send(r.and_then(|()| self.write_block(request, index, &data, checksum)));
+                let _ = reply.send(r.and_then(|()| self.write_block(request, index, offset, &data, checksum)));
             }
             LiveCommand::AttachReserved { migration, state, reply } => {
                 let _ = reply.send(self.attach_reserved(migration, *state));
@@ -307,7 +326,8 @@ impl Driver {
                 // Its prefill still runs: its table holds the whole prompt already.
                 let following =
                     self.engine.prompt_written(request).and_then(|_| self.engine.kv().table(request).map(|t| t.tokens));
-                Ok(BeganOut { kv_tokens, prefix: prefix.unwrap_or_default(), following })
+                let layer_groups = self.layer_groups;
+                Ok(BeganOut { kv_tokens, prefix: prefix.unwrap_or_default(), following, layer_groups })
             }
             Err(e) => {
                 // Nothing to move yet (no KV): it carries on here.
@@ -368,8 +388,16 @@ impl Driver {
         }
         // A prefill's KV is written chunk by chunk (its first token writes it all otherwise):
         // what its chunks so far computed is final, and a move following it copies that.
-        if let Some(computed) = self.engine.prompt_written(request) {
+        let prompt = self.engine.prompt_written(request);
+        if let Some(computed) = prompt {
             self.write_kv(request, computed);
+        }
+        let bs = self.block_size;
+        // Layer by layer, the blocks the iteration in flight fills are read as it computes them
+        // (each layer group leaves once done; the emulated arena writes a block whole).
+        let in_flight = self.layer_progress(request).map(|(tokens, _)| tokens / bs * bs);
+        if let Some(upto) = in_flight.filter(|_| count > 0) {
+            self.write_kv(request, upto);
         }
         let paused = self.engine.is_migrating_out(request);
         let table = self.engine.kv().table(request).ok_or_else(|| DriverError::Kv {
@@ -382,8 +410,10 @@ impl Driver {
         if w.tier != Some(table.tier) || !table.blocks.starts_with(&w.blocks) {
             return Err(DriverError::Kv { request, message: "KV is being rewritten after a move".into() });
         }
-        let bs = self.block_size;
-        let available = final_tokens.div_ceil(bs);
+        // Blocks of the iteration in flight may be written already: they are not final yet.
+        let final_tokens = prompt.map_or(final_tokens, |computed| final_tokens.min(computed / bs * bs));
+        let readable = in_flight.map_or(final_tokens, |upto| upto.min(w.tokens / bs * bs).max(final_tokens));
+        let available = readable.div_ceil(bs);
         let (tier, written) = (table.tier, w.tokens);
         let end = first.saturating_add(count).min(available);
         if end > first && w.blocks.len() < end as usize {
@@ -410,17 +440,57 @@ impl Driver {
     pub(super) fn waits_for_its_request(&self, cmd: &LiveCommand) -> bool {
         match *cmd {
             LiveCommand::PauseOut { request, .. } => self.engine.prompt_written(request).is_some(),
-            LiveCommand::WaitKv { request, above, .. } => {
+            LiveCommand::WaitKv { request, above, layers, .. } => {
                 let runs = self.engine.contains(request)
                     && !self.engine.is_held(request)
                     && !self.engine.is_migrating_out(request);
                 let bs = self.block_size;
                 let written = self.written.get(&request).map_or(0, |w| w.tokens);
-                let computed = self.engine.prompt_written(request).unwrap_or(0).max(written);
-                runs && computed / bs * bs <= above
+                // During the prefill, what its chunks computed (blocks of the iteration in
+                // flight may be written ahead for a move following it layer by layer).
+                let computed = self.engine.prompt_written(request).unwrap_or(written);
+                let more_layers = match (self.layer_progress(request), layers) {
+                    (Some((tokens, done)), Some((known_tokens, known))) => {
+                        done > 0 && (tokens != known_tokens || done > known)
+                    }
+                    (Some((_, done)), None) => done > 0,
+                    (None, _) => false,
+                };
+                runs && computed / bs * bs <= above && !more_layers
             }
             _ => false,
         }
+    }
+
+    /// Following prefills layer by layer: the chunk of `request`'s prefill that the iteration in
+    /// flight computes, as (tokens at its end, layer groups done now, at most all but the last).
+    pub(super) fn layer_progress(&self, request: RequestId) -> Option<(u32, u32)> {
+        if self.layer_groups <= 1 {
+            return None;
+        }
+        let f = self.engine.prefill_in_flight(request)?;
+        let g = self.layer_groups;
+        Some((f.tokens, f.groups_done(self.clock.now(), g).min(g - 1)))
+    }
+
+    /// When the next layer group of a prefill a move waits on is done (the engine thread wakes
+    /// then to answer the wait).
+    pub(super) fn next_layer_group(&self) -> Option<Timestamp> {
+        if self.layer_groups <= 1 {
+            return None;
+        }
+        let g = self.layer_groups;
+        self.waiting
+            .iter()
+            .filter_map(|cmd| match *cmd {
+                LiveCommand::WaitKv { request, layers, .. } => {
+                    let f = self.engine.prefill_in_flight(request)?;
+                    let known = layers.filter(|&(tokens, _)| tokens == f.tokens).map_or(0, |(_, k)| k);
+                    (known + 1 < g).then(|| f.group_done_at(known + 1, g))
+                }
+                _ => None,
+            })
+            .min()
     }
 
     fn pause_out(&mut self, request: RequestId, migration: MigrationId) -> Result<PausedOut, DriverError> {
@@ -466,6 +536,7 @@ impl Driver {
         &mut self,
         request: RequestId,
         index: u32,
+        offset: u64,
         data: &Payload,
         checksum: Option<u64>,
     ) -> Result<(), DriverError> {
@@ -477,8 +548,8 @@ impl Driver {
         }
         let table = self.engine.kv().table(request).ok_or(DriverError::Unknown(request))?;
         let block = table.blocks[index as usize];
-        self.arena.write_block(table.tier, block, data, checksum)?;
-        self.kv_stats.blocks_copied += 1;
+        self.arena.write_block_at(table.tier, block, offset, data, checksum)?;
+        self.kv_stats.blocks_copied += u64::from(offset + data.len() as u64 == self.arena.layout().block_bytes());
         Ok(())
     }
 

@@ -52,7 +52,7 @@ fn start_full(
     prefix_caching: bool,
     submit_grace: Duration,
 ) -> Running {
-    let timing = (1.0, None);
+    let timing = (1.0, None, 1);
     start_timed(instance, scheduler, (gpu_blocks, cpu_blocks), announce_every, prefix_caching, submit_grace, timing)
 }
 
@@ -65,7 +65,7 @@ fn start_timed(
     announce_every: Duration,
     prefix_caching: bool,
     submit_grace: Duration,
-    (iteration_ms, chunk): (f64, Option<u32>),
+    (iteration_ms, chunk, layer_groups): (f64, Option<u32>, u32),
 ) -> Running {
     let cfg = EngineConfig {
         prefix_caching,
@@ -97,6 +97,7 @@ fn start_timed(
         // Periodic announcements as the test asks (an hour: only SetRole and aborted moves).
         announce_every,
         submit_grace,
+        layer_groups,
     });
     let (tx, rx) = channel();
     let thread = std::thread::spawn(move || driver.run(rx));
@@ -293,8 +294,9 @@ fn write_blocks(to: &Running, id: RequestId, migration: MigrationId, first: u32,
         // Verified as it lands, as a migration's target does.
         let checksum = Some(kvfleet_netmodel::migration::checksum(data));
         let data: kvfleet_netmodel::Payload = [data.slice(..cut), data.slice(cut..)].into_iter().collect();
-        let write =
-            |reply| Command::Live(LiveCommand::WriteBlock { request: id, migration, index, data, checksum, reply });
+        let write = |reply| {
+            Command::Live(LiveCommand::WriteBlock { request: id, migration, index, offset: 0, data, checksum, reply })
+        };
         ask(to, write).unwrap();
     }
 }
@@ -362,7 +364,7 @@ fn live_commands_copy_a_running_request_block_by_block() {
 #[test]
 fn a_move_out_announces_the_kv_with_its_partial_block() {
     // Iterations of 300 ms: the KV does not change between the first token and the BeginOut.
-    let a = start_timed(0, "fcfs", (32, 8), Duration::from_secs(3600), false, SUBMIT_GRACE, (300.0, None));
+    let a = start_timed(0, "fcfs", (32, 8), Duration::from_secs(3600), false, SUBMIT_GRACE, (300.0, None, 1));
     ask(&a, |reply| Command::Submit { spec: spec(9, 9, 60, 10), reply });
     wait_for(&a.log, "the first token", |s| s.tokens.get(&9).is_some_and(|t| !t.is_empty()));
     let live = |cmd| Command::Live(cmd);
@@ -380,7 +382,7 @@ fn a_move_out_announces_the_kv_with_its_partial_block() {
 /// attach on another worker, which verifies every token and finishes the request.
 #[test]
 fn a_move_following_a_prefill_reads_each_chunk_and_pauses_at_its_end() {
-    let a = start_timed(0, "fcfs", (32, 8), Duration::from_secs(3600), false, SUBMIT_GRACE, (40.0, Some(8)));
+    let a = start_timed(0, "fcfs", (32, 8), Duration::from_secs(3600), false, SUBMIT_GRACE, (40.0, Some(8), 1));
     let b = start(1, "fcfs", 32, 8);
     ask(&a, |reply| Command::SetRole { role: "prefill".into(), hand_off: true, reply });
     let (id, mig) = (RequestId(5), MigrationId(1));
@@ -392,7 +394,8 @@ fn a_move_following_a_prefill_reads_each_chunk_and_pauses_at_its_end() {
     assert!(began.kv_tokens >= 8 && began.kv_tokens < 40, "a chunk or more is written: {}", began.kv_tokens);
     let (tx, paused) = oneshot::channel();
     a.tx.send(live(LiveCommand::PauseOut { request: id, migration: mig, reply: tx })).unwrap();
-    let more = ask(&a, |reply| live(LiveCommand::WaitKv { request: id, above: began.kv_tokens, reply })).unwrap();
+    let more = ask(&a, |reply| live(LiveCommand::WaitKv { request: id, above: began.kv_tokens, layers: None, reply }));
+    let more = more.unwrap().kv_tokens;
     assert!(more > began.kv_tokens && more % 4 == 0 && more <= 40, "a later chunk's full blocks: {more}");
     let read = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
     assert_eq!(read.blocks.len() as u32 * 4, read.kv_tokens);
@@ -407,6 +410,65 @@ fn a_move_following_a_prefill_reads_each_chunk_and_pauses_at_its_end() {
     reserve(&b, id, mig, began.following.unwrap()).unwrap();
     write_blocks(&b, id, mig, 0, &read.blocks);
     write_blocks(&b, id, mig, sent, &rest.blocks);
+    let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
+    ask(&b, |reply| live(LiveCommand::AttachReserved { migration: mig, state: Box::new(m), reply })).unwrap();
+    ask(&a, |reply| live(LiveCommand::FinishOut { request: id, migration: mig, reply })).unwrap();
+    let s = wait_for(&b.log, "the record on B", |s| s.finished.contains_key(&5));
+    assert_eq!(s.finished[&5].finished_on, Some(1));
+    let stats_b = ask(&b, |reply| Command::Stats { reply });
+    assert!(stats_b.kv.tokens_verified >= 41, "B checked every received token: {stats_b:?}");
+    assert_eq!(stats_b.kv.errors + ask(&a, |reply| Command::Stats { reply }).kv.errors, 0);
+}
+
+/// A move that follows a prefill layer by layer (`[pd] overlap = "layer"`: 4 layer groups) on a
+/// prefill instance prefilling a 40-token prompt in one 400 ms iteration: the prefill is announced
+/// when its iteration starts, before any KV is computed; a wait for KV is answered as the
+/// iteration goes through its layer groups (not at its end), with nothing final yet; the blocks
+/// the iteration fills can be read meanwhile; the pause comes at the prefill's end. The target
+/// lands each block in slices (a group, two, the last one) at their offsets, and the attach
+/// verifies every token.
+#[test]
+fn a_move_following_a_prefill_layer_by_layer_hears_of_each_layer_group() {
+    let a = start_timed(0, "fcfs", (32, 8), Duration::from_secs(3600), false, SUBMIT_GRACE, (400.0, None, 4));
+    let b = start(1, "fcfs", 32, 8);
+    ask(&a, |reply| Command::SetRole { role: "prefill".into(), hand_off: true, reply });
+    let (id, mig) = (RequestId(5), MigrationId(1));
+    ask(&a, |reply| Command::Submit { spec: spec(5, 40, 0, 10), reply });
+    wait_for(&a.log, "the prefill announced as it starts", |s| s.prefill_started == [5]);
+    let live = |cmd| Command::Live(cmd);
+    let began = ask(&a, |reply| live(LiveCommand::BeginOut { request: id, migration: mig, reply })).unwrap();
+    assert_eq!((began.following, began.kv_tokens, began.layer_groups), (Some(41), 0, 4));
+    let (tx, paused) = oneshot::channel();
+    a.tx.send(live(LiveCommand::PauseOut { request: id, migration: mig, reply: tx })).unwrap();
+    let wait = |layers| ask(&a, |reply| live(LiveCommand::WaitKv { request: id, above: 0, layers, reply })).unwrap();
+    let first = wait(Some((0, 0)));
+    let Some((40, k)) = first.layers else { panic!("the iteration's layer groups: {first:?}") };
+    assert!((1..4).contains(&k) && first.kv_tokens == 0, "{first:?}");
+    assert!(collect(&a.log).prefill_done.is_empty(), "heard of before the prefill's end");
+    if k < 3 {
+        let next = wait(Some((40, k)));
+        assert!(next.layers.is_some_and(|(t, j)| t == 40 && j > k) || next.kv_tokens == 40, "{next:?}");
+    }
+    let read = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
+    assert_eq!(read.blocks.len(), 10, "the blocks the iteration fills are readable");
+    let paused = paused.blocking_recv().unwrap().unwrap();
+    assert_eq!(paused.kv_tokens, 41);
+    let rest = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 10, count: 100, reply })).unwrap();
+    reserve(&b, id, mig, 41).unwrap();
+    let block_bytes = read.blocks[0].len() as u64;
+    for (index, data) in (0..).zip(&read.blocks) {
+        for groups in [0..1, 1..3, 3..4] {
+            let r = kvfleet_netmodel::migration::slice_bytes(block_bytes, 4, groups);
+            let part = data.slice(r.start as usize..r.end as usize);
+            let checksum = Some(kvfleet_netmodel::migration::checksum(&part));
+            let (offset, data) = (r.start, part.into());
+            ask(&b, |reply| {
+                live(LiveCommand::WriteBlock { request: id, migration: mig, index, offset, data, checksum, reply })
+            })
+            .unwrap();
+        }
+    }
+    write_blocks(&b, id, mig, 10, &rest.blocks);
     let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
     ask(&b, |reply| live(LiveCommand::AttachReserved { migration: mig, state: Box::new(m), reply })).unwrap();
     ask(&a, |reply| live(LiveCommand::FinishOut { request: id, migration: mig, reply })).unwrap();
@@ -438,7 +500,8 @@ fn live_commit_with_a_corrupt_block_is_refused_and_the_source_resumes() {
         }
         let data = bytes::Bytes::from(bytes).into();
         let write = |reply| {
-            live(LiveCommand::WriteBlock { request: id, migration: mig, index: i as u32, data, checksum: None, reply })
+            let index = i as u32;
+            live(LiveCommand::WriteBlock { request: id, migration: mig, index, offset: 0, data, checksum: None, reply })
         };
         ask(&b, write).unwrap();
     }
@@ -804,7 +867,9 @@ fn a_block_that_does_not_match_its_checksum_is_refused_as_it_lands() {
     let sum = kvfleet_netmodel::migration::checksum(&data);
     let write = |checksum| {
         let data = kvfleet_netmodel::Payload::from(data.clone());
-        ask(&b, |reply| live(LiveCommand::WriteBlock { request: id, migration: mig, index: 0, data, checksum, reply }))
+        ask(&b, |reply| {
+            live(LiveCommand::WriteBlock { request: id, migration: mig, index: 0, offset: 0, data, checksum, reply })
+        })
     };
     let e = write(Some(sum ^ 1)).unwrap_err();
     assert!(
