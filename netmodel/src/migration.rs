@@ -44,6 +44,17 @@
 //! full block never changes again and no block is sent twice. The final stage runs while the
 //! request is paused and sends the rest, including the partial last block.
 //!
+//! Following a prefill ([`SourceMachine::following_prefill`], an overlapped prefill/decode
+//! handoff), a block may also leave in *layer-group slices* ([`SourceMachine::in_layer_groups`]):
+//! `Prepare.layer_groups = G`, and a `BlockData` with `group_first..group_end` carries only those
+//! groups' bytes of the block ([`slice_bytes`]: a block's bytes hold its layers in order). As the
+//! iteration computing a chunk of the prefill reaches layer group k
+//! ([`SourceMachine::on_layer_progress`]), groups up to k of the blocks it fills leave in a live
+//! stage; the rest of them once the iteration ends (or in the final stage). Each slice is
+//! checksummed alone; the target counts a block written once every group of it is
+//! (`TargetAction::WriteBlock::offset` says where a slice lands) and verifies every token at the
+//! commit as always. No byte crosses twice.
+//!
 //! Frame order: `BlockData` frames travel on several parallel data streams, so they may arrive in
 //! any order relative to each other and to the control stream. Every other frame travels on the
 //! one ordered control stream of its direction. The target therefore acknowledges a stage only

@@ -302,6 +302,12 @@ const BAD_INPUTS: &[BadInput] = &[
         mentions: &["pd.overlap", "prefill_instances"],
     },
     BadInput {
+        name: "layer-by-layer handoffs without disaggregation",
+        config: Some("[pd]\noverlap = \"layer\"\n"),
+        args: &[],
+        mentions: &["pd.overlap", "prefill_instances"],
+    },
+    BadInput {
         name: "an overlap mode that does not exist",
         config: Some("[pd]\nprefill_instances = 1\noverlap = \"layers\"\n"),
         args: &[],
@@ -708,10 +714,11 @@ fn bench_sim_compares_leaping_with_stepping_in_one_run() {
     assert_eq!(refused.status.code(), Some(2), "{}", describe(&refused));
 }
 
-/// `kvfleet bench handoff --sim-only`: each length one-shot and overlapped; at 16k tokens the
-/// overlapped handoff exposes under 0.3× the one-shot's time after the first token at 100 Gbit/s
-/// (met), at 2 Gbit/s the link cannot keep up with the prefill (NOT met, with the shortfall);
-/// `handoff.csv` holds a row per handoff; a rate of 0 is refused.
+/// `kvfleet bench handoff --sim-only`: each length one-shot, overlapped by chunk and by layer; at
+/// 16k tokens both overlapped handoffs expose under 0.3× the one-shot's time after the first token
+/// at 100 Gbit/s (met), by layer less than by chunk; with whole prompts (no chunks) by layer
+/// exposes its last layer group, a quarter; at 2 Gbit/s the link cannot keep up with the prefill
+/// (NOT met, with the shortfall); `handoff.csv` holds a row per handoff; a rate of 0 is refused.
 #[test]
 fn bench_handoff_prints_the_exposed_time_ratio_and_its_verdict() {
     let tmp = TempDir::new("bench-handoff");
@@ -746,6 +753,32 @@ fn bench_handoff_prints_the_exposed_time_ratio_and_its_verdict() {
     assert!(String::from_utf8_lossy(&slow.stdout).contains("target NOT met"), "{}", describe(&slow));
     let (refused, _) = run("0", "2048");
     assert_eq!(refused.status.code(), Some(2), "{}", describe(&refused));
+}
+
+/// `kvfleet bench handoff` between two real worker processes (QUIC, mutual TLS, links shaped to
+/// 10 Gbit/s, time dilated 4×), an 8k-token prompt prefilled whole: the handoff that follows the
+/// prefill layer by layer moves exactly the one-shot handoff's bytes, sends slices in live stages
+/// while the prefill runs (the one-shot one copies it all after), and exposes less after the
+/// first token.
+#[test]
+fn bench_handoff_between_worker_processes_sends_layer_groups_during_the_prefill() {
+    let tmp = TempDir::new("bench-handoff-emu");
+    let out_dir = tmp.join("out");
+    let args = ["bench", "handoff", "--lengths", "8192", "--chunk-tokens", "0", "--link-gbps", "10"];
+    let args = args.iter().copied().chain(["--time-dilation", "4", "--out", path_str(&out_dir)]);
+    let out = run_kvfleet(args);
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&out));
+    let csv = Csv::read(&out_dir.join("handoff.csv"));
+    let col = |name: &str| csv.header.iter().position(|h| h == name).unwrap_or_else(|| panic!("no {name} column"));
+    let row = |mode: &str| csv.rows.iter().find(|r| r[col("mode")] == mode).unwrap_or_else(|| panic!("no {mode} row"));
+    let (one, layered) = (row("one-shot"), row("by layer"));
+    let num = |r: &Vec<String>, name: &str| -> f64 { r[col(name)].parse().unwrap_or_else(|_| panic!("{name}: {r:?}")) };
+    assert_eq!(num(one, "emu_bytes"), num(layered, "emu_bytes"), "the same KV moves");
+    assert!(num(layered, "emu_live_stages") >= 2.0, "slices left during the prefill: {layered:?}");
+    assert!(
+        num(layered, "emu_exposed_ms") < 0.75 * num(one, "emu_exposed_ms"),
+        "by layer {layered:?} vs one-shot {one:?}"
+    );
 }
 
 /// `RUST_LOG=kvfleet::decisions=debug` makes `kvfleet sim` log every placement the controller

@@ -433,16 +433,9 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     let s = summary(&out);
     assert_eq!(s["requests_finished"], 60, "{s}");
     assert_each_request_once(&out, 60);
-    let line = stdout.lines().find(|l| l.starts_with("prefill/decode:")).unwrap_or_else(|| panic!("{stdout}"));
-    let handoffs: u64 = line.split_whitespace().nth(1).and_then(|n| n.parse().ok()).unwrap_or(0);
+    let (line, handoffs, overlapped) = handoff_line(&stdout);
     assert!(handoffs >= 30, "most requests were handed off over QUIC: {line}");
-    // "(N overlapped with their prefill)": moves decided after a first chunk, committed.
-    let overlapped: u64 = line
-        .split(" overlapped")
-        .next()
-        .and_then(|head| head.rsplit('(').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0);
+    // Moves decided after a first chunk, committed.
     assert!(overlapped >= 5, "handoffs overlapped with their prefill: {line}");
     let runs: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
@@ -457,6 +450,52 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
             log.lines().find(|l| l.contains("worker ready")).unwrap_or_else(|| panic!("worker-{worker}: {log}"));
         assert!(ready.contains(&format!("tensor_parallel_size={tp}")), "worker-{worker} spans {tp} GPUs: {ready}");
     }
+    assert_no_process_left(&out);
+}
+
+/// `kvfleet up`'s `prefill/decode:` line, the handoffs it counts, and of them those overlapped
+/// with their prefill ("(N overlapped with their prefill)").
+fn handoff_line(stdout: &str) -> (&str, u64, u64) {
+    let line = stdout.lines().find(|l| l.starts_with("prefill/decode:")).unwrap_or_else(|| panic!("{stdout}"));
+    let handoffs: u64 = line.split_whitespace().nth(1).and_then(|n| n.parse().ok()).unwrap_or(0);
+    let overlapped: u64 = line
+        .split(" overlapped")
+        .next()
+        .and_then(|head| head.rsplit('(').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    (line, handoffs, overlapped)
+}
+
+/// Handoffs that follow the prefill layer by layer on real processes
+/// (`tests/fixtures/static-layer.toml`: a static split of 2 prefill + 2 decode workers, prompts
+/// prefilled whole, `[pd] overlap = "layer"`): each worker is told the layer groups; the leader
+/// hands requests off as their prefill starts, the moves carry layer-group slices over QUIC while
+/// the prefill runs, and every request completes exactly once, every handoff committed.
+#[test]
+fn up_hands_requests_off_layer_by_layer() {
+    let tmp = TempDir::new("up-layer");
+    let out = tmp.join("out");
+    let config = kvfleet_tests::fixture("static-layer.toml");
+    let args = ["up", "-c", config.to_str().expect("utf-8"), "--no-etcd", "-q", "--out", out.to_str().expect("utf-8")];
+    let o = run_kvfleet(args);
+    assert!(o.status.success(), "{}", describe(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let s = summary(&out);
+    assert_eq!(s["requests_finished"], 16, "{s}");
+    assert_each_request_once(&out, 16);
+    let (line, handoffs, overlapped) = handoff_line(&stdout);
+    assert!(handoffs >= 12 && overlapped >= 6, "handed off as their prefills started: {line}");
+    let mut sliced = 0;
+    for worker in 0..4 {
+        let log = std::fs::read_to_string(out.join(format!("logs/worker-{worker}.log"))).unwrap_or_default();
+        let ready = log.lines().find(|l| l.contains("worker ready")).unwrap_or_else(|| panic!("{log}"));
+        assert!(ready.contains("handoff_layer_groups=4"), "worker-{worker}: {ready}");
+        // A prefill worker's settled moves: more stages than a one-shot copy's.
+        sliced += log.lines().filter(|l| l.contains("outcome=committed") && !l.contains("stages=1 ")).count();
+    }
+    assert!(sliced >= 6, "moves that sent slices while the prefill ran: {sliced}");
+    eprintln!("{line}; {sliced} moves sent slices during the prefill");
     assert_no_process_left(&out);
 }
 

@@ -263,6 +263,7 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
         scheduler = %info.scheduler,
         timing = %info.timing,
         tensor_parallel_size = opts.tensor_parallel_size,
+        handoff_layer_groups = opts.handoff_layer_groups,
         epoch_unix_ns = clock.epoch_unix_ns(),
         time_dilation = %clock.dilation(),
         "worker ready on {local_addr}"

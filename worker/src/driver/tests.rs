@@ -374,6 +374,20 @@ fn a_move_out_announces_the_kv_with_its_partial_block() {
     assert!((9..=10).contains(&kv), "announced {kv} KV tokens");
 }
 
+/// Request 5 (a 41-token KV written to `b` already) attaches on `b` with `state` and leaves `a`;
+/// it finishes on `b`, which verified every token it received, and neither worker saw a KV error.
+fn attach_and_finish(a: &Running, b: &Running, mig: MigrationId, state: &[u8]) {
+    let (id, live) = (RequestId(5), Command::Live);
+    let m: MigratedRequest = serde_json::from_slice(state).unwrap();
+    ask(b, |reply| live(LiveCommand::AttachReserved { migration: mig, state: Box::new(m), reply })).unwrap();
+    ask(a, |reply| live(LiveCommand::FinishOut { request: id, migration: mig, reply })).unwrap();
+    let s = wait_for(&b.log, "the record on B", |s| s.finished.contains_key(&5));
+    assert_eq!(s.finished[&5].finished_on, Some(1));
+    let stats_b = ask(b, |reply| Command::Stats { reply });
+    assert!(stats_b.kv.tokens_verified >= 41, "B checked every received token: {stats_b:?}");
+    assert_eq!(stats_b.kv.errors + ask(a, |reply| Command::Stats { reply }).kv.errors, 0);
+}
+
 /// A move that follows a prefill (an overlapped handoff) on a prefill instance prefilling 40-token
 /// prompts in chunks of 8 (4-token blocks, 40 ms iterations): the first chunk is announced; the
 /// move begun then sees the first chunk's KV written and the whole prompt's KV to come; a wait for
@@ -410,14 +424,7 @@ fn a_move_following_a_prefill_reads_each_chunk_and_pauses_at_its_end() {
     reserve(&b, id, mig, began.following.unwrap()).unwrap();
     write_blocks(&b, id, mig, 0, &read.blocks);
     write_blocks(&b, id, mig, sent, &rest.blocks);
-    let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
-    ask(&b, |reply| live(LiveCommand::AttachReserved { migration: mig, state: Box::new(m), reply })).unwrap();
-    ask(&a, |reply| live(LiveCommand::FinishOut { request: id, migration: mig, reply })).unwrap();
-    let s = wait_for(&b.log, "the record on B", |s| s.finished.contains_key(&5));
-    assert_eq!(s.finished[&5].finished_on, Some(1));
-    let stats_b = ask(&b, |reply| Command::Stats { reply });
-    assert!(stats_b.kv.tokens_verified >= 41, "B checked every received token: {stats_b:?}");
-    assert_eq!(stats_b.kv.errors + ask(&a, |reply| Command::Stats { reply }).kv.errors, 0);
+    attach_and_finish(&a, &b, mig, &paused.state);
 }
 
 /// A move that follows a prefill layer by layer (`[pd] overlap = "layer"`: 4 layer groups) on a
@@ -469,14 +476,7 @@ fn a_move_following_a_prefill_layer_by_layer_hears_of_each_layer_group() {
         }
     }
     write_blocks(&b, id, mig, 10, &rest.blocks);
-    let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
-    ask(&b, |reply| live(LiveCommand::AttachReserved { migration: mig, state: Box::new(m), reply })).unwrap();
-    ask(&a, |reply| live(LiveCommand::FinishOut { request: id, migration: mig, reply })).unwrap();
-    let s = wait_for(&b.log, "the record on B", |s| s.finished.contains_key(&5));
-    assert_eq!(s.finished[&5].finished_on, Some(1));
-    let stats_b = ask(&b, |reply| Command::Stats { reply });
-    assert!(stats_b.kv.tokens_verified >= 41, "B checked every received token: {stats_b:?}");
-    assert_eq!(stats_b.kv.errors + ask(&a, |reply| Command::Stats { reply }).kv.errors, 0);
+    attach_and_finish(&a, &b, mig, &paused.state);
 }
 
 /// A corrupted block is caught on the target before the request is attached; the reservation is
@@ -814,8 +814,10 @@ fn a_cached_prefix_is_written_once_shared_and_moves_with_its_content() {
 /// the lent bytes keep their content. Once the transport lets go, the blocks are free again.
 #[test]
 fn a_block_lent_to_a_transfer_is_not_reused_until_it_comes_back() {
-    // 8 blocks of 4 tokens: request 9's prompt takes 4, request 10's the other 4.
-    let a = start(0, "fcfs", 8, 0);
+    // 8 blocks of 4 tokens: request 9's prompt takes 4, request 10's the other 4. Iterations of
+    // 10 ms: request 9 must still run when its move begins (a loaded host once took longer than
+    // its 12 tokens of 1 ms each to ask).
+    let a = start_timed(0, "fcfs", (8, 0), Duration::from_secs(3600), false, SUBMIT_GRACE, (10.0, None, 1));
     let id = RequestId(9);
     ask(&a, |reply| Command::Submit { spec: spec(9, 16, 0, 12), reply });
     wait_for(&a.log, "its prefill", |s| s.tokens.contains_key(&9));
