@@ -467,7 +467,7 @@ pub struct StageReport {
     pub final_stage: bool,
     /// `BlockData` frames sent.
     pub blocks: u32,
-    /// Bytes of block data sent (`blocks × block_bytes`).
+    /// Bytes of block data sent (`blocks × block_bytes`, a layer-group slice counting its share).
     pub bytes: u64,
     /// When the stage's `CopyBlocks` was emitted.
     pub started: Timestamp,

@@ -18,7 +18,7 @@ pub enum SourceAction {
     Send(Frame),
     /// Read logical blocks `blocks` of the request and send one `BlockData` frame per block
     /// ([`super::block_frame`]) on the data streams, and first, with `slices`, one frame per
-    /// block of its range carrying only its layer groups ([`super::slice_frame`]); then call
+    /// block of its range carrying only its layer groups ([`super::slice_frame_head`]); then call
     /// [`SourceMachine::on_blocks_sent`] with `stage`. Block `i` holds
     /// [`super::block_tokens`]`(i, kv_tokens, block_size)` valid tokens; in a live stage every block of the
     /// ranges is full. Never emitted with nothing to send.
