@@ -504,14 +504,19 @@ impl World {
         true
     }
 
-    /// Runs in-order (the first enabled event, never decoding) until `stop` holds or nothing is
-    /// left; deadlines fire only when the system is otherwise stuck.
+    /// Runs in-order (the first enabled event, never decoding nor starting a prefill iteration)
+    /// until `stop` holds or nothing is left; deadlines fire only when the system is otherwise
+    /// stuck.
     pub fn run_until(&mut self, mut stop: impl FnMut(&World) -> bool) {
         for _ in 0..1_000_000 {
             if stop(self) {
                 return;
             }
-            let ev = self.enabled().into_iter().find(|e| *e != Ev::Decode);
+            // A prefill followed layer by layer only finishes the iteration in flight: it may
+            // never be paused (a lost frame), and its deadline must then end it.
+            let enabled = self.enabled();
+            let layer = (self.in_flight.is_some() && enabled.contains(&Ev::Layer)).then_some(Ev::Layer);
+            let ev = enabled.into_iter().find(|e| !matches!(e, Ev::Decode | Ev::Layer)).or(layer);
             match ev {
                 Some(ev) => self.apply(ev, 0),
                 None => {

@@ -239,6 +239,7 @@ proptest! {
         initial_kv in 0u32..120,
         streams in 1usize..=4,
         follow in any::<bool>(),
+        layers in any::<bool>(),
         steps in prop::collection::vec(
             prop_oneof![30 => any::<u32>().prop_map(Step::Go), 1 => fault().prop_map(Step::Fault)],
             0..400,
@@ -247,6 +248,11 @@ proptest! {
         let mut w = World::new(config(initial_kv, streams, 2, 3));
         if follow {
             w.src = w.src.clone().following_prefill(initial_kv + 40);
+        }
+        if follow && layers {
+            // Followed layer by layer: iterations of 7 tokens in 3 layer groups.
+            w.src = w.src.clone().in_layer_groups(3);
+            w.layers = Some((7, 3));
         }
         w.start();
         for step in &steps {
@@ -273,21 +279,37 @@ fn arb_id() -> impl Strategy<Value = u64> {
 fn arb_frame() -> impl Strategy<Value = Frame> {
     let body =
         prop_oneof![
-            (arb_id(), 0u32..30, prop_oneof![Just(4u32), 0u32..6], prop_oneof![Just(8u64), 0u64..10]).prop_map(
-                |(migration_id, kv_tokens, block_size, block_bytes)| Body::Prepare(wire::Prepare {
-                    migration_id,
-                    request_id: 1,
-                    kv_tokens,
-                    block_size,
-                    block_bytes,
-                    ..Default::default()
-                })
-            ),
+            (
+                arb_id(),
+                0u32..30,
+                prop_oneof![Just(4u32), 0u32..6],
+                prop_oneof![Just(8u64), 0u64..10],
+                prop_oneof![Just(0u32), 0u32..70]
+            )
+                .prop_map(
+                    |(migration_id, kv_tokens, block_size, block_bytes, layer_groups)| Body::Prepare(wire::Prepare {
+                        migration_id,
+                        request_id: 1,
+                        kv_tokens,
+                        block_size,
+                        block_bytes,
+                        layer_groups,
+                        ..Default::default()
+                    })
+                ),
             (arb_id(), any::<bool>(), 0u32..3).prop_map(|(migration_id, ok, cached_blocks)| Body::PrepareReply(
                 wire::PrepareReply { migration_id, ok, reason: String::new(), cached_blocks }
             )),
-            (arb_id(), 0u32..4, 0u32..10, 0u32..6, prop::collection::vec(any::<u8>(), 6..10), any::<bool>()).prop_map(
-                |(migration_id, stage, index, tokens, data, good)| {
+            (
+                arb_id(),
+                0u32..4,
+                0u32..10,
+                0u32..6,
+                prop::collection::vec(any::<u8>(), 0..10),
+                any::<bool>(),
+                prop_oneof![Just((0u32, 0u32)), (0u32..5, 0u32..5)]
+            )
+                .prop_map(|(migration_id, stage, index, tokens, data, good, (group_first, group_end))| {
                     let checksum = if good { checksum(&data) } else { 0 };
                     Body::BlockData(wire::BlockData {
                         migration_id,
@@ -296,10 +318,10 @@ fn arb_frame() -> impl Strategy<Value = Frame> {
                         tokens,
                         checksum,
                         data: data.into(),
-                        ..Default::default()
+                        group_first,
+                        group_end,
                     })
-                }
-            ),
+                }),
             (arb_id(), 0u32..4, 0u32..6, any::<bool>()).prop_map(|(migration_id, stage, blocks, final_stage)| {
                 Body::StageEnd(wire::StageEnd { migration_id, stage, blocks, final_stage })
             }),
@@ -333,6 +355,7 @@ enum Poke {
     Paused(u32),
     BlocksSent(u32),
     KvProgress(u32),
+    LayerProgress(u32, u32),
     Disconnect,
     ReadFailed,
     Cancel,
@@ -349,6 +372,7 @@ fn arb_poke() -> impl Strategy<Value = Poke> {
         1 => (0u32..40).prop_map(Poke::Paused),
         1 => (0u32..4).prop_map(Poke::BlocksSent),
         1 => (0u32..40).prop_map(Poke::KvProgress),
+        1 => (0u32..40, 0u32..6).prop_map(|(t, g)| Poke::LayerProgress(t, g)),
         1 => Just(Poke::Disconnect),
         1 => Just(Poke::ReadFailed),
         1 => Just(Poke::Cancel),
@@ -381,7 +405,7 @@ fn poke_both_machines(pokes: Vec<Poke>, start: bool, follow: bool) -> Result<(),
     let params = MigrationParams { stop_copy_blocks: 1, ..MigrationParams::new(4, 8) };
     let mut src = SourceMachine::new(MigrationId(1), RequestId(1), params.clone(), Timestamp(0), 9).unwrap();
     if follow {
-        src = src.following_prefill(30);
+        src = src.following_prefill(30).in_layer_groups(3);
     }
     if start {
         src.start(Timestamp(0));
@@ -431,6 +455,7 @@ fn poke_both_machines(pokes: Vec<Poke>, start: bool, follow: bool) -> Result<(),
             Poke::Paused(kv) => src.on_paused(now, kv, Bytes::from_static(b"state")),
             Poke::BlocksSent(stage) => src.on_blocks_sent(now, stage),
             Poke::KvProgress(kv) => src.on_kv_progress(now, kv),
+            Poke::LayerProgress(tokens, groups) => src.on_layer_progress(now, tokens, groups),
             Poke::Disconnect => {
                 src.on_disconnect(now);
                 if let Some(t) = tgt.as_mut() {

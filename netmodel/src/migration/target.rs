@@ -193,7 +193,7 @@ impl TargetMachine {
             pending_writes: 0,
             written: BTreeMap::new(),
             partly_written: BTreeMap::new(),
-            layer_groups: prepare.layer_groups.max(1),
+            layer_groups: prepare.layer_groups.clamp(1, super::MAX_LAYER_GROUPS),
             commit: None,
             actions: VecDeque::new(),
             verify_on_write: false,
