@@ -849,25 +849,31 @@ impl Cluster {
         if self.migrating_out_of[i as usize] == 0 {
             return;
         }
-        let keys: Vec<u64> = self.migrations.iter().filter(|(_, f)| f.m.from().0 == i).map(|(&k, _)| k).collect();
-        for key in keys {
-            let f = self.migrations.get_mut(&key).expect("listed above");
-            let engines = Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
-            f.m.on_source_iteration_planned(now, engines, &mut self.fabric);
-            self.after_migration_call(key);
+        for key in self.migrations_out_of(i) {
+            self.call_migration(key, |m, engines, fabric| m.on_source_iteration_planned(now, engines, fabric));
         }
+    }
+
+    /// The migrations out of instance `i`, in key order.
+    fn migrations_out_of(&self, i: u32) -> Vec<u64> {
+        self.migrations.iter().filter(|(_, f)| f.m.from().0 == i).map(|(&k, _)| k).collect()
+    }
+
+    /// Call into migration `key` with its two engines and the fabric, then
+    /// [`Cluster::after_migration_call`].
+    fn call_migration(&mut self, key: u64, call: impl FnOnce(&mut LiveMigration, Engines<'_>, &mut Fabric)) {
+        let f = self.migrations.get_mut(&key).expect("a migration in progress");
+        let engines = Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
+        call(&mut f.m, engines, &mut self.fabric);
+        self.after_migration_call(key);
     }
 
     /// Instance `i` completed an iteration: every migration out of it sees the request's KV grow,
     /// and may pause it now.
     fn on_source_iteration_end(&mut self, now: Timestamp, i: u32) {
-        let keys: Vec<u64> = self.migrations.iter().filter(|(_, f)| f.m.from().0 == i).map(|(&k, _)| k).collect();
-        for key in keys {
+        for key in self.migrations_out_of(i) {
             self.settle_ends(now, key);
-            let f = self.migrations.get_mut(&key).expect("listed above");
-            let engines = Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
-            f.m.on_source_iteration_end(now, engines, &mut self.fabric);
-            self.after_migration_call(key);
+            self.call_migration(key, |m, engines, fabric| m.on_source_iteration_end(now, engines, fabric));
         }
     }
 
