@@ -592,11 +592,9 @@ impl Cluster {
                             if !self.settle_ends(now, key) {
                                 continue;
                             }
-                            let f = self.migrations.get_mut(&key).expect("settled above");
-                            let engines =
-                                Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
-                            f.m.on_transfer_complete(now, id, engines, &mut self.fabric);
-                            self.after_migration_call(key);
+                            self.call_migration(key, |m, engines, fabric| {
+                                m.on_transfer_complete(now, id, engines, fabric);
+                            });
                         }
                         self.fabric_dirty = true;
                     }
@@ -608,12 +606,8 @@ impl Cluster {
                     }
                     Event::MigrationTimeout(key) => {
                         if self.settle_ends(now, key) {
-                            let f = self.migrations.get_mut(&key).expect("settled above");
-                            f.armed = None;
-                            let engines =
-                                Engines::pick(&mut self.engines, f.m.from(), f.m.to()).expect("two instances");
-                            f.m.on_timeout(now, engines, &mut self.fabric);
-                            self.after_migration_call(key);
+                            self.migrations.get_mut(&key).expect("settled above").armed = None;
+                            self.call_migration(key, |m, engines, fabric| m.on_timeout(now, engines, fabric));
                         }
                     }
                 }
