@@ -134,9 +134,12 @@ async fn two_senders_into_one_shaped_receiver_share_its_ingress() {
 }
 
 /// Connections, not streams, share a NIC: a 3-stream and a 1-stream connection sending 3 MB
-/// each into one 10 MB/s receiver progress together (each ~0.6 s). Shared per stream, the
+/// each into one 10 MB/s receiver progress together (0.58 and 0.60 s). Shared per stream, the
 /// 3-stream one would take three quarters of the rate and finish at 0.4 s, the other at 0.6 s.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+///
+/// On a paused clock (tokio's, which the shaper reads): the outcome is a ratio of two times, and
+/// on a busy host the real clock let scheduling lateness decide it (0.79 once in CI).
+#[tokio::test(start_paused = true)]
 async fn connections_share_a_nic_equally_whatever_their_streams() {
     let net = MemNetwork::new();
     let b = Arc::new(
@@ -144,7 +147,7 @@ async fn connections_share_a_nic_equally_whatever_their_streams() {
     );
     let (a, c) = (net.bind_any(), net.bind_any());
     let _srv = spawn_ack_server(b.clone());
-    let start = Instant::now();
+    let start = tokio::time::Instant::now();
     let addr = b.local_addr();
     let timed = |client, streams, frames| async move {
         concurrent_streams(client, addr, streams, frames, 250_000).await;
@@ -152,5 +155,5 @@ async fn connections_share_a_nic_equally_whatever_their_streams() {
     };
     let (three, one) = tokio::join!(timed(&a, 3, 4), timed(&c, 1, 12));
     assert!(one >= 0.55, "6 MB at 10 MB/s took {one:.3} s");
-    assert!(three >= 0.8 * one, "the 3-stream connection finished at {three:.3} s, the 1-stream one at {one:.3} s");
+    assert!(three >= 0.9 * one, "the 3-stream connection finished at {three:.3} s, the 1-stream one at {one:.3} s");
 }
