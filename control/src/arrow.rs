@@ -592,19 +592,32 @@ pub fn place_decode(
     last_flip_s: Option<f64>,
     params: &ArrowParams,
 ) -> Option<Choice> {
-    if let Some(load) = request.prefill_instance.and_then(|p| snapshot.get(p)) {
-        if load.role == Role::Decode {
-            return Some(Choice::Instance(load.instance));
-        }
-    }
-    let costs = || snapshot.pool(Role::Decode).map(|l| (decode_cost(l, request.tokens), l.instance));
-    if let Some(id) = argmin(costs().filter(|(c, _)| c.meets_slo())) {
+    if let Some(id) = place_decode_within_slo(snapshot, request) {
         return Some(Choice::Instance(id));
     }
     if let Ok(instance) = choose_flip(snapshot, Direction::PrefillToDecode, now_s, last_flip_s, params) {
         return Some(Choice::Flip { instance, to_role: Role::Decode });
     }
-    argmin(costs()).map(Choice::Instance)
+    argmin(decode_costs(snapshot, request)).map(Choice::Instance)
+}
+
+/// The first half of [`place_decode`]: the instance it picks without flipping one or falling
+/// back on a decoder that misses SLO_TPOT (the request's own prefill instance if that decodes
+/// now, else the cheapest decoder meeting the SLO); `None` where [`place_decode`] would flip or
+/// fall back. An overlapped handoff, decided as its prefill starts, takes only this: an early
+/// decision that flips would do so on loads its own and its peers' reservations inflate for a
+/// whole prefill, so the handoff is decided at the prefill's end instead.
+pub fn place_decode_within_slo(snapshot: &Snapshot, request: DecodeRequest) -> Option<InstanceId> {
+    if let Some(load) = request.prefill_instance.and_then(|p| snapshot.get(p)) {
+        if load.role == Role::Decode {
+            return Some(load.instance);
+        }
+    }
+    argmin(decode_costs(snapshot, request).filter(|(c, _)| c.meets_slo()))
+}
+
+fn decode_costs(snapshot: &Snapshot, request: DecodeRequest) -> impl Iterator<Item = (DecodeCost, InstanceId)> + '_ {
+    snapshot.pool(Role::Decode).map(move |l| (decode_cost(l, request.tokens), l.instance))
 }
 
 /// Alg. 2, line 4: whether this interval's pool loads call for a P→D flip: L_D ≥ L_EXPAND, or

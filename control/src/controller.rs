@@ -38,8 +38,8 @@ use kvfleet_core::{InstanceId, RequestId, RequestSpec, SimRng, TimeSpan, Timesta
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 mod pd;
-use pd::Handoff;
 pub use pd::{ArrowProfile, DECODE_PROFILE_CONTEXT};
+use pd::{Decided, Handoff};
 
 /// Other targets tried after a target declined a move for lack of room.
 pub const MAX_RETARGETS: usize = 2;
@@ -843,7 +843,11 @@ impl Controller {
             // No decoder has room: it waits on. With Arrow too (a flip could make room, but its
             // monitoring pass does that: every decoder's report would otherwise rebuild its view).
             let Some(least_kv) = self.choose_decoder(&m) else { return };
-            let target = if self.arrow.is_none() { Handoff::To(least_kv) } else { self.handoff_target(id, &m) };
+            let target = if self.arrow.is_none() {
+                Handoff::To(least_kv)
+            } else {
+                self.handoff_target(id, &m, Decided::AtThePrefillsEnd)
+            };
             // An Arrow flip on the way may drop other waiting requests (their instance decodes
             // now): `id` is taken out by name, not as the front.
             match target {
@@ -1107,7 +1111,7 @@ impl Controller {
     fn decide_move(&mut self, id: RequestId) {
         let Some(m) = self.moves.get(&id).cloned() else { return };
         if m.handoff {
-            match self.handoff_target(id, &m) {
+            match self.handoff_target(id, &m, Decided::AtThePrefillsEnd) {
                 Handoff::To(to) => self.start_move(id, &m, to),
                 Handoff::Here => self.decode_here(id, m.from),
                 Handoff::Wait => {
@@ -1222,7 +1226,7 @@ impl Controller {
         }
         let Some(m) = self.new_handoff(id, instance, kv_blocks, "prefill-started") else { return };
         self.moves.insert(id, m.clone());
-        match self.handoff_target(id, &m) {
+        match self.handoff_target(id, &m, Decided::AsThePrefillStarts) {
             Handoff::To(to) => self.start_move(id, &m, to),
             // No decoder with room now, or it decodes where it is prefilled: decided at the end.
             Handoff::Here | Handoff::Wait | Handoff::NoDecoder => {

@@ -635,7 +635,7 @@ impl LiveMigration {
         match action {
             TargetAction::Send(frame) => self.send(now, false, frame, fabric),
             TargetAction::Reserve { request: r, kv_tokens, prefix, .. } => {
-                let result = if e.target.reserved_requests().contains(&r) {
+                let result = if e.target.reserved_requests().any(|x| x == r) {
                     // Two migrations must not share a reservation: the first's abort would free
                     // the blocks the second writes.
                     Err(AbortReason::Refused(format!("another migration of {r} is already coming in")))

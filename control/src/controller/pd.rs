@@ -118,6 +118,15 @@ pub(super) enum Handoff {
     NoDecoder,
 }
 
+/// When a handoff's target is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Decided {
+    /// As its prefill starts, for a move that follows the prefill (overlap on).
+    AsThePrefillStarts,
+    /// Once the request is held after its first token (one-shot, or an early decision deferred).
+    AtThePrefillsEnd,
+}
+
 fn secs(t: Timestamp) -> f64 {
     t.as_secs_f64()
 }
@@ -215,8 +224,11 @@ impl Controller {
     }
 
     /// Where held request `id`'s handoff goes: Arrow's Alg. 1 for a decode request when Arrow
-    /// runs, else the decode instance with the least KV and room for it.
-    pub(super) fn handoff_target(&mut self, id: RequestId, m: &Move) -> Handoff {
+    /// runs, else the decode instance with the least KV and room for it. `when`
+    /// [`Decided::AsThePrefillStarts`], SLO-aware Arrow takes only a decoder that meets the SLO
+    /// as it is ([`arrow::place_decode_within_slo`]): no flip, no fallback ([`Handoff::Wait`],
+    /// decided again at the prefill's end).
+    pub(super) fn handoff_target(&mut self, id: RequestId, m: &Move, when: Decided) -> Handoff {
         let least_kv = |c: &Controller| match c.choose_decoder(m) {
             Some(to) => Handoff::To(to),
             None if c.decoders_live() => Handoff::Wait,
@@ -227,7 +239,12 @@ impl Controller {
         let request = DecodeRequest { tokens, prefill_instance: Some(m.from) };
         let a = self.arrow.as_mut().expect("checked above");
         let choice = if a.params.placement == Placement::SloAware {
-            arrow::place_decode(&snapshot, request, secs(self.now), a.last_flip_s, &a.params)
+            match when {
+                Decided::AsThePrefillStarts => arrow::place_decode_within_slo(&snapshot, request).map(Choice::Instance),
+                Decided::AtThePrefillsEnd => {
+                    arrow::place_decode(&snapshot, request, secs(self.now), a.last_flip_s, &a.params)
+                }
+            }
         } else {
             static_pick(&snapshot, Role::Decode, a, |l| l.decode_tokens as f64).map(Choice::Instance)
         };

@@ -434,8 +434,9 @@ pub struct Engine {
     hand_off: bool,
     /// Requests held after their prefill for a handoff (they hold blocks but do not run).
     held: Vec<u32>,
-    /// Incoming live migrations holding reserved GPU blocks (not yet requests here).
-    reserved: Vec<RequestId>,
+    /// Incoming live migrations holding reserved GPU blocks (not yet requests here), with the KV
+    /// tokens each reserved for (its headroom aside).
+    reserved: Vec<(RequestId, u32)>,
     /// Something changed that can alter the batch: the next plan must be a full one.
     dirty: bool,
     epoch: u64,
@@ -1183,7 +1184,7 @@ impl Engine {
         };
         let frozen: u32 =
             self.migrating_out.iter().chain(&self.held).map(|&s| gpu_blocks_of(self.req(s).spec.id)).sum::<u32>()
-                + self.reserved.iter().map(|&id| gpu_blocks_of(id)).sum::<u32>();
+                + self.reserved.iter().map(|&(id, _)| gpu_blocks_of(id)).sum::<u32>();
         let mut budget = self.cfg.gpu_blocks.saturating_sub(frozen);
         // Protected residents (every one with `admission = free-memory`, a request at its
         // boundary with `boundary_hold`) keep what they need for this iteration against waiting
@@ -1629,11 +1630,13 @@ impl Engine {
             KvError::OutOfBlocks { needed, free, .. } => EngineError::NoRoom { request, needed, free },
             _ => EngineError::NoRoom { request, needed: 0, free: 0 },
         };
-        if self.reserved.contains(&request) {
+        if let Some(at) = self.reserved.iter().position(|&(r, _)| r == request) {
             let have = self.kv.table(request).map_or(0, |t| t.tokens);
             if tokens > have {
                 self.kv.grow(request, tokens).map_err(room)?;
             }
+            let kv_tokens = &mut self.reserved[at].1;
+            *kv_tokens = (*kv_tokens).max(tokens);
         } else {
             let needed = self.kv.blocks_for(tokens.max(1));
             if needed > self.cfg.gpu_blocks {
@@ -1649,7 +1652,7 @@ impl Engine {
             if let Err(e) = place(Tier::Gpu) {
                 place(Tier::Cpu).map_err(|_| room(e))?;
             }
-            self.reserved.push(request);
+            self.reserved.push((request, tokens));
             self.admitted += 1;
         }
         self.dirty = true;
@@ -1669,7 +1672,7 @@ impl Engine {
         headroom: u32,
         prefix: &[BlockHash],
     ) -> Result<u32, EngineError> {
-        let fresh = !self.reserved.contains(&request) && !self.index.contains_key(&request);
+        let fresh = !self.is_reserved(request) && !self.index.contains_key(&request);
         if self.cfg.prefix_caching
             && !prefix.is_empty()
             && fresh
@@ -1683,7 +1686,7 @@ impl Engine {
                 .allocate_prefixed_arriving(request, with_headroom, prefix, pinned)
                 .or_else(|_| kv.allocate_prefixed_arriving(request, tokens, prefix, pinned));
             if let Ok(hit) = placed {
-                self.reserved.push(request);
+                self.reserved.push((request, tokens));
                 self.admitted += 1;
                 self.dirty = true;
                 return Ok(hit.blocks);
@@ -1694,17 +1697,21 @@ impl Engine {
 
     /// Drop an incoming reservation (the migration aborted); returns the blocks freed.
     pub fn release_reservation(&mut self, request: RequestId) -> u32 {
-        if !self.reserved.contains(&request) {
+        if !self.is_reserved(request) {
             return 0;
         }
-        self.reserved.retain(|&r| r != request);
+        self.reserved.retain(|&(r, _)| r != request);
         self.dirty = true;
         self.kv.free_request(request)
     }
 
-    /// Blocks reserved for incoming migrations.
-    pub fn reserved_requests(&self) -> &[RequestId] {
-        &self.reserved
+    /// The requests holding blocks reserved for incoming migrations.
+    pub fn reserved_requests(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.reserved.iter().map(|&(r, _)| r)
+    }
+
+    fn is_reserved(&self, request: RequestId) -> bool {
+        self.reserved.iter().any(|&(r, _)| r == request)
     }
 
     /// Receive a migrated request. With a reservation ([`Engine::reserve_incoming`]) its KV is
@@ -1720,7 +1727,7 @@ impl Engine {
             return Err(EngineError::TooLarge { request: id, needed, capacity: self.cfg.gpu_blocks });
         }
         let tokens = m.kv_tokens();
-        let reserved = self.reserved.contains(&id);
+        let reserved = self.is_reserved(id);
         if !reserved {
             // A reserved one was counted when its reservation was made.
             self.admitted += 1;
@@ -1732,7 +1739,7 @@ impl Engine {
                 needed: self.kv.blocks_for(tokens),
                 free: self.kv.free(tier),
             })?;
-            self.reserved.retain(|&r| r != id);
+            self.reserved.retain(|&(r, _)| r != id);
         }
         let residence = if reserved {
             match self.kv.tier_of(id) {
@@ -1788,6 +1795,10 @@ impl Engine {
             admitted: self.admitted,
             decode_tokens_total: self.decode_tokens_total,
             decode_latency_ns_total: self.decode_latency_ns_total,
+            // An incoming move with blocks reserved will decode here: its context counts from the
+            // reservation on (a move that follows a prefill holds one for the whole prefill, and a
+            // decoder looking idle meanwhile would be taken for one).
+            decode_context_tokens: self.reserved.iter().map(|&(_, tokens)| u64::from(tokens)).sum(),
             ..LoadReport::default()
         };
         for &s in &self.active {

@@ -672,11 +672,14 @@ fn live_migration_target_reserves_grows_attaches_in_place_or_releases() {
     let blocks = dst.reserve_incoming(RequestId(1), 40).unwrap().to_vec();
     assert_eq!(blocks.len(), 3);
     assert_eq!(dst.load_report().gpu_used_blocks, 3);
+    // ... and its KV counted as decode load there: it decodes there once attached.
+    assert_eq!(dst.load_report().decode_context_tokens, 40);
     dst.check_invariants().unwrap();
     // More tokens arrived while copying: the reservation grows, keeping its first blocks.
     let grown = dst.reserve_incoming(RequestId(1), 49).unwrap().to_vec();
     assert_eq!(&grown[..3], &blocks[..]);
     assert_eq!(grown.len(), 4);
+    assert_eq!(dst.load_report().decode_context_tokens, 49);
     // Too much for the target: refused, naming the room; the reservation is unchanged.
     let e = dst.reserve_incoming(RequestId(1), 9 * 16).unwrap_err();
     assert!(matches!(e, EngineError::TooLarge { .. } | EngineError::NoRoom { .. }), "{e}");
@@ -689,7 +692,8 @@ fn live_migration_target_reserves_grows_attaches_in_place_or_releases() {
     dst.attach(Timestamp(UNIT), m).unwrap();
     let table = dst.kv().table(RequestId(1)).unwrap();
     assert_eq!((table.tier, table.tokens, &table.blocks[..]), (Tier::Gpu, 41, &grown[..3]));
-    assert!(dst.reserved_requests().is_empty());
+    assert!(dst.reserved_requests().next().is_none());
+    assert_eq!(dst.load_report().decode_context_tokens, 41, "counted once, as the request it became");
     dst.check_invariants().unwrap();
     // A second reservation for a request already here is a duplicate.
     assert!(matches!(dst.reserve_incoming(RequestId(1), 16), Err(EngineError::Duplicate(_))));
@@ -697,7 +701,9 @@ fn live_migration_target_reserves_grows_attaches_in_place_or_releases() {
     let before = dst.kv().free(Tier::Gpu);
     dst.reserve_incoming(RequestId(2), 32).unwrap();
     assert_eq!(dst.kv().free(Tier::Gpu), before - 2);
+    assert_eq!(dst.load_report().decode_context_tokens, 41 + 32);
     assert_eq!(dst.release_reservation(RequestId(2)), 2);
+    assert_eq!(dst.load_report().decode_context_tokens, 41);
     assert_eq!(dst.kv().free(Tier::Gpu), before);
     assert_eq!(dst.release_reservation(RequestId(2)), 0, "releasing twice is harmless");
     dst.check_invariants().unwrap();

@@ -64,7 +64,8 @@ pub struct LoadReport {
     #[serde(default)]
     pub prefill_queue: PrefillQueue,
     /// Σ context tokens (prompt + output so far) of the requests here past their first token
-    /// (decoding, or waiting to resume; not those held for a handoff or migrating out).
+    /// (decoding, or waiting to resume; not those held for a handoff or migrating out), and the
+    /// KV tokens incoming moves reserved blocks for (they decode here once attached).
     #[serde(default)]
     pub decode_context_tokens: u64,
     /// Decode tokens (after each request's first) this instance has produced so far.

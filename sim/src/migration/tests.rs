@@ -132,7 +132,10 @@ fn a_committed_migration_moves_the_request_and_frees_the_source() {
     let (source, target) = (&b.engines[0], &b.engines[1]);
     assert!(!source.contains(REQUEST) && source.kv().table(REQUEST).is_none(), "the source freed its copy");
     assert_eq!(source.kv().used(Tier::Gpu), 0);
-    assert!(target.contains(REQUEST) && target.reserved_requests().is_empty(), "the reservation became the request");
+    assert!(
+        target.contains(REQUEST) && target.reserved_requests().next().is_none(),
+        "the reservation became the request"
+    );
     let held = target.kv().table(REQUEST).unwrap();
     assert!(held.tokens >= kv_final, "it ran on: {} < {kv_final}", held.tokens);
 
@@ -156,7 +159,7 @@ fn a_full_target_refuses_and_nothing_leaks() {
     assert!(r.refused() && r.abort_reason().is_some_and(|t| t.starts_with(&reason)), "{:?}", r.outcome);
     assert_eq!((r.bytes, r.live_stages, r.paused_at, r.downtime), (0, 0, None, None));
     let (source, target) = (&b.engines[0], &b.engines[1]);
-    assert!(target.reserved_requests().is_empty() && !target.contains(REQUEST));
+    assert!(target.reserved_requests().next().is_none() && !target.contains(REQUEST));
     assert_eq!(target.kv().used(Tier::Gpu), target_used, "no block of the refused reservation is left");
     assert!(source.contains(REQUEST) && !source.is_migrating_out(REQUEST), "the request never froze");
 
@@ -184,7 +187,7 @@ fn a_timeout_aborts_and_the_request_carries_on_at_the_source() {
         assert_eq!(r.resumed_at.is_some(), paused, "{name}: resumed at the source");
         let (source, target) = (&b.engines[0], &b.engines[1]);
         assert!(source.contains(REQUEST) && !source.is_migrating_out(REQUEST), "{name}: the request runs here");
-        assert!(target.reserved_requests().is_empty() && !target.contains(REQUEST), "{name}");
+        assert!(target.reserved_requests().next().is_none() && !target.contains(REQUEST), "{name}");
         assert_eq!(target.kv().used(Tier::Gpu), 0, "{name}: the reservation was released");
 
         b.run_to_completion();

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::controller::{Event, HANDOFF_HEADROOM_BLOCKS};
-use crate::roles::PdConfig;
+use crate::roles::{Overlap, PdConfig};
 use crate::Action;
 use kvfleet_core::policy::registry::{build_policy, PolicyParams};
 use kvfleet_core::policy::PrefillQueue;
@@ -401,4 +401,34 @@ fn the_decode_pool_is_weighed_with_its_own_profile() {
     let seen: Vec<(u32, u64, f64)> =
         snapshot.loads().iter().map(|l| (l.instance.0, l.max_tokens, l.profile.c)).collect();
     assert_eq!(seen, [(0, 16_000, 1.0), (1, 16_000, 1.0), (2, 4_000, 0.5), (3, 4_000, 0.5), (4, 4_000, 0.5)]);
+}
+
+/// An overlapped handoff is decided as its prefill starts only where a decoder meets SLO_TPOT as
+/// it is; where Alg. 1 would flip an instance (or fall back on a decoder past the SLO), it is
+/// decided at the prefill's end instead, as one-shot: a decision taken a whole prefill early
+/// must not flip on loads the reservations of moves under way inflate.
+#[test]
+fn an_early_handoff_takes_a_decoder_within_the_slo_and_never_flips() {
+    let mut c = arrow(2, 3);
+    c.split_prefill_decode(&PdConfig { prefill_instances: 2, overlap: Overlap::Layer, ..PdConfig::default() });
+    while c.poll_action().is_some() {}
+    let started = |id, on| Event::PrefillStarted { request: RequestId(id), instance: on, kv_blocks: 7 };
+    // Decoder 2 is within SLO_TPOT: the move starts with the prefill.
+    let on = arrive(&mut c, at(0.0), 1);
+    assert_eq!(
+        c.decide(at(0.0), started(1, on)).unwrap(),
+        vec![Action::Migrate { request: RequestId(1), from: on, to: InstanceId(2), kv_blocks: 7 }]
+    );
+    // Past its MT now (room left): no early decision, and no flip.
+    c.handle(at(0.5), Event::Load(LoadReport { decode_context_tokens: 16_500, ..report(2) })).unwrap();
+    let on = arrive(&mut c, at(0.5), 2);
+    assert_eq!(c.decide(at(0.5), started(2, on)).unwrap(), vec![]);
+    assert_eq!(c.role(InstanceId(0)), Role::Prefill);
+    assert_eq!(c.role(InstanceId(1)), Role::Prefill);
+    // At the prefill's end Alg. 1 runs whole: no decoder within the SLO, so it flips one.
+    let actions = prefilled(&mut c, at(1.5), 2, on);
+    assert!(
+        actions.iter().any(|a| matches!(a, Action::SetRole { role: Role::Decode, .. })),
+        "the one-shot decision flips: {actions:?}"
+    );
 }
