@@ -4,8 +4,8 @@
 # and TP-2 decode instances. Run from the repository root after
 # `cargo build --release -p kvfleet`; about 2 minutes on a 2-core host.
 set -e
-mkdir -p $O/conv-qwen3-32b $O/code-qwen3-32b $O/conv-llama70b-tp2 $O/code-llama70b-tp2 $O/tp-hetero/p6-d1 $O/tp-hetero/p4-d2 $O/tp-hetero/p2-d3
 O=docs/results/pd-arrow
+mkdir -p $O/conv-qwen3-32b $O/code-qwen3-32b $O/conv-llama70b-tp2 $O/code-llama70b-tp2 $O/tp-hetero/p6-d1 $O/tp-hetero/p4-d2 $O/tp-hetero/p2-d3
 R=${RUNS:-/tmp/arrow-runs}
 CODE="--set workload.lengths.path=../data/traces/AzureLLMInferenceTrace_code.csv"
 slo() { echo "--set slo.ttft_s=$1 --set slo.tpot_s=$2 --set pd.arrow.slo_ttft_s=$1 --set pd.arrow.slo_tpot_s=$2"; }
