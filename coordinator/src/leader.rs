@@ -13,12 +13,15 @@
 //! - a refused fenced write means another coordinator leads: this one stops at once (`deposed`).
 
 use crate::trace::{PlacementNote, RequestTraces};
-use kvfleet_control::{Action, ControlError, Controller, Event, MoveOutcome, OwnedPhase, Ownership, Silence};
+use kvfleet_control::arrow::Quadratic;
+use kvfleet_control::{
+    Action, ArrowProfile, ControlError, Controller, Event, MoveOutcome, OwnedPhase, Ownership, Silence,
+};
 use kvfleet_core::metrics::RequestRecord;
 use kvfleet_core::policy::cache_aware::PrefixFetch;
 use kvfleet_core::policy::LoadReport;
 use kvfleet_core::{InstanceId, RequestId, RequestSpec, TimeSpan, Timestamp};
-use kvfleet_meta::layout::{self as keys, ClusterTime, WorkerRecord};
+use kvfleet_meta::layout::{self as keys, ClusterTime, ProfileRecord, WorkerRecord};
 use kvfleet_meta::{Condition, LeaderKey, MetaStore};
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::worker_client::WorkerClient;
@@ -366,10 +369,26 @@ impl Leader {
         };
         // Re-placements that found no live worker before may start over on this one.
         let actions = self.decide(joined).map_err(|e| e.to_string())?;
+        if let Some(p) = rec.arrow_profile {
+            self.take_profile(id, p);
+        }
         self.link(rec)?;
         let moves = self.execute(actions).await;
         self.spawn_moves(moves);
         Ok(())
+    }
+
+    /// Arrow's profile a worker measured of its instance: used for it from now on where Arrow
+    /// runs (logged either way).
+    fn take_profile(&self, id: InstanceId, p: ProfileRecord) {
+        let profile = ArrowProfile {
+            prefill: Quadratic { a: p.prefill_a, b: p.prefill_b, c: p.prefill_c },
+            decode_max_tokens: p.decode_max_tokens,
+        };
+        match self.control().set_instance_profile(id, profile, p.slo_tpot_s) {
+            Ok(()) => tracing::info!(instance = id.0, ?profile, "Arrow weighs the instance with its own profile"),
+            Err(e) => tracing::debug!(instance = id.0, error = %e, "the instance's Arrow profile is not used"),
+        }
     }
 
     /// A link to a registered worker, and the pump following its event log (kept if it runs).
@@ -1252,6 +1271,7 @@ mod tests {
             scheduler: "pascal".into(),
             kv_address: String::new(),
             incarnation,
+            arrow_profile: None,
         }
     }
 

@@ -237,10 +237,23 @@ fn placement_costs(args: &Args, model: &ModelSpec) -> anyhow::Result<Option<Plac
         }
     }
     let gpu = GpuSpec::load(&args.gpu).with_context(|| format!("--gpu {}", args.gpu))?;
-    let timing = build_timing(&args.timing, model, &gpu, None, args.tensor_parallel_size).context("--timing")?;
+    let timing =
+        build_timing(estimate_kind(&args.timing), model, &gpu, None, args.tensor_parallel_size).context("--timing")?;
     // Only the prefill curve is used; the decode SLO (any positive one) shapes only MT.
     let profile = ArrowProfile::measure(timing.as_ref(), 0.1).map_err(|e| anyhow::anyhow!("prefill profile: {e}"))?;
     Ok(Some(profile.placement_costs(args.placement_link_gbps, args.placement_link_latency_us)))
+}
+
+/// The timing model the leader estimates the workers' speed with: theirs, but for live GPU
+/// timing (`cuda`), which needs the workers' GPUs: `auto` stands in, and under Arrow each
+/// worker's own profile replaces it as the worker registers (`kvfleet-worker
+/// --arrow-slo-tpot-s`).
+fn estimate_kind(timing: &str) -> &str {
+    if timing == "cuda" {
+        "auto"
+    } else {
+        timing
+    }
 }
 
 /// `--pd`, checked; Arrow's profile measured on the workers' timing model (`--gpu`, `--timing`).
@@ -256,8 +269,8 @@ fn pd_setup(args: &Args, model: &ModelSpec) -> anyhow::Result<PdSetup> {
         PdPolicy::Arrow => {
             let gpu = GpuSpec::load(&args.gpu).with_context(|| format!("--gpu {}", args.gpu))?;
             let measure = |tp: u32, flag: &str| -> anyhow::Result<ArrowProfile> {
-                let timing =
-                    build_timing(&args.timing, model, &gpu, None, tp).with_context(|| format!("{flag} {tp}"))?;
+                let timing = build_timing(estimate_kind(&args.timing), model, &gpu, None, tp)
+                    .with_context(|| format!("{flag} {tp}"))?;
                 ArrowProfile::measure(timing.as_ref(), config.arrow.slo_tpot_s)
                     .map_err(|e| anyhow::anyhow!("Arrow's profile at {flag} {tp}: {e}"))
             };

@@ -122,7 +122,7 @@ pub fn unix_now_ns() -> u64 {
 }
 
 /// A worker's registration, as stored (the gRPC `WorkerInfo` in JSON-friendly form).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct WorkerRecord {
     /// Instance number.
     pub instance: u32,
@@ -147,6 +147,38 @@ pub struct WorkerRecord {
     /// every request it held, is gone, whether or not its registration has lapsed yet.
     #[serde(default)]
     pub incarnation: u64,
+    /// Arrow's profile of the instance, measured by the worker (absent in records of earlier
+    /// versions, and when the worker measured none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arrow_profile: Option<ProfileRecord>,
+}
+
+/// Arrow's profile of one instance as a worker registers it: T(l) = a·l² + b·l + c seconds for an
+/// l-token prompt, and the most decode batch tokens within `slo_tpot_s` (its KV's cap included).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProfileRecord {
+    /// a of T(l), seconds per token².
+    pub prefill_a: f64,
+    /// b of T(l), seconds per token.
+    pub prefill_b: f64,
+    /// c of T(l), seconds.
+    pub prefill_c: f64,
+    /// MT: the most decode batch tokens with an iteration within `slo_tpot_s`.
+    pub decode_max_tokens: u64,
+    /// The SLO_TPOT MT was measured against, seconds.
+    pub slo_tpot_s: f64,
+}
+
+impl From<&kvfleet_proto::v1::ArrowProfile> for ProfileRecord {
+    fn from(p: &kvfleet_proto::v1::ArrowProfile) -> Self {
+        ProfileRecord {
+            prefill_a: p.prefill_a,
+            prefill_b: p.prefill_b,
+            prefill_c: p.prefill_c,
+            decode_max_tokens: p.decode_max_tokens,
+            slo_tpot_s: p.slo_tpot_s,
+        }
+    }
 }
 
 impl From<&kvfleet_proto::v1::WorkerInfo> for WorkerRecord {
@@ -162,6 +194,7 @@ impl From<&kvfleet_proto::v1::WorkerInfo> for WorkerRecord {
             scheduler: info.scheduler.clone(),
             kv_address: info.kv_address.clone(),
             incarnation: info.incarnation,
+            arrow_profile: info.arrow_profile.as_ref().map(ProfileRecord::from),
         }
     }
 }

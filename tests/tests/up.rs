@@ -446,12 +446,33 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     assert!(changes.iter().any(|c| c["role"] == "prefill"), "a decoder flipped to prefill: {changes:?}");
     let migrations = runs[0]["live_migrations"]["committed"].as_u64().unwrap_or(0);
     assert!(migrations >= handoffs, "each handoff is a committed live migration: {}", runs[0]["live_migrations"]);
+    // Each worker measured Arrow's profile of itself on its own timing (or read it from the
+    // cache), and a leader weighs the instance with it.
+    let leaders: String = (0..3)
+        .map(|i| std::fs::read_to_string(out.join(format!("logs/coordinator-{i}.log"))).unwrap_or_default())
+        .collect();
+    let mut prefill_b = Vec::new();
     for (worker, tp) in [(0, 1), (1, 1), (2, 2), (3, 2)] {
         let log = std::fs::read_to_string(out.join(format!("logs/worker-{worker}.log"))).unwrap_or_default();
         let ready =
             log.lines().find(|l| l.contains("worker ready")).unwrap_or_else(|| panic!("worker-{worker}: {log}"));
         assert!(ready.contains(&format!("tensor_parallel_size={tp}")), "worker-{worker} spans {tp} GPUs: {ready}");
+        let profile = log
+            .lines()
+            .find(|l| l.contains("Arrow profile of this instance"))
+            .unwrap_or_else(|| panic!("worker-{worker} measured no Arrow profile: {log}"));
+        let b = profile.split("prefill_b=").nth(1).and_then(|t| t.split_whitespace().next()).unwrap_or_default();
+        prefill_b.push(b.to_string());
+        let used = format!("instance={worker} ");
+        assert!(
+            leaders.lines().any(|l| l.contains("Arrow weighs the instance with its own profile") && l.contains(&used)),
+            "no leader used worker-{worker}'s profile ({profile})"
+        );
     }
+    assert!(
+        prefill_b[0] == prefill_b[1] && prefill_b[2] == prefill_b[3] && prefill_b[0] != prefill_b[2],
+        "{prefill_b:?}"
+    );
     assert_no_process_left(&out);
 }
 

@@ -25,6 +25,7 @@
 #![warn(missing_docs)]
 
 pub mod arena;
+pub mod arrow_profile;
 pub mod clock;
 pub mod driver;
 pub mod events;
@@ -95,6 +96,9 @@ pub enum WorkerError {
     /// The engine thread (or a blocking start-up task) died without a report.
     #[error("the engine thread panicked")]
     DriverPanicked,
+    /// Arrow's profile of this instance could not be measured (`--arrow-slo-tpot-s`).
+    #[error("{0}")]
+    ArrowProfile(String),
 }
 
 /// What a stopped worker reports.
@@ -212,6 +216,49 @@ impl Drop for WorkerHandle {
     }
 }
 
+/// Arrow's profile of this instance on `timing` for SLO_TPOT `slo` (cached, [`arrow_profile`]),
+/// measured off the async threads (live GPU timing runs kernels).
+async fn measure_arrow_profile(
+    opts: &WorkerOptions,
+    shape: &options::InstanceShape,
+    timing: Arc<dyn TimingModel>,
+    slo: f64,
+) -> Result<v1::ArrowProfile, WorkerError> {
+    let mut timing_key = opts.timing.clone();
+    if let Some(dir) = &opts.profile_dir {
+        timing_key = format!("{timing_key}:{}", dir.display());
+    }
+    let key = arrow_profile::ProfileKey {
+        model: shape.model.name.clone(),
+        gpu: shape.gpu.name.clone(),
+        tensor_parallel_size: opts.tensor_parallel_size,
+        timing: timing_key,
+        slo_tpot_s: slo,
+    };
+    let cache = opts.profile_cache.clone().or_else(arrow_profile::default_cache_dir);
+    let (p, source) =
+        tokio::task::spawn_blocking(move || arrow_profile::profile(timing.as_ref(), &key, cache.as_deref()))
+            .await
+            .map_err(|_| WorkerError::DriverPanicked)?
+            .map_err(WorkerError::ArrowProfile)?;
+    tracing::info!(
+        prefill_a = p.prefill.a,
+        prefill_b = p.prefill.b,
+        prefill_c = p.prefill.c,
+        decode_max_tokens = p.decode_max_tokens,
+        slo_tpot_s = slo,
+        source = ?source,
+        "Arrow profile of this instance"
+    );
+    Ok(v1::ArrowProfile {
+        prefill_a: p.prefill.a,
+        prefill_b: p.prefill.b,
+        prefill_c: p.prefill.c,
+        decode_max_tokens: p.decode_max_tokens,
+        slo_tpot_s: slo,
+    })
+}
+
 /// Build the instance, bind the listener, start the engine thread and the gRPC server.
 pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
     // TLS first: without a cluster certificate (and not --plaintext) the worker does not start.
@@ -253,6 +300,10 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64)
             .max(1),
+        arrow_profile: match opts.arrow_slo_tpot_s {
+            Some(slo) => Some(measure_arrow_profile(&opts, &shape, timing.clone(), slo).await?),
+            None => None,
+        },
     };
     tracing::info!(
         instance = info.instance,

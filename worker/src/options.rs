@@ -42,6 +42,16 @@ pub struct WorkerOptions {
     /// Directory with `decode.csv`, `prefill.csv`, `copy.csv` for `profile` timing of another GPU/model.
     #[arg(long)]
     pub profile_dir: Option<PathBuf>,
+    /// Measure Arrow's profile of this instance on its own timing model at start-up (prefill time
+    /// per prompt length, and the most decode batch tokens within this SLO_TPOT, seconds) and
+    /// register it: the leader's Arrow then weighs the instance with it (`kvfleet up` passes
+    /// `[pd.arrow] slo_tpot_s` under `policy = "arrow"`).
+    #[arg(long, value_parser = parse_positive_seconds)]
+    pub arrow_slo_tpot_s: Option<f64>,
+    /// Where measured Arrow profiles are cached, one file per model, GPU, TP, timing and SLO
+    /// (default `$XDG_CACHE_HOME/kvfleet/arrow-profiles` or `~/.cache/kvfleet/arrow-profiles`).
+    #[arg(long)]
+    pub profile_cache: Option<PathBuf>,
     /// GPUs this instance spans (tensor parallelism): the analytic timing model splits each
     /// iteration across them and adds their all-reduces (measured profiles are one GPU's).
     #[arg(long, default_value_t = 1)]
@@ -327,6 +337,14 @@ pub fn parse_instance(text: &str) -> Result<u32, String> {
     match text.trim().parse::<u32>() {
         Ok(n) if n != AUTO_INSTANCE => Ok(n),
         _ => Err(format!("`{text}`: expected an instance number (0, 1, ...) or `auto`")),
+    }
+}
+
+/// A positive, finite number of seconds (`--arrow-slo-tpot-s`).
+pub fn parse_positive_seconds(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 => Ok(s),
+        _ => Err(format!("`{text}`: expected a positive number of seconds")),
     }
 }
 

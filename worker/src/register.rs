@@ -367,6 +367,7 @@ mod tests {
             scheduler: "pascal".into(),
             kv_address: String::new(),
             incarnation: 1,
+            arrow_profile: None,
         }
     }
 

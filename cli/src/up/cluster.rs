@@ -571,6 +571,11 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         if let Some(c) = args.cfg.scheduler.intra.chunked_prefill_tokens {
             a.extend(["--chunked-prefill-tokens".into(), c.to_string()]);
         }
+        if args.cfg.pd.policy == kvfleet_sim::config::PdPolicy::Arrow && !args.cfg.pd.is_off() {
+            // Each worker measures Arrow's profile of itself on its own timing (live kernels under
+            // `timing = "cuda"`, cached on disk) and registers it; the leader weighs it with that.
+            a.extend(["--arrow-slo-tpot-s".into(), args.cfg.pd.arrow.slo_tpot_s.to_string()]);
+        }
         if let Some(gbps) = args.link_gbps {
             a.extend(["--link-gbps".into(), gbps.to_string()]);
         }

@@ -87,6 +87,9 @@ pub(super) struct ArrowDriver {
     /// The initial decode pool's profile, where its instances span another tensor-parallel
     /// degree than `profile` was measured on: instances numbered from this id on.
     decode_pool: Option<(InstanceId, ArrowProfile)>,
+    /// Profiles instances measured of themselves (a worker profiling its own timing at start-up):
+    /// these come first.
+    measured: BTreeMap<InstanceId, ArrowProfile>,
     /// When any instance last flipped, seconds (the P→D cooldown counts from it).
     last_flip_s: Option<f64>,
     /// The next monitoring pass.
@@ -99,6 +102,9 @@ pub(super) struct ArrowDriver {
 impl ArrowDriver {
     /// What Arrow knows of `instance`'s speed.
     fn profile_of(&self, instance: InstanceId) -> &ArrowProfile {
+        if let Some(p) = self.measured.get(&instance) {
+            return p;
+        }
         match &self.decode_pool {
             Some((first, p)) if instance >= *first => p,
             _ => &self.profile,
@@ -145,6 +151,7 @@ impl Controller {
             params,
             profile,
             decode_pool: None,
+            measured: BTreeMap::new(),
             last_flip_s: None,
             next_pass,
             marks: BTreeMap::new(),
@@ -165,6 +172,30 @@ impl Controller {
             return Err(ArrowError::InvalidParam { field: "profile", problem });
         };
         a.decode_pool = Some((first, profile));
+        Ok(())
+    }
+
+    /// The profile `instance` measured of itself (its worker, on its own timing model, e.g. live
+    /// GPU kernels) for SLO_TPOT `slo_tpot_s`: it replaces the one given to
+    /// [`Controller::use_arrow`] or [`Controller::set_decode_pool_profile`] for that instance,
+    /// also after it restarts. Refused without Arrow, or measured for another SLO_TPOT than
+    /// Arrow's (its MT would be another's).
+    pub fn set_instance_profile(
+        &mut self,
+        instance: InstanceId,
+        profile: ArrowProfile,
+        slo_tpot_s: f64,
+    ) -> Result<(), ArrowError> {
+        check_profile(&profile)?;
+        let Some(a) = self.arrow.as_mut() else {
+            let problem = "Arrow must be in use".into();
+            return Err(ArrowError::InvalidParam { field: "profile", problem });
+        };
+        if (slo_tpot_s - a.params.slo_tpot_s).abs() > 1e-9 * a.params.slo_tpot_s {
+            let problem = format!("measured for SLO_TPOT {slo_tpot_s} s, Arrow runs with {} s", a.params.slo_tpot_s);
+            return Err(ArrowError::InvalidParam { field: "profile", problem });
+        }
+        a.measured.insert(instance, profile);
         Ok(())
     }
 

@@ -432,3 +432,30 @@ fn an_early_handoff_takes_a_decoder_within_the_slo_and_never_flips() {
         "the one-shot decision flips: {actions:?}"
     );
 }
+
+/// A profile an instance measured of itself (its worker on its own timing) replaces the
+/// estimate for that instance alone, the decode pool's too; without Arrow, not a profile, or
+/// measured for another SLO_TPOT, it is refused.
+#[test]
+fn an_instance_s_own_profile_replaces_the_estimate() {
+    let policy = build_policy("least-kv", &PolicyParams::default()).unwrap();
+    let mut c = Controller::new(policy, SimRng::seed_from_u64(1));
+    let own = ArrowProfile { prefill: Quadratic { a: 0.0, b: 0.0, c: 0.25 }, decode_max_tokens: 2_000 };
+    let slo = ArrowParams::default().slo_tpot_s;
+    assert!(c.set_instance_profile(InstanceId(2), own, slo).is_err(), "no Arrow yet");
+    c.use_arrow(ArrowParams::default(), profile()).unwrap();
+    c.split_prefill_decode(&PdConfig { prefill_instances: 1, ..PdConfig::default() });
+    let pool = ArrowProfile { prefill: Quadratic { a: 0.0, b: 0.0, c: 0.5 }, decode_max_tokens: 4_000 };
+    c.set_decode_pool_profile(pool).unwrap();
+    c.set_instance_profile(InstanceId(2), own, slo).unwrap();
+    let nan = ArrowProfile { prefill: Quadratic { a: 0.0, b: f64::NAN, c: 0.5 }, decode_max_tokens: 4_000 };
+    assert!(c.set_instance_profile(InstanceId(1), nan, slo).is_err());
+    assert!(c.set_instance_profile(InstanceId(3), own, 2.0 * slo).is_err(), "another SLO_TPOT's MT");
+    for i in 0..4 {
+        join(&mut c, i);
+    }
+    let snapshot = c.arrow_snapshot(&[]).unwrap();
+    let seen: Vec<(u32, u64, f64)> =
+        snapshot.loads().iter().map(|l| (l.instance.0, l.max_tokens, l.profile.c)).collect();
+    assert_eq!(seen, [(0, 16_000, 1.0), (1, 4_000, 0.5), (2, 2_000, 0.25), (3, 4_000, 0.5)]);
+}
