@@ -85,11 +85,7 @@ pub fn run(args: &SimArgs, g: &GoodputConfig, policies: &[String], base_dir: &Pa
             _ => None,
         };
     }
-    say!(
-        "goodput: the highest rate with SLO attainment ≥ {:.0} % (within {:.0} %)",
-        100.0 * g.target,
-        100.0 * g.rel_tol
-    );
+    say!("goodput: the highest rate with SLO attainment ≥ {} % (within {} %)", percent(g.target), percent(g.rel_tol));
     say!("{:<16} {:>14} {:>8} {:>14}", "setup", "goodput req/s", "runs", format!("÷ {baseline}"));
     for f in &found {
         let gp = match (f.goodput_rps, f.search.at_least) {
@@ -114,4 +110,24 @@ pub fn run(args: &SimArgs, g: &GoodputConfig, policies: &[String], base_dir: &Pa
     std::fs::write(&csv_path, csv).with_context(|| format!("writing {}", csv_path.display()))?;
     say!("wrote goodput.json and goodput.csv to {}", args.out.display());
     Ok(())
+}
+
+/// `x` as a percentage, to 0.01 without trailing zeros (0.9 → `90`, 0.005 → `0.5`).
+fn percent(x: f64) -> String {
+    let s = format!("{:.2}", 100.0 * x);
+    let t = s.trim_end_matches('0').trim_end_matches('.');
+    if t.is_empty() {
+        "0".into()
+    } else {
+        t.into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn percentages_print_without_trailing_zeros() {
+        let seen: Vec<String> = [0.9, 0.02, 0.005, 0.07, 1.0, 0.0].into_iter().map(super::percent).collect();
+        assert_eq!(seen, ["90", "2", "0.5", "7", "100", "0"]);
+    }
 }
