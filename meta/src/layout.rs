@@ -154,7 +154,8 @@ pub struct WorkerRecord {
 }
 
 /// Arrow's profile of one instance as a worker registers it: T(l) = a·l² + b·l + c seconds for an
-/// l-token prompt, and the most decode batch tokens within `slo_tpot_s` (its KV's cap included).
+/// l-token prompt, and the most decode batch tokens within `slo_tpot_s` (before the cap its KV
+/// sets, which the leader applies).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ProfileRecord {
     /// a of T(l), seconds per token².
