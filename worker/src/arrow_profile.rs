@@ -11,7 +11,7 @@
 use kvfleet_control::arrow::Quadratic;
 use kvfleet_control::ArrowProfile;
 use kvfleet_core::timing::TimingModel;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 
 /// What a profile was measured for: its cache key.
@@ -44,23 +44,32 @@ impl ProfileKey {
     /// number parsing need not give back the same `f64`, and a cached profile must be the one
     /// measured, bit for bit).
     fn to_json(&self, p: &ArrowProfile) -> Value {
-        json!({
+        let mut v = self.key_fields();
+        v.insert("prefill_a".into(), p.prefill.a.to_string().into());
+        v.insert("prefill_b".into(), p.prefill.b.to_string().into());
+        v.insert("prefill_c".into(), p.prefill.c.to_string().into());
+        v.insert("decode_max_tokens".into(), p.decode_max_tokens.into());
+        Value::Object(v)
+    }
+
+    /// The key's own fields in the file.
+    fn key_fields(&self) -> Map<String, Value> {
+        let key = json!({
             "model": self.model,
             "gpu": self.gpu,
             "tensor_parallel_size": self.tensor_parallel_size,
             "timing": self.timing,
             "slo_tpot_s": self.slo_tpot_s.to_string(),
-            "prefill_a": p.prefill.a.to_string(),
-            "prefill_b": p.prefill.b.to_string(),
-            "prefill_c": p.prefill.c.to_string(),
-            "decode_max_tokens": p.decode_max_tokens,
-        })
+        });
+        match key {
+            Value::Object(m) => m,
+            _ => unreachable!("a JSON object literal"),
+        }
     }
 
     /// The profile `v` holds for this key; why not otherwise.
     fn read(&self, v: &Value) -> Result<ArrowProfile, String> {
-        let key = self.to_json(&ZERO);
-        if ["model", "gpu", "tensor_parallel_size", "timing", "slo_tpot_s"].iter().any(|&f| v.get(f) != key.get(f)) {
+        if self.key_fields().iter().any(|(f, x)| v.get(f) != Some(x)) {
             return Err("it was measured for another model, GPU, TP, timing or SLO".into());
         }
         let num = |f: &str| {
@@ -72,8 +81,6 @@ impl ProfileKey {
         Ok(ArrowProfile { prefill, decode_max_tokens })
     }
 }
-
-const ZERO: ArrowProfile = ArrowProfile { prefill: Quadratic { a: 0.0, b: 0.0, c: 0.0 }, decode_max_tokens: 0 };
 
 /// Where a profile came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
