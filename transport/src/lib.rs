@@ -30,10 +30,12 @@
 //!
 //! # Connections
 //!
-//! [`KvTransport::connect`] pools outbound connections: while a connection to a peer is alive,
-//! connecting again returns the same one, so several migrations to one peer share a connection
-//! (and a shaped link). Connections accepted from a peer are not pooled for outbound use: their
-//! streams are served by whoever called [`KvTransport::accept`].
+//! [`KvTransport::connect`] pools outbound connections, one holder at a time: connecting returns
+//! a live connection to the peer that no one else holds (one a finished transfer gave back), else
+//! a new one. So migrations to one peer one after another reuse a connection, and migrations at
+//! the same time each have one of their own (on a [`shaped::Shaped`] transport, a flow of their own on the
+//! NIC, as the simulator's fabric counts transfers). Connections accepted from a peer are not
+//! pooled for outbound use: their streams are served by whoever called [`KvTransport::accept`].
 
 #![warn(missing_docs)]
 
@@ -189,7 +191,8 @@ pub enum TransportError {
 ///
 /// Object-safe (`Arc<dyn KvTransport>`): every async method returns a [`BoxFuture`].
 pub trait KvTransport: Send + Sync + 'static {
-    /// A live connection to `peer`: the pooled one if it is still open, else a new one.
+    /// A live connection to `peer` that no other caller holds: a pooled idle one if one is
+    /// still open, else a new one (see the crate docs' "Connections").
     fn connect(&self, peer: SocketAddr) -> BoxFuture<'_, Result<Arc<dyn KvConnection>, TransportError>>;
     /// The next inbound connection (failed handshakes are logged and skipped); an error only once
     /// the transport is closed.
@@ -215,14 +218,19 @@ pub trait KvConnection: Send + Sync + 'static {
     fn is_closed(&self) -> bool;
 }
 
-/// Outbound connections by peer, with one async slot per peer so concurrent `connect`s to the
-/// same peer make one connection, and connects to different peers do not wait for each other.
+/// Outbound connections by peer. A connection serves one holder at a time: a connect returns a
+/// live pooled connection that nobody else holds (the pool's own handle is its only one), else a
+/// new one. Transfers to one peer one after another reuse a connection (and its congestion
+/// window); transfers at the same time each get their own, so on a shaped NIC each is a flow of
+/// its own, as the simulator's fabric shares a port per transfer. One async slot per peer: connects
+/// to one peer make their connections one at a time, connects to different peers do not wait for
+/// each other.
 pub(crate) struct ConnectionPool<C: ?Sized> {
     slots: Mutex<HashMap<SocketAddr, PoolSlot<C>>>,
 }
 
-/// One peer's pooled connection, locked while a connect to that peer is in progress.
-type PoolSlot<C> = Arc<tokio::sync::Mutex<Option<Arc<C>>>>;
+/// One peer's pooled connections, locked while a connect to that peer is in progress.
+type PoolSlot<C> = Arc<tokio::sync::Mutex<Vec<Arc<C>>>>;
 
 impl<C: ?Sized> Default for ConnectionPool<C> {
     fn default() -> Self {
@@ -231,7 +239,9 @@ impl<C: ?Sized> Default for ConnectionPool<C> {
 }
 
 impl<C: ?Sized + Send + Sync> ConnectionPool<C> {
-    /// The live pooled connection to `peer` (per `is_live`), or a new one from `make`.
+    /// A live pooled connection to `peer` (per `is_live`) that no one else holds, or a new one
+    /// from `make`, pooled. It is the caller's until it drops every handle it got (streams may
+    /// hold handles too).
     pub(crate) async fn get_or_connect<F, Fut>(
         &self,
         peer: SocketAddr,
@@ -247,17 +257,20 @@ impl<C: ?Sized + Send + Sync> ConnectionPool<C> {
             slots.entry(peer).or_default().clone()
         };
         let mut slot = slot.lock().await;
-        if let Some(conn) = slot.as_ref().filter(|c| is_live(c)) {
-            return Ok(conn.clone());
+        slot.retain(|c| is_live(c));
+        // Handles are cloned only here, under the slot's lock, so a count of one stays one until
+        // this returns.
+        if let Some(idle) = slot.iter().find(|c| Arc::strong_count(c) == 1) {
+            return Ok(idle.clone());
         }
         let conn = make().await?;
-        *slot = Some(conn.clone());
+        slot.push(conn.clone());
         Ok(conn)
     }
 
     /// Every pooled connection (to close them), emptying the pool.
     pub(crate) fn drain(&self) -> Vec<Arc<C>> {
         let slots: Vec<_> = self.slots.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, s)| s).collect();
-        slots.into_iter().filter_map(|s| s.try_lock().ok().and_then(|mut s| s.take())).collect()
+        slots.into_iter().filter_map(|s| s.try_lock().ok().map(|mut s| std::mem::take(&mut *s))).flatten().collect()
     }
 }

@@ -500,8 +500,6 @@ pub struct Shaped<T> {
     /// The NIC's receiving side (rate only, the latency is paid on the way out): every
     /// connection's readers draw on it. `None` without a rate.
     ingress: Option<Arc<ShapedLink>>,
-    /// The shaped wrapper of each pooled outbound connection, so reuse keeps its streams' wrappers.
-    links: Mutex<HashMap<SocketAddr, Arc<ShapedConnection>>>,
 }
 
 impl<T> std::fmt::Debug for Shaped<T> {
@@ -519,7 +517,7 @@ impl<T: KvTransport> Shaped<T> {
             Some(_) => Some(ShapedLink::new(&ShapeParams { latency: kvfleet_core::TimeSpan::ZERO, ..params.clone() })?),
             None => None,
         };
-        Ok(Shaped { inner, params, egress, ingress, links: Mutex::new(HashMap::new()) })
+        Ok(Shaped { inner, params, egress, ingress })
     }
 
     /// The wrapped transport.
@@ -542,22 +540,11 @@ impl<T: KvTransport> Shaped<T> {
     }
 }
 
-fn same(a: &Arc<dyn KvConnection>, b: &Arc<dyn KvConnection>) -> bool {
-    std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
-}
-
 impl<T: KvTransport> KvTransport for Shaped<T> {
+    /// The inner transport's connection, held by this caller alone (see the crate docs), as a
+    /// flow of its own on the NIC: one transfer, one share, whatever its number of streams.
     fn connect(&self, peer: SocketAddr) -> BoxFuture<'_, Result<Arc<dyn KvConnection>, TransportError>> {
-        Box::pin(async move {
-            let conn = self.inner.connect(peer).await?;
-            let mut links = lock(&self.links);
-            if let Some(shaped) = links.get(&peer).filter(|s| same(&s.inner, &conn)) {
-                return Ok(shaped.clone() as Arc<dyn KvConnection>);
-            }
-            let shaped = self.wrap(conn)?;
-            links.insert(peer, shaped.clone());
-            Ok(shaped as Arc<dyn KvConnection>)
-        })
+        Box::pin(async move { Ok(self.wrap(self.inner.connect(peer).await?)? as Arc<dyn KvConnection>) })
     }
 
     fn accept(&self) -> BoxFuture<'_, Result<Arc<dyn KvConnection>, TransportError>> {
@@ -569,7 +556,6 @@ impl<T: KvTransport> KvTransport for Shaped<T> {
     }
 
     fn close(&self) {
-        lock(&self.links).clear();
         self.inner.close();
     }
 }

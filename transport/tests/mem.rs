@@ -30,8 +30,8 @@ async fn concurrent_streams_arrive_intact() {
 #[tokio::test]
 async fn connections_are_reused_while_alive() {
     let (_net, a, b) = pair();
-    let _srv = spawn_echo_server(b.clone());
-    connection_reuse(a.as_ref(), b.local_addr()).await;
+    let (_srv, accepted) = spawn_counting_echo_server(b.clone());
+    connection_reuse(a.as_ref(), b.local_addr(), &accepted).await;
 }
 
 #[tokio::test]

@@ -63,8 +63,8 @@ async fn emulated_small_ring_and_window_keep_concurrent_streams_intact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn emulated_connections_are_reused_while_alive() {
     let (_f, a, b) = emulated_pair();
-    let _srv = spawn_echo_server(b.clone());
-    connection_reuse(a.as_ref(), b.local_addr()).await;
+    let (_srv, accepted) = spawn_counting_echo_server(b.clone());
+    connection_reuse(a.as_ref(), b.local_addr(), &accepted).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -209,9 +209,9 @@ fn without_a_device_bind_names_the_problem() {
 async fn verbs_shared_behaviour() {
     let Some(ip) = rdma_test_addr() else { return };
     let (a, b) = verbs_pair(ip);
-    let _srv = spawn_echo_server(b.clone());
+    let (_srv, accepted) = spawn_counting_echo_server(b.clone());
+    connection_reuse(a.as_ref(), b.local_addr(), &accepted).await;
     echo_round_trip(a.as_ref(), b.local_addr()).await;
-    connection_reuse(a.as_ref(), b.local_addr()).await;
     let (c, d) = verbs_pair(ip);
     let _srv = spawn_ack_server(d.clone());
     concurrent_streams(c.as_ref(), d.local_addr(), 8, 8, 4 << 20).await;

@@ -56,8 +56,8 @@ async fn rate_and_latency_together_keep_streams_intact() {
 #[tokio::test]
 async fn shaped_connections_are_reused_with_their_link() {
     let (_net, a, b) = shaped_pair(ShapeParams::fabric_gbps(100.0, TimeSpan::ZERO));
-    let _srv = spawn_echo_server(b.clone());
-    connection_reuse(a.as_ref(), b.local_addr()).await;
+    let (_srv, accepted) = spawn_counting_echo_server(b.clone());
+    connection_reuse(a.as_ref(), b.local_addr(), &accepted).await;
 }
 
 #[tokio::test]
@@ -74,13 +74,14 @@ async fn a_cut_link_fails_the_shaped_writer() {
     let net = MemNetwork::new();
     let raw = net.bind_any();
     let b = net.bind_any();
-    let conn = raw.connect_mem(b.local_addr()).await.unwrap();
+    // A connection given back to the pool (not held: the shaped connect takes it).
+    let conn = Arc::downgrade(&raw.connect_mem(b.local_addr()).await.unwrap());
     let a =
         Shaped::new(raw, ShapeParams { latency: TimeSpan::from_millis_f64(1.0), ..ShapeParams::default() }).unwrap();
     let shaped = a.connect(b.local_addr()).await.unwrap();
     let (w, _r) = shaped.open_stream().await.unwrap();
     let mut writer = FrameWriter::new(w);
-    conn.sever();
+    conn.upgrade().expect("the pool keeps the connection").sever();
     let err = within("write after cut", async {
         loop {
             let sent = writer.send(&TestFrame { seq: 0, data: payload(0, 0, 1000) }).await;
@@ -156,4 +157,32 @@ async fn connections_share_a_nic_equally_whatever_their_streams() {
     let (three, one) = tokio::join!(timed(&a, 3, 4), timed(&c, 1, 12));
     assert!(one >= 0.55, "6 MB at 10 MB/s took {one:.3} s");
     assert!(three >= 0.9 * one, "the 3-stream connection finished at {three:.3} s, the 1-stream one at {one:.3} s");
+}
+
+/// Transfers, not peers, share a NIC: two transfers at once from one sender and one from another,
+/// 3 MB each into one 10 MB/s receiver, progress together (each a third of the rate: all three
+/// finish at about 0.9 s), as the simulator's fabric shares a port per transfer. Sharing one
+/// connection, the first sender's two transfers would get half the rate between them and the
+/// other sender's would finish at 0.6 s.
+#[tokio::test(start_paused = true)]
+async fn concurrent_transfers_between_one_pair_share_a_nic_as_transfers() {
+    let net = MemNetwork::new();
+    let b = Arc::new(
+        Shaped::new(net.bind_any(), ShapeParams { rate_bytes_per_s: Some(10e6), ..ShapeParams::default() }).unwrap(),
+    );
+    let (a, c) = (net.bind_any(), net.bind_any());
+    let _srv = spawn_ack_server(b.clone());
+    let start = tokio::time::Instant::now();
+    let addr = b.local_addr();
+    let timed = |client| async move {
+        concurrent_streams(client, addr, 1, 12, 250_000).await;
+        start.elapsed().as_secs_f64()
+    };
+    let (first, second, other) = tokio::join!(timed(&a), timed(&a), timed(&c));
+    let pair = first.max(second);
+    assert!(pair >= 0.85, "9 MB at 10 MB/s took {pair:.3} s");
+    assert!(
+        other >= 0.9 * pair,
+        "the other sender's transfer finished at {other:.3} s, the pair's at {first:.3} and {second:.3} s"
+    );
 }

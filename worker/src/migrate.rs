@@ -2,7 +2,8 @@
 //! `kvfleet_netmodel::migration`, moving real KV bytes over a [`KvTransport`] (QUIC in the
 //! binary, in-memory in tests).
 //!
-//! One migration uses one pooled connection to the target: a control stream (Prepare, StageEnd,
+//! One migration holds one pooled connection to the target (concurrent migrations to one target
+//! each hold their own, see `kvfleet_transport`'s "Connections"): a control stream (Prepare, StageEnd,
 //! Commit one way; PrepareReply, StageAck, CommitReply the other) and `streams` data streams that
 //! carry `BlockData` frames in parallel. The engine thread does the arena work one block at a time
 //! (`LiveCommand`), so its deadlines hold while gigabytes stream past; tokens decoded during the

@@ -6,6 +6,7 @@ use kvfleet_transport::{FrameError, FrameReader, FrameWriter, KvConnection, KvTr
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,15 +57,24 @@ pub fn checksum(mut h: u64, data: &[u8]) -> u64 {
 
 /// Serve every connection and stream: echo frames back until EOF, then finish.
 pub fn spawn_echo_server(server: Arc<dyn KvTransport>) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
+    spawn_counting_echo_server(server).0
+}
+
+/// [`spawn_echo_server`], counting the connections it accepts.
+pub fn spawn_counting_echo_server(server: Arc<dyn KvTransport>) -> (tokio::task::JoinHandle<()>, Arc<AtomicUsize>) {
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    let task = tokio::spawn(async move {
         while let Ok(conn) = server.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
             tokio::spawn(async move {
                 while let Ok((w, r)) = conn.accept_stream().await {
                     tokio::spawn(echo(w, r));
                 }
             });
         }
-    })
+    });
+    (task, accepted)
 }
 
 async fn echo(w: StreamWriter, r: StreamReader) -> Result<(), FrameError> {
@@ -167,29 +177,42 @@ pub async fn concurrent_streams(
 }
 
 /// A second connect reuses the live connection (also when racing); after close, a new one.
-pub async fn connection_reuse(client: &dyn KvTransport, server_addr: SocketAddr) {
+/// A connection serves one holder at a time (`client` has made no connection to the server yet):
+/// two held at once are two connections, one given back
+/// is handed out again, a closed one never is. `accepted` counts the connections the server at
+/// `server_addr` accepted ([`spawn_counting_echo_server`]); an echo on each connection makes sure
+/// the server has seen it before the count is read.
+pub async fn connection_reuse(client: &dyn KvTransport, server_addr: SocketAddr, accepted: &AtomicUsize) {
+    let before = accepted.load(Ordering::SeqCst);
+    let made = || accepted.load(Ordering::SeqCst) - before;
     let (a, b) =
         within("connect", async { tokio::join!(client.connect(server_addr), client.connect(server_addr)) }).await;
     let (a, b) = (a.expect("connect"), b.expect("connect"));
-    assert!(same(&a, &b), "concurrent connects made two connections");
-    let c = client.connect(server_addr).await.expect("connect again");
-    assert!(same(&a, &c), "second connect did not reuse the live connection");
+    echo_on(&a, 1).await;
+    echo_on(&b, 2).await;
+    assert_eq!(made(), 2, "two holders at once shared a connection");
+    drop(b);
+    let c = within("connect again", client.connect(server_addr)).await.expect("connect again");
+    echo_on(&c, 3).await;
+    assert_eq!(made(), 2, "a connection given back was not reused");
     a.close("test closes it");
     assert!(a.is_closed());
+    drop(a);
+    // `c` is held and `a` is closed: a new one.
     let d = within("reconnect", client.connect(server_addr)).await.expect("reconnect");
-    assert!(!same(&a, &d), "a closed connection was handed out again");
-    assert!(!d.is_closed());
-    // The new connection works.
-    let (w, r) = d.open_stream().await.expect("open stream");
-    let mut writer = FrameWriter::new(w);
-    writer.send(&TestFrame { seq: 7, data: payload(7, 7, 100) }).await.expect("send");
-    writer.finish().await.expect("finish");
-    let echoed: TestFrame = within("echo", FrameReader::new(r).recv()).await.expect("recv").expect("a frame");
-    assert_eq!(echoed.seq, 7);
+    assert!(!d.is_closed(), "a closed connection was handed out again");
+    echo_on(&d, 4).await;
+    assert_eq!(made(), 3, "a closed connection was handed out again");
 }
 
-pub fn same(a: &Arc<dyn KvConnection>, b: &Arc<dyn KvConnection>) -> bool {
-    std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
+/// One frame echoed on a new stream of `conn`.
+async fn echo_on(conn: &Arc<dyn KvConnection>, seq: u64) {
+    let (w, r) = conn.open_stream().await.expect("open stream");
+    let mut writer = FrameWriter::new(w);
+    writer.send(&TestFrame { seq, data: payload(seq, seq, 100) }).await.expect("send");
+    writer.finish().await.expect("finish");
+    let echoed: TestFrame = within("echo", FrameReader::new(r).recv()).await.expect("recv").expect("a frame");
+    assert_eq!(echoed.seq, seq);
 }
 
 /// The error a read or write of a lost connection must give (both transports use quinn's).
