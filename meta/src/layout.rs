@@ -211,3 +211,33 @@ mod tests {
         assert_eq!((rec.instance, rec.block_size, rec.kv_address.as_str(), rec.incarnation), (3, 0, "", 0));
     }
 }
+
+#[cfg(test)]
+mod profile_tests {
+    use super::*;
+
+    /// A registered Arrow profile reaches the leader as the worker measured it, bit for bit: its
+    /// numbers cross etcd as JSON, whose shortest round-trip printing needs an exact parser back
+    /// (serde_json's default one is off by an ulp now and then).
+    #[test]
+    fn a_profile_survives_its_json_bit_for_bit() {
+        let mut bits = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            bits = bits.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            // Positive, finite, spread over the exponents a fit's coefficients take.
+            f64::from_bits((bits >> 12) | (((bits >> 4) % 80 + 983) << 52))
+        };
+        for _ in 0..20_000 {
+            let p = ProfileRecord {
+                prefill_a: next(),
+                prefill_b: next(),
+                prefill_c: next(),
+                decode_max_tokens: 4096,
+                slo_tpot_s: next(),
+            };
+            let back: ProfileRecord = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+            let as_bits = |p: &ProfileRecord| [p.prefill_a, p.prefill_b, p.prefill_c, p.slo_tpot_s].map(f64::to_bits);
+            assert_eq!(as_bits(&back), as_bits(&p), "{p:?} came back as {back:?}");
+        }
+    }
+}
