@@ -33,9 +33,10 @@
 //! [`KvTransport::connect`] pools outbound connections, one holder at a time: connecting returns
 //! a live connection to the peer that no one else holds (one a finished transfer gave back), else
 //! a new one. So migrations to one peer one after another reuse a connection, and migrations at
-//! the same time each have one of their own (on a [`shaped::Shaped`] transport, a flow of their own on the
-//! NIC, as the simulator's fabric counts transfers). Connections accepted from a peer are not
-//! pooled for outbound use: their streams are served by whoever called [`KvTransport::accept`].
+//! the same time each have one of their own (on a [`shaped::Shaped`] transport, a flow of their
+//! own on the NIC, as the simulator's fabric counts transfers). Connections accepted from a peer
+//! are not pooled for outbound use: their streams are served by whoever called
+//! [`KvTransport::accept`].
 
 #![warn(missing_docs)]
 

@@ -6,6 +6,7 @@ use common::*;
 use kvfleet_core::TimeSpan;
 use kvfleet_netmodel::shaping::ShapeParams;
 use kvfleet_transport::{FrameWriter, KvTransport, MemNetwork, MemTransport, Shaped};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -142,18 +143,10 @@ async fn two_senders_into_one_shaped_receiver_share_its_ingress() {
 /// on a busy host the real clock let scheduling lateness decide it (0.79 once in CI).
 #[tokio::test(start_paused = true)]
 async fn connections_share_a_nic_equally_whatever_their_streams() {
-    let net = MemNetwork::new();
-    let b = Arc::new(
-        Shaped::new(net.bind_any(), ShapeParams { rate_bytes_per_s: Some(10e6), ..ShapeParams::default() }).unwrap(),
-    );
-    let (a, c) = (net.bind_any(), net.bind_any());
+    let (_net, b, a, c) = a_10_mb_per_s_receiver_and_two_senders();
     let _srv = spawn_ack_server(b.clone());
     let start = tokio::time::Instant::now();
-    let addr = b.local_addr();
-    let timed = |client, streams, frames| async move {
-        concurrent_streams(client, addr, streams, frames, 250_000).await;
-        start.elapsed().as_secs_f64()
-    };
+    let timed = |client, streams, frames| finished_at(client, b.local_addr(), streams, frames, start);
     let (three, one) = tokio::join!(timed(&a, 3, 4), timed(&c, 1, 12));
     assert!(one >= 0.55, "6 MB at 10 MB/s took {one:.3} s");
     assert!(three >= 0.9 * one, "the 3-stream connection finished at {three:.3} s, the 1-stream one at {one:.3} s");
@@ -166,18 +159,10 @@ async fn connections_share_a_nic_equally_whatever_their_streams() {
 /// other sender's would finish at 0.6 s.
 #[tokio::test(start_paused = true)]
 async fn concurrent_transfers_between_one_pair_share_a_nic_as_transfers() {
-    let net = MemNetwork::new();
-    let b = Arc::new(
-        Shaped::new(net.bind_any(), ShapeParams { rate_bytes_per_s: Some(10e6), ..ShapeParams::default() }).unwrap(),
-    );
-    let (a, c) = (net.bind_any(), net.bind_any());
+    let (_net, b, a, c) = a_10_mb_per_s_receiver_and_two_senders();
     let _srv = spawn_ack_server(b.clone());
     let start = tokio::time::Instant::now();
-    let addr = b.local_addr();
-    let timed = |client| async move {
-        concurrent_streams(client, addr, 1, 12, 250_000).await;
-        start.elapsed().as_secs_f64()
-    };
+    let timed = |client| finished_at(client, b.local_addr(), 1, 12, start);
     let (first, second, other) = tokio::join!(timed(&a), timed(&a), timed(&c));
     let pair = first.max(second);
     assert!(pair >= 0.85, "9 MB at 10 MB/s took {pair:.3} s");
@@ -185,4 +170,27 @@ async fn concurrent_transfers_between_one_pair_share_a_nic_as_transfers() {
         other >= 0.9 * pair,
         "the other sender's transfer finished at {other:.3} s, the pair's at {first:.3} and {second:.3} s"
     );
+}
+
+/// A receiver whose NIC takes 10 MB/s in, and two unshaped senders, on one in-memory network.
+fn a_10_mb_per_s_receiver_and_two_senders() -> (MemNetwork, Arc<Shaped<MemTransport>>, MemTransport, MemTransport) {
+    let net = MemNetwork::new();
+    let b = Arc::new(
+        Shaped::new(net.bind_any(), ShapeParams { rate_bytes_per_s: Some(10e6), ..ShapeParams::default() }).unwrap(),
+    );
+    let (a, c) = (net.bind_any(), net.bind_any());
+    (net, b, a, c)
+}
+
+/// Seconds from `start` until `streams` streams of `frames` × 250 kB from `client` to `addr` are
+/// acknowledged.
+async fn finished_at(
+    client: &dyn KvTransport,
+    addr: SocketAddr,
+    streams: u64,
+    frames: u64,
+    start: tokio::time::Instant,
+) -> f64 {
+    concurrent_streams(client, addr, streams, frames, 250_000).await;
+    start.elapsed().as_secs_f64()
 }

@@ -3,14 +3,14 @@
 //! binary, in-memory in tests).
 //!
 //! One migration holds one pooled connection to the target (concurrent migrations to one target
-//! each hold their own, see `kvfleet_transport`'s "Connections"): a control stream (Prepare, StageEnd,
-//! Commit one way; PrepareReply, StageAck, CommitReply the other) and `streams` data streams that
-//! carry `BlockData` frames in parallel. The engine thread does the arena work one block at a time
-//! (`LiveCommand`), so its deadlines hold while gigabytes stream past; tokens decoded during the
-//! live copy stages stream from the source as usual, and the request is paused only for the final
-//! stop-and-copy. The source hands the transport its full blocks in place, under a lease (no
-//! copy); the target copies each block from the buffers it arrived in into its arena and checks
-//! its checksum in the same pass.
+//! each hold their own, see `kvfleet_transport`'s "Connections"): a control stream (Prepare,
+//! StageEnd, Commit one way; PrepareReply, StageAck, CommitReply the other) and `streams` data
+//! streams that carry `BlockData` frames in parallel. The engine thread does the arena work one
+//! block at a time (`LiveCommand`), so its deadlines hold while gigabytes stream past; tokens
+//! decoded during the live copy stages stream from the source as usual, and the request is paused
+//! only for the final stop-and-copy. The source hands the transport its full blocks in place, under
+//! a lease (no copy); the target copies each block from the buffers it arrived in into its arena
+//! and checks its checksum in the same pass.
 //!
 //! Target side: every inbound stream's first frame says what it is: a `Prepare` opens a control
 //! stream (one migration, one [`TargetMachine`]); a `BlockData` opens a data stream whose frames
