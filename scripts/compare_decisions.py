@@ -10,12 +10,13 @@ the loads it saw when `RUST_LOG` enables the target `kvfleet::decisions` at debu
 
 Prints each decision (by kind and request) whose chosen instance or loads differ, times relative
 to each run's first decision, `DIFF-TO` where the choice itself differs. A load is
-`instance:kv_blocks:reasoning:fresh_answering:slo_ok`.
+`instance:kv_blocks:reasoning:fresh_answering:slo_ok`; for Arrow's flips (kind `flip`, the flip's
+number as its request) `instance:role:queued_prefill_ms:decode_tokens:itl_ms`.
 """
 import re
 import sys
 
-LINE = re.compile(r'kind="(\w+)" at_ns=(\d+) request=(\d+) to=(\d+) loads=(.*)$')
+LINE = re.compile(r'kind="(\w+)" at_ns=(\d+) request=(\d+) to=(\d+)(?: role=\w+)? loads=(.*)$')
 
 
 def parse(path):

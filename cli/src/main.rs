@@ -303,6 +303,10 @@ fn cmd_sim(args: SimArgs) -> anyhow::Result<()> {
     if !live.is_empty() {
         say!("{live}");
     }
+    let rejected = report::rejected_note(&results);
+    if !rejected.is_empty() {
+        say!("{}", rejected.trim_end());
+    }
     let events: u64 = results.iter().map(|r| r.events).sum();
     say!(
         "{} run(s), {} simulated events in {:.2} s wall ({:.2} M events/s); timing model: {}",

@@ -247,6 +247,41 @@ fn migration_row(m: &MigrationRecord) -> String {
 pub const LIVE_MIGRATIONS_HEADER: &str =
     "request,source,target,outcome,kv_tokens,stages,blocks,bytes,total_ms,downtime_ms,goodput_gbps,stage_bytes,stage_ms,abort_reason";
 
+/// The most rejected requests a run's note names.
+const REJECTED_NAMED: usize = 10;
+
+/// One line per run that rejected requests, naming them (the first [`REJECTED_NAMED`]), so none
+/// is lost silently (the per-request CSV flags each one too): a request the simulator rejects
+/// never fits one instance's KV cache. Empty when no run rejected any.
+pub fn rejected_note(runs: &[RunResult]) -> String {
+    let mut out = String::new();
+    for run in runs {
+        let mut rejected: Vec<&RequestRecord> = run.records.iter().filter(|r| r.rejected).collect();
+        if rejected.is_empty() {
+            continue;
+        }
+        rejected.sort_by_key(|r| r.id);
+        let named: Vec<String> = rejected
+            .iter()
+            .take(REJECTED_NAMED)
+            .map(|r| {
+                format!("request {} ({} + {} tokens)", r.id.0, r.prompt_tokens, r.reasoning_tokens + r.answer_tokens)
+            })
+            .collect();
+        let more = rejected.len().saturating_sub(REJECTED_NAMED);
+        let rate = run.rate.map_or_else(|| rate_label(None), |r| format!("{} req/s", rate_label(Some(r))));
+        let _ = writeln!(
+            out,
+            "rejected: {} @ {rate}: {} request(s) never fit an instance (prompt + output beyond its KV cache): {}{}",
+            run.policy,
+            rejected.len(),
+            named.join(", "),
+            if more > 0 { format!(" and {more} more (the per-request CSV lists them)") } else { String::new() }
+        );
+    }
+    out
+}
+
 /// One row of `live-migrations*.csv` ([`LIVE_MIGRATIONS_HEADER`]), without newline.
 pub fn live_migration_row(m: &MigrationRecord) -> String {
     let stage_bytes: Vec<String> = m.stage_bytes.iter().map(u64::to_string).collect();
@@ -486,6 +521,37 @@ mod tests {
 
     fn read(path: &Path) -> String {
         std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    }
+
+    #[test]
+    fn rejected_requests_are_named_per_run() {
+        let runs = fixtures::sweep();
+        let note = rejected_note(&runs);
+        let rejecting = runs.iter().filter(|r| r.records.iter().any(|x| x.rejected)).count();
+        assert!(rejecting > 0, "the fixtures reject a request per run");
+        assert_eq!(note.lines().count(), rejecting, "{note}");
+        let line = note.lines().next().unwrap();
+        assert!(line.contains(&format!("{} @", runs[0].policy)) && line.contains(": 1 request(s) never fit"), "{line}");
+        let r = runs[0].records.iter().find(|r| r.rejected).unwrap();
+        let named =
+            format!(": request {} ({} + {} tokens)", r.id.0, r.prompt_tokens, r.reasoning_tokens + r.answer_tokens);
+        assert!(line.ends_with(&named), "{line}");
+        let mut all = fixtures::sweep().remove(0);
+        all.records.iter_mut().for_each(|x| x.rejected = true);
+        let n = all.records.len();
+        assert!(n > REJECTED_NAMED, "the fixture run has {n} requests");
+        let line = rejected_note(std::slice::from_ref(&all));
+        assert!(line.contains(&format!(": {n} request(s)")), "{line}");
+        assert!(line.contains(&format!(" and {} more", n - REJECTED_NAMED)), "{line}");
+        assert_eq!(line.matches(" tokens)").count(), REJECTED_NAMED, "{line}");
+        let none: Vec<RunResult> = runs
+            .into_iter()
+            .map(|mut r| {
+                r.records.iter_mut().for_each(|x| x.rejected = false);
+                r
+            })
+            .collect();
+        assert_eq!(rejected_note(&none), "");
     }
 
     #[test]

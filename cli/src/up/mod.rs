@@ -262,6 +262,14 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             stats.resumed.load(Ordering::Relaxed),
             stats.retries.load(Ordering::Relaxed)
         );
+        let rejected_by_name = report::rejected_note(std::slice::from_ref(&run));
+        if !rejected_by_name.is_empty() {
+            say!("{}", rejected_by_name.trim_end());
+        }
+        let failures = replay::failure_report(&replayed.failed);
+        if !failures.is_empty() {
+            say!("{}", failures.trim_end());
+        }
         if let Some(line) = replayed.pd_line() {
             say!("{line}");
         }
@@ -325,7 +333,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         }
         say!("wrote {} files to {} (process logs in {})", written.len(), args.out.display(), logs.display());
         if !replayed.failed.is_empty() {
-            bail!("{} requests did not complete", replayed.failed.len());
+            let listed = args.out.join("failed-requests.txt");
+            std::fs::write(&listed, replayed.failed.join("\n") + "\n")?;
+            bail!("{} requests did not complete (each named above and in {})", replayed.failed.len(), listed.display());
         }
         let mut ids: Vec<u64> = replayed.ok.iter().map(|r| r.id.0).collect();
         ids.dedup();

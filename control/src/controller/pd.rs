@@ -92,6 +92,8 @@ pub(super) struct ArrowDriver {
     measured: BTreeMap<InstanceId, ArrowProfile>,
     /// When any instance last flipped, seconds (the P→D cooldown counts from it).
     last_flip_s: Option<f64>,
+    /// Flips so far (each flip's number in the decision log).
+    flips: u64,
     /// The next monitoring pass.
     next_pass: Timestamp,
     marks: BTreeMap<InstanceId, ItlMark>,
@@ -153,6 +155,7 @@ impl Controller {
             decode_pool: None,
             measured: BTreeMap::new(),
             last_flip_s: None,
+            flips: 0,
             next_pass,
             marks: BTreeMap::new(),
             turns: [0, 0],
@@ -229,11 +232,41 @@ impl Controller {
 
     /// Record a flip Arrow decided, and apply it.
     fn arrow_flip(&mut self, instance: InstanceId, to_role: Role) {
+        self.trace_flip(instance, to_role);
         if let Some(a) = self.arrow.as_mut() {
             a.last_flip_s = Some(secs(self.now));
+            a.flips += 1;
         }
         tracing::info!(instance = instance.0, role = %to_role, "arrow flips an instance");
         self.set_role(instance, to_role);
+    }
+
+    /// Logs a flip in the decision log ([`DECISIONS`](super::DECISIONS), as placements and
+    /// `</think>` decisions are): kind `flip`, the flip's number in the run as its `request`, and
+    /// each instance's Arrow load as it saw them, `instance:role:queued_prefill_ms:decode_tokens:itl_ms`
+    /// (`-` for no tokens last interval), so two runs' flips compare line by line.
+    fn trace_flip(&self, instance: InstanceId, to_role: Role) {
+        if !tracing::enabled!(target: super::DECISIONS, tracing::Level::DEBUG) {
+            return;
+        }
+        let (Some(a), Some(snapshot)) = (self.arrow.as_ref(), self.arrow_snapshot(&[])) else { return };
+        let loads: Vec<String> = snapshot
+            .loads()
+            .iter()
+            .map(|l| {
+                let itl = l.itl_mean_s.map_or_else(|| "-".to_string(), |s| format!("{:.1}", s * 1e3));
+                format!("{}:{}:{:.1}:{}:{itl}", l.instance.0, l.role, l.prefill_s * 1e3, l.decode_tokens)
+            })
+            .collect();
+        tracing::debug!(
+            target: super::DECISIONS,
+            kind = "flip",
+            at_ns = self.now.as_nanos(),
+            request = a.flips + 1,
+            to = instance.0,
+            role = %to_role,
+            loads = %loads.join(" ")
+        );
     }
 
     /// Alg. 1 for a new request: the prefill instance it queues on (flipping a decode instance if
