@@ -952,7 +952,7 @@ impl Controller {
     /// The policy's placement, or the least-loaded live instance when it names one that is not
     /// live. `None` only when no instance is live.
     fn choose(&mut self, spec: &RequestSpec) -> Option<(InstanceId, Option<PrefixFetch>)> {
-        if let Some(to) = self.arrow_place_prefill(spec.prompt_tokens) {
+        if let Some(to) = self.arrow_place_prefill(spec.id, spec.prompt_tokens) {
             self.note_prefix(spec, to);
             return Some((to, None));
         }

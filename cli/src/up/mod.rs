@@ -266,10 +266,6 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         if !rejected_by_name.is_empty() {
             say!("{}", rejected_by_name.trim_end());
         }
-        let failures = replay::failure_report(&replayed.failed);
-        if !failures.is_empty() {
-            say!("{}", failures.trim_end());
-        }
         if let Some(line) = replayed.pd_line() {
             say!("{line}");
         }
@@ -333,9 +329,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         }
         say!("wrote {} files to {} (process logs in {})", written.len(), args.out.display(), logs.display());
         if !replayed.failed.is_empty() {
-            let listed = args.out.join("failed-requests.txt");
-            std::fs::write(&listed, replayed.failed.join("\n") + "\n")?;
-            bail!("{} requests did not complete (each named above and in {})", replayed.failed.len(), listed.display());
+            bail!("{} requests did not complete", replayed.failed.len());
         }
         let mut ids: Vec<u64> = replayed.ok.iter().map(|r| r.id.0).collect();
         ids.dedup();

@@ -277,21 +277,6 @@ pub fn partition(results: Vec<Result<RequestRecord, String>>) -> (Vec<RequestRec
     (ok, failed)
 }
 
-/// The most failed requests a run's printout names; the rest are in the run's
-/// `failed-requests.txt`.
-pub const FAILED_NAMED: usize = 20;
-
-/// Each failed request by name, one line each (`failed: request 7: …`; the first [`FAILED_NAMED`],
-/// then how many more): a request that did not complete is reported, never only counted. Empty
-/// when none failed.
-pub fn failure_report(failed: &[String]) -> String {
-    let mut out: String = failed.iter().take(FAILED_NAMED).map(|f| format!("failed: {f}\n")).collect();
-    if failed.len() > FAILED_NAMED {
-        out.push_str(&format!("failed: … and {} more (all in failed-requests.txt)\n", failed.len() - FAILED_NAMED));
-    }
-    out
-}
-
 /// Submit every request at its arrival on the cluster clock and wait for all records, or until
 /// `give_up` fires: every request still running then ends with an error naming where it was.
 ///
@@ -391,21 +376,6 @@ pub fn schedule(requests: &mut [RequestSpec], clock: ClusterTime, lead: Duration
 mod tests {
     use super::*;
     use kvfleet_core::RequestId;
-
-    #[test]
-    fn failed_requests_are_named_one_per_line() {
-        assert_eq!(failure_report(&[]), "");
-        let few: Vec<String> = (0..3).map(|i| format!("request {i} gave up after 5 attempts")).collect();
-        assert_eq!(
-            failure_report(&few).lines().collect::<Vec<_>>(),
-            few.iter().map(|f| format!("failed: {f}")).collect::<Vec<_>>()
-        );
-        let many: Vec<String> = (0..25).map(|i| format!("request {i}: timed out")).collect();
-        let report = failure_report(&many);
-        assert_eq!(report.lines().count(), FAILED_NAMED + 1, "{report}");
-        assert!(report.contains("failed: request 19: timed out\n") && !report.contains("request 20:"), "{report}");
-        assert!(report.ends_with("and 5 more (all in failed-requests.txt)\n"), "{report}");
-    }
 
     fn spec(id: u64, arrival_ns: u64) -> RequestSpec {
         RequestSpec {

@@ -243,13 +243,41 @@ impl Controller {
 
     /// Logs a flip in the decision log ([`DECISIONS`](super::DECISIONS), as placements and
     /// `</think>` decisions are): kind `flip`, the flip's number in the run as its `request`, and
-    /// each instance's Arrow load as it saw them, `instance:role:queued_prefill_ms:decode_tokens:itl_ms`
-    /// (`-` for no tokens last interval), so two runs' flips compare line by line.
+    /// the Arrow loads it saw ([`Controller::arrow_loads_line`]), so two runs' flips compare line
+    /// by line.
     fn trace_flip(&self, instance: InstanceId, to_role: Role) {
+        let (Some(a), Some(loads)) = (self.arrow.as_ref(), self.arrow_loads_line()) else { return };
+        tracing::debug!(
+            target: super::DECISIONS,
+            kind = "flip",
+            at_ns = self.now.as_nanos(),
+            request = a.flips + 1,
+            to = instance.0,
+            role = %to_role,
+            loads = %loads
+        );
+    }
+
+    /// Logs Arrow's placement of `request`'s prefill on `to` with the loads it saw (kind `place`).
+    fn trace_arrow_place(&self, request: RequestId, to: InstanceId) {
+        let Some(loads) = self.arrow_loads_line() else { return };
+        tracing::debug!(
+            target: super::DECISIONS,
+            kind = "place",
+            at_ns = self.now.as_nanos(),
+            request = request.0,
+            to = to.0,
+            loads = %loads
+        );
+    }
+
+    /// Each instance's Arrow load, `instance:role:queued_prefill_ms:decode_tokens:itl_ms` (`-`
+    /// for no tokens last interval), when the decision log is on.
+    fn arrow_loads_line(&self) -> Option<String> {
         if !tracing::enabled!(target: super::DECISIONS, tracing::Level::DEBUG) {
-            return;
+            return None;
         }
-        let (Some(a), Some(snapshot)) = (self.arrow.as_ref(), self.arrow_snapshot(&[])) else { return };
+        let snapshot = self.arrow_snapshot(&[])?;
         let loads: Vec<String> = snapshot
             .loads()
             .iter()
@@ -258,33 +286,30 @@ impl Controller {
                 format!("{}:{}:{:.1}:{}:{itl}", l.instance.0, l.role, l.prefill_s * 1e3, l.decode_tokens)
             })
             .collect();
-        tracing::debug!(
-            target: super::DECISIONS,
-            kind = "flip",
-            at_ns = self.now.as_nanos(),
-            request = a.flips + 1,
-            to = instance.0,
-            role = %to_role,
-            loads = %loads.join(" ")
-        );
+        Some(loads.join(" "))
     }
 
     /// Alg. 1 for a new request: the prefill instance it queues on (flipping a decode instance if
     /// none meets SLO_TTFT). `None` without Arrow, or when it finds no instance (the caller falls
     /// back).
-    pub(super) fn arrow_place_prefill(&mut self, prompt_tokens: u32) -> Option<InstanceId> {
+    pub(super) fn arrow_place_prefill(&mut self, request: RequestId, prompt_tokens: u32) -> Option<InstanceId> {
         let snapshot = self.arrow_snapshot(&[])?;
         let a = self.arrow.as_mut()?;
         if a.params.placement != Placement::SloAware {
             return static_pick(&snapshot, Role::Prefill, a, |l| l.prefill_s);
         }
-        match arrow::place_prefill(&snapshot, u64::from(prompt_tokens), secs(self.now), a.last_flip_s, &a.params)? {
-            Choice::Instance(id) => Some(id),
+        let choice =
+            arrow::place_prefill(&snapshot, u64::from(prompt_tokens), secs(self.now), a.last_flip_s, &a.params)?;
+        let to = match choice {
+            Choice::Instance(id) => id,
             Choice::Flip { instance, to_role } => {
+                self.trace_arrow_place(request, instance);
                 self.arrow_flip(instance, to_role);
-                Some(instance)
+                return Some(instance);
             }
-        }
+        };
+        self.trace_arrow_place(request, to);
+        Some(to)
     }
 
     /// Where held request `id`'s handoff goes: Arrow's Alg. 1 for a decode request when Arrow
