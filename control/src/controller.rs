@@ -1429,7 +1429,13 @@ fn trace_decision(kind: &str, now: Timestamp, request: RequestId, to: InstanceId
             format!("{}:{blocks}:{r}:{a}:{ok}", l.instance.0)
         })
         .collect();
-    tracing::debug!(target: DECISIONS, kind, at_ns = now.as_nanos(), request = request.0, to = to.0, loads = %loads.join(" "));
+    emit_decision(kind, now, request, to, &loads.join(" "));
+}
+
+/// One line of the decision log: `kind` for `request` at `now` (ns), choosing `to`, on `loads`
+/// (each instance's load in the decision's own format).
+fn emit_decision(kind: &str, now: Timestamp, request: RequestId, to: InstanceId, loads: &str) {
+    tracing::debug!(target: DECISIONS, kind, at_ns = now.as_nanos(), request = request.0, to = to.0, loads = %loads);
 }
 
 #[cfg(test)]

@@ -260,15 +260,9 @@ impl Controller {
 
     /// Logs Arrow's placement of `request`'s prefill on `to` with the loads it saw (kind `place`).
     fn trace_arrow_place(&self, request: RequestId, to: InstanceId) {
-        let Some(loads) = self.arrow_loads_line() else { return };
-        tracing::debug!(
-            target: super::DECISIONS,
-            kind = "place",
-            at_ns = self.now.as_nanos(),
-            request = request.0,
-            to = to.0,
-            loads = %loads
-        );
+        if let Some(loads) = self.arrow_loads_line() {
+            super::emit_decision("place", self.now, request, to, &loads);
+        }
     }
 
     /// Each instance's Arrow load, `instance:role:queued_prefill_ms:decode_tokens:itl_ms` (`-`

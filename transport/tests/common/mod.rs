@@ -178,10 +178,10 @@ pub async fn concurrent_streams(
 
 /// A second connect reuses the live connection (also when racing); after close, a new one.
 /// A connection serves one holder at a time (`client` has made no connection to the server yet):
-/// two held at once are two connections, one given back
-/// is handed out again, a closed one never is. `accepted` counts the connections the server at
-/// `server_addr` accepted ([`spawn_counting_echo_server`]); an echo on each connection makes sure
-/// the server has seen it before the count is read.
+/// two held at once are two connections, one given back is handed out again, a closed one never
+/// is. `accepted` counts the connections the server at `server_addr` accepted
+/// ([`spawn_counting_echo_server`]); an echo on each connection makes sure the server has seen it
+/// before the count is read.
 pub async fn connection_reuse(client: &dyn KvTransport, server_addr: SocketAddr, accepted: &AtomicUsize) {
     let before = accepted.load(Ordering::SeqCst);
     let made = || accepted.load(Ordering::SeqCst) - before;
