@@ -1007,6 +1007,7 @@ impl Controller {
         if self.requests.contains_key(&spec.id) {
             return Err(ControlError::Duplicate(spec.id));
         }
+        self.anchor_arrow_passes(spec.arrival);
         let Some((to, fetch)) = self.choose(&spec) else {
             self.actions.push_back(Action::Reject { request: spec.id, reason: RejectReason::NoInstance });
             return Ok(());

@@ -522,7 +522,7 @@ impl Leader {
     /// COMMIT from then on); there is no source left to tell. The controller then keeps the
     /// request there or re-places it.
     async fn settle_departed_source(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId) {
-        let held = settle_by_asking(id, self.client(to), None).await;
+        let held = ask_target(id, self.client(to)).await;
         tracing::warn!(request = id.0, from = from.0, to = to.0, held, "settled the move of a worker that left");
         let actions = match self.decide(Event::Settled { request: id, from, to, held }) {
             Ok(actions) => actions,
@@ -1002,7 +1002,8 @@ impl Leader {
         let mut outcome = out.outcome();
         let in_doubt = outcome == v1::MigrationOutcome::MigrationUnknown;
         if in_doubt {
-            let held = settle_by_asking(id, Some(dst.clone()), Some(src.clone())).await;
+            let held = ask_target(id, Some(dst.clone())).await;
+            let _ = tell_source(id, src.clone(), held).await;
             tracing::warn!(
                 request = id.0,
                 from = from.0,
@@ -1074,8 +1075,12 @@ impl Leader {
     /// its lease) with the source paused in doubt after a lost COMMIT reply, or in the middle of
     /// the copy. Settled as [`Leader::settle_live`] settles an unknown outcome: the target is
     /// asked whether it holds the request (from then on it refuses a late COMMIT), and the source
-    /// is told which copy lives (a source that is not in doubt ignores it; its move, if still
-    /// copying, aborts at the target's refusal and the request goes on there).
+    /// is told which copy lives. A source whose move is still copying answers so and is told
+    /// again once the move has ended (aborted at the target's refusal: it goes on there; its
+    /// COMMIT reply lost: it waits in doubt for this word). Returns once every target has
+    /// answered and every move that landed is recorded, so that re-submitting the unfinished
+    /// requests next cannot reach a source that let its request go; a move that did not land is
+    /// recorded once its source has been told (it holds the request until then).
     pub async fn settle_inherited_moves(self: &Arc<Self>) -> usize {
         let open: Vec<(RequestId, InstanceId, InstanceId)> = self
             .control()
@@ -1085,12 +1090,13 @@ impl Leader {
             .filter_map(|o| o.migrating_to.map(|to| (o.spec.id, o.instance, to)))
             .collect();
         // Concurrently: one hung worker must not hold up the others.
-        let settling: Vec<_> = open
+        let asked: Vec<_> = open
             .iter()
             .map(|&(id, from, to)| {
                 let leader = self.clone();
+                let (answered, asked) = tokio::sync::oneshot::channel::<()>();
                 tokio::spawn(async move {
-                    let held = settle_by_asking(id, leader.client(to), leader.client(from)).await;
+                    let held = ask_target(id, leader.client(to)).await;
                     tracing::warn!(
                         request = id.0,
                         from = from.0,
@@ -1098,22 +1104,36 @@ impl Leader {
                         held,
                         "settled a move the previous leader left open"
                     );
-                    let outcome = if held { MoveOutcome::Committed } else { MoveOutcome::Aborted };
-                    let actions =
-                        leader.decide(Event::MigrationEnded { request: id, from, to, outcome }).unwrap_or_default();
                     if held {
-                        leader.stats.migrations.fetch_add(1, Ordering::Relaxed);
+                        leader.inherited_move_ended(id, from, to, true).await;
                     }
-                    let _ = leader.persist_ownership(id).await;
-                    let moves = leader.execute(actions).await;
-                    leader.spawn_moves(moves);
-                })
+                    drop(answered);
+                    if let Some(src) = leader.client(from) {
+                        let _ = tell_source(id, src, held).await;
+                    }
+                    if !held {
+                        leader.inherited_move_ended(id, from, to, false).await;
+                    }
+                });
+                asked
             })
             .collect();
-        for t in settling {
-            let _ = t.await;
+        for a in asked {
+            let _ = a.await;
         }
         open.len()
+    }
+
+    /// Record how a move a previous leader left open ended, and carry out what follows.
+    async fn inherited_move_ended(self: &Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId, held: bool) {
+        let outcome = if held { MoveOutcome::Committed } else { MoveOutcome::Aborted };
+        let actions = self.decide(Event::MigrationEnded { request: id, from, to, outcome }).unwrap_or_default();
+        if held {
+            self.stats.migrations.fetch_add(1, Ordering::Relaxed);
+        }
+        let _ = self.persist_ownership(id).await;
+        let moves = self.execute(actions).await;
+        self.spawn_moves(moves);
     }
 
     /// Unfinished requests and where they are owned (a new leader re-submits them: workers treat
@@ -1161,36 +1181,74 @@ impl Leader {
 /// whether it holds the request (from then on it refuses a late COMMIT), then the source (`src`)
 /// is told. An unreachable or unregistered target holds nothing that will live: its registration
 /// lapses and its requests are re-placed, so the source's copy is the one that lives.
-async fn settle_by_asking(
-    id: RequestId,
-    dst: Option<WorkerClient<Channel>>,
-    src: Option<WorkerClient<Channel>>,
-) -> bool {
-    let held = match dst {
-        Some(mut dst) => {
-            let ask = dst.resolve_migration(v1::ResolveMigrationRequest { request_id: id.0, committed: None });
-            // A hung target answers nothing: as if unreachable.
-            matches!(tokio::time::timeout(SETTLE_CALL_TIMEOUT, ask).await, Ok(Ok(r)) if r.get_ref().held)
-        }
-        None => false,
-    };
-    if let Some(mut src) = src {
-        // A source left uninformed stays paused in doubt: worth a few tries.
-        for attempt in 1..=SETTLE_TELL_ATTEMPTS {
-            let tell = v1::ResolveMigrationRequest { request_id: id.0, committed: Some(held) };
-            let why = match tokio::time::timeout(SETTLE_CALL_TIMEOUT, src.resolve_migration(tell)).await {
-                Ok(Ok(_)) => break,
-                Ok(Err(e)) => e.to_string(),
-                Err(_) => format!("no answer within {SETTLE_CALL_TIMEOUT:?}"),
-            };
-            tracing::warn!(request = id.0, attempt, "telling the source which copy lives failed: {why}");
-            if attempt < SETTLE_TELL_ATTEMPTS {
-                tokio::time::sleep(Duration::from_millis(500) * attempt).await;
-            }
-        }
-    }
-    held
+/// Ask the target of `id`'s move whether it holds the request (unreachable or hung: no). If not,
+/// it never will: it refuses a late COMMIT from then on.
+async fn ask_target(id: RequestId, dst: Option<WorkerClient<Channel>>) -> bool {
+    let Some(mut dst) = dst else { return false };
+    let ask = dst.resolve_migration(v1::ResolveMigrationRequest { request_id: id.0, committed: None });
+    // A hung target answers nothing: as if unreachable.
+    matches!(tokio::time::timeout(SETTLE_CALL_TIMEOUT, ask).await, Ok(Ok(r)) if r.get_ref().held)
 }
+
+/// Tell the source of `id`'s move which copy lives (`held`: the target's). A source left
+/// uninformed stays paused in doubt: a failed call is worth a few tries, and a source answering
+/// that its move is still copying is told again until the move has ended.
+async fn tell_source(id: RequestId, src: WorkerClient<Channel>, held: bool) -> Told {
+    let tell = v1::ResolveMigrationRequest { request_id: id.0, committed: Some(held) };
+    keep_telling(id, || {
+        let mut src = src.clone();
+        async move { src.resolve_migration(tell).await.map(tonic::Response::into_inner) }
+    })
+    .await
+}
+
+/// How telling a source ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Told {
+    /// It answered (it acted if it was in doubt).
+    Answered,
+    /// Every try failed: it may stay paused in doubt.
+    Unreachable,
+    /// Its move was still under way after [`MOVE_END_PATIENCE`].
+    StillMoving,
+}
+
+/// [`tell_source`]'s tries: `call` tells the source once.
+async fn keep_telling<F, Fut>(id: RequestId, mut call: F) -> Told
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<v1::ResolveMigrationReply, tonic::Status>>,
+{
+    let (mut failures, mut waited) = (0, Duration::ZERO);
+    loop {
+        let why = match tokio::time::timeout(SETTLE_CALL_TIMEOUT, call()).await {
+            Ok(Ok(r)) if r.moving => {
+                if waited >= MOVE_END_PATIENCE {
+                    tracing::error!(request = id.0, "the source's move has not ended in {waited:?}; not telling it again");
+                    return Told::StillMoving;
+                }
+                tokio::time::sleep(MOVE_END_POLL).await;
+                waited += MOVE_END_POLL;
+                continue;
+            }
+            Ok(Ok(_)) => return Told::Answered,
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {SETTLE_CALL_TIMEOUT:?}"),
+        };
+        failures += 1;
+        tracing::warn!(request = id.0, attempt = failures, "telling the source which copy lives failed: {why}");
+        if failures == SETTLE_TELL_ATTEMPTS {
+            return Told::Unreachable;
+        }
+        tokio::time::sleep(Duration::from_millis(500) * failures).await;
+    }
+}
+
+/// How often a source whose move is still copying is told again, and for how long at most (its
+/// move ends within its own migration deadline, which a worker sets; this bounds a worker that
+/// never ends one).
+const MOVE_END_POLL: Duration = Duration::from_millis(200);
+const MOVE_END_PATIENCE: Duration = Duration::from_secs(600);
 
 /// Bound on each call that settles a move: a leader taking over must not wait on a hung worker.
 const SETTLE_CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -1474,6 +1532,33 @@ mod tests {
             assert_eq!(leader.control().ownership(id).unwrap().replaced, replaced + 1, "request {id}");
         }
         leader.stop();
+    }
+
+    /// A source whose move is still copying when a new leader settles it answers so, and is told
+    /// again until the move has ended (then it acts: resumes the request or frees its copy); a
+    /// source that cannot be reached is tried a few times, not forever.
+    #[tokio::test(start_paused = true)]
+    async fn a_source_still_moving_is_told_again_until_its_move_ended() {
+        let calls = std::sync::atomic::AtomicU32::new(0);
+        let told = keep_telling(RequestId(3), || {
+            let n = calls.fetch_add(1, Ordering::Relaxed);
+            async move { Ok(v1::ResolveMigrationReply { held: true, moving: n < 5 }) }
+        })
+        .await;
+        assert_eq!((told, calls.load(Ordering::Relaxed)), (Told::Answered, 6), "told until the move ended");
+
+        let calls = std::sync::atomic::AtomicU32::new(0);
+        let told = keep_telling(RequestId(3), || {
+            calls.fetch_add(1, Ordering::Relaxed);
+            async { Err(tonic::Status::unavailable("gone")) }
+        })
+        .await;
+        assert_eq!((told, calls.load(Ordering::Relaxed)), (Told::Unreachable, SETTLE_TELL_ATTEMPTS));
+
+        let started = tokio::time::Instant::now();
+        let told = keep_telling(RequestId(3), || async { Ok(v1::ResolveMigrationReply { held: true, moving: true }) }).await;
+        assert_eq!(told, Told::StillMoving);
+        assert!(started.elapsed() >= MOVE_END_PATIENCE, "patient for as long as a move may last");
     }
 
     /// The role stored for `instance`, once it is `want` (the leader stores roles in a task of

@@ -27,6 +27,7 @@
 //! | `Paused` | COMMIT confirmed | `Left` | frees the source copy |
 //! | `Paused` | COMMIT reply lost | `InDoubt` | waits for the coordinator |
 //! | `InDoubt` | resolved held / not held | `Left` / `Running` | frees / resumes |
+//! | `MovingOut`, `Paused` | resolved (a new leader settling a move still copying) | unchanged | answers "under way": told again once it ended |
 //! | `Running`, `MovingOut` | finished | `Finished` | logs the record |
 //! | `Running` | registration expired | `Unseen` | cancels it (the coordinator re-placed it) |
 //!
@@ -191,6 +192,10 @@ pub enum Settle {
     Resume,
     /// Not in doubt here (never was, or settled already): nothing to do.
     NotInDoubt,
+    /// Its move out is still copying (or waiting for the COMMIT reply): nothing is done now. The
+    /// move ends by itself (aborted: it resumes here; COMMIT reply lost: in doubt), and the
+    /// coordinator tells it again then; acting now could leave it paused with nobody to tell.
+    Underway,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -549,11 +554,14 @@ impl Ledger {
 
     /// The coordinator settled a move whose outcome was unknown (`committed`: the target holds
     /// it). Only a request in doubt is touched: a leader that took over settles every move its
-    /// predecessor left open, and a move still copying (or long settled) must go on undisturbed.
+    /// predecessor left open, and a move still copying (or long settled) must go on undisturbed
+    /// (a move still copying answers [`Settle::Underway`], to be told again once it ended).
     pub fn resolve_source(&mut self, request: RequestId, committed: bool) -> Settle {
         let Some(e) = self.entries.get_mut(&request) else { return Settle::NotInDoubt };
-        if !matches!(e.state, State::InDoubt(_)) {
-            return Settle::NotInDoubt;
+        match e.state {
+            State::InDoubt(_) => {}
+            State::MovingOut(_) | State::Paused(_) => return Settle::Underway,
+            _ => return Settle::NotInDoubt,
         }
         if committed {
             self.leave(request);

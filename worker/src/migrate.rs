@@ -29,7 +29,7 @@
 use crate::arena::ArenaError;
 use crate::clock::ClusterClock;
 use crate::driver::{BeganOut, Command, DriverError, KvProgress, LiveCommand, PausedOut};
-use crate::ledger::Refusal;
+use crate::ledger::{Refusal, Settle};
 use bytes::Bytes;
 use kvfleet_core::kv::BlockHash;
 use kvfleet_core::{RequestId, Timestamp};
@@ -531,9 +531,9 @@ impl Migrator {
     /// The coordinator settled an unknown outcome: free the paused copy (the target runs it) or
     /// resume it here. Only a request paused in doubt is touched: a leader that took over settles
     /// every move its predecessor left open, and a move still copying (or long settled) must go
-    /// on undisturbed (its target, fenced by that leader, refuses the COMMIT if it comes).
-    /// Returns whether the request was in doubt here.
-    pub async fn resolve_source(&self, request: RequestId, committed: bool) -> Result<bool, String> {
+    /// on undisturbed (its target, fenced by that leader, refuses the COMMIT if it comes; the
+    /// answer [`Settle::Underway`] asks the coordinator to tell it again once the move ended).
+    pub async fn resolve_source(&self, request: RequestId, committed: bool) -> Result<Settle, String> {
         self.ask(|reply| LiveCommand::ResolveSource { request, committed, reply }).await
     }
 

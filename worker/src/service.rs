@@ -7,6 +7,7 @@
 
 use crate::driver::{Command, DriverError, DriverStats, SubmitOutcome};
 use crate::events::{EventLog, Read};
+use crate::ledger::Settle;
 use crate::migrate::{stats_proto, Migrator};
 use kvfleet_core::engine::MigratedRequest;
 use kvfleet_core::RequestId;
@@ -280,18 +281,24 @@ impl Worker for WorkerService {
         kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/ResolveMigration")?;
         let id = RequestId(request.get_ref().request_id);
         let m = self.migrator()?;
-        let held = match request.get_ref().committed {
-            None => m.resolve_target(id).await.map_err(Status::unavailable)?,
-            Some(committed) => {
-                let in_doubt = m.resolve_source(id, committed).await.map_err(Status::failed_precondition)?;
-                if !in_doubt {
+        let (held, moving) = match request.get_ref().committed {
+            None => (m.resolve_target(id).await.map_err(Status::unavailable)?, false),
+            Some(committed) => match m.resolve_source(id, committed).await.map_err(Status::failed_precondition)? {
+                Settle::NotInDoubt => {
                     tracing::debug!(request = %id, committed, "resolution for a request not in doubt here: nothing to do");
+                    (!committed, false)
                 }
-                !committed
-            }
+                Settle::Underway => {
+                    tracing::info!(request = %id, committed, "resolution for a move still under way: told again once it ends");
+                    (true, true)
+                }
+                Settle::FreeSource | Settle::Resume => (!committed, false),
+            },
         };
-        tracing::info!(request = %id, held, "migration resolved");
-        Ok(Response::new(v1::ResolveMigrationReply { held }))
+        if !moving {
+            tracing::info!(request = %id, held, "migration resolved");
+        }
+        Ok(Response::new(v1::ResolveMigrationReply { held, moving }))
     }
 
     async fn attach(&self, request: Request<v1::AttachRequest>) -> Result<Response<v1::AttachReply>, Status> {

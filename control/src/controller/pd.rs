@@ -94,8 +94,10 @@ pub(super) struct ArrowDriver {
     last_flip_s: Option<f64>,
     /// Flips so far (each flip's number in the decision log).
     flips: u64,
-    /// The next monitoring pass.
+    /// The next monitoring pass. Passes fall every interval from the first arrival this
+    /// controller saw (`anchored` once it did), whenever the controller itself started.
     next_pass: Timestamp,
+    anchored: bool,
     marks: BTreeMap<InstanceId, ItlMark>,
     /// Placements so far into each pool ([`Placement::RoundRobin`]'s turn).
     turns: [usize; 2],
@@ -157,6 +159,7 @@ impl Controller {
             last_flip_s: None,
             flips: 0,
             next_pass,
+            anchored: false,
             marks: BTreeMap::new(),
             turns: [0, 0],
         });
@@ -352,6 +355,16 @@ impl Controller {
         }
     }
 
+    /// Arrow's monitoring passes count their intervals from the first arrival, `first` (the
+    /// request's arrival time): the simulator starts its controller as the workload starts, an
+    /// emulator's leader seconds before it (or, after a failover, during it), and the passes
+    /// must fall at the same points of the workload in both.
+    pub(super) fn anchor_arrow_passes(&mut self, first: Timestamp) {
+        let Some(a) = self.arrow.as_mut().filter(|a| !a.anchored) else { return };
+        a.anchored = true;
+        a.next_pass = first + TimeSpan::from_secs_f64(a.params.interval_s);
+    }
+
     /// Alg. 2, when its interval has passed: each instance's mean inter-token latency over the
     /// interval, the pool loads, and maybe a P→D flip.
     pub(super) fn arrow_tick(&mut self) {
@@ -360,7 +373,10 @@ impl Controller {
         if now < a.next_pass {
             return;
         }
-        a.next_pass = now + TimeSpan::from_secs_f64(a.params.interval_s);
+        // The next pass on the grid, however late this one ran (an emulator's timer).
+        let step = TimeSpan::from_secs_f64(a.params.interval_s).as_nanos().max(1);
+        let behind = now.saturating_since(a.next_pass).as_nanos();
+        a.next_pass += TimeSpan::from_nanos((behind / step + 1) * step);
         for l in &self.live {
             let mark = a.marks.entry(l.instance).or_default();
             // A restarted worker counts from zero again: no interval to measure.

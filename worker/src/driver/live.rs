@@ -84,11 +84,11 @@ pub(crate) enum LiveCommand {
         migration: MigrationId,
         reply: Reply<()>,
     },
-    /// The coordinator settled a move in doubt; replies whether it was in doubt here.
+    /// The coordinator settled a move in doubt; replies what the request's entry made of it.
     ResolveSource {
         request: RequestId,
         committed: bool,
-        reply: Reply<bool>,
+        reply: Reply<Settle>,
     },
     /// Replies how many leading blocks of `prefix` were pinned from this instance's prefix cache.
     Reserve {
@@ -359,19 +359,17 @@ impl Driver {
         }
     }
 
-    fn resolve_source(&mut self, request: RequestId, committed: bool) -> Result<bool, DriverError> {
-        match self.ledger.resolve_source(request, committed) {
+    fn resolve_source(&mut self, request: RequestId, committed: bool) -> Result<Settle, DriverError> {
+        let settle = self.ledger.resolve_source(request, committed);
+        match settle {
             Settle::FreeSource => {
                 self.engine.finish_migration_out(request)?;
                 self.written.remove(&request);
-                Ok(true)
             }
-            Settle::Resume => {
-                self.abort_out(request)?;
-                Ok(true)
-            }
-            Settle::NotInDoubt => Ok(false),
+            Settle::Resume => self.abort_out(request)?,
+            Settle::NotInDoubt | Settle::Underway => {}
         }
+        Ok(settle)
     }
 
     /// Tokens of `request` whose content is written and final: whole blocks while it runs

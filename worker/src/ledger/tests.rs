@@ -276,6 +276,13 @@ enum Op {
     Resolve {
         pick: u8,
     },
+    /// A leader that took over settles a move its predecessor left open while the move is still
+    /// copying or paused: the target is asked (and fenced unless it holds the request), and the
+    /// source, told which copy lives, leaves the move undisturbed and says so; it is told again
+    /// once the move has ended ([`Op::Resolve`], or nothing when the move aborted).
+    SettleEarly {
+        pick: u8,
+    },
     /// kill -9: the coordinator evicts the instance and re-places its requests (on `to`...).
     Kill {
         instance: u8,
@@ -309,6 +316,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => b().prop_map(|pick| Op::SourceAbort { pick }),
         2 => b().prop_map(|pick| Op::TargetAbort { pick }),
         2 => b().prop_map(|pick| Op::Resolve { pick }),
+        1 => b().prop_map(|pick| Op::SettleEarly { pick }),
         1 => (b(), b()).prop_map(|(instance, to)| Op::Kill { instance, to }),
         1 => b().prop_map(|instance| Op::Restart { instance }),
         1 => (b(), b(), any::<bool>()).prop_map(|(instance, to, reclaimed)| Op::LeaseLost { instance, to, reclaimed }),
@@ -664,6 +672,26 @@ impl Cluster {
                     .collect();
                 let Some(k) = nth(&doubtful, pick) else { return };
                 self.resolve(k);
+            }
+            Op::SettleEarly { pick } => {
+                let open: Vec<usize> = (0..self.moves.len())
+                    .filter(|&k| self.moves[k].tracked)
+                    .filter(|&k| matches!(self.moves[k].source, Some(Source::Copying | Source::Paused)))
+                    .collect();
+                let Some(k) = nth(&open, pick) else { return };
+                let (from, to, request) = (self.moves[k].from, self.moves[k].to, self.moves[k].request);
+                let held = match &mut self.current[to.instance] {
+                    Some(p) => p.ledger.resolve_target(request),
+                    None => false,
+                };
+                let before = self.ledger(from).state(request);
+                // Finished while its KV was being copied: the move ends at its pause.
+                let want = match before {
+                    State::MovingOut(_) | State::Paused(_) => Settle::Underway,
+                    _ => Settle::NotInDoubt,
+                };
+                assert_eq!(self.ledger(from).resolve_source(request, held), want, "{request} {before:?}");
+                assert_eq!(self.ledger(from).state(request), before, "a move under way goes on undisturbed");
             }
             Op::Kill { instance, to } => {
                 let i = instance as usize % INSTANCES;

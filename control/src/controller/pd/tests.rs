@@ -141,6 +141,26 @@ fn the_monitor_flips_a_prefill_instance_when_decoding_slows_past_l_expand() {
     assert_eq!(actions, vec![Action::SetRole { instance: InstanceId(2), role: Role::Decode }]);
 }
 
+/// The passes fall every interval from the first arrival, wherever the controller's clock started
+/// (an emulator's leader starts seconds before its workload), and keep that grid when a pass runs
+/// late (a timer's lateness does not add up).
+#[test]
+fn monitoring_passes_count_from_the_first_arrival_on_a_fixed_grid() {
+    let mut c = arrow(3, 4);
+    c.handle(at(3.0), Event::Tick).unwrap();
+    assert_eq!(c.next_tick(), Some(at(4.0)), "before any arrival: every interval from the start");
+    let first = RequestSpec { arrival: at(3.3), ..spec(1, 100) };
+    c.handle(at(3.301), Event::Arrival(first)).unwrap();
+    assert_eq!(c.next_tick(), Some(at(4.3)), "an interval after the first arrival's time");
+    let second = RequestSpec { arrival: at(3.6), ..spec(2, 100) };
+    c.handle(at(3.6), Event::Arrival(second)).unwrap();
+    assert_eq!(c.next_tick(), Some(at(4.3)), "later arrivals move nothing");
+    c.handle(at(4.312), Event::Tick).unwrap();
+    assert_eq!(c.next_tick(), Some(at(5.3)), "a late pass keeps the grid");
+    c.handle(at(7.9), Event::Tick).unwrap();
+    assert_eq!(c.next_tick(), Some(at(8.3)), "passes missed are not run twice");
+}
+
 /// Request `id` (prompt 100) arrives; returns where it was placed.
 fn arrive(c: &mut Controller, now: Timestamp, id: u64) -> InstanceId {
     c.handle(now, Event::Arrival(spec(id, 100))).unwrap();
