@@ -661,7 +661,7 @@ pub(crate) async fn migrate_once(pair: &WorkerPair<'_>, how: Move<'_>, stop_args
     })
     .await;
     anyhow::ensure!(first.is_some(), "no token from the source within 60 s (emulated)");
-    let req = v1::MigrateOutRequest { request_id: 1, target: 1, target_kv_address: target_kv };
+    let req = v1::MigrateOutRequest { request_id: 1, target: 1, target_kv_address: target_kv, ..Default::default() };
     let pids = [procs[0].pid().to_string(), procs[1].pid().to_string()];
     let cpu_before = [cpu_seconds(&pids[0]), cpu_seconds(&pids[1])];
     let out = src.migrate_out(req).await?.into_inner();

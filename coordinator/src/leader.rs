@@ -522,7 +522,7 @@ impl Leader {
     /// COMMIT from then on); there is no source left to tell. The controller then keeps the
     /// request there or re-places it.
     async fn settle_departed_source(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId) {
-        let held = ask_target(id, self.client(to)).await;
+        let held = ask_target(id, self.client(to), self.moves_so_far()).await;
         tracing::warn!(request = id.0, from = from.0, to = to.0, held, "settled the move of a worker that left");
         let actions = match self.decide(Event::Settled { request: id, from, to, held }) {
             Ok(actions) => actions,
@@ -538,6 +538,23 @@ impl Leader {
             let _ = self.persist_ownership(id).await;
         }
         self.act(actions);
+    }
+
+    /// The order of the next move this leader starts (`Prepare.leader_term`, `move_seq`): its
+    /// term, its election key's create revision (each leader's is above every earlier leader's),
+    /// then the moves this process started so far. A target fenced up to
+    /// [`Leader::moves_so_far`] refuses every move ordered before and accepts the ones after.
+    fn next_move_order(&self) -> (u64, u64) {
+        (self.term(), MOVES_STARTED.fetch_add(1, Ordering::SeqCst) + 1)
+    }
+
+    /// The order of the last move started so far (see [`Leader::next_move_order`]).
+    fn moves_so_far(&self) -> (u64, u64) {
+        (self.term(), MOVES_STARTED.load(Ordering::SeqCst))
+    }
+
+    fn term(&self) -> u64 {
+        u64::try_from(self.fence.create_revision.0).unwrap_or(0)
     }
 
     fn client(&self, instance: InstanceId) -> Option<WorkerClient<Channel>> {
@@ -955,7 +972,9 @@ impl Leader {
                 return Moved::No;
             }
         }
-        let req = v1::MigrateOutRequest { request_id: id.0, target: to.0, target_kv_address };
+        let order = self.next_move_order();
+        let req =
+            v1::MigrateOutRequest { request_id: id.0, target: to.0, target_kv_address, leader_term: order.0, move_seq: order.1 };
         let out = match src.migrate_out(kvfleet_telemetry::request_with(&self.traces.context(id), req)).await {
             Ok(r) => r.into_inner(),
             Err(e) => {
@@ -1002,7 +1021,7 @@ impl Leader {
         let mut outcome = out.outcome();
         let in_doubt = outcome == v1::MigrationOutcome::MigrationUnknown;
         if in_doubt {
-            let held = ask_target(id, Some(dst.clone())).await;
+            let held = ask_target(id, Some(dst.clone()), self.moves_so_far()).await;
             let _ = tell_source(id, src.clone(), held).await;
             tracing::warn!(
                 request = id.0,
@@ -1096,7 +1115,7 @@ impl Leader {
                 let leader = self.clone();
                 let (answered, asked) = tokio::sync::oneshot::channel::<()>();
                 tokio::spawn(async move {
-                    let held = ask_target(id, leader.client(to)).await;
+                    let held = ask_target(id, leader.client(to), leader.moves_so_far()).await;
                     tracing::warn!(
                         request = id.0,
                         from = from.0,
@@ -1182,10 +1201,16 @@ impl Leader {
 /// is told. An unreachable or unregistered target holds nothing that will live: its registration
 /// lapses and its requests are re-placed, so the source's copy is the one that lives.
 /// Ask the target of `id`'s move whether it holds the request (unreachable or hung: no). If not,
-/// it never will: it refuses a late COMMIT from then on.
-async fn ask_target(id: RequestId, dst: Option<WorkerClient<Channel>>) -> bool {
+/// it never will through a move ordered up to `upto` (every move started so far, that one among
+/// them: [`Leader::moves_so_far`]): it refuses their late PREPARE or COMMIT from then on.
+async fn ask_target(id: RequestId, dst: Option<WorkerClient<Channel>>, (term, seq): (u64, u64)) -> bool {
     let Some(mut dst) = dst else { return false };
-    let ask = dst.resolve_migration(v1::ResolveMigrationRequest { request_id: id.0, committed: None });
+    let ask = dst.resolve_migration(v1::ResolveMigrationRequest {
+        request_id: id.0,
+        committed: None,
+        fence_term: term,
+        fence_seq: seq,
+    });
     // A hung target answers nothing: as if unreachable.
     matches!(tokio::time::timeout(SETTLE_CALL_TIMEOUT, ask).await, Ok(Ok(r)) if r.get_ref().held)
 }
@@ -1194,7 +1219,7 @@ async fn ask_target(id: RequestId, dst: Option<WorkerClient<Channel>>) -> bool {
 /// uninformed stays paused in doubt: a failed call is worth a few tries, and a source answering
 /// that its move is still copying is told again until the move has ended.
 async fn tell_source(id: RequestId, src: WorkerClient<Channel>, held: bool) -> Told {
-    let tell = v1::ResolveMigrationRequest { request_id: id.0, committed: Some(held) };
+    let tell = v1::ResolveMigrationRequest { request_id: id.0, committed: Some(held), ..Default::default() };
     keep_telling(id, || {
         let mut src = src.clone();
         async move { src.resolve_migration(tell).await.map(tonic::Response::into_inner) }
@@ -1243,6 +1268,10 @@ where
         tokio::time::sleep(Duration::from_millis(500) * failures).await;
     }
 }
+
+/// Moves this process has started, as leader of any term (counted across terms, so a leader
+/// re-elected with its own key keeps ordering its moves after the earlier ones).
+static MOVES_STARTED: AtomicU64 = AtomicU64::new(0);
 
 /// How often a source whose move is still copying is told again, and for how long at most (its
 /// move ends within its own migration deadline, which a worker sets; this bounds a worker that

@@ -232,6 +232,30 @@ impl fmt::Display for MigrationId {
     }
 }
 
+/// Where a move stands among every move a cluster's leaders started: the term of the leader that
+/// started it (its election key's create revision, which grows from leader to leader), then that
+/// leader's count of moves. A target fences a request up to an order when its coordinator
+/// settles the request as "not here": moves started before are refused, later ones land.
+/// [`MoveOrder::UNORDERED`] (a move no leader started) comes before every fence.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct MoveOrder {
+    /// The starting leader's term.
+    pub term: u64,
+    /// The move's number among that leader's moves (from 1).
+    pub seq: u64,
+}
+
+impl MoveOrder {
+    /// Before every move a leader starts.
+    pub const UNORDERED: MoveOrder = MoveOrder { term: 0, seq: 0 };
+}
+
+impl fmt::Display for MoveOrder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.term, self.seq)
+    }
+}
+
 /// Where a migration stands; named in [`AbortReason::Timeout`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

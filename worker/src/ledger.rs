@@ -16,10 +16,10 @@
 //! |---|---|---|---|
 //! | `Unseen`, `Left` | submit (first placement, or re-placed after leaving) | `Running` | runs it (freeing a stale reservation) |
 //! | `Running`, ..., `Finished` | submit again | unchanged | answers "already accepted" |
-//! | not held, not fenced | PREPARE in | + reservation (that migration's) | reserves blocks |
+//! | not held, the move not fenced | PREPARE in | + reservation (that migration's) | reserves blocks |
 //! | reserved by the migration | COMMIT in | `Running` | verifies and attaches on the reservation |
 //! | reserved by the migration | its abort | reservation gone | frees the blocks |
-//! | not held | coordinator asks "held?" | + fenced (unless `Finished`) | answers no (yes if finished) |
+//! | not held | coordinator asks "held?" | + fenced up to the moves started so far (unless `Finished`) | answers no (yes if finished) |
 //! | not held | attach (re-materialised) | `Running` | attaches it |
 //! | `Running` | move out begins | `MovingOut` | copies KV while it decodes |
 //! | `MovingOut` | pause | `Paused` | freezes it for the final copy |
@@ -47,7 +47,7 @@
 
 use kvfleet_core::idmap::IdMap;
 use kvfleet_core::RequestId;
-use kvfleet_netmodel::migration::MigrationId;
+use kvfleet_netmodel::migration::{MigrationId, MoveOrder};
 use std::fmt;
 
 /// Where a request stands on this instance.
@@ -203,8 +203,11 @@ struct Entry {
     state: State,
     /// The inbound migration whose PREPARE reserved blocks for it (not attached nor released yet).
     reserved_for: Option<MigrationId>,
-    /// Settled by the coordinator as "not here": a late PREPARE or COMMIT of an old move is refused.
-    fenced: bool,
+    /// The reservation's move order (its PREPARE's).
+    reserved_order: MoveOrder,
+    /// Settled by the coordinator as "not here" up to this move order: a late PREPARE or COMMIT
+    /// of a move started before is refused; a move started after may land.
+    fence: Option<MoveOrder>,
     /// Attached with re-generated KV (reported in its finished record).
     rematerialized: bool,
 }
@@ -212,7 +215,7 @@ struct Entry {
 impl Entry {
     /// Nothing worth remembering (an unseen request whose reservation was freed).
     fn is_blank(&self) -> bool {
-        self.state == State::Unseen && self.reserved_for.is_none() && !self.fenced
+        self.state == State::Unseen && self.reserved_for.is_none() && self.fence.is_none()
     }
 }
 
@@ -374,9 +377,9 @@ impl Ledger {
     // ------------------------------------------------------------------------- inbound live
 
     /// An inbound migration's PREPARE: reserve blocks for it, or say why not.
-    pub fn prepare(&mut self, request: RequestId, migration: MigrationId) -> Result<(), Refusal> {
+    pub fn prepare(&mut self, request: RequestId, migration: MigrationId, order: MoveOrder) -> Result<(), Refusal> {
         let e = self.entries.get(&request);
-        if e.is_some_and(|e| e.fenced) {
+        if e.and_then(|e| e.fence).is_some_and(|fence| order <= fence) {
             return Err(Refusal::Fenced);
         }
         self.accepts_migrations()?;
@@ -390,7 +393,9 @@ impl Ledger {
                 return Err(Refusal::AlreadyHere);
             }
         }
-        self.entries.entry(request).or_default().reserved_for = Some(migration);
+        let e = self.entries.entry(request).or_default();
+        e.reserved_for = Some(migration);
+        e.reserved_order = order;
         Ok(())
     }
 
@@ -416,8 +421,12 @@ impl Ledger {
     pub fn commit(&self, request: RequestId, migration: MigrationId) -> Result<Arrival, Refusal> {
         let unseen = Entry::default();
         let e = self.entries.get(&request).unwrap_or(&unseen);
-        if e.fenced {
-            return Err(Refusal::Fenced);
+        if let Some(fence) = e.fence {
+            // A move with no reservation here counts as started before the fence.
+            let order = if e.reserved_for == Some(migration) { e.reserved_order } else { MoveOrder::UNORDERED };
+            if order <= fence {
+                return Err(Refusal::Fenced);
+            }
         }
         if e.state.is_held() {
             return Ok(Arrival::AlreadyHere);
@@ -458,13 +467,15 @@ impl Ledger {
     /// The coordinator asks whether the move of `request` whose outcome was lost landed here.
     /// It did if the request is here, or finished here (it may finish before the coordinator
     /// asks: then the source must free its paused copy, not resume a request that is done). If
-    /// not, it never will through a migration in flight: fenced from now on.
-    pub fn resolve_target(&mut self, request: RequestId) -> bool {
+    /// not, it never will through a move the coordinator started up to `upto` (every move
+    /// started so far, the one in question among them): fenced from now on for those; a move
+    /// started later may still bring it here.
+    pub fn resolve_target(&mut self, request: RequestId, upto: MoveOrder) -> bool {
         let e = self.entries.entry(request).or_default();
         if e.state.is_held() || e.state == State::Finished {
             return true;
         }
-        e.fenced = true;
+        e.fence = e.fence.max(Some(upto));
         false
     }
 

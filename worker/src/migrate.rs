@@ -36,7 +36,7 @@ use kvfleet_core::{RequestId, Timestamp};
 use kvfleet_netmodel::migration::wire::{frame::Body, BlockHash as WireHash, Frame, PrefixBlock, PrefixPull};
 use kvfleet_netmodel::migration::{
     block_frame_head, block_tokens, checksum, slice_bytes, slice_frame_head, AbortReason, MigrationId, MigrationParams,
-    MigrationReport, Outcome, SourceAction, SourceMachine, TargetAction, TargetMachine, BLOCK_DATA_PAYLOAD_PATH,
+    MigrationReport, MoveOrder, Outcome, SourceAction, SourceMachine, TargetAction, TargetMachine, BLOCK_DATA_PAYLOAD_PATH,
 };
 use kvfleet_proto::v1;
 use kvfleet_transport::{FrameReader, FrameWriter, KvConnection, KvTransport, Payload, StreamReader, StreamWriter};
@@ -183,13 +183,14 @@ impl Migrator {
         request: RequestId,
         target: SocketAddr,
         to: Option<u32>,
+        order: MoveOrder,
         parent: &kvfleet_telemetry::Context,
     ) -> Result<MigrationReport, DriverError> {
         let id = MigrationId(((self.instance as u64) << 40) | self.next_id.fetch_add(1, Ordering::Relaxed));
         let began = self.ask_raw(|reply| LiveCommand::BeginOut { request, migration: id, reply }).await?;
         let trace =
             SourceTrace::start(parent, &self.clock, self.now(), id, request, (self.instance, to), self.cfg.link);
-        let (outcome, report, connected) = self.run_source(id, request, began, target, trace.carrier()).await;
+        let (outcome, report, connected) = self.run_source(id, request, began, (target, order), trace.carrier()).await;
         if matches!(outcome, Outcome::Aborted(AbortReason::SourceKvUnavailable(_)))
             && !self.ask(|reply| LiveCommand::Holds { request, reply }).await.unwrap_or(true)
         {
@@ -242,13 +243,16 @@ impl Migrator {
         id: MigrationId,
         request: RequestId,
         began: BeganOut,
-        target: SocketAddr,
+        (target, order): (SocketAddr, MoveOrder),
         trace_context: kvfleet_telemetry::Carrier,
     ) -> (Outcome, MigrationReport, bool) {
         let mut m = match SourceMachine::new(id, request, self.cfg.params.clone(), self.now(), began.kv_tokens) {
             Ok(m) => {
-                let m =
-                    m.with_source_instance(self.instance).with_trace_context(trace_context).with_prefix(began.prefix);
+                let m = m
+                    .with_source_instance(self.instance)
+                    .with_trace_context(trace_context)
+                    .with_prefix(began.prefix)
+                    .with_order(order);
                 match began.following {
                     Some(expected) => m.following_prefill(expected).in_layer_groups(began.layer_groups),
                     None => m,
@@ -541,8 +545,8 @@ impl Migrator {
 
     /// Did a move of `request` land here (it is here, or finished here)? If not, it never will
     /// through a migration in flight: a late COMMIT is refused from now on.
-    pub async fn resolve_target(&self, request: RequestId) -> Result<bool, String> {
-        self.ask(|reply| LiveCommand::ResolveTarget { request, reply }).await
+    pub async fn resolve_target(&self, request: RequestId, upto: MoveOrder) -> Result<bool, String> {
+        self.ask(|reply| LiveCommand::ResolveTarget { request, upto, reply }).await
     }
 
     /// Accept inbound migrations until the transport closes.
@@ -763,11 +767,10 @@ impl Migrator {
                     TargetAction::Send(f) => {
                         let _ = ctl.send(&f).await;
                     }
-                    TargetAction::Reserve { request, kv_tokens, prefix, .. } => {
+                    TargetAction::Reserve { request, kv_tokens, prefix, order, .. } => {
                         let asked = self.now();
-                        let r = match self
-                            .ask_raw(|reply| LiveCommand::Reserve { request, migration: id, kv_tokens, prefix, reply })
-                            .await
+                        let reserve = |reply| LiveCommand::Reserve { request, migration: id, order, kv_tokens, prefix, reply };
+                        let r = match self.ask_raw(reserve).await
                         {
                             Ok(pinned) => Ok(pinned),
                             Err(DriverError::Refused { refusal: Refusal::Fenced, .. }) => {

@@ -11,7 +11,7 @@ use crate::ledger::Settle;
 use crate::migrate::{stats_proto, Migrator};
 use kvfleet_core::engine::MigratedRequest;
 use kvfleet_core::RequestId;
-use kvfleet_netmodel::migration::Outcome;
+use kvfleet_netmodel::migration::{MoveOrder, Outcome};
 use kvfleet_pki::Role;
 use kvfleet_proto::v1::worker_server::Worker;
 use kvfleet_proto::{require_spec, v1, MAX_TOKENS_PER_REQUEST};
@@ -246,7 +246,9 @@ impl Worker for WorkerService {
             // paused here with nobody to resume it. Run to its end, it settles itself (committed,
             // resumed here, or in doubt for the next leader to settle).
             let migrator = self.migrator()?.clone();
-            let report = tokio::spawn(async move { migrator.migrate_out(id, addr, Some(target), &parent).await })
+            let order = MoveOrder { term: request.get_ref().leader_term, seq: request.get_ref().move_seq };
+            let report =
+                tokio::spawn(async move { migrator.migrate_out(id, addr, Some(target), order, &parent).await })
                 .await
                 .map_err(|e| Status::internal(format!("the migration task failed: {e}")))?
                 .map_err(driver_status)?;
@@ -282,7 +284,10 @@ impl Worker for WorkerService {
         let id = RequestId(request.get_ref().request_id);
         let m = self.migrator()?;
         let (held, moving) = match request.get_ref().committed {
-            None => (m.resolve_target(id).await.map_err(Status::unavailable)?, false),
+            None => {
+                let upto = MoveOrder { term: request.get_ref().fence_term, seq: request.get_ref().fence_seq };
+                (m.resolve_target(id, upto).await.map_err(Status::unavailable)?, false)
+            }
             Some(committed) => match m.resolve_source(id, committed).await.map_err(Status::failed_precondition)? {
                 Settle::NotInDoubt => {
                     tracing::debug!(request = %id, committed, "resolution for a request not in doubt here: nothing to do");

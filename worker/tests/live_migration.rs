@@ -40,7 +40,7 @@ async fn a_running_request_moves_with_its_kv_bytes_and_continues_on_the_target()
     submit(&mut ca, spec(7, a.cluster_now_ns(), prompt, reasoning, answer)).await;
     collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 7).len() >= 5).await;
 
-    let req = v1::MigrateOutRequest { request_id: 7, target: 1, target_kv_address: target_kv };
+    let req = v1::MigrateOutRequest { request_id: 7, target: 1, target_kv_address: target_kv, ..Default::default() };
     let out = ca.migrate_out(req).await.unwrap().into_inner();
     assert_eq!(out.outcome(), v1::MigrationOutcome::MigrationCommitted, "{out:?}");
     let st = out.stats.expect("live migrations report their measurements");
@@ -86,7 +86,7 @@ async fn failed_migrations_abort_and_the_request_finishes_on_the_source() {
     collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 3).len() >= 3).await;
 
     // Target full: PREPARE refused.
-    let full = v1::MigrateOutRequest { request_id: 3, target: 1, target_kv_address: target_kv };
+    let full = v1::MigrateOutRequest { request_id: 3, target: 1, target_kv_address: target_kv, ..Default::default() };
     let out = ca.migrate_out(full).await.unwrap().into_inner();
     assert_eq!(out.outcome(), v1::MigrationOutcome::MigrationAborted, "{out:?}");
     let reason = out.stats.unwrap().abort_reason;
@@ -96,7 +96,7 @@ async fn failed_migrations_abort_and_the_request_finishes_on_the_source() {
     let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let nowhere = silent.local_addr().unwrap().to_string();
     let out = ca
-        .migrate_out(v1::MigrateOutRequest { request_id: 3, target: 1, target_kv_address: nowhere })
+        .migrate_out(v1::MigrateOutRequest { request_id: 3, target: 1, target_kv_address: nowhere, ..Default::default() })
         .await
         .unwrap()
         .into_inner();
@@ -104,7 +104,7 @@ async fn failed_migrations_abort_and_the_request_finishes_on_the_source() {
     drop(silent);
 
     // Malformed address: InvalidArgument naming the field.
-    let bad = v1::MigrateOutRequest { request_id: 3, target: 1, target_kv_address: "not an address".into() };
+    let bad = v1::MigrateOutRequest { request_id: 3, target: 1, target_kv_address: "not an address".into(), ..Default::default() };
     let e = ca.migrate_out(bad).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
     assert!(e.message().contains("target_kv_address"), "{e}");
@@ -139,7 +139,7 @@ async fn a_migration_outlives_the_cancelled_call_that_started_it() {
     // coordinator's would close) once the target has reserved room (PREPARE done).
     let mut caller = a.client().await;
     let mut call = Box::pin(async move {
-        caller.migrate_out(v1::MigrateOutRequest { request_id: 11, target: 1, target_kv_address: target_kv }).await
+        caller.migrate_out(v1::MigrateOutRequest { request_id: 11, target: 1, target_kv_address: target_kv, ..Default::default() }).await
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
@@ -168,9 +168,10 @@ async fn a_migration_outlives_the_cancelled_call_that_started_it() {
 }
 
 /// What a leader that took over does with a move its predecessor recorded as started: it asks
-/// the target (which from then on refuses the move) and tells the source which copy lives. A
-/// source that is not in doubt (the move never started, is still copying, or settled long ago)
-/// goes on undisturbed, and the fenced target refuses the move if it comes.
+/// the target (which from then on refuses every move started up to then) and tells the source
+/// which copy lives. A source that is not in doubt (the move never started, is still copying, or
+/// settled long ago) goes on undisturbed, and the fenced target refuses the move if it comes; a
+/// move the leader starts after the fence lands.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_successor_settling_a_move_that_is_not_in_doubt_leaves_the_request_running() {
     let pki = TestPki::new("settle");
@@ -182,31 +183,37 @@ async fn a_successor_settling_a_move_that_is_not_in_doubt_leaves_the_request_run
     submit(&mut ca, spec(9, a.cluster_now_ns(), 100, 150, 20)).await;
     collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 9).len() >= 3).await;
 
-    let held = cb
-        .resolve_migration(v1::ResolveMigrationRequest { request_id: 9, committed: None })
-        .await
-        .unwrap()
-        .into_inner()
-        .held;
+    // The leader of term 5 has started 3 moves.
+    let ask = v1::ResolveMigrationRequest { request_id: 9, committed: None, fence_term: 5, fence_seq: 3 };
+    let held = cb.resolve_migration(ask).await.unwrap().into_inner().held;
     assert!(!held, "B never received it");
-    ca.resolve_migration(v1::ResolveMigrationRequest { request_id: 9, committed: Some(false) })
-        .await
-        .expect("telling a source that is not in doubt is not an error");
+    let tell = v1::ResolveMigrationRequest { request_id: 9, committed: Some(false), ..Default::default() };
+    let told = ca.resolve_migration(tell).await.expect("telling a source that is not in doubt is not an error");
+    assert!(!told.into_inner().moving, "no move under way");
 
-    // The fenced target refuses the move; the request stays where it runs.
-    let out = ca
-        .migrate_out(v1::MigrateOutRequest { request_id: 9, target: 1, target_kv_address: target_kv })
-        .await
-        .unwrap()
-        .into_inner();
+    // The fenced target refuses the move (its third); the request stays where it runs.
+    let move_of = |seq| v1::MigrateOutRequest {
+        request_id: 9,
+        target: 1,
+        target_kv_address: target_kv.clone(),
+        leader_term: 5,
+        move_seq: seq,
+    };
+    let out = ca.migrate_out(move_of(3)).await.unwrap().into_inner();
     assert_eq!(out.outcome(), v1::MigrationOutcome::MigrationAborted, "{out:?}");
     let reason = out.stats.unwrap().abort_reason;
     assert!(reason.contains("settled elsewhere"), "{reason}");
-
-    let c = collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&9)).await;
-    assert_eq!(indices(&c, 9), (0..170).collect::<Vec<_>>(), "every token once, all on A");
-    assert_eq!((c.finished[&9].finished_on, c.finished[&9].migrations), (Some(0), 0));
     assert_eq!(cb.load(v1::LoadRequest {}).await.unwrap().into_inner().gpu_used_blocks, 0, "nothing reserved on B");
+
+    // The leader's next move of it lands; every token once, A's then B's.
+    let out = ca.migrate_out(move_of(4)).await.unwrap().into_inner();
+    assert_eq!(out.outcome(), v1::MigrationOutcome::MigrationCommitted, "{out:?}");
+    let generated = out.kv_tokens - 100;
+    let on_b = collect_until(&mut cb, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&9)).await;
+    let on_a = collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 9).len() as u32 >= generated).await;
+    assert_eq!(indices(&on_a, 9), (0..generated).collect::<Vec<_>>());
+    assert_eq!(indices(&on_b, 9), (generated..170).collect::<Vec<_>>());
+    assert_eq!((on_b.finished[&9].finished_on, on_b.finished[&9].migrations), (Some(1), 1));
 }
 
 /// Wait until `cond` holds on the worker's load report (polled; fails after 60 s).
@@ -244,7 +251,7 @@ async fn a_peer_killed_mid_copy_aborts_without_losing_the_request() {
     assert!(ca.submit(v1::SubmitRequest { spec: Some(s) }).await.unwrap().into_inner().accepted);
     collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| !indices(c, 11).is_empty()).await;
     let mut mover = a.client().await;
-    let req = v1::MigrateOutRequest { request_id: 11, target: 1, target_kv_address: target_kv };
+    let req = v1::MigrateOutRequest { request_id: 11, target: 1, target_kv_address: target_kv, ..Default::default() };
     let migration = tokio::spawn(async move { mover.migrate_out(req).await });
     wait_load(&mut cb, "the target reserves blocks", |l| l.gpu_used_blocks > 0).await;
     b.signal("KILL");
@@ -264,7 +271,7 @@ async fn a_peer_killed_mid_copy_aborts_without_losing_the_request() {
     assert!(ca.submit(v1::SubmitRequest { spec: Some(s) }).await.unwrap().into_inner().accepted);
     collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| !indices(c, 12).is_empty()).await;
     let mut mover = a.client().await;
-    let req = v1::MigrateOutRequest { request_id: 12, target: 2, target_kv_address: target_kv };
+    let req = v1::MigrateOutRequest { request_id: 12, target: 2, target_kv_address: target_kv, ..Default::default() };
     let _migration = tokio::spawn(async move { mover.migrate_out(req).await });
     wait_load(&mut cc, "the target reserves blocks", |l| l.gpu_used_blocks > 0).await;
     a.signal("KILL");

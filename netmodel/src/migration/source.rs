@@ -3,7 +3,7 @@
 use super::wire::{self, frame::Body, Frame};
 use super::{
     abort_frame, blocks_for_tokens, body_migration_id, body_name, frame, AbortKind, AbortReason, MigrationId,
-    MigrationParams, MigrationPhase, MigrationReport, Outcome, ParamsError, StageReport,
+    MigrationParams, MigrationPhase, MigrationReport, MoveOrder, Outcome, ParamsError, StageReport,
 };
 use bytes::Bytes;
 use kvfleet_core::kv::BlockHash;
@@ -94,6 +94,7 @@ pub struct SourceMachine {
     model: String,
     source_instance: u32,
     trace_context: HashMap<String, String>,
+    order: MoveOrder,
     state: State,
     /// KV length the driver last reported (append-only: only grows).
     kv_tokens: u32,
@@ -139,6 +140,7 @@ impl SourceMachine {
             model: String::new(),
             source_instance: 0,
             trace_context: HashMap::new(),
+            order: MoveOrder::UNORDERED,
             state: State::Idle,
             kv_tokens,
             sent_blocks: 0,
@@ -179,6 +181,13 @@ impl SourceMachine {
     /// target caching the first k of them is not sent those k blocks.
     pub fn with_prefix(mut self, prefix: Vec<BlockHash>) -> Self {
         self.prefix = prefix;
+        self
+    }
+
+    /// The move's order among the moves the cluster's leaders started, sent in `Prepare` (a
+    /// target fenced for the request refuses moves started before its fence).
+    pub fn with_order(mut self, order: MoveOrder) -> Self {
+        self.order = order;
         self
     }
 
@@ -328,6 +337,8 @@ impl SourceMachine {
             prefix: self.prefix.iter().map(|&h| wire::BlockHash { hi: (h >> 64) as u64, lo: h as u64 }).collect(),
             expected_kv_tokens: self.follow.unwrap_or(0),
             layer_groups: if self.follow.is_some() && self.layer_groups > 1 { self.layer_groups } else { 0 },
+            leader_term: self.order.term,
+            move_seq: self.order.seq,
         }));
     }
 

@@ -3,7 +3,7 @@
 use super::wire::{self, frame::Body, Frame};
 use super::{
     abort_frame, block_tokens, blocks_for_tokens, body_migration_id, body_name, checksum_payload, frame, AbortKind,
-    AbortReason, MigrationId, MigrationParams, MigrationPhase, Outcome,
+    AbortReason, MigrationId, MigrationParams, MigrationPhase, MoveOrder, Outcome,
 };
 use crate::Payload;
 use bytes::Bytes;
@@ -34,6 +34,9 @@ pub enum TargetAction {
         /// here may be pinned instead of reserved, answered with
         /// [`TargetMachine::on_reserved_prefix`].
         prefix: Vec<BlockHash>,
+        /// The move's order (`Prepare.leader_term`, `move_seq`): refuse it if the request was
+        /// settled as "not here" after the move started.
+        order: MoveOrder,
     },
     /// Write this block (logical `index`, `tokens` valid tokens, exactly `block_bytes` long), or
     /// a slice of it (`data` at `offset`: some of its layer groups), into the reservation,
@@ -235,6 +238,7 @@ impl TargetMachine {
                     blocks: blocks_for_tokens(kv_tokens, params.block_size),
                     model: prepare.model,
                     prefix: prepare.prefix.iter().map(|h| (h.hi as BlockHash) << 64 | h.lo as BlockHash).collect(),
+                    order: MoveOrder { term: prepare.leader_term, seq: prepare.move_seq },
                 });
             }
         }

@@ -26,7 +26,7 @@ use bytes::Bytes;
 use kvfleet_core::engine::MigratedRequest;
 use kvfleet_core::kv::{BlockHash, BlockTable, Tier};
 use kvfleet_core::{RequestId, Timestamp};
-use kvfleet_netmodel::migration::MigrationId;
+use kvfleet_netmodel::migration::{MigrationId, MoveOrder};
 use kvfleet_netmodel::Payload;
 use std::sync::Arc;
 use tokio::sync::oneshot;
@@ -94,6 +94,7 @@ pub(crate) enum LiveCommand {
     Reserve {
         request: RequestId,
         migration: MigrationId,
+        order: MoveOrder,
         kv_tokens: u32,
         prefix: Vec<BlockHash>,
         reply: Reply<u32>,
@@ -127,6 +128,8 @@ pub(crate) enum LiveCommand {
     /// Whether a move of the request whose outcome was lost landed here; fenced if not.
     ResolveTarget {
         request: RequestId,
+        /// Fence the moves ordered up to this one.
+        upto: MoveOrder,
         reply: Reply<bool>,
     },
     /// A prefix fetch's holder: blocks `first..first + count` of the prompt whose block hashes
@@ -216,8 +219,8 @@ impl Driver {
             LiveCommand::ResolveSource { request, committed, reply } => {
                 let _ = reply.send(self.resolve_source(request, committed));
             }
-            LiveCommand::Reserve { request, migration, kv_tokens, prefix, reply } => {
-                let _ = reply.send(self.reserve(request, migration, kv_tokens, &prefix));
+            LiveCommand::Reserve { request, migration, order, kv_tokens, prefix, reply } => {
+                let _ = reply.send(self.reserve(request, (migration, order), kv_tokens, &prefix));
             }
             LiveCommand::WriteBlock { request, migration, index, offset, data, checksum, reply } => {
                 let r = self.ledger.may_write(request, migration).map_err(|r| refused(request, r));
@@ -234,8 +237,8 @@ impl Driver {
             LiveCommand::Holds { request, reply } => {
                 let _ = reply.send(Ok(self.ledger.holds(request)));
             }
-            LiveCommand::ResolveTarget { request, reply } => {
-                let _ = reply.send(Ok(self.ledger.resolve_target(request)));
+            LiveCommand::ResolveTarget { request, upto, reply } => {
+                let _ = reply.send(Ok(self.ledger.resolve_target(request, upto)));
             }
             LiveCommand::ReadPrefix { hashes, first, count, reply } => {
                 let _ = reply.send(self.read_prefix(&hashes, first, count));
@@ -340,11 +343,11 @@ impl Driver {
     fn reserve(
         &mut self,
         request: RequestId,
-        migration: MigrationId,
+        (migration, order): (MigrationId, MoveOrder),
         kv_tokens: u32,
         prefix: &[BlockHash],
     ) -> Result<u32, DriverError> {
-        self.ledger.prepare(request, migration).map_err(|r| refused(request, r))?;
+        self.ledger.prepare(request, migration, order).map_err(|r| refused(request, r))?;
         // Room for the tokens the request decodes on the source during the copy, where there is
         // some (a target filled meanwhile by its own requests would refuse the growth and abort
         // the migration); the attach gives back what is unused. Prompt blocks cached here are

@@ -10,7 +10,7 @@ use kvfleet_core::engine::EngineConfig;
 use kvfleet_core::kv::KvEvent;
 use kvfleet_core::timing::FixedTiming;
 use kvfleet_core::{InstanceId, TimeSpan};
-use kvfleet_netmodel::migration::MigrationId;
+use kvfleet_netmodel::migration::{MigrationId, MoveOrder};
 use std::collections::BTreeMap;
 use std::sync::mpsc::{channel, Sender};
 
@@ -305,7 +305,8 @@ fn write_blocks(to: &Running, id: RequestId, migration: MigrationId, first: u32,
 /// Reserve room for an incoming move of `id` with no prompt content to pin.
 fn reserve(to: &Running, id: RequestId, migration: MigrationId, kv_tokens: u32) -> Result<u32, DriverError> {
     ask(to, |reply| {
-        Command::Live(LiveCommand::Reserve { request: id, migration, kv_tokens, prefix: Vec::new(), reply })
+        let order = MoveOrder::UNORDERED;
+        Command::Live(LiveCommand::Reserve { request: id, migration, order, kv_tokens, prefix: Vec::new(), reply })
     })
 }
 
@@ -562,8 +563,9 @@ fn live_move_pinning(from: &Running, to: &Running, id: RequestId, migration: Mig
     let kv_tokens = paused.kv_tokens;
     let m: MigratedRequest = serde_json::from_slice(&paused.state).unwrap();
     let prefix = shared_blocks(&m.spec, 4).into_vec();
+    let order = MoveOrder::UNORDERED;
     let pinned =
-        ask(to, |reply| live(LiveCommand::Reserve { request: id, migration, kv_tokens, prefix, reply })).unwrap();
+        ask(to, |reply| live(LiveCommand::Reserve { request: id, migration, order, kv_tokens, prefix, reply })).unwrap();
     write_blocks(to, id, migration, pinned, &all.blocks[pinned as usize..]);
     let generated = m.generated;
     ask(to, |reply| live(LiveCommand::AttachReserved { migration, state: Box::new(m), reply })).unwrap();

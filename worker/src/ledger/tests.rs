@@ -14,6 +14,11 @@ const R: RequestId = RequestId(7);
 const M1: MigrationId = MigrationId(1);
 const M2: MigrationId = MigrationId(2);
 
+/// Migration `m`'s order: the `m`-th move of the leader of term 1.
+fn order(m: MigrationId) -> MoveOrder {
+    MoveOrder { term: 1, seq: m.0 }
+}
+
 fn running() -> Ledger {
     let mut l = Ledger::new();
     assert_eq!(l.submit(R), Admission::Run { release: None });
@@ -48,8 +53,8 @@ fn submits_are_idempotent_while_here_and_run_afresh_after_leaving() {
 #[test]
 fn a_reservation_is_one_migrations_and_is_freed_once() {
     let mut l = Ledger::new();
-    l.prepare(R, M1).unwrap();
-    assert_eq!(l.prepare(R, M2), Err(Refusal::AlreadyComingIn), "a second inbound migration");
+    l.prepare(R, M1, order(M1)).unwrap();
+    assert_eq!(l.prepare(R, M2, order(M2)), Err(Refusal::AlreadyComingIn), "a second inbound migration");
     assert_eq!(l.may_write(R, M2), Err(Refusal::NotReserved));
     assert_eq!(l.commit(R, M2), Err(Refusal::NotHere));
     assert!(!l.release(R, M2), "not the refused one's to free");
@@ -57,44 +62,55 @@ fn a_reservation_is_one_migrations_and_is_freed_once() {
     assert!(!l.release(R, M1), "freed once");
     assert_eq!(l.state(R), State::Unseen);
     // A fresh submit takes over from a stale inbound migration: its reservation goes.
-    l.prepare(R, M2).unwrap();
+    l.prepare(R, M2, order(M2)).unwrap();
     assert_eq!(l.submit(R), Admission::Run { release: Some(M2) });
     l.started(R).unwrap();
     assert!(!l.release(R, M2), "already freed by the submit");
     assert_eq!(l.commit(R, M2), Ok(Arrival::AlreadyHere), "a late commit finds it here");
-    assert_eq!(l.prepare(R, M1), Err(Refusal::AlreadyHere));
+    assert_eq!(l.prepare(R, M1, order(M1)), Err(Refusal::AlreadyHere));
 }
 
 #[test]
 fn a_commit_attaches_on_its_reservation_unless_run_here_or_fenced() {
     let mut l = Ledger::new();
-    l.prepare(R, M1).unwrap();
+    l.prepare(R, M1, order(M1)).unwrap();
     l.may_write(R, M1).unwrap();
     assert_eq!(l.commit(R, M1), Ok(Arrival::Attach));
     l.committed_in(R, M1).unwrap();
     assert_eq!((l.state(R), l.reserved_for(R), l.held()), (State::Running, None, 1));
     assert_eq!(l.commit(R, M1), Ok(Arrival::AlreadyHere), "a retried commit");
     l.finished(R).unwrap();
-    assert_eq!(l.prepare(R, M2), Ok(()), "reserving is allowed...");
+    assert_eq!(l.prepare(R, M2, order(M2)), Ok(()), "reserving is allowed...");
     assert_eq!(l.commit(R, M2), Err(Refusal::AlreadyRun), "...but it ran here: no second copy");
     assert!(l.release(R, M2));
 
-    // Settled as "not here" by the coordinator: a late commit (and any later prepare) is refused.
+    // Settled as "not here" by the coordinator up to the moves started so far (M1 the last): M1's
+    // late commit is refused, and so is any move started before the fence; one started after
+    // it may land.
     let mut l = Ledger::new();
-    l.prepare(R, M1).unwrap();
-    assert!(!l.resolve_target(R));
+    l.prepare(R, M1, order(M1)).unwrap();
+    assert!(!l.resolve_target(R, order(M1)));
     assert_eq!(l.commit(R, M1), Err(Refusal::Fenced));
-    assert_eq!(l.prepare(R, M2), Err(Refusal::Fenced));
     assert!(l.release(R, M1));
+    assert_eq!(l.prepare(R, M1, order(M1)), Err(Refusal::Fenced), "a stale PREPARE");
+    assert_eq!(l.prepare(R, M2, MoveOrder::UNORDERED), Err(Refusal::Fenced), "a move no leader ordered");
+    l.prepare(R, M2, order(M2)).unwrap();
+    assert_eq!(l.commit(R, M2), Ok(Arrival::Attach), "a move started after the fence lands");
+    // A later leader's moves all order after every move of the one before; a fence never recedes.
+    let mut l = Ledger::new();
+    assert!(!l.resolve_target(R, MoveOrder { term: 2, seq: 0 }));
+    assert!(!l.resolve_target(R, order(M1)));
+    assert_eq!(l.prepare(R, M2, order(M2)), Err(Refusal::Fenced), "the earlier leader's move");
+    assert_eq!(l.prepare(R, M2, MoveOrder { term: 2, seq: 1 }), Ok(()));
 }
 
 #[test]
 fn a_target_that_finished_the_request_answers_held() {
     let mut l = Ledger::new();
-    l.prepare(R, M1).unwrap();
+    l.prepare(R, M1, order(M1)).unwrap();
     l.committed_in(R, M1).unwrap();
     l.finished(R).unwrap();
-    assert!(l.resolve_target(R), "it landed here and is done: the source must not resume it");
+    assert!(l.resolve_target(R, order(M1)), "it landed here and is done: the source must not resume it");
 }
 
 #[test]
@@ -136,15 +152,15 @@ fn an_expired_registration_drops_what_runs_here_and_a_re_placement_runs_afresh()
 #[test]
 fn a_lapsed_registration_refuses_arrivals_by_migration_but_not_submits() {
     let mut l = Ledger::new();
-    l.prepare(R, M1).unwrap();
+    l.prepare(R, M1, order(M1)).unwrap();
     l.set_registered(false);
     assert_eq!(l.commit(R, M1), Err(Refusal::Unregistered));
-    assert_eq!(l.prepare(RequestId(8), M2), Err(Refusal::Unregistered));
+    assert_eq!(l.prepare(RequestId(8), M2, order(M2)), Err(Refusal::Unregistered));
     assert_eq!(l.attach(RequestId(8)), Err(Refusal::Unregistered));
     assert_eq!(l.submit(RequestId(9)), Admission::Run { release: None });
     assert!(l.release(R, M1));
     l.set_registered(true);
-    assert_eq!(l.prepare(RequestId(8), M2), Ok(()));
+    assert_eq!(l.prepare(RequestId(8), M2, order(M2)), Ok(()));
 }
 
 #[test]
@@ -350,6 +366,19 @@ struct Cluster {
 }
 
 impl Cluster {
+    /// What the coordinator fences a target up to: every move started so far (move `k` is the
+    /// `k`-th of one leader's).
+    fn fence_upto(&self) -> MoveOrder {
+        order(MigrationId(self.next_move - 1))
+    }
+
+    /// The coordinator asks the process registered under `instance` now whether it holds
+    /// `request` (fencing it there up to every move started so far if not); nobody there: no.
+    fn ask_target(&mut self, instance: usize, request: RequestId) -> bool {
+        let upto = self.fence_upto();
+        self.current[instance].as_mut().is_some_and(|p| p.ledger.resolve_target(request, upto))
+    }
+
     fn new() -> Self {
         Cluster {
             current: (0..INSTANCES)
@@ -470,10 +499,7 @@ impl Cluster {
                 self.moves[k].tracked = false;
                 self.moving.remove(&request);
                 let target = self.moves[k].to;
-                let held = match &mut self.current[target.instance] {
-                    Some(p) => p.ledger.resolve_target(request),
-                    None => false,
-                };
+                let held = self.ask_target(target.instance, request);
                 if held {
                     self.owner.insert(request, target.instance);
                     continue;
@@ -592,7 +618,7 @@ impl Cluster {
                     target: false,
                     tracked: true,
                 });
-                match self.ledger(to).prepare(request, id) {
+                match self.ledger(to).prepare(request, id, order(id)) {
                     Ok(()) => {
                         self.reserve(to, request, id);
                         self.moves[k].target = true;
@@ -680,10 +706,7 @@ impl Cluster {
                     .collect();
                 let Some(k) = nth(&open, pick) else { return };
                 let (from, to, request) = (self.moves[k].from, self.moves[k].to, self.moves[k].request);
-                let held = match &mut self.current[to.instance] {
-                    Some(p) => p.ledger.resolve_target(request),
-                    None => false,
-                };
+                let held = self.ask_target(to.instance, request);
                 let before = self.ledger(from).state(request);
                 // Finished while its KV was being copied: the move ends at its pause.
                 let want = match before {
@@ -750,10 +773,7 @@ impl Cluster {
     fn resolve(&mut self, k: usize) {
         let (from, to, request) = (self.moves[k].from, self.moves[k].to, self.moves[k].request);
         let held = self.finished.contains_key(&request)
-            || match &mut self.current[to.instance] {
-                Some(p) => p.ledger.resolve_target(request),
-                None => false,
-            };
+            || self.ask_target(to.instance, request);
         let settle = self.ledger(from).resolve_source(request, held);
         assert_eq!(settle, if held { Settle::FreeSource } else { Settle::Resume });
         self.moves[k].source = None;
