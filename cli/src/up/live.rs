@@ -72,8 +72,8 @@ fn records_table(migrations: &[MigrationRecord]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "live migrations (QUIC, pipelined stop-and-copy): {} committed, {} aborted, {} refused by a full target \
-         (nothing copied; the request stayed or went to another target)",
+        "live migrations (QUIC, pipelined stop-and-copy): {} committed, {} aborted, {} refused by the target \
+         (nothing copied: no room, or the request settled elsewhere; it stayed or went to another target)",
         ok.len(),
         migrations.len() - ok.len() - refused,
         refused

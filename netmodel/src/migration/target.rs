@@ -592,10 +592,15 @@ impl TargetMachine {
 
     /// Answers the `Prepare` with a refusal and ends.
     fn refuse(&mut self, now: Timestamp, reason: AbortReason) {
+        // The source names a refusal as one ("refused by the target: <why>"): the why alone.
+        let why = match &reason {
+            AbortReason::Refused(why) => why.clone(),
+            other => other.to_string(),
+        };
         self.send(Body::PrepareReply(wire::PrepareReply {
             migration_id: self.id.0,
             ok: false,
-            reason: reason.to_string(),
+            reason: why,
             cached_blocks: 0,
         }));
         self.finish(now, Outcome::Aborted(reason));
