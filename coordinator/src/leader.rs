@@ -1196,14 +1196,14 @@ impl Leader {
     }
 }
 
-/// Which copy of `id` lives after a move whose outcome is unknown: the target (`dst`) is asked
-/// whether it holds the request (from then on it refuses a late COMMIT), then the source (`src`)
-/// is told. An unreachable or unregistered target holds nothing that will live: its registration
-/// lapses and its requests are re-placed, so the source's copy is the one that lives.
-/// Ask the target of `id`'s move whether it holds the request (unreachable or hung: no). If not,
-/// it never will through a move ordered up to `upto` (every move started so far, that one among
-/// them: [`Leader::moves_so_far`]): it refuses their late PREPARE or COMMIT from then on.
-async fn ask_target(id: RequestId, dst: Option<WorkerClient<Channel>>, (term, seq): (u64, u64)) -> bool {
+/// Which copy of `id` lives after a move whose outcome is unknown, first half: ask the target
+/// (`dst`) whether it holds the request. If not, it never will through a move ordered up to
+/// `upto` (every move started so far, that one among them: [`Leader::moves_so_far`]): it refuses
+/// their late PREPARE or COMMIT from then on. An unreachable, hung or unregistered target holds
+/// nothing that will live (its registration lapses and its requests are re-placed): no. The
+/// source is told next ([`tell_source`]).
+async fn ask_target(id: RequestId, dst: Option<WorkerClient<Channel>>, upto: (u64, u64)) -> bool {
+    let (term, seq) = upto;
     let Some(mut dst) = dst else { return false };
     let ask = dst.resolve_migration(v1::ResolveMigrationRequest {
         request_id: id.0,
