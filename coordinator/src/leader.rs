@@ -238,16 +238,30 @@ impl Leader {
     /// rule ([`SILENT_AFTER`], [`ABANDON_AFTER`]) keeps placements off a worker that looks idle
     /// only because it cannot answer, and re-places the requests of one unheard for long while
     /// its registration holds (registered, but unreachable from here); heard again, it is back.
-    /// Runs until the leader is deposed or stopped.
+    /// Runs until the leader is deposed or stopped. A leader that did not run for a while itself
+    /// (stopped, or starved of CPU) heard nobody meanwhile through no fault of theirs: the
+    /// silence of every worker counts afresh from its return.
     pub async fn watch_silence(self: Arc<Self>) {
         let quiet_bound = self.control().silence().map_or(SILENT_AFTER, |r| Duration::from_nanos(r.silent_after.0));
-        let mut tick = tokio::time::interval((quiet_bound / 8).max(Duration::from_millis(10)));
+        let period = (quiet_bound / 8).max(Duration::from_millis(10));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last = self.ms_now();
         loop {
             tick.tick().await;
             if self.is_deposed() {
                 return;
             }
             let (now_ms, now) = (self.ms_now(), self.cluster_now());
+            let away_ms = now_ms.saturating_sub(last);
+            last = now_ms;
+            // Away for less than the bound, it misjudges nobody for long: the next event is heard.
+            if away_ms > quiet_bound.as_millis() as u64 {
+                tracing::warn!(away_ms, "this coordinator did not run for a while: workers' silence counts afresh");
+                for l in self.links.lock().expect("links lock").values() {
+                    l.heard_ms.fetch_max(now_ms, Ordering::Relaxed);
+                }
+            }
             let heard: Vec<(InstanceId, Timestamp)> = self
                 .links
                 .lock()
@@ -1437,6 +1451,30 @@ mod tests {
             Some(Ok(v1::ClientEvent { event: Some(v1::client_event::Event::AcceptedOn(0)) }))
         ));
         report.await.unwrap();
+        leader.stop();
+    }
+
+    /// A leader that did not run for longer than its bounds (stopped, starved of CPU) heard nobody
+    /// meanwhile: back, it gives up no worker for its own absence, and their silence counts from
+    /// its return.
+    #[tokio::test]
+    async fn a_leader_back_from_a_pause_gives_up_nobody_for_it() {
+        let leader = leader_with_unserved_workers("least-kv", 2).await;
+        leader.set_silence(Duration::from_millis(200), Duration::from_millis(800));
+        let (tx, _rx) = mpsc::channel(16);
+        leader.submit(spec(1, 100), tx).await.expect("placed");
+        let watch = tokio::spawn(leader.clone().watch_silence());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The whole runtime stops, as the process does under SIGSTOP (no pump, no watch).
+        std::thread::sleep(Duration::from_millis(1200));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let live = |i| leader.control().is_live(InstanceId(i));
+        assert!(live(0) && live(1), "nobody given up for the leader's own pause");
+        assert_eq!(leader.control().ownership(RequestId(1)).unwrap().replaced, 0, "its request stays");
+        // Unheard for the bound after its return, they are given up as ever.
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        assert!(!live(0) && !live(1), "silence still counts");
+        watch.abort();
         leader.stop();
     }
 
