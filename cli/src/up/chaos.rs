@@ -189,7 +189,10 @@ impl Chaos {
         self.log.faults += 1;
         match fault {
             Fault::KillLeader | Fault::PauseLeader(_) => {
-                let Ok((_, s)) = finder.leader(Duration::from_secs(5)).await else {
+                // Bounded as a whole (each stopped coordinator's status call waits out its own
+                // timeout): the schedule's next faults, and the SIGCONT of a paused one, stay due.
+                let wait = Duration::from_secs(5);
+                let Ok(Ok((_, s))) = tokio::time::timeout(wait, finder.leader(wait)).await else {
                     self.say(bar, format!("{fault}: no leader answered; skipped"));
                     return;
                 };
