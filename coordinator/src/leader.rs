@@ -579,7 +579,7 @@ impl Leader {
     /// (in a task of its own).
     pub async fn submit(self: &Arc<Self>, spec: RequestSpec, tx: ClientTx) -> Result<InstanceId, LeaderError> {
         // On every worker's load as of the arrival, as the simulator places it.
-        self.await_reports(spec.arrival, None, spec.id).await;
+        self.await_reports(spec.arrival, None, Some(spec.id)).await;
         let now = self.cluster_now();
         let (to, fetch, note) = {
             let mut control = self.control();
@@ -888,11 +888,13 @@ impl Leader {
 
     /// Before deciding about `request` as of `at` (no later than now): wait for the load reports
     /// due by then, but `except`'s ([`reports::DueReports::wait_through`]); log any given up on.
-    async fn await_reports(&self, at: Timestamp, except: Option<InstanceId>, request: RequestId) {
+    /// `request`: `None` for a periodic pass.
+    pub(crate) async fn await_reports(&self, at: Timestamp, except: Option<InstanceId>, request: Option<RequestId>) {
         let bound = *self.report_wait.lock().expect("report_wait lock");
         let late = self.due_reports.wait_through(at.min(self.cluster_now()), bound, except).await;
         if !late.is_empty() {
-            tracing::debug!(request = request.0, ?late, "decided without the load reports due by its instant");
+            let request = request.map(|r| r.0);
+            tracing::debug!(request, ?late, "decided without the load reports due by its instant");
         }
     }
 
@@ -907,7 +909,7 @@ impl Leader {
     /// A `</think>` on `from`: decided (PASCAL's Alg. 2) on every other instance's load as of
     /// its instant, as the simulator decides it; `from`'s own came before it on its stream.
     async fn on_boundary(self: &Arc<Self>, from: InstanceId, b: v1::PhaseBoundary) {
-        self.await_reports(Timestamp(b.at_ns), Some(from), RequestId(b.request_id)).await;
+        self.await_reports(Timestamp(b.at_ns), Some(from), Some(RequestId(b.request_id))).await;
         let event = Event::Boundary {
             request: RequestId(b.request_id),
             instance: InstanceId(b.instance),

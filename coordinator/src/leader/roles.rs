@@ -215,6 +215,9 @@ impl Leader {
             if self.is_deposed() {
                 return;
             }
+            // On the loads as of the pass's instant, as the simulator runs it: an iteration that
+            // ended just before (a prefill, say) is reported a moment later.
+            self.await_reports(at, None, None).await;
             let actions = self.decide(Event::Tick).unwrap_or_default();
             self.act(actions);
         }
