@@ -889,7 +889,7 @@ impl Leader {
     /// Before deciding about `request` as of `at` (no later than now): wait for the load reports
     /// due by then, but `except`'s ([`reports::DueReports::wait_through`]); log any given up on.
     /// `request`: `None` for a periodic pass.
-    pub(crate) async fn await_reports(&self, at: Timestamp, except: Option<InstanceId>, request: Option<RequestId>) {
+    async fn await_reports(&self, at: Timestamp, except: Option<InstanceId>, request: Option<RequestId>) {
         let bound = *self.report_wait.lock().expect("report_wait lock");
         let late = self.due_reports.wait_through(at.min(self.cluster_now()), bound, except).await;
         if !late.is_empty() {
