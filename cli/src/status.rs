@@ -52,8 +52,14 @@ pub fn render(s: &v1::ClusterStatus) -> String {
     let _ = writeln!(out, "leader {}   store {}   epoch {} ns", s.leader, s.store, s.epoch_unix_ns);
     let _ = writeln!(
         out,
-        "requests: {} in flight, {} finished ({} late copies refused), {} cancelled   migrations: {} committed, {} did not commit",
-        s.requests_in_flight, s.requests_finished, s.late_results, s.cancelled, s.migrations, s.migrations_failed
+        "requests: {} in flight, {} finished ({} late copies refused, {} stale copies dropped), {} cancelled   migrations: {} committed, {} did not commit",
+        s.requests_in_flight,
+        s.requests_finished,
+        s.late_results,
+        s.stale_copies_dropped,
+        s.cancelled,
+        s.migrations,
+        s.migrations_failed
     );
     let _ = writeln!(
         out,

@@ -250,6 +250,15 @@ pub enum Action {
         /// Where it runs.
         on: InstanceId,
     },
+    /// Free a copy of `request` that `on` holds but the cluster does not count: `on` lost it to a
+    /// re-placement (evicted or given up while cut off or stopped) and announced it afterwards.
+    /// Unlike [`Action::Cancel`] the request lives on elsewhere and may be placed on `on` again.
+    Drop {
+        /// The request.
+        request: RequestId,
+        /// The instance holding the stale copy.
+        on: InstanceId,
+    },
     /// Let `request`, held on prefill instance `on` after its prefill, decode there after all: no
     /// decode instance took it.
     Release {
@@ -1240,12 +1249,22 @@ impl Controller {
     /// (`what`) is stale: a driver may announce a held request again (a worker told its role
     /// once more, or whose move aborted), and a handoff already open or waiting its turn is not
     /// started a second time.
-    fn new_handoff(&self, id: RequestId, instance: InstanceId, kv_blocks: u32, what: &str) -> Option<Move> {
+    ///
+    /// A request held by an instance that neither owns it nor is its move's target is a copy
+    /// the cluster lost track of on purpose (re-placed while that instance was cut off or
+    /// stopped): held for a handoff nobody decides, it would keep its KV there for ever, so it
+    /// is dropped ([`Action::Drop`]).
+    fn new_handoff(&mut self, id: RequestId, instance: InstanceId, kv_blocks: u32, what: &str) -> Option<Move> {
         let Some(o) = self.requests.get(&id) else {
             tracing::debug!(request = id.0, what, "an event for an unknown request; ignored");
             return None;
         };
-        if o.instance != instance || !o.unfinished() || o.migrating_to.is_some() || self.moves.contains_key(&id) {
+        if (o.instance != instance && o.migrating_to != Some(instance)) || !o.unfinished() {
+            tracing::debug!(request = id.0, instance = instance.0, owner = o.instance.0, what, "a stale copy; dropped there");
+            self.actions.push_back(Action::Drop { request: id, on: instance });
+            return None;
+        }
+        if o.instance != instance || o.migrating_to.is_some() || self.moves.contains_key(&id) {
             tracing::debug!(request = id.0, instance = instance.0, owner = o.instance.0, what, "stale event; ignored");
             return None;
         }

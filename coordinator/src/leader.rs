@@ -61,6 +61,9 @@ pub struct LeaderStats {
     pub late_results: AtomicU64,
     /// Requests cancelled because their client left.
     pub cancelled: AtomicU64,
+    /// Copies a worker held of requests re-placed elsewhere (cut off or stopped meanwhile),
+    /// freed there at this leader's word ([`Action::Drop`]).
+    pub stale_copies_dropped: AtomicU64,
     /// Handoffs committed: a request moved from the prefill instance that held it to a decoder.
     pub handoffs: AtomicU64,
     /// Held requests released to decode where they were prefilled.
@@ -482,6 +485,9 @@ impl Leader {
                 Action::Cancel { request, on } => {
                     tokio::spawn(self.clone().cancel_on(request, on));
                 }
+                Action::Drop { request, on } => {
+                    tokio::spawn(self.clone().drop_copy(request, on));
+                }
                 Action::SetRole { instance, role } => self.set_role(instance, role),
                 Action::Release { request, on } => {
                     tokio::spawn(self.clone().release(request, on));
@@ -515,6 +521,9 @@ impl Leader {
             }
             Action::Cancel { request, on } => {
                 tokio::spawn(self.clone().cancel_on(request, on));
+            }
+            Action::Drop { request, on } => {
+                tokio::spawn(self.clone().drop_copy(request, on));
             }
             Action::Reject { request, reason } => {
                 // It stays owned by its dead worker; the controller re-places it when a worker
@@ -681,12 +690,29 @@ impl Leader {
             tracing::warn!(request = id.0, "cancelled, but its ownership record stays: {e}");
         }
         let Some(mut client) = self.client(on) else { return };
-        match client.cancel(v1::CancelRequest { request_id: id.0 }).await {
+        match client.cancel(v1::CancelRequest { request_id: id.0, superseded: false }).await {
             Ok(r) if r.get_ref().cancelled => {
                 tracing::info!(request = id.0, instance = on.0, "cancelled: its client left")
             }
             Ok(r) => tracing::info!(request = id.0, instance = on.0, reason = %r.get_ref().reason, "nothing to cancel"),
             Err(e) => tracing::warn!(request = id.0, instance = on.0, "cancel failed: {e}"),
+        }
+    }
+
+    /// Carry out [`Action::Drop`]: `on` holds a copy of `id` the cluster does not count; it frees
+    /// it. Not if `id` was placed on `on` again meanwhile (that copy is the one counted now).
+    async fn drop_copy(self: Arc<Self>, id: RequestId, on: InstanceId) {
+        if self.owns(id, on) {
+            return;
+        }
+        let Some(mut client) = self.client(on) else { return };
+        match client.cancel(v1::CancelRequest { request_id: id.0, superseded: true }).await {
+            Ok(r) if r.get_ref().cancelled => {
+                self.stats.stale_copies_dropped.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(request = id.0, instance = on.0, "dropped a copy the cluster re-placed elsewhere");
+            }
+            Ok(r) => tracing::debug!(request = id.0, instance = on.0, reason = %r.get_ref().reason, "no stale copy to drop"),
+            Err(e) => tracing::warn!(request = id.0, instance = on.0, "dropping a stale copy failed: {e}"),
         }
     }
 
@@ -726,9 +752,17 @@ impl Leader {
     }
 
     /// Hand a placed request to its worker; retried, then re-placed if the worker is unreachable.
+    /// Only while it is placed there: a worker evicted meanwhile (its requests re-placed) may
+    /// be back under its number before a retry, and a copy submitted to it then would be one
+    /// the cluster does not count, holding its memory (a prefill instance would hold it for a
+    /// handoff nobody decides).
     async fn submit_to_worker(self: &Arc<Self>, to: InstanceId, spec: &RequestSpec) {
         let msg = v1::SubmitRequest { spec: Some(spec.into()) };
         for attempt in 0..3u32 {
+            if !self.placed_on(spec.id, to) {
+                tracing::debug!(request = spec.id.0, instance = to.0, attempt, "not submitted: placed elsewhere since");
+                return;
+            }
             let Some(mut client) = self.client(to) else { break };
             match client.submit(kvfleet_telemetry::request_with(&self.traces.context(spec.id), msg.clone())).await {
                 Ok(reply) => {
@@ -867,6 +901,11 @@ impl Leader {
             }
             tokio::time::sleep(backoff).await;
         }
+    }
+
+    /// Whether `request` is placed on `instance` and unfinished (not re-placed elsewhere since).
+    fn placed_on(&self, request: RequestId, instance: InstanceId) -> bool {
+        self.control().ownership(request).is_some_and(|o| o.instance == instance && o.unfinished())
     }
 
     /// Whether `instance` holds `request` as far as the cluster knows (its owner, or the target
@@ -1095,6 +1134,7 @@ impl Leader {
             migrations_failed: self.stats.migration_failures.load(Ordering::Relaxed),
             late_results: self.stats.late_results.load(Ordering::Relaxed),
             cancelled: self.stats.cancelled.load(Ordering::Relaxed),
+            stale_copies_dropped: self.stats.stale_copies_dropped.load(Ordering::Relaxed),
             store: self.store.store_kind().to_string(),
             migration_log: self.migration_log.lock().expect("migration log lock").clone(),
             role_changes: self.roles.changes(),

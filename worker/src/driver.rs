@@ -25,7 +25,7 @@ use crate::arena::{ArenaError, KvArena, TokenContent};
 use crate::clock::ClusterClock;
 use crate::events::{EventLog, LogEvent, LogStats};
 use crate::lateness::{LatenessHistogram, LatenessSummary};
-use crate::ledger::{Admission, Arrival, Ledger, LedgerError, Refusal, Resume};
+use crate::ledger::{Admission, Arrival, Dropped, Ledger, LedgerError, Refusal, Resume};
 use kvfleet_core::engine::sched::Phase;
 use kvfleet_core::engine::{Engine, EngineError, EngineEvent, EngineStats, MigratedRequest, TokenEmitted};
 use kvfleet_core::idmap::IdMap;
@@ -83,9 +83,11 @@ pub(crate) enum Command {
     Drain {
         reply: oneshot::Sender<u32>,
     },
-    /// The request's client left ([`Ledger::cancel`]): `Ok(true)` when it was stopped here.
+    /// The request's client left ([`Ledger::cancel`]), or (`superseded`) this copy is one the
+    /// cluster does not count ([`Ledger::drop_copy`]): `Ok(true)` when it was stopped here.
     Cancel {
         request: RequestId,
+        superseded: bool,
         reply: oneshot::Sender<Result<bool, String>>,
     },
     /// Prefill/decode disaggregation: hold every request after its prefill for a handoff
@@ -561,7 +563,11 @@ impl Driver {
                 self.ledger.drain();
                 let _ = reply.send(self.ledger.held() as u32);
             }
-            Command::Cancel { request, reply } => {
+            Command::Cancel { request, superseded: true, reply } => {
+                let dropped = self.ledger.drop_copy(request);
+                let _ = reply.send(self.drop_on_engine(request, dropped).map_err(|e| e.to_string()));
+            }
+            Command::Cancel { request, superseded: false, reply } => {
                 let answer = match self.ledger.cancel(request) {
                     Ok(true) => match self.engine.cancel(request) {
                         Ok(()) => {
@@ -588,18 +594,25 @@ impl Driver {
             }
             Command::Expired { reply } => {
                 self.ledger.set_registered(false);
-                let dropped = self.ledger.lapse();
-                for &id in &dropped {
-                    if let Err(e) = self.engine.cancel(id) {
-                        tracing::error!(request = id.0, "dropping after the registration expired: {e}");
-                    }
-                    self.written.remove(&id);
-                }
+                // Finished here, its record not acknowledged: the coordinator re-placed it and
+                // refuses that record as a late copy's.
+                let unheard: Vec<RequestId> = self.log.unacked_records().into_iter().map(RequestId).collect();
+                let dropped: Vec<RequestId> = self
+                    .ledger
+                    .lapse(&unheard)
+                    .into_iter()
+                    .map(|(id, d)| {
+                        if let Err(e) = self.drop_on_engine(id, d) {
+                            tracing::error!(request = id.0, "dropping after the registration expired: {e}");
+                        }
+                        id
+                    })
+                    .collect();
                 if !dropped.is_empty() {
                     tracing::warn!(
                         count = dropped.len(),
                         requests = ?dropped,
-                        "registration expired: dropped the requests running here (the coordinator re-places them)"
+                        "registration expired: dropped the requests held here (the coordinator re-places them)"
                     );
                 }
                 let _ = reply.send(dropped.len());
@@ -1060,10 +1073,29 @@ impl Driver {
 
     /// A move out of `request` by `migration` ended before COMMIT: it carries on here.
     pub(super) fn resume_out(&mut self, request: RequestId, migration: MigrationId) -> Result<(), DriverError> {
-        if self.ledger.abort_out(request, migration)? == Resume::Engine {
-            self.abort_out(request)?;
+        match self.ledger.abort_out(request, migration)? {
+            Resume::Engine => self.abort_out(request)?,
+            Resume::Nothing => {}
+            Resume::Drop(dropped) => {
+                self.drop_on_engine(request, dropped)?;
+            }
         }
         Ok(())
+    }
+
+    /// Carry out a ledger's [`Dropped`]: a copy the cluster does not count leaves the engine
+    /// (it re-placed the request while this worker was cut off or stopped). Whether one left.
+    pub(super) fn drop_on_engine(&mut self, request: RequestId, dropped: Dropped) -> Result<bool, EngineError> {
+        match dropped {
+            Dropped::Nothing => return Ok(false),
+            Dropped::Cancel => self.engine.cancel(request)?,
+            Dropped::Free => {
+                self.engine.finish_migration_out(request)?;
+            }
+        }
+        self.written.remove(&request);
+        tracing::warn!(request = request.0, "dropped a copy the cluster re-placed elsewhere while this worker was cut off or stopped");
+        Ok(true)
     }
 }
 

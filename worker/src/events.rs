@@ -168,6 +168,18 @@ impl EventLog {
         }
     }
 
+    /// The requests whose final records are still held (not acknowledged), in log order.
+    pub fn unacked_records(&self) -> Vec<u64> {
+        let g = self.lock();
+        g.events
+            .values()
+            .filter_map(|ev| match ev {
+                LogEvent::Finished(r) => Some(r.id),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Copy up to `max` events with seq > `after_seq` into `out`.
     pub fn read_after(&self, after_seq: u64, max: usize, out: &mut Vec<v1::WorkerEvent>) -> Read {
         let g = self.lock();

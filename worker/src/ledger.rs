@@ -26,10 +26,21 @@
 //! | `MovingOut`, `Paused` | abort | `Running` | resumes it |
 //! | `Paused` | COMMIT confirmed | `Left` | frees the source copy |
 //! | `Paused` | COMMIT reply lost | `InDoubt` | waits for the coordinator |
+//! | orphaned `Paused` | COMMIT reply lost | `Unseen` | frees it (nobody would settle it) |
+//! | adopted `Paused` | COMMIT reply lost | `Running` | resumes it (the move cannot have landed) |
 //! | `InDoubt` | resolved held / not held | `Left` / `Running` | frees / resumes |
 //! | `MovingOut`, `Paused` | resolved (a new leader settling a move still copying) | unchanged | answers "under way": told again once it ended |
 //! | `Running`, `MovingOut` | finished | `Finished` | logs the record |
+//! | orphaned `MovingOut` | finished | `Unseen` | logs the record (refused as a late copy's) |
 //! | `Running` | registration expired | `Unseen` | cancels it (the coordinator re-placed it) |
+//! | reserved by a migration | registration expired | + fenced up to that move | nothing (its COMMIT is refused) |
+//! | `InDoubt` | registration expired | `Unseen` | frees it (the coordinator settled the move without it) |
+//! | `Finished`, its record unacknowledged | registration expired | `Unseen` | nothing (placed here again, it runs afresh) |
+//! | `Running`, `InDoubt` | the coordinator drops a copy it does not count | `Unseen` | cancels / frees it |
+//! | `MovingOut`, `Paused` | registration expired, or a copy dropped | unchanged, orphaned | nothing yet: the move ends by its protocol |
+//! | orphaned `MovingOut`, `Paused` | abort | `Unseen` | drops it (the coordinator re-placed it) |
+//! | orphaned `MovingOut`, `Paused` | submit again (re-placed here) | unchanged, adopted | answers "already accepted" |
+//! | adopted `MovingOut`, `Paused` | abort | `Running` | resumes it |
 //!
 //! Beside the state, each entry records an inbound reservation (which migration's PREPARE was
 //! accepted: the blocks are that migration's alone), whether the coordinator settled the request
@@ -181,6 +192,22 @@ pub enum Resume {
     Engine,
     /// It was still decoding (or had finished meanwhile): nothing to undo.
     Nothing,
+    /// It was orphaned ([`Ledger::lapse`], [`Ledger::drop_copy`]): the cluster counts another
+    /// copy, so this one is dropped rather than resumed ([`Dropped::Free`]: frozen for the final
+    /// copy; [`Dropped::Cancel`]: still decoding).
+    Drop(Dropped),
+}
+
+/// What dropping a copy the coordinator does not count leaves to do on the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dropped {
+    /// Nothing held to drop now (a copy moving out is orphaned: dropped if its move does not land).
+    Nothing,
+    /// It ran here: cancel it.
+    Cancel,
+    /// It was paused in doubt after its move's lost COMMIT reply: free it, as a committed move's
+    /// source is.
+    Free,
 }
 
 /// The coordinator's word on a move whose outcome was unknown, as the source acts on it.
@@ -210,6 +237,25 @@ struct Entry {
     fence: Option<MoveOrder>,
     /// Attached with re-generated KV (reported in its finished record).
     rematerialized: bool,
+    /// Whether the cluster counts this copy while it moves out (see [`Orphan`]).
+    orphan: Orphan,
+}
+
+/// A copy moving out when the cluster stopped counting it ([`Ledger::lapse`]: the coordinator
+/// evicted this worker; [`Ledger::drop_copy`]). The coordinator settled its move with the target
+/// first: either the move had landed (the request lives there) or the target is fenced against
+/// it, and the request was re-placed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Orphan {
+    /// Counted as usual.
+    #[default]
+    No,
+    /// Not counted: dropped unless its move lands.
+    Orphaned,
+    /// Re-placed here while orphaned: this placement's copy. Its move cannot land (the target is
+    /// fenced against it), so it resumes here however the move ends, even with its COMMIT reply
+    /// lost (nobody would settle that doubt).
+    Adopted,
 }
 
 impl Entry {
@@ -301,20 +347,37 @@ impl Ledger {
     /// The registration expired in etcd (the store said so, not a clock): the coordinator has
     /// evicted this worker and re-places every request it held. The ones running here are
     /// dropped, so that only the re-placed copy runs (a re-placement back here runs afresh);
-    /// moves under way end by their own protocol (the coordinator settles them with the target).
-    /// Returns the dropped requests, in id order, for the engine to cancel.
-    pub fn lapse(&mut self) -> Vec<RequestId> {
-        let mut dropped: Vec<RequestId> = self
-            .entries
-            .iter_mut()
-            .filter(|(_, e)| e.state == State::Running)
-            .map(|(&id, e)| {
+    /// so is a copy paused in doubt (the coordinator settled its move without asking it, and no
+    /// one will tell it); moves under way end by their own protocol (the coordinator settles
+    /// them with the target), and are orphaned: a move that does not land drops its request
+    /// rather than resuming it here, where nobody waits for it (a request held for a handoff
+    /// would hold its KV for ever). The requests in `unheard` finished here but their records
+    /// were not acknowledged: the coordinator re-placed them and refuses those records as late
+    /// copies', so here they count as never run (placed here again, one runs afresh rather than
+    /// be answered "already accepted" and never finish). Returns the dropped requests, in id
+    /// order, each with what the engine must do.
+    pub fn lapse(&mut self, unheard: &[RequestId]) -> Vec<(RequestId, Dropped)> {
+        // Moves coming in were given up by the coordinator with this worker (their sources carry
+        // on, or the requests were re-placed): fenced, so a late COMMIT is refused after this
+        // worker registers again; each reservation is still freed by its migration's end.
+        for e in self.entries.values_mut() {
+            if e.reserved_for.is_some() {
+                e.fence = e.fence.max(Some(e.reserved_order));
+            }
+        }
+        for &id in unheard {
+            if let Some(e) = self.entries.get_mut(&id).filter(|e| e.state == State::Finished) {
                 e.state = State::Unseen;
-                id
-            })
+                self.forget_if_blank(id);
+            }
+        }
+        let ids: Vec<RequestId> = self.entries.iter().filter(|(_, e)| e.state.is_held()).map(|(&id, _)| id).collect();
+        let mut dropped: Vec<(RequestId, Dropped)> = ids
+            .into_iter()
+            .map(|id| (id, self.drop_copy(id)))
+            .filter(|&(_, d)| d != Dropped::Nothing)
             .collect();
-        self.held -= dropped.len();
-        dropped.sort_unstable();
+        dropped.sort_unstable_by_key(|&(id, _)| id);
         dropped
     }
 
@@ -325,8 +388,12 @@ impl Ledger {
         let draining = self.draining;
         let e = self.entries.entry(request).or_default();
         match &e.state {
-            // Idempotent while it is here or once it finished here.
+            // Idempotent while it is here or once it finished here. A copy orphaned by a lapse
+            // is this placement's copy again: kept if its move does not land.
             State::Running | State::MovingOut(_) | State::Paused(_) | State::InDoubt(_) | State::Finished => {
+                if e.orphan == Orphan::Orphaned {
+                    e.orphan = Orphan::Adopted;
+                }
                 Admission::AlreadyAccepted
             }
             State::Rejected(reason) => Admission::Refuse(Refusal::Rejected(reason.clone())),
@@ -537,27 +604,49 @@ impl Ledger {
     pub fn abort_out(&mut self, request: RequestId, migration: MigrationId) -> Result<Resume, LedgerError> {
         let Some(e) = self.entries.get_mut(&request) else { return Ok(Resume::Nothing) };
         match e.state {
+            State::MovingOut(m) | State::Paused(m) if m == migration && e.orphan == Orphan::Orphaned => {
+                let dropped = if matches!(e.state, State::Paused(_)) { Dropped::Free } else { Dropped::Cancel };
+                self.drop_orphan(request);
+                Ok(Resume::Drop(dropped))
+            }
             State::MovingOut(m) if m == migration => {
                 e.state = State::Running;
+                e.orphan = Orphan::No;
                 Ok(Resume::Nothing)
             }
             State::Paused(m) if m == migration => {
                 e.state = State::Running;
+                e.orphan = Orphan::No;
                 Ok(Resume::Engine)
             }
-            // It finished while its KV was being copied: nothing left to undo.
-            State::Finished => Ok(Resume::Nothing),
-            _ => Err(LedgerError { request, event: "abort a move out", state: e.state.clone() }),
+            State::MovingOut(_) | State::Paused(_) | State::InDoubt(_) => {
+                Err(LedgerError { request, event: "abort a move out", state: e.state.clone() })
+            }
+            // It finished while its KV was being copied (and may have been forgotten at a lapse
+            // and placed here again since): nothing left to undo.
+            _ => Ok(Resume::Nothing),
         }
     }
 
-    /// `migration`'s COMMIT was sent and its reply lost: paused until the coordinator settles it.
-    pub fn unknown_out(&mut self, request: RequestId, migration: MigrationId) -> Result<(), LedgerError> {
+    /// `migration`'s COMMIT was sent and its reply lost: paused until the coordinator settles it
+    /// (`None`). Nobody settles a move the cluster no longer counts ([`Orphan`]): an orphaned copy
+    /// is freed at once (`Resume::Drop`: the target's copy lives, or a re-placement), an adopted
+    /// one resumes (`Resume::Engine`: its move cannot have landed).
+    pub fn unknown_out(&mut self, request: RequestId, migration: MigrationId) -> Result<Option<Resume>, LedgerError> {
         let e = self.entry_mut(request, "wait in doubt")?;
         match e.state {
+            State::Paused(m) if m == migration && e.orphan == Orphan::Orphaned => {
+                self.drop_orphan(request);
+                Ok(Some(Resume::Drop(Dropped::Free)))
+            }
+            State::Paused(m) if m == migration && e.orphan == Orphan::Adopted => {
+                e.state = State::Running;
+                e.orphan = Orphan::No;
+                Ok(Some(Resume::Engine))
+            }
             State::Paused(m) if m == migration => {
                 e.state = State::InDoubt(migration);
-                Ok(())
+                Ok(None)
             }
             _ => Err(LedgerError { request, event: "wait in doubt", state: e.state.clone() }),
         }
@@ -588,9 +677,13 @@ impl Ledger {
         let e = self.entry_mut(request, "finish")?;
         match e.state {
             State::Running | State::MovingOut(_) => {
-                e.state = State::Finished;
+                // An orphan's record is refused as a late copy's: it counts as never run here
+                // (placed here again, it runs afresh rather than be answered "already accepted").
+                e.state = if e.orphan == Orphan::Orphaned { State::Unseen } else { State::Finished };
+                e.orphan = Orphan::No;
                 let rematerialized = std::mem::take(&mut e.rematerialized);
                 self.held -= 1;
+                self.forget_if_blank(request);
                 Ok(rematerialized)
             }
             _ => Err(LedgerError { request, event: "finish", state: e.state.clone() }),
@@ -615,6 +708,31 @@ impl Ledger {
             }
             _ => Ok(false),
         }
+    }
+
+    /// The coordinator counts another copy of it (re-placed while this worker was cut off or
+    /// stopped, this one announced afterwards): a copy held here is dropped, as if it never came
+    /// (a later placement here runs it afresh), or, moving out, orphaned as by
+    /// [`Ledger::lapse`] (dropped if its move does not land).
+    pub fn drop_copy(&mut self, request: RequestId) -> Dropped {
+        let Some(e) = self.entries.get_mut(&request) else { return Dropped::Nothing };
+        let dropped = match e.state {
+            State::Running => Dropped::Cancel,
+            State::InDoubt(_) => Dropped::Free,
+            State::MovingOut(_) | State::Paused(_) => {
+                e.orphan = Orphan::Orphaned;
+                return Dropped::Nothing;
+            }
+            _ => return Dropped::Nothing,
+        };
+        self.drop_orphan(request);
+        dropped
+    }
+
+    /// Whether a copy moving out here was orphaned ([`Ledger::lapse`], [`Ledger::drop_copy`]):
+    /// the cluster counts another copy, and this one is dropped unless its move lands.
+    pub fn is_orphaned(&self, request: RequestId) -> bool {
+        self.entries.get(&request).is_some_and(|e| e.orphan == Orphan::Orphaned)
     }
 
     // ------------------------------------------------------------------------- helpers
@@ -649,8 +767,21 @@ impl Ledger {
         if let Some(e) = self.entries.get_mut(&request) {
             e.state = State::Left;
             e.rematerialized = false;
+            e.orphan = Orphan::No;
             self.held -= 1;
         }
+    }
+
+    /// A held copy the cluster does not count is dropped: as if never here (a re-placement runs
+    /// afresh).
+    fn drop_orphan(&mut self, request: RequestId) {
+        if let Some(e) = self.entries.get_mut(&request) {
+            e.state = State::Unseen;
+            e.rematerialized = false;
+            e.orphan = Orphan::No;
+            self.held -= 1;
+        }
+        self.forget_if_blank(request);
     }
 
     fn entry_mut(&mut self, request: RequestId, event: &'static str) -> Result<&mut Entry, LedgerError> {

@@ -627,7 +627,11 @@ fn handoffs_go_from_prefill_to_decode_instances() {
     let at = place(&mut c, spec(7, 10));
     assert_eq!(at, InstanceId(1), "the emptier prefill instance, not the idle-looking decoders");
     let done = |instance| Event::PrefillDone { request: RequestId(7), instance, kv_blocks: 1 };
-    assert!(c.decide(Timestamp::ZERO, done(InstanceId(0))).unwrap().is_empty(), "not from its instance: stale");
+    assert_eq!(
+        c.decide(Timestamp::ZERO, done(InstanceId(0))).unwrap(),
+        vec![Action::Drop { request: RequestId(7), on: InstanceId(0) }],
+        "not from its instance: a stale copy there, dropped"
+    );
     let done = done(at);
     let actions = c.decide(Timestamp::ZERO, done).unwrap();
     assert_eq!(actions, vec![Action::Migrate { request: RequestId(7), from: at, to: InstanceId(3), kv_blocks: 1 }]);

@@ -21,7 +21,7 @@
 
 use super::{ledger_step, refused, shared_blocks, verify_written, Driver, DriverError, Written};
 use crate::arena::TokenContent;
-use crate::ledger::{Arrival, Settle};
+use crate::ledger::{Arrival, Resume, Settle};
 use bytes::Bytes;
 use kvfleet_core::engine::MigratedRequest;
 use kvfleet_core::kv::{BlockHash, BlockTable, Tier};
@@ -214,7 +214,16 @@ impl Driver {
                 let _ = reply.send(self.resume_out(request, migration));
             }
             LiveCommand::InDoubt { request, migration, reply } => {
-                let _ = reply.send(self.ledger.unknown_out(request, migration).map_err(DriverError::from));
+                let in_doubt = match self.ledger.unknown_out(request, migration) {
+                    Ok(None) => Ok(()),
+                    Ok(Some(Resume::Engine)) => self.abort_out(request).map_err(DriverError::from),
+                    Ok(Some(Resume::Drop(dropped))) => {
+                        self.drop_on_engine(request, dropped).map(drop).map_err(DriverError::from)
+                    }
+                    Ok(Some(Resume::Nothing)) => Ok(()),
+                    Err(e) => Err(e.into()),
+                };
+                let _ = reply.send(in_doubt);
             }
             LiveCommand::ResolveSource { request, committed, reply } => {
                 let _ = reply.send(self.resolve_source(request, committed));

@@ -8,7 +8,7 @@
 
 use super::*;
 use proptest::prelude::*;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 const R: RequestId = RequestId(7);
 const M1: MigrationId = MigrationId(1);
@@ -142,11 +142,87 @@ fn an_expired_registration_drops_what_runs_here_and_a_re_placement_runs_afresh()
     l.started(done).unwrap();
     l.finished(done).unwrap();
     assert_eq!(l.held(), 2);
-    assert_eq!(l.lapse(), vec![R], "only what runs: a move under way ends by its protocol");
+    assert_eq!(l.lapse(&[]), vec![(R, Dropped::Cancel)], "only what runs: a move under way ends by its protocol");
     assert_eq!((l.state(R), l.held()), (State::Unseen, 1));
     assert_eq!(l.state(done), State::Finished, "a finished request stays answered");
     assert_eq!(l.submit(R), Admission::Run { release: None }, "re-placed back here: runs afresh");
-    assert!(l.lapse().is_empty() || l.state(R) == State::Unseen);
+    assert!(l.lapse(&[]).iter().all(|&(id, _)| id == R));
+    // One whose record the coordinator never acknowledged was re-placed: it counts as never run.
+    assert!(l.lapse(&[done]).is_empty());
+    assert_eq!(l.state(done), State::Unseen);
+    assert_eq!(l.submit(done), Admission::Run { release: None }, "placed here again: runs afresh");
+}
+
+#[test]
+fn a_move_out_orphaned_by_a_lapse_is_dropped_unless_it_lands_or_is_placed_here_again() {
+    // Three moves out when the registration expires: copying, paused, and in doubt.
+    let (copying, paused, doubt) = (RequestId(1), RequestId(2), RequestId(3));
+    let mut l = Ledger::new();
+    for (r, m) in [(copying, M1), (paused, M2), (doubt, MigrationId(3))] {
+        assert_eq!(l.submit(r), Admission::Run { release: None });
+        l.started(r).unwrap();
+        l.begin_out(r, m).unwrap();
+    }
+    l.pause(paused, M2).unwrap();
+    l.pause(doubt, MigrationId(3)).unwrap();
+    assert_eq!(l.unknown_out(doubt, MigrationId(3)), Ok(None));
+    assert_eq!(l.lapse(&[]), vec![(doubt, Dropped::Free)], "in doubt: nobody will settle it here");
+    assert_eq!((l.held(), l.state(doubt)), (2, State::Unseen));
+    assert!(l.is_orphaned(copying) && l.is_orphaned(paused));
+    // The moves do not land: dropped, not resumed (the coordinator re-placed them).
+    assert_eq!(l.abort_out(copying, M1), Ok(Resume::Drop(Dropped::Cancel)));
+    assert_eq!(l.abort_out(paused, M2), Ok(Resume::Drop(Dropped::Free)));
+    assert_eq!((l.held(), l.state(copying), l.state(paused)), (0, State::Unseen, State::Unseen));
+    assert_eq!(l.submit(copying), Admission::Run { release: None }, "placed here again: runs afresh");
+    l.started(copying).unwrap();
+
+    // An orphan that lands is simply gone; one placed here again first is this placement's copy.
+    let mut l = running();
+    l.begin_out(R, M1).unwrap();
+    l.pause(R, M1).unwrap();
+    assert!(l.lapse(&[]).is_empty());
+    l.commit_out(R, M1).unwrap();
+    assert_eq!((l.state(R), l.held(), l.is_orphaned(R)), (State::Left, 0, false));
+    let mut l = running();
+    l.begin_out(R, M1).unwrap();
+    assert!(l.lapse(&[]).is_empty());
+    assert_eq!(l.submit(R), Admission::AlreadyAccepted, "re-placed back here while moving out");
+    assert_eq!(l.abort_out(R, M1), Ok(Resume::Nothing));
+    assert_eq!(l.state(R), State::Running, "adopted: it carries on here");
+    l.begin_out(R, M2).unwrap();
+    l.pause(R, M2).unwrap();
+    let _ = l.lapse(&[]);
+    assert_eq!(l.submit(R), Admission::AlreadyAccepted);
+    assert_eq!(l.unknown_out(R, M2), Ok(Some(Resume::Engine)), "adopted: its move cannot have landed");
+    assert_eq!((l.state(R), l.held()), (State::Running, 1));
+    // An orphan whose COMMIT reply is lost is freed at once; one resolved "not held" is dropped.
+    let mut l = running();
+    l.begin_out(R, M1).unwrap();
+    l.pause(R, M1).unwrap();
+    let _ = l.lapse(&[]);
+    assert_eq!(l.unknown_out(R, M1), Ok(Some(Resume::Drop(Dropped::Free))));
+    assert_eq!((l.state(R), l.held()), (State::Unseen, 0));
+    assert_eq!(l.resolve_source(R, false), Settle::NotInDoubt);
+}
+
+#[test]
+fn a_copy_the_coordinator_does_not_count_is_dropped_and_may_be_placed_again() {
+    let mut l = running();
+    assert_eq!(l.drop_copy(R), Dropped::Cancel);
+    assert_eq!((l.state(R), l.held()), (State::Unseen, 0));
+    assert_eq!(l.drop_copy(R), Dropped::Nothing, "once");
+    assert_eq!(l.submit(R), Admission::Run { release: None }, "not 'already accepted': a cancel would lose it");
+    l.started(R).unwrap();
+    l.begin_out(R, M1).unwrap();
+    assert_eq!(l.drop_copy(R), Dropped::Nothing, "moving out: orphaned");
+    assert!(l.is_orphaned(R));
+    assert_eq!(l.abort_out(R, M1), Ok(Resume::Drop(Dropped::Cancel)));
+    let done = RequestId(9);
+    assert_eq!(l.submit(done), Admission::Run { release: None });
+    l.started(done).unwrap();
+    l.finished(done).unwrap();
+    assert_eq!(l.drop_copy(done), Dropped::Nothing);
+    assert_eq!(l.state(done), State::Finished);
 }
 
 #[test]
@@ -315,6 +391,17 @@ enum Op {
         to: u8,
         reclaimed: bool,
     },
+    /// A process whose lease lapsed (stopped, cut off) comes back under its free number: it
+    /// learns of the lapse first (drops what it held; its moves out are orphaned), then registers
+    /// again, and the coordinator reads its log from then on.
+    Rejoin {
+        pick: u8,
+    },
+    /// A process announces a request it holds (a prefill held for its handoff) that the
+    /// coordinator counts elsewhere: the coordinator has it dropped there.
+    Announce {
+        pick: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -336,6 +423,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (b(), b()).prop_map(|(instance, to)| Op::Kill { instance, to }),
         1 => b().prop_map(|instance| Op::Restart { instance }),
         1 => (b(), b(), any::<bool>()).prop_map(|(instance, to, reclaimed)| Op::LeaseLost { instance, to, reclaimed }),
+        1 => b().prop_map(|pick| Op::Rejoin { pick }),
+        1 => b().prop_map(|pick| Op::Announce { pick }),
     ]
 }
 
@@ -358,6 +447,9 @@ struct Cluster {
     finished: BTreeMap<RequestId, Proc>,
     /// Finished records still in a worker's log, not yet stored by the coordinator.
     unrecorded: BTreeMap<RequestId, Proc>,
+    /// Finished records in the log of a process whose registration lapsed (nobody reads it
+    /// until it rejoins).
+    late: BTreeSet<(Proc, RequestId)>,
     moves: Vec<Move>,
     /// What the engines have reserved, and for which migration.
     reservations: BTreeMap<(Proc, RequestId), MigrationId>,
@@ -390,6 +482,7 @@ impl Cluster {
             moving: BTreeMap::new(),
             finished: BTreeMap::new(),
             unrecorded: BTreeMap::new(),
+            late: BTreeSet::new(),
             moves: Vec::new(),
             reservations: BTreeMap::new(),
             next_request: 1,
@@ -451,7 +544,18 @@ impl Cluster {
     fn source_aborts(&mut self, k: usize) {
         let (from, request, id) = (self.moves[k].from, self.moves[k].request, self.moves[k].id);
         if self.moves[k].source.take().is_some() && self.process(from).is_some() {
-            self.ledger(from).abort_out(request, id).unwrap();
+            let before = self.ledger(from).state(request);
+            match before {
+                State::MovingOut(m) | State::Paused(m) if m == id => {
+                    self.ledger(from).abort_out(request, id).unwrap();
+                }
+                // Finished meanwhile (perhaps forgotten at a lapse, placed there again and moving
+                // out by another migration since): this abort changes nothing.
+                _ => {
+                    let _ = self.ledger(from).abort_out(request, id);
+                    assert_eq!(self.ledger(from).state(request), before, "{id}'s late abort of {request}");
+                }
+            }
         }
         self.settled(k, None);
     }
@@ -517,6 +621,7 @@ impl Cluster {
     fn process_gone(&mut self, p: Proc) {
         self.reservations.retain(|(at, _), _| *at != p);
         self.unrecorded.retain(|_, at| *at != p); // its log is gone with it
+        self.late.retain(|(at, _)| *at != p);
         for m in &mut self.moves {
             if m.from == p {
                 m.source = None;
@@ -565,7 +670,11 @@ impl Cluster {
                 let Some((p, request)) = nth(&running, pick) else { return };
                 self.ledger(p).finished(request).unwrap();
                 if self.zombies.iter().any(|z| z.id == p) {
-                    return; // nobody reads a zombie's log
+                    self.late.insert((p, request)); // nobody reads a zombie's log
+                    return;
+                }
+                if !self.counts(p, request) {
+                    return; // a late copy of a rejoined process: its record is refused
                 }
                 self.unrecorded.insert(request, p);
                 if recorded {
@@ -666,8 +775,11 @@ impl Cluster {
                     false
                 };
                 if reply_lost {
-                    self.ledger(from).unknown_out(request, id).unwrap();
-                    self.moves[k].source = Some(Source::InDoubt);
+                    self.moves[k].source = match self.ledger(from).unknown_out(request, id).unwrap() {
+                        None => Some(Source::InDoubt),
+                        // Orphaned: freed at once; adopted: resumed (nobody settles either).
+                        Some(_) => None,
+                    };
                 } else if landed {
                     self.ledger(from).commit_out(request, id).unwrap();
                     self.moves[k].source = None;
@@ -743,14 +855,58 @@ impl Cluster {
                 // before the coordinator sees the registration go.
                 zombie.ledger.set_registered(false);
                 // The coordinator stops reading its log with the eviction.
-                self.unrecorded.retain(|_, at| *at != zombie.id);
+                let unread: Vec<RequestId> =
+                    self.unrecorded.iter().filter(|(_, at)| **at == zombie.id).map(|(&r, _)| r).collect();
+                for r in unread {
+                    self.unrecorded.remove(&r);
+                    self.late.insert((zombie.id, r));
+                }
                 self.zombies.push(zombie);
                 self.evict(i, to);
                 if reclaimed {
                     self.apply(&Op::Restart { instance });
                 }
             }
+            Op::Rejoin { pick } => {
+                let free: Vec<usize> = (0..self.zombies.len())
+                    .filter(|&z| self.current[self.zombies[z].id.instance].is_none())
+                    .collect();
+                let Some(z) = nth(&free, pick) else { return };
+                let mut p = self.zombies.remove(z);
+                // Its log still holds the records the coordinator never read: after it rejoins
+                // they are read and refused as late copies' (nothing is placed on a lapsed
+                // process, and a newcomer holding its number is another process).
+                let id = p.id;
+                let unheard: Vec<RequestId> = self.late.iter().filter(|(at, _)| *at == id).map(|&(_, r)| r).collect();
+                self.late.retain(|(at, _)| *at != id);
+                for (request, dropped) in p.ledger.lapse(&unheard) {
+                    assert_ne!(dropped, Dropped::Nothing, "{request}");
+                }
+                p.ledger.set_registered(true);
+                self.current[id.instance] = Some(p);
+            }
+            Op::Announce { pick } => {
+                let mut stale = Vec::new();
+                for p in self.current.iter().flatten().map(|p| p.id).collect::<Vec<_>>() {
+                    for r in (1..self.next_request).map(RequestId) {
+                        // Announced: held after its prefill, so running (not moving out).
+                        if self.ledger(p).state(r) == State::Running && !self.counts(p, r) {
+                            stale.push((p, r));
+                        }
+                    }
+                }
+                let Some((p, request)) = nth(&stale, pick) else { return };
+                let _ = self.ledger(p).drop_copy(request);
+            }
         }
+    }
+
+    /// Whether the coordinator counts `p`'s copy of `request`: `p` is registered under the
+    /// request's owner's number, or is the target of its open move.
+    fn counts(&self, p: Proc, request: RequestId) -> bool {
+        let registered = |i: usize| self.current[i].as_ref().is_some_and(|c| c.id == p);
+        self.owner.get(&request).is_some_and(|&i| registered(i))
+            || self.moves.iter().any(|m| m.tracked && m.request == request && m.to == p)
     }
 
     /// The coordinator stores a finished record from a worker's log.
@@ -821,7 +977,9 @@ impl Cluster {
         }
         for r in (1..self.next_request).map(RequestId) {
             let (mut live, mut in_doubt) = (0, 0);
-            for p in self.current.iter().flatten() {
+            // A copy orphaned by a lapse decodes on until its move ends, but the cluster no
+            // longer counts it (its record is refused): dropped unless the move lands.
+            for p in self.current.iter().flatten().filter(|p| !p.ledger.is_orphaned(r)) {
                 match p.ledger.state(r) {
                     State::Running | State::MovingOut(_) | State::Paused(_) => live += 1,
                     State::InDoubt(_) => in_doubt += 1,
@@ -907,6 +1065,38 @@ fn known_races_stay_fixed() {
                 Commit { pick: 0, reply_lost: true },
                 Finish { pick: 0, recorded: false },
                 Resolve { pick: 0 },
+            ],
+        ),
+        (
+            "a move out orphaned by a lapse aborts after the worker registered again",
+            &[
+                Submit { to: 0 },
+                StartMove { pick: 0, to: 0 },
+                LeaseLost { instance: 0, to: 0, reclaimed: false },
+                Rejoin { pick: 0 },
+                SourceAbort { pick: 0 },
+            ],
+        ),
+        (
+            "finished unheard before a lapse, then placed there again",
+            &[
+                Submit { to: 0 },
+                LeaseLost { instance: 0, to: 0, reclaimed: false },
+                Finish { pick: 1, recorded: false },
+                Rejoin { pick: 0 },
+                Kill { instance: 1, to: 0 },
+            ],
+        ),
+        (
+            "a move into a worker whose lease lapsed commits after it registered again",
+            &[
+                Submit { to: 0 },
+                StartMove { pick: 0, to: 0 },
+                LeaseLost { instance: 1, to: 0, reclaimed: false },
+                LeaseLost { instance: 0, to: 0, reclaimed: false },
+                Rejoin { pick: 0 },
+                Pause { pick: 0 },
+                Commit { pick: 0, reply_lost: false },
             ],
         ),
     ];

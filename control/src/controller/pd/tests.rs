@@ -479,3 +479,25 @@ fn an_instance_s_own_profile_replaces_the_estimate() {
         snapshot.loads().iter().map(|l| (l.instance.0, l.max_tokens, l.profile.c)).collect();
     assert_eq!(seen, [(0, 16_000, 1.0), (1, 4_000, 0.5), (2, 2_000, 0.25), (3, 4_000, 0.5)]);
 }
+
+#[test]
+fn a_held_copy_the_cluster_re_placed_elsewhere_is_dropped_where_it_is_held() {
+    let mut c = arrow(2, 4);
+    let first = arrive(&mut c, at(0.0), 1);
+    // Its instance is evicted (its lease lapsed while it was stopped): re-placed on the other.
+    let actions = c.decide(at(1.0), Event::Left { instance: first }).unwrap();
+    let Some(Action::Place { on: again, .. }) = actions.iter().find(|a| matches!(a, Action::Place { .. })) else {
+        panic!("not re-placed: {actions:?}")
+    };
+    let again = *again;
+    assert_ne!(again, first);
+    let joined = Event::Joined { instance: first, address: "w".into(), model: String::new(), kv_bytes_per_token: KV };
+    c.decide(at(2.0), joined).unwrap();
+    // The stopped instance resumes and announces its copy, held after its prefill: dropped there.
+    assert_eq!(prefilled(&mut c, at(2.5), 1, first), vec![Action::Drop { request: RequestId(1), on: first }]);
+    // The copy the cluster counts is handed off as usual.
+    let actions = prefilled(&mut c, at(3.0), 1, again);
+    assert!(matches!(actions[..], [Action::Migrate { request: RequestId(1), .. }]), "{actions:?}");
+    // A repeated announcement of a handoff under way is not a stale copy.
+    assert_eq!(prefilled(&mut c, at(3.1), 1, again), vec![]);
+}
