@@ -1260,7 +1260,13 @@ impl Controller {
             return None;
         };
         if (o.instance != instance && o.migrating_to != Some(instance)) || !o.unfinished() {
-            tracing::debug!(request = id.0, instance = instance.0, owner = o.instance.0, what, "a stale copy; dropped there");
+            tracing::debug!(
+                request = id.0,
+                instance = instance.0,
+                owner = o.instance.0,
+                what,
+                "a stale copy; dropped there"
+            );
             self.actions.push_back(Action::Drop { request: id, on: instance });
             return None;
         }

@@ -711,7 +711,9 @@ impl Leader {
                 self.stats.stale_copies_dropped.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(request = id.0, instance = on.0, "dropped a copy the cluster re-placed elsewhere");
             }
-            Ok(r) => tracing::debug!(request = id.0, instance = on.0, reason = %r.get_ref().reason, "no stale copy to drop"),
+            Ok(r) => {
+                tracing::debug!(request = id.0, instance = on.0, reason = %r.get_ref().reason, "no stale copy to drop")
+            }
             Err(e) => tracing::warn!(request = id.0, instance = on.0, "dropping a stale copy failed: {e}"),
         }
     }
@@ -1028,8 +1030,13 @@ impl Leader {
             }
         }
         let order = self.next_move_order();
-        let req =
-            v1::MigrateOutRequest { request_id: id.0, target: to.0, target_kv_address, leader_term: order.0, move_seq: order.1 };
+        let req = v1::MigrateOutRequest {
+            request_id: id.0,
+            target: to.0,
+            target_kv_address,
+            leader_term: order.0,
+            move_seq: order.1,
+        };
         let out = match src.migrate_out(kvfleet_telemetry::request_with(&self.traces.context(id), req)).await {
             Ok(r) => r.into_inner(),
             Err(e) => {
@@ -1305,7 +1312,10 @@ where
         let why = match tokio::time::timeout(SETTLE_CALL_TIMEOUT, call()).await {
             Ok(Ok(r)) if r.moving => {
                 if waited >= MOVE_END_PATIENCE {
-                    tracing::error!(request = id.0, "the source's move has not ended in {waited:?}; not telling it again");
+                    tracing::error!(
+                        request = id.0,
+                        "the source's move has not ended in {waited:?}; not telling it again"
+                    );
                     return Told::StillMoving;
                 }
                 tokio::time::sleep(MOVE_END_POLL).await;
@@ -1665,7 +1675,8 @@ mod tests {
         assert_eq!((told, calls.load(Ordering::Relaxed)), (Told::Unreachable, SETTLE_TELL_ATTEMPTS));
 
         let started = tokio::time::Instant::now();
-        let told = keep_telling(RequestId(3), || async { Ok(v1::ResolveMigrationReply { held: true, moving: true }) }).await;
+        let told =
+            keep_telling(RequestId(3), || async { Ok(v1::ResolveMigrationReply { held: true, moving: true }) }).await;
         assert_eq!(told, Told::StillMoving);
         assert!(started.elapsed() >= MOVE_END_PATIENCE, "patient for as long as a move may last");
     }

@@ -1094,7 +1094,10 @@ impl Driver {
             }
         }
         self.written.remove(&request);
-        tracing::warn!(request = request.0, "dropped a copy the cluster re-placed elsewhere while this worker was cut off or stopped");
+        tracing::warn!(
+            request = request.0,
+            "dropped a copy the cluster re-placed elsewhere while this worker was cut off or stopped"
+        );
         Ok(true)
     }
 }

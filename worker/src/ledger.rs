@@ -372,11 +372,8 @@ impl Ledger {
             }
         }
         let ids: Vec<RequestId> = self.entries.iter().filter(|(_, e)| e.state.is_held()).map(|(&id, _)| id).collect();
-        let mut dropped: Vec<(RequestId, Dropped)> = ids
-            .into_iter()
-            .map(|id| (id, self.drop_copy(id)))
-            .filter(|&(_, d)| d != Dropped::Nothing)
-            .collect();
+        let mut dropped: Vec<(RequestId, Dropped)> =
+            ids.into_iter().map(|id| (id, self.drop_copy(id))).filter(|&(_, d)| d != Dropped::Nothing).collect();
         dropped.sort_unstable_by_key(|&(id, _)| id);
         dropped
     }

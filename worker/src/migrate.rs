@@ -36,7 +36,8 @@ use kvfleet_core::{RequestId, Timestamp};
 use kvfleet_netmodel::migration::wire::{frame::Body, BlockHash as WireHash, Frame, PrefixBlock, PrefixPull};
 use kvfleet_netmodel::migration::{
     block_frame_head, block_tokens, checksum, slice_bytes, slice_frame_head, AbortReason, MigrationId, MigrationParams,
-    MigrationReport, MoveOrder, Outcome, SourceAction, SourceMachine, TargetAction, TargetMachine, BLOCK_DATA_PAYLOAD_PATH,
+    MigrationReport, MoveOrder, Outcome, SourceAction, SourceMachine, TargetAction, TargetMachine,
+    BLOCK_DATA_PAYLOAD_PATH,
 };
 use kvfleet_proto::v1;
 use kvfleet_transport::{FrameReader, FrameWriter, KvConnection, KvTransport, Payload, StreamReader, StreamWriter};
@@ -769,9 +770,9 @@ impl Migrator {
                     }
                     TargetAction::Reserve { request, kv_tokens, prefix, order, .. } => {
                         let asked = self.now();
-                        let reserve = |reply| LiveCommand::Reserve { request, migration: id, order, kv_tokens, prefix, reply };
-                        let r = match self.ask_raw(reserve).await
-                        {
+                        let reserve =
+                            |reply| LiveCommand::Reserve { request, migration: id, order, kv_tokens, prefix, reply };
+                        let r = match self.ask_raw(reserve).await {
                             Ok(pinned) => Ok(pinned),
                             Err(DriverError::Refused { refusal: Refusal::Fenced, .. }) => {
                                 Err(AbortReason::Refused(format!("{request} was settled elsewhere")))

@@ -249,9 +249,9 @@ impl Worker for WorkerService {
             let order = MoveOrder { term: request.get_ref().leader_term, seq: request.get_ref().move_seq };
             let report =
                 tokio::spawn(async move { migrator.migrate_out(id, addr, Some(target), order, &parent).await })
-                .await
-                .map_err(|e| Status::internal(format!("the migration task failed: {e}")))?
-                .map_err(driver_status)?;
+                    .await
+                    .map_err(|e| Status::internal(format!("the migration task failed: {e}")))?
+                    .map_err(driver_status)?;
             let outcome = match &report.outcome {
                 Some(Outcome::Committed) => v1::MigrationOutcome::MigrationCommitted,
                 Some(Outcome::Unknown(_)) => v1::MigrationOutcome::MigrationUnknown,

@@ -96,7 +96,12 @@ async fn failed_migrations_abort_and_the_request_finishes_on_the_source() {
     let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let nowhere = silent.local_addr().unwrap().to_string();
     let out = ca
-        .migrate_out(v1::MigrateOutRequest { request_id: 3, target: 1, target_kv_address: nowhere, ..Default::default() })
+        .migrate_out(v1::MigrateOutRequest {
+            request_id: 3,
+            target: 1,
+            target_kv_address: nowhere,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -104,7 +109,12 @@ async fn failed_migrations_abort_and_the_request_finishes_on_the_source() {
     drop(silent);
 
     // Malformed address: InvalidArgument naming the field.
-    let bad = v1::MigrateOutRequest { request_id: 3, target: 1, target_kv_address: "not an address".into(), ..Default::default() };
+    let bad = v1::MigrateOutRequest {
+        request_id: 3,
+        target: 1,
+        target_kv_address: "not an address".into(),
+        ..Default::default()
+    };
     let e = ca.migrate_out(bad).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
     assert!(e.message().contains("target_kv_address"), "{e}");
@@ -139,7 +149,14 @@ async fn a_migration_outlives_the_cancelled_call_that_started_it() {
     // coordinator's would close) once the target has reserved room (PREPARE done).
     let mut caller = a.client().await;
     let mut call = Box::pin(async move {
-        caller.migrate_out(v1::MigrateOutRequest { request_id: 11, target: 1, target_kv_address: target_kv, ..Default::default() }).await
+        caller
+            .migrate_out(v1::MigrateOutRequest {
+                request_id: 11,
+                target: 1,
+                target_kv_address: target_kv,
+                ..Default::default()
+            })
+            .await
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {

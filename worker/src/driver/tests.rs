@@ -565,7 +565,8 @@ fn live_move_pinning(from: &Running, to: &Running, id: RequestId, migration: Mig
     let prefix = shared_blocks(&m.spec, 4).into_vec();
     let order = MoveOrder::UNORDERED;
     let pinned =
-        ask(to, |reply| live(LiveCommand::Reserve { request: id, migration, order, kv_tokens, prefix, reply })).unwrap();
+        ask(to, |reply| live(LiveCommand::Reserve { request: id, migration, order, kv_tokens, prefix, reply }))
+            .unwrap();
     write_blocks(to, id, migration, pinned, &all.blocks[pinned as usize..]);
     let generated = m.generated;
     ask(to, |reply| live(LiveCommand::AttachReserved { migration, state: Box::new(m), reply })).unwrap();

@@ -868,9 +868,8 @@ impl Cluster {
                 }
             }
             Op::Rejoin { pick } => {
-                let free: Vec<usize> = (0..self.zombies.len())
-                    .filter(|&z| self.current[self.zombies[z].id.instance].is_none())
-                    .collect();
+                let free: Vec<usize> =
+                    (0..self.zombies.len()).filter(|&z| self.current[self.zombies[z].id.instance].is_none()).collect();
                 let Some(z) = nth(&free, pick) else { return };
                 let mut p = self.zombies.remove(z);
                 // Its log still holds the records the coordinator never read: after it rejoins
@@ -928,8 +927,7 @@ impl Cluster {
     /// paused copy rather than run the request again (the real coordinator asks regardless).
     fn resolve(&mut self, k: usize) {
         let (from, to, request) = (self.moves[k].from, self.moves[k].to, self.moves[k].request);
-        let held = self.finished.contains_key(&request)
-            || self.ask_target(to.instance, request);
+        let held = self.finished.contains_key(&request) || self.ask_target(to.instance, request);
         let settle = self.ledger(from).resolve_source(request, held);
         assert_eq!(settle, if held { Settle::FreeSource } else { Settle::Resume });
         self.moves[k].source = None;
