@@ -408,7 +408,7 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     }
     let tmp = TempDir::new("up-arrow");
     let out = tmp.join("out");
-    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/arrow-up.toml");
+    let example = arrow_example();
     let cfg = std::fs::read_to_string(&example).expect("examples/arrow-up.toml");
     assert!(cfg.contains("slo_ttft_s = 1.5"), "the example's Arrow TTFT SLO moved; update this test");
     let config = tmp.join("arrow.toml");
@@ -492,7 +492,7 @@ fn up_with_arrow_a_prefill_worker_paused_past_its_lease_completes_every_request_
     }
     let tmp = TempDir::new("up-arrow-pause");
     let out = tmp.join("out");
-    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/arrow-up.toml");
+    let example = arrow_example();
     let config = example.to_str().unwrap();
     let args = [
         "up",
@@ -518,6 +518,11 @@ fn up_with_arrow_a_prefill_worker_paused_past_its_lease_completes_every_request_
     assert_eq!(s["requests_finished"], 30, "{s}");
     assert_each_request_once(&out, 30);
     assert_no_process_left(&out);
+}
+
+/// The shipped Arrow emulator example (`examples/arrow-up.toml`).
+fn arrow_example() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/arrow-up.toml")
 }
 
 /// `kvfleet up`'s `prefill/decode:` line, the handoffs it counts, and of them those overlapped
