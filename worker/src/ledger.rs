@@ -205,8 +205,8 @@ pub enum Dropped {
     Nothing,
     /// It ran here: cancel it.
     Cancel,
-    /// It was paused in doubt after its move's lost COMMIT reply: free it, as a committed move's
-    /// source is.
+    /// It is frozen for a move out (paused for the final copy, or in doubt after a lost COMMIT
+    /// reply): free it, as a committed move's source is.
     Free,
 }
 
