@@ -700,7 +700,11 @@ impl Leader {
     }
 
     /// Carry out [`Action::Drop`]: `on` holds a copy of `id` the cluster does not count; it frees
-    /// it. Not if `id` was placed on `on` again meanwhile (that copy is the one counted now).
+    /// it. Not if `id` was placed on `on` again meanwhile (that copy is the one counted now). Left
+    /// open: a placement on `on` decided after this check whose submit reaches `on` before the drop
+    /// (answered "already accepted" by the stale copy, then dropped) would leave the request
+    /// waiting on `on`; it needs the instance that held `id` to die and `id` to be re-placed on
+    /// `on` within that RPC's flight.
     async fn drop_copy(self: Arc<Self>, id: RequestId, on: InstanceId) {
         if self.owns(id, on) {
             return;
