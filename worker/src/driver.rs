@@ -596,7 +596,7 @@ impl Driver {
                 self.ledger.set_registered(false);
                 // Finished here, its record not acknowledged: the coordinator re-placed it and
                 // refuses that record as a late copy's.
-                let unheard: Vec<RequestId> = self.log.unacked_records().into_iter().map(RequestId).collect();
+                let unheard: Vec<RequestId> = self.log.unacked_finished().into_iter().map(RequestId).collect();
                 let dropped: Vec<RequestId> = self
                     .ledger
                     .lapse(&unheard)
@@ -1073,7 +1073,13 @@ impl Driver {
 
     /// A move out of `request` by `migration` ended before COMMIT: it carries on here.
     pub(super) fn resume_out(&mut self, request: RequestId, migration: MigrationId) -> Result<(), DriverError> {
-        match self.ledger.abort_out(request, migration)? {
+        let resume = self.ledger.abort_out(request, migration)?;
+        self.resume_on_engine(request, resume)
+    }
+
+    /// Carry out a ledger's [`Resume`] for a move out that ended without landing.
+    pub(super) fn resume_on_engine(&mut self, request: RequestId, resume: Resume) -> Result<(), DriverError> {
+        match resume {
             Resume::Engine => self.abort_out(request)?,
             Resume::Nothing => {}
             Resume::Drop(dropped) => {

@@ -169,7 +169,7 @@ impl EventLog {
     }
 
     /// The requests whose final records are still held (not acknowledged), in log order.
-    pub fn unacked_records(&self) -> Vec<u64> {
+    pub fn unacked_finished(&self) -> Vec<u64> {
         let g = self.lock();
         g.events
             .values()

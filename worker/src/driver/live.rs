@@ -21,7 +21,7 @@
 
 use super::{ledger_step, refused, shared_blocks, verify_written, Driver, DriverError, Written};
 use crate::arena::TokenContent;
-use crate::ledger::{Arrival, Resume, Settle};
+use crate::ledger::{Arrival, Settle};
 use bytes::Bytes;
 use kvfleet_core::engine::MigratedRequest;
 use kvfleet_core::kv::{BlockHash, BlockTable, Tier};
@@ -216,11 +216,7 @@ impl Driver {
             LiveCommand::InDoubt { request, migration, reply } => {
                 let in_doubt = match self.ledger.unknown_out(request, migration) {
                     Ok(None) => Ok(()),
-                    Ok(Some(Resume::Engine)) => self.abort_out(request).map_err(DriverError::from),
-                    Ok(Some(Resume::Drop(dropped))) => {
-                        self.drop_on_engine(request, dropped).map(drop).map_err(DriverError::from)
-                    }
-                    Ok(Some(Resume::Nothing)) => Ok(()),
+                    Ok(Some(resume)) => self.resume_on_engine(request, resume),
                     Err(e) => Err(e.into()),
                 };
                 let _ = reply.send(in_doubt);
