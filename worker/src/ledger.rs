@@ -603,7 +603,7 @@ impl Ledger {
         match e.state {
             State::MovingOut(m) | State::Paused(m) if m == migration && e.orphan == Orphan::Orphaned => {
                 let dropped = if matches!(e.state, State::Paused(_)) { Dropped::Free } else { Dropped::Cancel };
-                self.drop_orphan(request);
+                self.drop_held(request);
                 Ok(Resume::Drop(dropped))
             }
             State::MovingOut(m) if m == migration => {
@@ -633,7 +633,7 @@ impl Ledger {
         let e = self.entry_mut(request, "wait in doubt")?;
         match e.state {
             State::Paused(m) if m == migration && e.orphan == Orphan::Orphaned => {
-                self.drop_orphan(request);
+                self.drop_held(request);
                 Ok(Some(Resume::Drop(Dropped::Free)))
             }
             State::Paused(m) if m == migration && e.orphan == Orphan::Adopted => {
@@ -722,7 +722,7 @@ impl Ledger {
             }
             _ => return Dropped::Nothing,
         };
-        self.drop_orphan(request);
+        self.drop_held(request);
         dropped
     }
 
@@ -771,7 +771,7 @@ impl Ledger {
 
     /// A held copy the cluster does not count is dropped: as if never here (a re-placement runs
     /// afresh).
-    fn drop_orphan(&mut self, request: RequestId) {
+    fn drop_held(&mut self, request: RequestId) {
         if let Some(e) = self.entries.get_mut(&request) {
             e.state = State::Unseen;
             e.rematerialized = false;
