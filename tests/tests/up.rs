@@ -504,6 +504,10 @@ fn up_with_arrow_a_prefill_worker_paused_past_its_lease_completes_every_request_
         "6",
         "--pause-for-s",
         "5",
+        // Exactly-once under the pause is the point here, not the bytes: each token slot written
+        // only where it is identified (the workers' memory 1/64 resident).
+        "--kv-fill",
+        "stamp",
         "-q",
         "--out",
         out.to_str().unwrap(),
