@@ -34,6 +34,8 @@ use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 use tonic::Status;
 
+#[cfg(test)]
+mod fake_worker;
 mod reports;
 mod roles;
 pub use roles::PdSetup;
@@ -1043,8 +1045,17 @@ impl Leader {
         };
         let out = match src.migrate_out(kvfleet_telemetry::request_with(&self.traces.context(id), req)).await {
             Ok(r) => r.into_inner(),
+            Err(e) if call_broke(&e) => {
+                // The call broke, not necessarily the move: a source that took it runs it to its
+                // end whether or not anyone waits for the reply (a slow or paused worker, an HTTP/2
+                // keep-alive that timed out mid-copy). Its outcome is unknown, as after a lost
+                // COMMIT reply.
+                self.stats.migration_failures.fetch_add(1, Ordering::Relaxed);
+                return self.settle_broken_call(id, from, to, live, &e, &src, &dst).await;
+            }
             Err(e) => {
-                // Nothing moved (finished meanwhile, or an iteration boundary refused it).
+                // The source answered: nothing moved (finished meanwhile, or an iteration boundary
+                // refused it).
                 tracing::debug!(request = id.0, "migrate-out refused: {e}");
                 self.stats.migration_failures.fetch_add(1, Ordering::Relaxed);
                 return Moved::No;
@@ -1069,6 +1080,44 @@ impl Leader {
                 }
                 Moved::No
             }
+        }
+    }
+
+    /// A move whose `MigrateOut` call broke: where does the request live? A live move is settled
+    /// as an unknown outcome: the target is asked (from then on it refuses a late COMMIT of this
+    /// move) and the source told which copy lives, and told again while its move is still copying.
+    /// Without a live copy the request's state travels in the reply, so a broken call may have
+    /// taken it with it: it counts as lost (re-placed; a copy still running on the source is
+    /// refused as a late one).
+    #[allow(clippy::too_many_arguments)]
+    async fn settle_broken_call(
+        self: &Arc<Self>,
+        id: RequestId,
+        from: InstanceId,
+        to: InstanceId,
+        live: bool,
+        error: &tonic::Status,
+        src: &WorkerClient<Channel>,
+        dst: &WorkerClient<Channel>,
+    ) -> Moved {
+        if !live {
+            tracing::warn!(request = id.0, from = from.0, to = to.0, "migrate-out call broke ({error}); re-placing");
+            return Moved::Lost;
+        }
+        let held = ask_target(id, Some(dst.clone()), self.moves_so_far()).await;
+        let told = tell_source(id, src.clone(), held).await;
+        tracing::warn!(
+            request = id.0,
+            from = from.0,
+            to = to.0,
+            held,
+            ?told,
+            "migrate-out call broke ({error}); settled by asking the target"
+        );
+        if held {
+            Moved::Yes
+        } else {
+            Moved::No
         }
     }
 
@@ -1269,6 +1318,13 @@ impl Leader {
 /// their late PREPARE or COMMIT from then on. An unreachable, hung or unregistered target holds
 /// nothing that will live (its registration lapses and its requests are re-placed): no. The
 /// source is told next ([`tell_source`]).
+/// Whether a failed call broke on the way (its connection, a deadline), rather than being
+/// answered by the worker with a refusal: then whatever it asked may still happen.
+fn call_broke(e: &tonic::Status) -> bool {
+    std::error::Error::source(e).is_some()
+        || matches!(e.code(), tonic::Code::Cancelled | tonic::Code::DeadlineExceeded | tonic::Code::Unknown)
+}
+
 async fn ask_target(id: RequestId, dst: Option<WorkerClient<Channel>>, upto: (u64, u64)) -> bool {
     let (term, seq) = upto;
     let Some(mut dst) = dst else { return false };
@@ -1752,5 +1808,55 @@ mod tests {
         }
         stored_role(&store, 2, "decode").await;
         b.stop();
+    }
+
+    /// A `MigrateOut` call that breaks (a worker too slow to answer before the HTTP/2 keep-alive
+    /// gives up) says nothing about the move, which the source runs to its end: the leader asks
+    /// the target (fencing it) and tells the source which copy lives, and records the request
+    /// where it lives. Before, a broken call counted as "nothing moved": the request stayed owned
+    /// by a source that had handed it off, and the target's final record was refused as a late
+    /// copy (the request never finished).
+    #[tokio::test]
+    async fn a_broken_migrate_out_call_is_settled_by_asking_the_target() {
+        for (error, target_holds) in [
+            (Status::unknown("h2 protocol error: keep-alive timed out"), true),
+            (Status::cancelled("the call was cancelled"), false),
+        ] {
+            let (leader, src, dst) = moving_between_fakes(error.clone(), target_holds).await;
+            let moved = leader.clone().migrate(RequestId(5), InstanceId(0), InstanceId(1)).await;
+            assert_eq!(moved, if target_holds { Moved::Yes } else { Moved::No }, "{error}");
+            let (term, seq) = leader.moves_so_far();
+            assert_eq!(dst.resolved(), vec![(5, None, term, seq)], "the target asked, fenced up to this move");
+            assert_eq!(src.resolved(), vec![(5, Some(target_holds), 0, 0)], "the source told which copy lives");
+            leader.stop();
+        }
+        // A refusal the source answered is not in doubt: nobody is asked.
+        let (leader, src, dst) = moving_between_fakes(Status::failed_precondition("req-5 is not running"), true).await;
+        assert_eq!(leader.clone().migrate(RequestId(5), InstanceId(0), InstanceId(1)).await, Moved::No);
+        assert!(dst.resolved().is_empty() && src.resolved().is_empty());
+        leader.stop();
+    }
+
+    /// A leader whose request 5 runs on fake worker 0, whose `MigrateOut` fails with `error`;
+    /// fake worker 1 answers that it holds the request when asked if `target_holds`.
+    async fn moving_between_fakes(
+        error: Status,
+        target_holds: bool,
+    ) -> (Arc<Leader>, fake_worker::FakeWorker, fake_worker::FakeWorker) {
+        let (src, dst) = (fake_worker::FakeWorker::default(), fake_worker::FakeWorker::default());
+        src.0.lock().unwrap().migrate_out_error = Some(error);
+        dst.0.lock().unwrap().holds = target_holds;
+        let leader = leader_with_unserved_workers("least-kv", 0).await;
+        for (instance, worker) in [(0, &src), (1, &dst)] {
+            let mut rec = registration(instance, &worker.serve().await, 1);
+            // Live moves (a QUIC address; nothing listens there, nothing is sent).
+            rec.kv_address = format!("127.0.0.1:{}", 40_000 + instance);
+            leader.admit(&rec).await.unwrap();
+        }
+        let (tx, mut rx) = mpsc::channel(16);
+        leader.submit(spec(5, 100), tx).await.unwrap();
+        let placed = rx.recv().await.unwrap().unwrap().event;
+        assert!(matches!(placed, Some(v1::client_event::Event::AcceptedOn(0))), "{placed:?}");
+        (leader, src, dst)
     }
 }
