@@ -52,14 +52,15 @@ pub fn render(s: &v1::ClusterStatus) -> String {
     let _ = writeln!(out, "leader {}   store {}   epoch {} ns", s.leader, s.store, s.epoch_unix_ns);
     let _ = writeln!(
         out,
-        "requests: {} in flight, {} finished ({} late copies refused, {} stale copies dropped), {} cancelled   migrations: {} committed, {} did not commit",
+        "requests: {} in flight, {} finished ({} late copies refused, {} stale copies dropped), {} cancelled   migrations: {} committed, {} did not commit   workers expelled: {}",
         s.requests_in_flight,
         s.requests_finished,
         s.late_results,
         s.stale_copies_dropped,
         s.cancelled,
         s.migrations,
-        s.migrations_failed
+        s.migrations_failed,
+        s.workers_expelled
     );
     let _ = writeln!(
         out,

@@ -81,8 +81,9 @@ pub enum Event {
     /// the [`Silence`] rule: an instance quiet for `silent_after` looked idle, so it would draw
     /// every placement; until it is heard again no request is placed on it and no move goes to
     /// it, and what it holds stays. Quiet for `abandon_after` (registered, but nobody can reach
-    /// it), it is given up as if it left: its requests are re-placed. Heard again, it is back
-    /// (a given-up instance rejoins, empty). Without a rule ([`Controller::watch_silence`]) only
+    /// it), it is given up as if it left and expelled ([`Action::Expel`]): its requests are
+    /// re-placed. Heard again all the same (a driver that could not expel it), it is back, as an
+    /// empty instance. Without a rule ([`Controller::watch_silence`]) only
     /// the times are noted.
     Heard {
         /// (instance, last heard from) pairs; unknown instances are ignored.
@@ -285,6 +286,16 @@ pub enum Action {
         from: InstanceId,
         /// The move's target, live.
         to: InstanceId,
+    },
+    /// `instance` was given up while still registered ([`Silence::abandon_after`]): its requests
+    /// are re-placed, so its membership ends. The driver revokes its registration, so that the
+    /// process, if it runs again, finds it lapsed and drops the copies the cluster re-placed
+    /// before it registers again (it comes back through [`Event::Joined`]). A process that was
+    /// only slow would otherwise go on running, moving and handing off requests the cluster
+    /// placed elsewhere, or be given one of them again while it still held it.
+    Expel {
+        /// The instance.
+        instance: InstanceId,
     },
 }
 
@@ -911,6 +922,7 @@ impl Controller {
                     quiet_ms = quiet.as_millis_f64(),
                     "instance unreachable while it is still a member: its requests are re-placed"
                 );
+                self.actions.push_back(Action::Expel { instance: id });
                 self.leave(id);
             } else if newly_silent {
                 self.rebuild_live();

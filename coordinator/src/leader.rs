@@ -66,6 +66,9 @@ pub struct LeaderStats {
     /// Copies a worker held of requests re-placed elsewhere (cut off or stopped meanwhile),
     /// freed there at this leader's word ([`Action::Drop`]).
     pub stale_copies_dropped: AtomicU64,
+    /// Workers given up for silence while registered whose registration this leader revoked
+    /// ([`Action::Expel`]).
+    pub expelled: AtomicU64,
     /// Handoffs committed: a request moved from the prefill instance that held it to a decoder.
     pub handoffs: AtomicU64,
     /// Held requests released to decode where they were prefilled.
@@ -490,6 +493,9 @@ impl Leader {
                 Action::Drop { request, on } => {
                     tokio::spawn(self.clone().drop_copy(request, on));
                 }
+                Action::Expel { instance } => {
+                    tokio::spawn(self.clone().expel(instance));
+                }
                 Action::SetRole { instance, role } => self.set_role(instance, role),
                 Action::Release { request, on } => {
                     tokio::spawn(self.clone().release(request, on));
@@ -698,6 +704,39 @@ impl Leader {
             }
             Ok(r) => tracing::info!(request = id.0, instance = on.0, reason = %r.get_ref().reason, "nothing to cancel"),
             Err(e) => tracing::warn!(request = id.0, instance = on.0, "cancel failed: {e}"),
+        }
+    }
+
+    /// Carry out [`Action::Expel`]: revoke the lease of `instance`'s registration (the process
+    /// this leader linked, not one registered since), which deletes it: the registry watch evicts
+    /// the instance (its link closes; it is heard from no more), and the worker, once it runs
+    /// again, finds its registration expired, drops what the cluster re-placed and registers
+    /// anew. Unless its registration changed meanwhile (a new process, or already lapsed).
+    async fn expel(self: Arc<Self>, instance: InstanceId) {
+        let Some(incarnation) = self.links.lock().expect("links lock").get(&instance).map(|l| l.incarnation) else {
+            return;
+        };
+        let registered = match self.store.get(&keys::worker(instance.0)).await {
+            Ok(kv) => kv,
+            Err(e) => {
+                tracing::warn!(instance = instance.0, "not expelled: reading its registration failed ({e})");
+                return;
+            }
+        };
+        let lease = registered.and_then(|kv| {
+            let rec: WorkerRecord = serde_json::from_slice(&kv.value).ok()?;
+            (rec.incarnation == incarnation).then_some(kv.lease).flatten()
+        });
+        let Some(lease) = lease else {
+            tracing::debug!(instance = instance.0, "not expelled: its registration lapsed or changed meanwhile");
+            return;
+        };
+        match self.store.revoke(lease).await {
+            Ok(()) => {
+                self.stats.expelled.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(instance = instance.0, %lease, "expelled: its registration revoked")
+            }
+            Err(e) => tracing::warn!(instance = instance.0, "not expelled: revoking its registration failed ({e})"),
         }
     }
 
@@ -1195,6 +1234,7 @@ impl Leader {
             late_results: self.stats.late_results.load(Ordering::Relaxed),
             cancelled: self.stats.cancelled.load(Ordering::Relaxed),
             stale_copies_dropped: self.stats.stale_copies_dropped.load(Ordering::Relaxed),
+            workers_expelled: self.stats.expelled.load(Ordering::Relaxed),
             store: self.store.store_kind().to_string(),
             migration_log: self.migration_log.lock().expect("migration log lock").clone(),
             role_changes: self.roles.changes(),
@@ -1617,6 +1657,10 @@ mod tests {
             }
         };
         assert_eq!(placed(leader.clone(), 1).await, 0, "both idle: the lowest id");
+        // Worker 0's registration, as the worker keeps it: under a lease of its own.
+        let address = leader.links.lock().unwrap()[&InstanceId(0)].address.clone();
+        let lease = leader.store.grant_lease(Duration::from_secs(60)).await.unwrap();
+        leader.store.put_with_lease(&keys::worker(0), &json(&registration(0, &address, 1)), lease).await.unwrap();
         let watch = tokio::spawn(leader.clone().watch_silence());
         tokio::time::sleep(Duration::from_millis(400)).await;
         for id in 2..5 {
@@ -1627,6 +1671,14 @@ mod tests {
         let o = leader.control().ownership(RequestId(1)).cloned().unwrap();
         assert_eq!((o.instance, o.replaced), (InstanceId(1), 1), "given up: its request moved on");
         assert!(!leader.control().is_live(InstanceId(0)));
+        // Expelled: its registration revoked (the worker, running again, finds it lapsed).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while leader.store.get(&keys::worker(0)).await.unwrap().is_some() {
+            assert!(tokio::time::Instant::now() < deadline, "worker 0's registration is still there");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(leader.store.keep_alive(lease).await.is_err(), "its lease is gone");
+        assert_eq!(leader.stats.expelled.load(Ordering::Relaxed), 1);
         h0.store(leader.ms_now(), Ordering::Relaxed);
         tokio::time::sleep(Duration::from_millis(150)).await;
         assert!(leader.control().is_live(InstanceId(0)), "heard again: it rejoined");

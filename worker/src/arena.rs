@@ -18,10 +18,10 @@
 //! resident memory at 1/64 of the arena while still letting every token be identified.
 
 use bytes::Bytes;
-pub use kvfleet_kvbytes::fill_token;
-use kvfleet_kvbytes::{first_difference, mix64, Digest, GOLDEN};
 use kvfleet_core::kv::{BlockHash, KvMove, Tier};
 use kvfleet_core::RequestId;
+pub use kvfleet_kvbytes::fill_token;
+use kvfleet_kvbytes::{first_difference, mix64, Digest, GOLDEN};
 use kvfleet_netmodel::Payload;
 use memmap2::{MmapMut, MmapOptions};
 use std::sync::atomic::{AtomicU32, Ordering};
