@@ -1143,21 +1143,30 @@ impl Leader {
             tracing::warn!(request = id.0, from = from.0, to = to.0, "migrate-out call broke ({error}); re-placing");
             return Moved::Lost;
         }
-        let held = ask_target(id, Some(dst.clone()), self.moves_so_far()).await;
-        let told = tell_source(id, src.clone(), held).await;
-        tracing::warn!(
-            request = id.0,
-            from = from.0,
-            to = to.0,
-            held,
-            ?told,
-            "migrate-out call broke ({error}); settled by asking the target"
-        );
-        if held {
+        let why = format!("migrate-out call broke ({error})");
+        if self.settle_in_doubt(id, from, to, src, dst, &why).await {
             Moved::Yes
         } else {
             Moved::No
         }
+    }
+
+    /// A move whose outcome is unknown (`why`): ask the target whether it holds `id` (from then on
+    /// it refuses a late COMMIT of this move), tell the source which copy lives; whether the
+    /// target holds it.
+    async fn settle_in_doubt(
+        &self,
+        id: RequestId,
+        from: InstanceId,
+        to: InstanceId,
+        src: &WorkerClient<Channel>,
+        dst: &WorkerClient<Channel>,
+        why: &str,
+    ) -> bool {
+        let held = ask_target(id, Some(dst.clone()), self.moves_so_far()).await;
+        let told = tell_source(id, src.clone(), held).await;
+        tracing::warn!(request = id.0, from = from.0, to = to.0, held, ?told, "{why}; settled by asking the target");
+        held
     }
 
     /// A live migration's reply: record where the request lives now. An unknown outcome (the
@@ -1175,15 +1184,7 @@ impl Leader {
         let mut outcome = out.outcome();
         let in_doubt = outcome == v1::MigrationOutcome::MigrationUnknown;
         if in_doubt {
-            let held = ask_target(id, Some(dst.clone()), self.moves_so_far()).await;
-            let _ = tell_source(id, src.clone(), held).await;
-            tracing::warn!(
-                request = id.0,
-                from = from.0,
-                to = to.0,
-                held,
-                "live migration outcome unknown; settled by asking the target"
-            );
+            let held = self.settle_in_doubt(id, from, to, src, dst, "live migration outcome unknown").await;
             outcome =
                 if held { v1::MigrationOutcome::MigrationCommitted } else { v1::MigrationOutcome::MigrationAborted };
         }
