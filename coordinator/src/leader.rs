@@ -527,12 +527,6 @@ impl Leader {
                     tokio::spawn(async move { leader.submit_to_worker(on, &spec).await });
                 }
             }
-            Action::Cancel { request, on } => {
-                tokio::spawn(self.clone().cancel_on(request, on));
-            }
-            Action::Drop { request, on } => {
-                tokio::spawn(self.clone().drop_copy(request, on));
-            }
             Action::Reject { request, reason } => {
                 // It stays owned by its dead worker; the controller re-places it when a worker
                 // joins, and a new leader's `resubmit_unfinished` retries it.
@@ -1090,7 +1084,20 @@ impl Leader {
                 // keep-alive that timed out mid-copy). Its outcome is unknown, as after a lost
                 // COMMIT reply.
                 self.stats.migration_failures.fetch_add(1, Ordering::Relaxed);
-                return self.settle_broken_call(id, from, to, live, &e, &src, &dst).await;
+                if !live {
+                    // The request's state travels in the reply: a broken call may have taken it
+                    // with it. Counted lost (re-placed; a copy still running on the source is
+                    // refused as a late one).
+                    tracing::warn!(
+                        request = id.0,
+                        from = from.0,
+                        to = to.0,
+                        "migrate-out call broke ({e}); re-placing"
+                    );
+                    return Moved::Lost;
+                }
+                let why = format!("migrate-out call broke ({e})");
+                return if self.settle_in_doubt(id, from, to, &src, &dst, &why).await { Moved::Yes } else { Moved::No };
             }
             Err(e) => {
                 // The source answered: nothing moved (finished meanwhile, or an iteration boundary
@@ -1119,35 +1126,6 @@ impl Leader {
                 }
                 Moved::No
             }
-        }
-    }
-
-    /// A move whose `MigrateOut` call broke: where does the request live? A live move is settled
-    /// as an unknown outcome: the target is asked (from then on it refuses a late COMMIT of this
-    /// move) and the source told which copy lives, and told again while its move is still copying.
-    /// Without a live copy the request's state travels in the reply, so a broken call may have
-    /// taken it with it: it counts as lost (re-placed; a copy still running on the source is
-    /// refused as a late one).
-    #[allow(clippy::too_many_arguments)]
-    async fn settle_broken_call(
-        self: &Arc<Self>,
-        id: RequestId,
-        from: InstanceId,
-        to: InstanceId,
-        live: bool,
-        error: &tonic::Status,
-        src: &WorkerClient<Channel>,
-        dst: &WorkerClient<Channel>,
-    ) -> Moved {
-        if !live {
-            tracing::warn!(request = id.0, from = from.0, to = to.0, "migrate-out call broke ({error}); re-placing");
-            return Moved::Lost;
-        }
-        let why = format!("migrate-out call broke ({error})");
-        if self.settle_in_doubt(id, from, to, src, dst, &why).await {
-            Moved::Yes
-        } else {
-            Moved::No
         }
     }
 
