@@ -480,8 +480,8 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
 /// requests for their handoffs and copied some: the leader re-places them, and the worker,
 /// resumed, drops the copies the cluster no longer counts; every request completes exactly once.
 /// The stall this guards against (the worker's memory full of copies held for handoffs nobody
-/// decides: 16–18 of 60 requests with no token) reproduced in release builds only; in this debug
-/// build the same run passed with the fixes removed, so the ledger's cluster property test and the
+/// decides: 16–18 of 60 requests with no token) reproduced in release builds only; in session 22's
+/// debug build (full KV fill) the same run passed with the fixes removed, so the ledger's cluster property test and the
 /// controller's `a_held_copy_the_cluster_re_placed_elsewhere_is_dropped_where_it_is_held` are what
 /// pin the fix (`docs/results/chaos/README.md`).
 #[test]
