@@ -269,6 +269,18 @@ impl Node {
             return Err(Status::invalid_argument("`advertise` must name the worker's address"));
         }
         let existing = self.worker_leases.lock().expect("lease map").get(&info.instance).copied();
+        if info.renews_lease != 0 {
+            // A renewal: only of the registration still in force. One that expired or was revoked
+            // (the leader expelled the worker) is gone with the requests the cluster re-placed;
+            // renewing it under a new lease would let the worker keep running those copies.
+            let renews = LeaseId(info.renews_lease as i64);
+            if existing != Some(renews) || self.store.keep_alive(renews).await.is_err() {
+                return Err(Status::not_found(format!(
+                    "the registration of instance {} (lease {renews}) has expired: the cluster re-placed its requests",
+                    info.instance
+                )));
+            }
+        }
         let lease = match existing {
             Some(l) if self.store.keep_alive(l).await.is_ok() => l,
             _ => {
@@ -291,6 +303,7 @@ impl Node {
         Ok(v1::RegisterReply {
             ttl_ms: self.opts.worker_ttl.as_millis() as u32,
             epoch_unix_ns: self.cluster.epoch_unix_ns,
+            lease: lease.0 as u64,
         })
     }
 
@@ -441,5 +454,44 @@ mod tests {
         // One at another dilation would run the cluster's clock at another speed: refused.
         let e = Node::new(opts(1.0), store).await.err().expect("refused").to_string();
         assert!(e.contains("time dilation 1") && e.contains("says 4"), "{e}");
+    }
+
+    fn info(renews_lease: u64) -> v1::WorkerInfo {
+        v1::WorkerInfo {
+            instance: 3,
+            model: "m".into(),
+            kv_bytes_per_token: 2,
+            advertise: "127.0.0.1:7100".into(),
+            incarnation: 9,
+            renews_lease,
+            ..Default::default()
+        }
+    }
+
+    /// Embedded store: a worker renews the registration it holds; once that registration is gone
+    /// (revoked, as the leader's expel does, or expired) a renewal is refused with NOT_FOUND, so
+    /// the worker drops what the cluster re-placed before it registers anew.
+    #[tokio::test]
+    async fn a_renewal_of_a_registration_that_is_gone_is_refused() {
+        let store: Arc<dyn MetaStore> = Arc::new(kvfleet_meta::MemStore::new());
+        let node = Node::new(opts(1.0), store.clone()).await.expect("founds the cluster");
+        let first = node.register(info(0)).await.expect("registers").lease;
+        assert_ne!(first, 0);
+        assert_eq!(node.register(info(first)).await.expect("renews").lease, first, "same lease while in force");
+        assert!(store.get(&keys::worker(3)).await.unwrap().is_some());
+
+        store.revoke(LeaseId(first as i64)).await.unwrap();
+        assert!(store.get(&keys::worker(3)).await.unwrap().is_none(), "revoking ends the registration");
+        let refused = node.register(info(first)).await.expect_err("the registration is gone");
+        assert_eq!(refused.code(), tonic::Code::NotFound, "{refused:?}");
+        assert!(refused.message().contains("instance 3"), "{}", refused.message());
+        assert!(store.get(&keys::worker(3)).await.unwrap().is_none(), "a refused renewal registers nothing");
+
+        let again = node.register(info(0)).await.expect("registers anew").lease;
+        assert_ne!(again, first);
+        assert!(store.get(&keys::worker(3)).await.unwrap().is_some());
+        // A lease this node never gave (another store's, or a mistaken number) renews nothing.
+        let unknown = node.register(info(again + 100)).await.expect_err("not this registration's lease");
+        assert_eq!(unknown.code(), tonic::Code::NotFound);
     }
 }

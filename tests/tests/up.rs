@@ -55,16 +55,25 @@ fn assert_no_process_left(out: &Path) {
     }
 }
 
+/// The embedded store (one coordinator, no etcd), with a worker stopped (SIGSTOP) past its
+/// registration's TTL: the coordinator re-places its requests; resumed, the worker's renewal is
+/// refused (that registration is gone), so it drops its stale copies before it registers anew.
 #[test]
-fn up_with_the_embedded_store_runs_a_workload_end_to_end() {
+fn up_with_the_embedded_store_runs_a_workload_end_to_end_past_a_paused_worker() {
     let tmp = TempDir::new("up-embedded");
     let out = tmp.join("out");
     let mut args = base_args(&out, 2, 24);
-    args.push("--no-etcd".into());
+    args.extend(["--no-etcd", "--pause-worker-after-s", "1", "--pause-for-s", "5"].map(String::from));
     let o = run_kvfleet(&args);
     assert!(o.status.success(), "{}", describe(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(stdout.contains("embedded store"), "says it runs the embedded store: {stdout}");
+    assert!(stdout.contains("chaos: SIGCONT worker-0"), "{stdout}");
+    let log = std::fs::read_to_string(out.join("logs/worker-0.log")).expect("worker-0's log");
+    assert!(
+        log.contains("registration gone") && log.contains("registration expired: dropped"),
+        "worker-0 did not drop its stale copies on resuming:\n{log}"
+    );
     let s = summary(&out);
     assert_eq!(s["requests_finished"], 24, "{s}");
     assert_eq!(s["requests_rejected"], 0, "{s}");

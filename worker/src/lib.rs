@@ -154,7 +154,8 @@ impl WorkerHandle {
     pub fn shutdown_trigger(&self) -> ShutdownTrigger {
         self.shutdown.clone()
     }
-    /// Follow the registration's state as [`register::registration_loop`] publishes it: while it
+    /// Follow the registration's state as [`register::registration_loop`] (etcd) or
+    /// [`register::coordinator_loop`] (embedded store) publishes it: while it
     /// has lapsed, the worker refuses requests arriving by migration (see [`ledger`]). A worker
     /// that follows nothing counts as registered.
     pub fn follow_registration(&self, mut registered: tokio::sync::watch::Receiver<bool>) {
@@ -170,7 +171,8 @@ impl WorkerHandle {
             }
         });
     }
-    /// What the registration loop calls when etcd says the registration expired.
+    /// What the registration loop calls when etcd (or the embedded store's coordinator) says the
+    /// registration expired.
     pub fn expiry(&self) -> Expiry {
         Expiry { commands: self.commands.clone() }
     }
@@ -304,6 +306,7 @@ pub async fn start(opts: WorkerOptions) -> Result<WorkerHandle, WorkerError> {
             Some(slo) => Some(measure_arrow_profile(&opts, &shape, timing.clone(), slo).await?),
             None => None,
         },
+        renews_lease: 0,
     };
     tracing::info!(
         instance = info.instance,

@@ -157,8 +157,11 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
         let trigger = handle.shutdown_trigger();
         let coordinators = cli.coordinator.clone();
         let tls = handle.identity().cloned();
+        let (registered, follow) = tokio::sync::watch::channel(false);
+        handle.follow_registration(follow);
+        let expiry = handle.expiry();
         tokio::spawn(async move {
-            if let Err(e) = coordinator_loop(coordinators, info, tls).await {
+            if let Err(e) = coordinator_loop(coordinators, info, tls, registered, Some(expiry)).await {
                 tracing::error!("{e}; stopping");
                 trigger.trigger();
             }

@@ -4,7 +4,9 @@
 //!   `/kvfleet/workers/<instance>` under its own lease and keeps the lease alive; when the lease is
 //!   lost (etcd restarted, partition) it re-registers with a new one, retrying with backoff.
 //! - With `--coordinator A,B,…` (embedded store): it registers through whichever coordinator is
-//!   leader, refreshing before the registration's TTL lapses.
+//!   leader, refreshing before the registration's TTL lapses ([`coordinator_loop`]); a renewal
+//!   the coordinator refuses because the registration is gone (it expired, or the leader expelled
+//!   the worker) drops what the cluster re-placed before the worker registers anew, as with etcd.
 //!
 //! - With `--instance auto` (etcd only): [`claim_instance`] takes the lowest free instance number
 //!   with a create-if-absent transaction on `/kvfleet/instances/<n>` under a lease, and
@@ -313,13 +315,25 @@ pub async fn etcd_loop(store: Arc<dyn MetaStore>, rec: WorkerRecord, ttl: Durati
     }
 }
 
-/// Keep registered through the leader among `coordinators` (embedded store).
+/// Keep registered through the leader among `coordinators` (embedded store), renewing the
+/// registration before its TTL lapses, for as long as the future runs.
+///
+/// Each renewal names the lease the last reply gave. The coordinator refuses to renew one that is
+/// gone (it expired while this process was stopped, or the leader expelled this worker for
+/// silence): it has evicted the worker and re-placed its requests, so the worker drops those
+/// copies (`expiry`) before it registers anew, as with etcd. `registered` is true from a
+/// registration until the reply that says it is gone, or until the TTL passes without a renewal
+/// (the coordinator may have evicted the worker meanwhile).
 pub async fn coordinator_loop(
     coordinators: Vec<String>,
-    info: v1::WorkerInfo,
+    mut info: v1::WorkerInfo,
     tls: Option<kvfleet_pki::NodeIdentity>,
+    registered: Registered,
+    expiry: Option<crate::Expiry>,
 ) -> Result<(), RegisterError> {
     let mut refresh = Duration::from_millis(500);
+    // Until when the registration is in force, as of the last renewal's reply (None: not yet).
+    let mut in_force: Option<(tokio::time::Instant, Duration)> = None;
     loop {
         let mut done = false;
         for addr in &coordinators {
@@ -331,21 +345,46 @@ pub async fn coordinator_loop(
                 }
             };
             let mut client = CoordinatorClient::new(ep.connect_timeout(Duration::from_secs(1)).connect_lazy());
+            let sent = tokio::time::Instant::now();
             match client.register(info.clone()).await {
                 Ok(reply) => {
-                    let ttl = Duration::from_millis(reply.into_inner().ttl_ms.max(300) as u64);
+                    let reply = reply.into_inner();
+                    let ttl = Duration::from_millis(reply.ttl_ms.max(300) as u64);
+                    if info.renews_lease == 0 {
+                        tracing::info!(lease = reply.lease, "registered through coordinator {addr}");
+                    }
+                    info.renews_lease = reply.lease;
+                    in_force = Some((sent, ttl));
+                    registered.send_replace(true);
                     refresh = ttl / 3;
                     done = true;
                     break;
                 }
                 Err(s) if s.code() == tonic::Code::FailedPrecondition => {
-                    return Err(RegisterError::Refused(s.message().to_string()))
+                    registered.send_replace(false);
+                    return Err(RegisterError::Refused(s.message().to_string()));
+                }
+                Err(s) if s.code() == tonic::Code::NotFound && info.renews_lease != 0 => {
+                    tracing::warn!("registration gone: {}; registering again", s.message());
+                    registered.send_replace(false);
+                    if let Some(expiry) = &expiry {
+                        expiry.drop_running().await;
+                    }
+                    info.renews_lease = 0;
+                    in_force = None;
+                    refresh = Duration::ZERO;
+                    done = true;
+                    break;
                 }
                 Err(s) => tracing::debug!(coordinator = %addr, "register: {}", s.message()),
             }
         }
         if !done {
             tracing::warn!("no leader accepted the registration; retrying");
+            if in_force.is_some_and(|(sent, ttl)| sent.elapsed() >= ttl) && *registered.borrow() {
+                tracing::warn!("registration lapsed: not renewed within its TTL");
+                registered.send_replace(false);
+            }
         }
         tokio::time::sleep(if done { refresh } else { Duration::from_millis(200) }).await;
     }
