@@ -735,11 +735,12 @@ impl Leader {
     }
 
     /// Carry out [`Action::Drop`]: `on` holds a copy of `id` the cluster does not count; it frees
-    /// it. Not if `id` was placed on `on` again meanwhile (that copy is the one counted now). Left
-    /// open: a placement on `on` decided after this check whose submit reaches `on` before the drop
-    /// (answered "already accepted" by the stale copy, then dropped) would leave the request
-    /// waiting on `on`; it needs the instance that held `id` to die and `id` to be re-placed on
-    /// `on` within that RPC's flight.
+    /// it. Not if `id` was placed on `on` again meanwhile (that copy is the one counted now). If
+    /// `id` is placed on `on` while the drop is on its way, that placement's submit may reach `on`
+    /// first (answered "already accepted" by the stale copy, which the drop then frees, or
+    /// orphans if it is moving out): so once the drop is answered (or its outcome unknown), a
+    /// request placed on `on` by then is submitted again, to run afresh there or adopt the orphan
+    /// (a repeat of a submit that came after the drop is answered "already accepted").
     async fn drop_copy(self: Arc<Self>, id: RequestId, on: InstanceId) {
         if self.owns(id, on) {
             return;
@@ -754,6 +755,16 @@ impl Leader {
                 tracing::debug!(request = id.0, instance = on.0, reason = %r.get_ref().reason, "no stale copy to drop")
             }
             Err(e) => tracing::warn!(request = id.0, instance = on.0, "dropping a stale copy failed: {e}"),
+        }
+        let placed_here_since =
+            self.control().ownership(id).filter(|o| o.instance == on && o.unfinished()).map(|o| o.spec.clone());
+        if let Some(spec) = placed_here_since {
+            tracing::warn!(
+                request = id.0,
+                instance = on.0,
+                "placed there while its stale copy was dropped: submitted again"
+            );
+            self.submit_to_worker(on, &spec).await;
         }
     }
 
@@ -1865,6 +1876,53 @@ mod tests {
         let (leader, src, dst) = moving_between_fakes(Status::failed_precondition("req-5 is not running"), true).await;
         assert_eq!(leader.clone().migrate(RequestId(5), InstanceId(0), InstanceId(1)).await, Moved::No);
         assert!(dst.resolved().is_empty() && src.resolved().is_empty());
+        leader.stop();
+    }
+
+    /// [`Leader::drop_copy`] racing a re-placement onto the same instance: request 5 is placed
+    /// there while the drop is in flight, so the placement's submit reaches the worker before the
+    /// drop frees the stale copy. The leader then submits it again, so it runs there afresh.
+    #[tokio::test]
+    async fn a_request_placed_where_its_stale_copy_is_being_dropped_is_submitted_again() {
+        let (holder, stale) = (fake_worker::FakeWorker::default(), fake_worker::FakeWorker::default());
+        let gate = Arc::new(tokio::sync::Notify::new());
+        stale.0.lock().unwrap().cancel_gate = Some(gate.clone());
+        let leader = leader_with_unserved_workers("least-kv", 0).await;
+        for (instance, worker) in [(0, &holder), (1, &stale)] {
+            leader.admit(&registration(instance, &worker.serve().await, 1)).await.unwrap();
+        }
+        let (tx, mut rx) = mpsc::channel(16);
+        leader.submit(spec(5, 100), tx).await.unwrap();
+        let placed = rx.recv().await.unwrap().unwrap().event;
+        assert!(matches!(placed, Some(v1::client_event::Event::AcceptedOn(0))), "{placed:?}");
+
+        let dropping = tokio::spawn(leader.clone().drop_copy(RequestId(5), InstanceId(1)));
+        stale.wait_for_call("cancel 5").await;
+        // Instance 0 leaves: request 5 is re-placed on 1, the only one left, and submitted there
+        // while the drop is still on its way.
+        leader.evict(InstanceId(0)).await;
+        stale.wait_for_call("submit 5").await;
+        gate.notify_one();
+        dropping.await.unwrap();
+        let calls = stale.calls();
+        assert_eq!(
+            calls,
+            ["cancel 5", "submit 5", "cancel 5 answered", "submit 5"],
+            "submitted again after the drop freed the copy that placement found"
+        );
+        leader.stop();
+
+        // Not placed there: the drop is the end of it.
+        let (holder, stale) = (fake_worker::FakeWorker::default(), fake_worker::FakeWorker::default());
+        let leader = leader_with_unserved_workers("least-kv", 0).await;
+        for (instance, worker) in [(0, &holder), (1, &stale)] {
+            leader.admit(&registration(instance, &worker.serve().await, 1)).await.unwrap();
+        }
+        let (tx, mut rx) = mpsc::channel(16);
+        leader.submit(spec(5, 100), tx).await.unwrap();
+        rx.recv().await.unwrap().unwrap();
+        leader.clone().drop_copy(RequestId(5), InstanceId(1)).await;
+        assert_eq!(stale.calls(), ["cancel 5", "cancel 5 answered"]);
         leader.stop();
     }
 

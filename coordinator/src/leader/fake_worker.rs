@@ -1,6 +1,7 @@
 //! A scripted stand-in for a worker's gRPC service, for the leader's unit tests: it accepts every
-//! submit, streams no events, answers `MigrateOut` and `ResolveMigration` as told, and records
-//! the `ResolveMigration` calls it got. Everything else is `Unimplemented`.
+//! submit, streams no events, answers `MigrateOut` and `ResolveMigration` as told, drops every
+//! superseded copy it is told to (once a test opens the gate, if it set one), and records the
+//! calls it got. Everything else is `Unimplemented`.
 
 use kvfleet_proto::v1;
 use kvfleet_proto::v1::worker_server::{Worker, WorkerServer};
@@ -16,10 +17,14 @@ pub(super) struct Script {
     pub holds: bool,
     /// Every `ResolveMigration` call: (request, committed word, fence term, fence seq).
     pub resolved: Vec<(u64, Option<bool>, u64, u64)>,
+    /// `Cancel` answers only once this is notified (`None`: at once).
+    pub cancel_gate: Option<Arc<tokio::sync::Notify>>,
+    /// Submits and cancels, in order: "submit N", "cancel N", "cancel N answered".
+    pub calls: Vec<String>,
 }
 
 #[derive(Clone, Default)]
-pub(super) struct FakeWorker(pub Arc<Mutex<Script>>);
+pub(super) struct FakeWorker(pub Arc<Mutex<Script>>, Arc<tokio::sync::Notify>);
 
 impl FakeWorker {
     /// Serve on a loopback port; returns its `host:port`.
@@ -35,6 +40,26 @@ impl FakeWorker {
     pub fn resolved(&self) -> Vec<(u64, Option<bool>, u64, u64)> {
         self.0.lock().expect("script lock").resolved.clone()
     }
+
+    pub fn calls(&self) -> Vec<String> {
+        self.0.lock().expect("script lock").calls.clone()
+    }
+
+    /// Wait until `call` has been recorded.
+    pub async fn wait_for_call(&self, call: &str) {
+        loop {
+            let called = self.1.notified();
+            if self.calls().iter().any(|c| c == call) {
+                return;
+            }
+            called.await;
+        }
+    }
+
+    fn record(&self, call: String) {
+        self.0.lock().expect("script lock").calls.push(call);
+        self.1.notify_waiters();
+    }
 }
 
 type Reply<T> = Result<Response<T>, Status>;
@@ -48,7 +73,8 @@ impl Worker for FakeWorker {
     async fn info(&self, _: Request<v1::InfoRequest>) -> Reply<v1::WorkerInfo> {
         no("Info")
     }
-    async fn submit(&self, _: Request<v1::SubmitRequest>) -> Reply<v1::SubmitReply> {
+    async fn submit(&self, r: Request<v1::SubmitRequest>) -> Reply<v1::SubmitReply> {
+        self.record(format!("submit {}", r.into_inner().spec.map_or(0, |s| s.id)));
         Ok(Response::new(v1::SubmitReply { accepted: true, ..Default::default() }))
     }
     type EventsStream = tokio_stream::Pending<Result<v1::WorkerEvent, Status>>;
@@ -85,8 +111,15 @@ impl Worker for FakeWorker {
     async fn shutdown(&self, _: Request<v1::ShutdownRequest>) -> Reply<v1::ShutdownReply> {
         no("Shutdown")
     }
-    async fn cancel(&self, _: Request<v1::CancelRequest>) -> Reply<v1::CancelReply> {
-        no("Cancel")
+    async fn cancel(&self, r: Request<v1::CancelRequest>) -> Reply<v1::CancelReply> {
+        let id = r.into_inner().request_id;
+        self.record(format!("cancel {id}"));
+        let gate = self.0.lock().expect("script lock").cancel_gate.clone();
+        if let Some(gate) = gate {
+            gate.notified().await;
+        }
+        self.record(format!("cancel {id} answered"));
+        Ok(Response::new(v1::CancelReply { cancelled: true, ..Default::default() }))
     }
     async fn set_role(&self, _: Request<v1::SetRoleRequest>) -> Reply<v1::SetRoleReply> {
         no("SetRole")
