@@ -1,8 +1,13 @@
 # The RDMA transport (`kvfleet-transport`, feature `rdma`) builds against libibverbs and librdmacm
 # through bindgen, which needs libclang and pkg-config. Source this file and call
 # `install_rdma_deps`: it installs what is missing (apt; sudo when not root), then builds the
-# crate with the feature. No RDMA device is needed to build (nor to run its emulated tests).
+# crate with the feature (`install_rdma_packages` only installs). No RDMA device is needed to
+# build (nor to run its emulated tests).
 install_rdma_deps() {
+  install_rdma_packages && cargo build -p kvfleet-transport --features rdma
+}
+
+install_rdma_packages() {
   local missing=() pkg
   for pkg in libibverbs-dev librdmacm-dev libclang-dev; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -20,5 +25,4 @@ install_rdma_deps() {
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   fi
-  cargo build -p kvfleet-transport --features rdma
 }
