@@ -332,7 +332,7 @@ pub async fn coordinator_loop(
     expiry: Option<crate::Expiry>,
 ) -> Result<(), RegisterError> {
     let mut refresh = Duration::from_millis(500);
-    // Until when the registration is in force, as of the last renewal's reply (None: not yet).
+    // When the last renewal that was answered was sent, and its TTL (None: not registered).
     let mut in_force: Option<(tokio::time::Instant, Duration)> = None;
     loop {
         let mut done = false;
