@@ -392,7 +392,10 @@ pub fn run_parallel(
                     last = f;
                     bar.set_position(finished_total.load(Ordering::Relaxed));
                 });
-                bar.set_message(format!("done: {policy} @ {}", rate.map_or("trace".into(), |r| format!("{r} req/s"))));
+                bar.set_message(format!(
+                    "done: {policy} @ {}",
+                    rate.map_or("trace".into(), |r| format!("{} req/s", report::rate_label(Some(r))))
+                ));
                 slots.lock().expect("no thread panicked holding the lock")[i] = Some(res);
             });
         }
@@ -403,7 +406,7 @@ pub fn run_parallel(
         let res = slot.with_context(|| format!("run {i} did not complete"))?;
         // Every SimError comes from the config or the workload (a bug panics instead).
         let RunPoint { policy, rate, seed } = &runs[i];
-        let at = rate.map_or("the workload's arrivals".into(), |r| format!("{r} req/s"));
+        let at = rate.map_or("the workload's arrivals".into(), |r| format!("{} req/s", report::rate_label(Some(r))));
         out.push(res.map_err(|e| InputError(format!("run {policy} @ {at} (seed {seed}): {e}")))?);
     }
     Ok(out)

@@ -34,7 +34,16 @@ const COLUMN_GAP: &str = "  ";
 /// `trace` for a run whose arrivals come from a trace.
 pub fn rate_label(rate: Option<f64>) -> String {
     match rate {
-        Some(r) => format!("{r}"),
+        // Shortest round-trip (`2.5`), or scientific where that expansion is long: `1e308`, not
+        // 309 digits (the label also names the run's files).
+        Some(r) => {
+            let (plain, sci) = (format!("{r}"), format!("{r:e}"));
+            if plain.len() > 12 && sci.len() < plain.len() {
+                sci
+            } else {
+                plain
+            }
+        }
         None => "trace".to_string(),
     }
 }
@@ -590,6 +599,16 @@ mod tests {
         let table = summary_table(&[fixtures::run(&long, Some(1.0), fixtures::records(10, 1.0), Vec::new())]);
         assert!(table.lines().all(|l| l.chars().count() <= MAX_TABLE_COLUMNS), "{table}");
         assert!(table.contains("x~"), "{table}");
+    }
+
+    #[test]
+    fn rate_labels_stay_short() {
+        let label = |r| rate_label(Some(r));
+        assert_eq!(
+            [label(2.5), label(10.0), label(1e-9), label(1e308), label(1e-300)],
+            ["2.5", "10", "0.000000001", "1e308", "1e-300"]
+        );
+        assert_eq!(rate_label(None), "trace");
     }
 
     #[test]

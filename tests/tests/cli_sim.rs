@@ -386,6 +386,43 @@ fn up_refuses_a_prefill_decode_split_without_decoders() {
     assert!(stderr.contains("pd.prefill_instances"), "{}", describe(&out));
 }
 
+/// `--kv-memory` too small for one KV block is refused by `kvfleet up` in one line before any
+/// process starts (each worker would otherwise fail at start-up, exit status 1).
+#[test]
+fn up_refuses_a_kv_arena_that_holds_no_block() {
+    let out = run_kvfleet(["up", "--kv-memory", "0", "--no-etcd", "-q"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    assert_eq!(stderr.lines().count(), 1, "{}", describe(&out));
+    assert!(stderr.contains("--kv-memory 0") && stderr.contains("no KV block"), "{}", describe(&out));
+}
+
+/// An absurd but valid rate runs and names its files compactly (`1e308`: the plain expansion of
+/// 309 digits made the file name too long to create).
+#[test]
+fn an_absurd_rate_names_its_files_compactly() {
+    let dir = TempDir::new("absurd-rate");
+    let out_dir = dir.join("out");
+    let config = dir.write("w.toml", OK_WORKLOAD);
+    sim(&[
+        "--config",
+        path_str(&config),
+        "--rate",
+        "1e308",
+        "--requests",
+        "20",
+        "--no-plots",
+        "-q",
+        "--out",
+        path_str(&out_dir),
+    ]);
+    let names: Vec<String> = std::fs::read_dir(&out_dir)
+        .expect("output written")
+        .map(|e| e.expect("readable").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().any(|n| n.starts_with("requests-") && n.ends_with("-1e308.csv")), "{names:?}");
+}
+
 /// `--rate -1` (the value as a separate word) is the natural spelling; it must be refused the same
 /// way as `--rate=-1`, naming the rate.
 #[test]

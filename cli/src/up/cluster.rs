@@ -346,6 +346,14 @@ fn capacity_note(args: &ClusterSpec) -> anyhow::Result<Option<String>> {
     let config = args.cfg.engine_config(&model, &gpu).map_err(|e| InputError(e.to_string()))?;
     let block = config.block_bytes();
     let arena_blocks = bytes / block.max(1);
+    if arena_blocks == 0 {
+        // Said here, before any process starts (each worker would refuse it at start-up).
+        return Err(InputError(format!(
+            "--kv-memory {}: {bytes} bytes hold no KV block ({block} bytes: {} tokens of {})",
+            args.kv_memory, config.block_size, model.name
+        ))
+        .into());
+    }
     let config_blocks = u64::from(config.gpu_blocks);
     if arena_blocks.abs_diff(config_blocks) * 100 <= config_blocks {
         return Ok(None);
