@@ -245,7 +245,7 @@ impl WorkloadConfig {
             if expected > MAX_REQUESTS as f64 {
                 return Err(invalid(
                     "duration_s",
-                    format!("about {expected:.0} requests expected, more than {MAX_REQUESTS}; set `num_requests`"),
+                    format!("about {expected:.3e} requests expected, more than {MAX_REQUESTS}; set `num_requests`"),
                 ));
             }
         }

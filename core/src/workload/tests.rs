@@ -371,7 +371,7 @@ fn invalid_configs_name_the_field() {
         ("duration_s = 0.0\n", "`duration_s`"),
         ("num_requests = 0\n", "`num_requests`"),
         ("num_requests = 1000000000000\n", "`num_requests`"),
-        ("duration_s = 1e12\n[arrivals]\nkind = \"poisson\"\nrate = 1000.0\n", "`duration_s`: about"),
+        ("duration_s = 1e12\n[arrivals]\nkind = \"poisson\"\nrate = 1000.0\n", "`duration_s`: about 1.000e15 requests"),
         ("[arrivals]\nkind = \"trace\"\n", "`arrivals.path`"),
         ("[arrivals]\nkind = \"trace\"\npath = \"x.csv\"\n", "`arrivals.format`"),
         ("max_prompt_tokens = 0\n", "`max_prompt_tokens`"),
