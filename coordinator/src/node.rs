@@ -269,21 +269,20 @@ impl Node {
             return Err(Status::invalid_argument("`advertise` must name the worker's address"));
         }
         let existing = self.worker_leases.lock().expect("lease map").get(&info.instance).copied();
-        if info.renews_lease != 0 {
-            // A renewal: only of the registration still in force. One that expired or was revoked
-            // (the leader expelled the worker) is gone with the requests the cluster re-placed;
-            // renewing it under a new lease would let the worker keep running those copies.
-            let renews = LeaseId(info.renews_lease as i64);
-            if existing != Some(renews) || self.store.keep_alive(renews).await.is_err() {
+        // A renewal (`renews_lease` set) only of the registration still in force: one that expired
+        // or was revoked (the leader expelled the worker) is gone with the requests the cluster
+        // re-placed, and renewing it under a new lease would let the worker keep running those
+        // copies. A new registration takes over a lease still alive, else a fresh one.
+        let renews = (info.renews_lease != 0).then_some(LeaseId(info.renews_lease as i64));
+        let lease = match (existing, renews) {
+            (Some(l), r) if r.is_none_or(|r| r == l) && self.store.keep_alive(l).await.is_ok() => l,
+            (_, Some(r)) => {
                 return Err(Status::not_found(format!(
-                    "the registration of instance {} (lease {renews}) has expired: the cluster re-placed its requests",
+                    "the registration of instance {} (lease {r}) has expired: the cluster re-placed its requests",
                     info.instance
                 )));
             }
-        }
-        let lease = match existing {
-            Some(l) if self.store.keep_alive(l).await.is_ok() => l,
-            _ => {
+            (_, None) => {
                 let l = self
                     .store
                     .grant_lease(self.opts.worker_ttl)
