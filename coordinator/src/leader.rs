@@ -1884,18 +1884,10 @@ mod tests {
     /// drop frees the stale copy. The leader then submits it again, so it runs there afresh.
     #[tokio::test]
     async fn a_request_placed_where_its_stale_copy_is_being_dropped_is_submitted_again() {
-        let (holder, stale) = (fake_worker::FakeWorker::default(), fake_worker::FakeWorker::default());
+        let stale = fake_worker::FakeWorker::default();
         let gate = Arc::new(tokio::sync::Notify::new());
         stale.0.lock().unwrap().cancel_gate = Some(gate.clone());
-        let leader = leader_with_unserved_workers("least-kv", 0).await;
-        for (instance, worker) in [(0, &holder), (1, &stale)] {
-            leader.admit(&registration(instance, &worker.serve().await, 1)).await.unwrap();
-        }
-        let (tx, mut rx) = mpsc::channel(16);
-        leader.submit(spec(5, 100), tx).await.unwrap();
-        let placed = rx.recv().await.unwrap().unwrap().event;
-        assert!(matches!(placed, Some(v1::client_event::Event::AcceptedOn(0))), "{placed:?}");
-
+        let leader = request_5_on_fake_0(&fake_worker::FakeWorker::default(), &stale, false).await;
         let dropping = tokio::spawn(leader.clone().drop_copy(RequestId(5), InstanceId(1)));
         stale.wait_for_call("cancel 5").await;
         // Instance 0 leaves: request 5 is re-placed on 1, the only one left, and submitted there
@@ -1913,14 +1905,8 @@ mod tests {
         leader.stop();
 
         // Not placed there: the drop is the end of it.
-        let (holder, stale) = (fake_worker::FakeWorker::default(), fake_worker::FakeWorker::default());
-        let leader = leader_with_unserved_workers("least-kv", 0).await;
-        for (instance, worker) in [(0, &holder), (1, &stale)] {
-            leader.admit(&registration(instance, &worker.serve().await, 1)).await.unwrap();
-        }
-        let (tx, mut rx) = mpsc::channel(16);
-        leader.submit(spec(5, 100), tx).await.unwrap();
-        rx.recv().await.unwrap().unwrap();
+        let stale = fake_worker::FakeWorker::default();
+        let leader = request_5_on_fake_0(&fake_worker::FakeWorker::default(), &stale, false).await;
         leader.clone().drop_copy(RequestId(5), InstanceId(1)).await;
         assert_eq!(stale.calls(), ["cancel 5", "cancel 5 answered"]);
         leader.stop();
@@ -1935,17 +1921,29 @@ mod tests {
         let (src, dst) = (fake_worker::FakeWorker::default(), fake_worker::FakeWorker::default());
         src.0.lock().unwrap().migrate_out_error = Some(error);
         dst.0.lock().unwrap().holds = target_holds;
+        let leader = request_5_on_fake_0(&src, &dst, true).await;
+        (leader, src, dst)
+    }
+
+    /// A leader with fake workers 0 and 1 registered (`live`: with a QUIC address each, where
+    /// nothing listens and nothing is sent) and request 5 placed on 0.
+    async fn request_5_on_fake_0(
+        first: &fake_worker::FakeWorker,
+        second: &fake_worker::FakeWorker,
+        live: bool,
+    ) -> Arc<Leader> {
         let leader = leader_with_unserved_workers("least-kv", 0).await;
-        for (instance, worker) in [(0, &src), (1, &dst)] {
+        for (instance, worker) in [(0, first), (1, second)] {
             let mut rec = registration(instance, &worker.serve().await, 1);
-            // Live moves (a QUIC address; nothing listens there, nothing is sent).
-            rec.kv_address = format!("127.0.0.1:{}", 40_000 + instance);
+            if live {
+                rec.kv_address = format!("127.0.0.1:{}", 40_000 + instance);
+            }
             leader.admit(&rec).await.unwrap();
         }
         let (tx, mut rx) = mpsc::channel(16);
         leader.submit(spec(5, 100), tx).await.unwrap();
         let placed = rx.recv().await.unwrap().unwrap().event;
         assert!(matches!(placed, Some(v1::client_event::Event::AcceptedOn(0))), "{placed:?}");
-        (leader, src, dst)
+        leader
     }
 }
