@@ -397,6 +397,17 @@ fn up_refuses_a_kv_arena_that_holds_no_block() {
     assert!(stderr.contains("--kv-memory 0") && stderr.contains("no KV block"), "{}", describe(&out));
 }
 
+/// An arena larger than the host's memory is refused in one line before any process starts (each
+/// worker's mmap would fail: exit status 1, one error per worker).
+#[test]
+fn up_refuses_a_kv_arena_larger_than_the_host() {
+    let out = run_kvfleet(["up", "--kv-memory", "64TiB", "--no-etcd", "-q"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    assert_eq!(stderr.lines().count(), 1, "{}", describe(&out));
+    assert!(stderr.contains("--kv-memory 64TiB") && stderr.contains("this host's memory"), "{}", describe(&out));
+}
+
 /// An absurd but valid rate runs and names its files compactly (`1e308`: the plain expansion of
 /// 309 digits made the file name too long to create).
 #[test]

@@ -91,6 +91,8 @@ pub struct ChaosLog {
     pub injected: Vec<String>,
     /// Kill -9 (or SIGSTOP) of a leader → another coordinator answering as leader, ms.
     pub failovers_ms: Vec<u128>,
+    /// Faults still pending when the run ended (scheduled past its end), as lines to print.
+    pub not_injected: Vec<String>,
 }
 
 /// Carries out a schedule while the replay runs: call [`Chaos::step`] every ~100 ms.
@@ -177,11 +179,16 @@ impl Chaos {
         }
     }
 
-    /// Resume every stopped process (the run is over) and collect the failover times.
+    /// Resume every stopped process (the run is over), collect the failover times and name the
+    /// faults the run ended before.
     pub fn finish(&mut self) {
         for (pid, _, _) in self.paused.drain(..) {
             signal_pid(pid, "CONT");
         }
+        let ended = self.started.elapsed().as_secs_f64();
+        self.log.not_injected = (self.pending.drain(..).rev())
+            .map(|s| format!("{} at {:.1} s was not injected: the run ended at {ended:.1} s", s.fault, s.at_s))
+            .collect();
         self.log.failovers_ms = self.failovers.lock().expect("failovers lock").clone();
     }
 
@@ -360,6 +367,18 @@ pub fn report(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn faults_the_run_ended_before_are_named() {
+        let at = |at_s, fault| Scheduled { at_s, fault };
+        let mut chaos = Chaos::new(vec![at(900.0, Fault::KillLeader), at(800.0, Fault::PauseWorker(0, 5.0))]);
+        chaos.finish();
+        let lines = &chaos.log.not_injected;
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines[0].starts_with("SIGSTOP worker-0 for 5.0 s at 800.0 s was not injected"), "{lines:?}");
+        assert!(lines[1].starts_with("kill -9 the leader"), "{lines:?}");
+        assert_eq!(chaos.log.faults, 0);
+    }
 
     #[test]
     fn a_seed_gives_one_schedule_in_time_order() {

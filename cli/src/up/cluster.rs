@@ -369,6 +369,65 @@ fn capacity_note(args: &ClusterSpec) -> anyhow::Result<Option<String>> {
     )))
 }
 
+/// This host's memory, bytes: RAM and swap (`/proc/meminfo`; `None` where it cannot be read).
+fn host_memory() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    host_memory_of(&text)
+}
+
+fn host_memory_of(meminfo: &str) -> Option<(u64, u64)> {
+    let field = |name: &str| {
+        meminfo.lines().find_map(|l| {
+            let rest = l.strip_prefix(name)?.strip_prefix(':')?;
+            let kib: u64 = rest.trim().strip_suffix("kB")?.trim().parse().ok()?;
+            kib.checked_mul(1024)
+        })
+    };
+    Some((field("MemTotal")?, field("SwapTotal").unwrap_or(0)))
+}
+
+/// Refuses arenas no worker on this host could map (one worker's KV and CPU pools beyond its RAM
+/// and swap: each worker would fail at start-up), and says so when all the workers' arenas
+/// together exceed its RAM (they are touched as requests fill them: a full run would swap or be
+/// killed).
+fn memory_check(args: &ClusterSpec, hardware: &WorkerHardware, host: (u64, u64)) -> anyhow::Result<Option<String>> {
+    let parse = |flag: &str, text: &str| {
+        kvfleet_worker::options::parse_bytes(text).map_err(|e| InputError(format!("{flag} {e}")))
+    };
+    let cpu = parse("--cpu-memory", args.cpu_memory)?;
+    let mut total: u128 = 0;
+    let mut largest = 0u64;
+    for i in 0..args.cfg.cluster.instances {
+        let kv = parse("--kv-memory", hardware.of(i, args).1)?;
+        let worker = kv.saturating_add(cpu);
+        largest = largest.max(worker);
+        total += u128::from(worker);
+    }
+    let (ram, swap) = host;
+    let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
+    if largest > ram.saturating_add(swap) {
+        return Err(InputError(format!(
+            "--kv-memory {} with --cpu-memory {}: {:.1} GiB per worker is more than this host's memory \
+             ({:.1} GiB RAM, {:.1} GiB swap); no worker could map its arena",
+            args.kv_memory,
+            args.cpu_memory,
+            gib(u128::from(largest)),
+            gib(u128::from(ram)),
+            gib(u128::from(swap))
+        ))
+        .into());
+    }
+    Ok((total > u128::from(ram) && args.kv_fill == "full").then(|| {
+        format!(
+            "memory      the {} workers' arenas come to {:.1} GiB against this host's {:.1} GiB of RAM: a run \
+             that fills them will swap or be killed (smaller --kv-memory / --cpu-memory, or --kv-fill stamp)",
+            args.cfg.cluster.instances,
+            gib(total),
+            gib(u128::from(ram))
+        )
+    }))
+}
+
 /// Start everything `args` asks for into `cluster` (which stops what was started when dropped,
 /// also after an error), and wait until every worker is registered with the leader.
 pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Cluster) -> anyhow::Result<Started> {
@@ -378,6 +437,9 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let epoch_unix_ns = args.clock.epoch_unix_ns;
     let hardware = WorkerHardware::new(args)?;
+    if let Some(note) = host_memory().map(|host| memory_check(args, &hardware, host)).transpose()?.flatten() {
+        say!("{note}");
+    }
     if let Some(note) = capacity_note(args)? {
         say!("{note}");
     }
@@ -662,6 +724,60 @@ fn serde_name<T: serde::Serialize>(value: &T) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn spec<'a>(cfg: &'a SimConfig, kv: &'a str, cpu: &'a str, fill: &'a str) -> ClusterSpec<'a> {
+        ClusterSpec {
+            cfg,
+            intra: "fcfs",
+            instance_policy: "least-kv",
+            out: Path::new("."),
+            coordinators: 1,
+            no_etcd: true,
+            plaintext: true,
+            ca_dir: None,
+            otlp_endpoint: None,
+            no_traces: true,
+            kv_memory: kv,
+            cpu_memory: cpu,
+            kv_fill: fill,
+            link_gbps: None,
+            link_latency_us: 0.0,
+            no_prefault: false,
+            http_listen: None,
+            api_key: None,
+            clock: ClusterTime { epoch_unix_ns: 0, dilation: kvfleet_core::Dilation::NONE },
+            own_groups: false,
+        }
+    }
+
+    #[test]
+    fn arenas_beyond_the_host_are_refused_and_beyond_its_ram_noted() {
+        let cfg = SimConfig::parse(crate::up::DEFAULT_CONFIG, "<embedded default>").unwrap();
+        let n = u64::from(cfg.cluster.instances);
+        let gib = 1u64 << 30;
+        let check = |kv: &str, cpu: &str, fill: &str, host: (u64, u64)| {
+            let args = spec(&cfg, kv, cpu, fill);
+            memory_check(&args, &WorkerHardware::new(&args).unwrap(), host)
+        };
+        // One worker's 8 + 1 GiB: beyond 8 GiB of RAM and no swap, refused; with 2 GiB of swap, not.
+        let err = check("8GiB", "1GiB", "full", (8 * gib, 0)).unwrap_err().to_string();
+        assert!(err.contains("--kv-memory 8GiB") && err.contains("9.0 GiB per worker"), "{err}");
+        assert!(check("8GiB", "1GiB", "full", (8 * gib, 2 * gib)).is_ok());
+        // All workers' arenas beyond the RAM: a note while the fill touches every byte, none with stamps.
+        let ram = 3 * n * gib / 2;
+        let note = check("1GiB", "1GiB", "full", (ram, 0)).unwrap().expect("a note");
+        assert!(note.contains(&format!("the {n} workers' arenas come to {:.1} GiB", 2.0 * n as f64)), "{note}");
+        assert_eq!(check("1GiB", "1GiB", "stamp", (ram, 0)).unwrap(), None);
+        assert_eq!(check("1GiB", "1GiB", "full", (2 * n * gib, 0)).unwrap(), None);
+    }
+
+    #[test]
+    fn host_memory_reads_ram_and_swap() {
+        let text = "MemTotal:       24608156 kB\nMemFree:  100 kB\nSwapTotal:       1048576 kB\n";
+        assert_eq!(host_memory_of(text), Some((24608156 * 1024, 1 << 30)));
+        assert_eq!(host_memory_of("MemTotal: 1024 kB\n"), Some((1 << 20, 0)));
+        assert_eq!(host_memory_of("SwapTotal: 1024 kB\n"), None);
+    }
 
     #[test]
     fn auto_dilation_keeps_the_shaped_link_under_the_transport() {

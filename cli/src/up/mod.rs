@@ -300,6 +300,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 behind.join(", ")
             );
         }
+        for line in &chaos_log.not_injected {
+            say!("note: {line}");
+        }
         for ms in &chaos_log.failovers_ms {
             say!("leader failover took {ms} ms (the leader killed or stopped → a new leader answering)");
         }
