@@ -144,6 +144,17 @@ impl Command {
             _ => true,
         }
     }
+
+    /// Whether it moves a migration's bytes and nothing else: reading, waiting for or writing a
+    /// request's KV blocks changes nothing an idle engine would plan (the blocks are held, lent
+    /// or reserved already), so a request that arrived before it is still planned as of its
+    /// arrival ([`Driver::quiet_since`]).
+    fn moves_bytes_only(&self) -> bool {
+        matches!(
+            self,
+            Command::Live(LiveCommand::ReadBlocks { .. } | LiveCommand::WaitKv { .. } | LiveCommand::WriteBlock { .. })
+        )
+    }
 }
 
 /// The answer to a submit.
@@ -550,7 +561,9 @@ impl Driver {
             if let Some(end) = self.engine.next_wake().filter(|&end| end <= self.clock.now()) {
                 self.complete(end);
             }
-            self.quiet_since = self.clock.now();
+            if !cmd.moves_bytes_only() {
+                self.quiet_since = self.clock.now();
+            }
         }
         match cmd {
             Command::Load { reply } => {
@@ -648,7 +661,23 @@ impl Driver {
                     let now = self.clock.now();
                     let late_by = now.0.saturating_sub(arrival.0);
                     let on_its_way = late_by <= MAX_SUBMIT_DELAY_NS && self.quiet_since <= arrival;
+                    tracing::debug!(
+                        target: "kvfleet::iterations",
+                        arrival_ns = arrival.0,
+                        late_by_ns = late_by,
+                        quiet_since_ns = self.quiet_since.0,
+                        as_of_arrival = on_its_way,
+                        "submit to an idle engine"
+                    );
                     self.plan(if on_its_way { arrival.min(now) } else { now });
+                } else {
+                    tracing::debug!(
+                        target: "kvfleet::iterations",
+                        arrival_ns = arrival.0,
+                        now_ns = self.clock.now().0,
+                        in_flight_until_ns = self.engine.next_wake().map_or(0, |t| t.0),
+                        "submit to a busy engine"
+                    );
                 }
             }
             Command::Attach { state, rematerialized, reply } => {
@@ -718,7 +747,17 @@ impl Driver {
     }
 
     fn plan(&mut self, now: Timestamp) {
-        self.engine.plan_iteration(now);
+        let end = self.engine.plan_iteration(now);
+        if let Some(end) = end {
+            // Each iteration's timeline beside the host clock, to compare with the simulator's.
+            tracing::debug!(
+                target: "kvfleet::iterations",
+                start_ns = now.0,
+                end_ns = end.0,
+                behind_ns = self.clock.now().0.saturating_sub(now.0),
+                "iteration planned"
+            );
+        }
         if self.layer_groups > 1 {
             // A handoff following the prefill layer by layer may start with its first iteration.
             for (request, kv_blocks) in self.engine.prefills_starting() {

@@ -23,7 +23,7 @@ use super::{ledger_step, refused, shared_blocks, verify_written, Driver, DriverE
 use crate::arena::TokenContent;
 use crate::ledger::{Arrival, Settle};
 use bytes::Bytes;
-use kvfleet_core::engine::MigratedRequest;
+use kvfleet_core::engine::{Engine, MigratedRequest};
 use kvfleet_core::kv::{BlockHash, BlockTable, Tier};
 use kvfleet_core::{RequestId, Timestamp};
 use kvfleet_netmodel::migration::{MigrationId, MoveOrder};
@@ -283,14 +283,21 @@ impl Driver {
     /// waiting for room is planned now, not at the next command.
     pub(super) fn end_returned_leases(&mut self) {
         let returned = self.arena.returned_leases();
+        if returned.is_empty() {
+            return;
+        }
+        let free = |e: &Engine| e.kv().free(Tier::Gpu) + e.kv().free(Tier::Cpu);
+        let before = free(&self.engine);
         for &(tier, block) in &returned {
             let ended = self.engine.end_kv_loan(tier, block);
             debug_assert!(ended, "a lease on {tier:?} block {block} ended that the engine never lent");
         }
-        if !returned.is_empty() {
+        // Only a block freed by its loan's end (its request gone meanwhile) changes what an idle
+        // engine would plan; a loan of a block its request still holds does not.
+        if free(&self.engine) != before {
             self.quiet_since = self.clock.now();
-            self.plan_if_idle();
         }
+        self.plan_if_idle();
     }
 
     /// See [`LiveCommand::InstallPrefix`]. Each installed block's stamps are checked: one that

@@ -922,6 +922,34 @@ fn an_idle_engine_plans_a_late_request_as_of_its_arrival() {
     assert!(first >= submitted, "started when submitted ({first} vs {submitted})");
 }
 
+/// Reading a held request's blocks for its handoff, and the end of those loans, change nothing an
+/// idle prefill engine would plan: a request that arrived before them but reached the engine
+/// after them still runs as of its arrival (before, every block read or returned restarted the
+/// engine's quiet time, and such a request started when it got here, up to a submit's latency
+/// late: the emulator's prefill workers then ran behind the simulator's while handing off).
+#[test]
+fn an_idle_engine_moving_a_handoffs_bytes_plans_a_late_request_as_of_its_arrival() {
+    let a = start(0, "fcfs", 32, 8);
+    ask(&a, |reply| Command::SetRole { role: "prefill".into(), hand_off: true, reply });
+    ask(&a, |reply| Command::Submit { spec: spec(5, 8, 0, 10), reply });
+    wait_for(&a.log, "request 5 held after its first token", |s| s.prefill_done == [5]);
+    let (id, mig, live) = (RequestId(5), MigrationId(1), Command::Live);
+    ask(&a, |reply| live(LiveCommand::BeginOut { request: id, migration: mig, reply })).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let arrival = a.clock.now();
+    std::thread::sleep(Duration::from_millis(20));
+    let read = ask(&a, |reply| live(LiveCommand::ReadBlocks { request: id, first: 0, count: 100, reply })).unwrap();
+    assert_eq!(read.blocks.len(), 2, "the prompt's two full blocks, lent");
+    drop(read);
+    // The driver takes the loans back before it answers any command.
+    ask(&a, |reply| Command::Load { reply });
+    std::thread::sleep(Duration::from_millis(20));
+    let outcome = ask(&a, |reply| Command::Submit { spec: RequestSpec { arrival, ..spec(6, 4, 0, 2) }, reply });
+    assert!(matches!(outcome, SubmitOutcome::Accepted), "{outcome:?}");
+    let s = wait_for(&a.log, "request 6's first token", |s| s.tokens.get(&6).is_some_and(|t| !t.is_empty()));
+    assert_eq!(s.tokens[&6][0].2, arrival.0 + 1_000_000, "first token one 1 ms iteration after the arrival");
+}
+
 /// A request the leader placed just before an iteration began, still on its way when the
 /// iteration ended, joins the next iteration as in the simulator: iterations complete a grace
 /// after their end (here 100 ms, so this host's scheduling cannot decide it), and a request
