@@ -386,26 +386,27 @@ fn up_refuses_a_prefill_decode_split_without_decoders() {
     assert!(stderr.contains("pd.prefill_instances"), "{}", describe(&out));
 }
 
+/// `kvfleet up --kv-memory SIZE` fails in one line naming the flag and `why`, exit status 2.
+fn assert_up_refuses_kv_memory(size: &str, why: &str) {
+    let out = run_kvfleet(["up", "--kv-memory", size, "--no-etcd", "-q"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    assert_eq!(stderr.lines().count(), 1, "{}", describe(&out));
+    assert!(stderr.contains(&format!("--kv-memory {size}")) && stderr.contains(why), "{}", describe(&out));
+}
+
 /// `--kv-memory` too small for one KV block is refused by `kvfleet up` in one line before any
 /// process starts (each worker would otherwise fail at start-up, exit status 1).
 #[test]
 fn up_refuses_a_kv_arena_that_holds_no_block() {
-    let out = run_kvfleet(["up", "--kv-memory", "0", "--no-etcd", "-q"]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
-    assert_eq!(stderr.lines().count(), 1, "{}", describe(&out));
-    assert!(stderr.contains("--kv-memory 0") && stderr.contains("no KV block"), "{}", describe(&out));
+    assert_up_refuses_kv_memory("0", "no KV block");
 }
 
 /// An arena larger than the host's memory is refused in one line before any process starts (each
 /// worker's mmap would fail: exit status 1, one error per worker).
 #[test]
 fn up_refuses_a_kv_arena_larger_than_the_host() {
-    let out = run_kvfleet(["up", "--kv-memory", "64TiB", "--no-etcd", "-q"]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
-    assert_eq!(stderr.lines().count(), 1, "{}", describe(&out));
-    assert!(stderr.contains("--kv-memory 64TiB") && stderr.contains("this host's memory"), "{}", describe(&out));
+    assert_up_refuses_kv_memory("64TiB", "this host's memory");
 }
 
 /// An absurd but valid rate runs and names its files compactly (`1e308`: the plain expansion of
