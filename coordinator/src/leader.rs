@@ -991,6 +991,13 @@ impl Leader {
 
     /// `instance`'s load report: the controller's view, and placements waiting for it.
     fn on_load(self: &Arc<Self>, instance: InstanceId, l: &v1::LoadReport) {
+        tracing::trace!(
+            target: "kvfleet::reports",
+            instance = instance.0,
+            received_ns = self.cluster_now().0,
+            next_due_ns = l.due_ns,
+            "load report"
+        );
         // A decoder with room again takes the handoffs waiting for one.
         let actions = self.decide(Event::Load(LoadReport::from(l))).unwrap_or_default();
         self.due_reports.reported(instance, l.due_ns);

@@ -897,6 +897,12 @@ impl Driver {
 
     /// The iteration ending at `end` is due.
     fn complete(&mut self, end: Timestamp) {
+        tracing::debug!(
+            target: "kvfleet::iterations",
+            end_ns = end.0,
+            late_ns = self.clock.now().0.saturating_sub(end.0),
+            "iteration completed"
+        );
         let mut tokens = std::mem::take(&mut self.tokens);
         let mut events = std::mem::take(&mut self.events);
         let mut out = std::mem::take(&mut self.out);
