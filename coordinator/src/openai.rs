@@ -181,7 +181,22 @@ pub async fn serve_http(
     api_key: Option<ApiKey>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(node, api_key)).with_graceful_shutdown(shutdown).await
+    axum::serve(no_delay(listener), router(node, api_key)).with_graceful_shutdown(shutdown).await
+}
+
+/// `listener` with Nagle's algorithm off on every connection: streamed tokens are small writes,
+/// and with it on one written while the last was unacknowledged waited for the client's delayed
+/// ACK (40 ms on Linux).
+fn no_delay(
+    listener: tokio::net::TcpListener,
+) -> axum::serve::TapIo<tokio::net::TcpListener, fn(&mut tokio::net::TcpStream)> {
+    use axum::serve::ListenerExt;
+    fn set(tcp: &mut tokio::net::TcpStream) {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY: {e}");
+        }
+    }
+    listener.tap_io(set as fn(&mut tokio::net::TcpStream))
 }
 
 /// The leader if this coordinator is it; else 503 naming the leader (as gRPC's
@@ -441,6 +456,17 @@ async fn stream_events(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn accepted_http_connections_send_small_writes_at_once() {
+        use axum::serve::Listener;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut listener = no_delay(listener);
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (stream, _) = listener.accept().await;
+        assert!(stream.nodelay().unwrap(), "Nagle's algorithm is off on the API's connections");
+    }
 
     #[test]
     fn http_request_ids_have_the_high_bit_and_do_not_repeat() {
