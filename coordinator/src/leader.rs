@@ -590,8 +590,17 @@ impl Leader {
     /// (in a task of its own).
     pub async fn submit(self: &Arc<Self>, spec: RequestSpec, tx: ClientTx) -> Result<InstanceId, LeaderError> {
         // On every worker's load as of the arrival, as the simulator places it.
+        let received = self.cluster_now();
         self.await_reports(spec.arrival, None, Some(spec.id)).await;
         let now = self.cluster_now();
+        tracing::debug!(
+            target: "kvfleet::moves",
+            request = spec.id.0,
+            arrival_ns = spec.arrival.0,
+            received_ns = received.0,
+            decided_ns = now.0,
+            "submit heard"
+        );
         let (to, fetch, note) = {
             let mut control = self.control();
             let loads = control.loads().to_vec();
@@ -1072,6 +1081,7 @@ impl Leader {
     }
 
     async fn migrate(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId) -> Moved {
+        tracing::debug!(target: "kvfleet::moves", request = id.0, at_ns = self.cluster_now().0, "move begins");
         let (Some(mut src), Some(mut dst)) = (self.client(from), self.client(to)) else {
             return Moved::No;
         };
@@ -1087,6 +1097,7 @@ impl Leader {
             }
         }
         let order = self.next_move_order();
+        tracing::debug!(target: "kvfleet::moves", request = id.0, from = from.0, to = to.0, at_ns = self.cluster_now().0, "calling MigrateOut");
         let req = v1::MigrateOutRequest {
             request_id: id.0,
             target: to.0,

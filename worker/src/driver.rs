@@ -912,7 +912,6 @@ impl Driver {
         self.engine.complete_iteration_tokens(end, &mut events, &mut tokens);
         self.quiet_since = self.quiet_since.max(end);
         for t in &tokens {
-            self.write_kv(t.request, t.context_tokens);
             out.push(LogEvent::Tokens(v1::Tokens {
                 request_id: t.request.0,
                 first_index: t.index,
@@ -922,6 +921,7 @@ impl Driver {
                 instance: self.instance,
             }));
         }
+        let mut finished = Vec::new();
         for e in events.drain(..) {
             match e {
                 EngineEvent::PhaseBoundary { request, kv_blocks } => out.push(LogEvent::Boundary(v1::PhaseBoundary {
@@ -933,7 +933,7 @@ impl Driver {
                 EngineEvent::Finished(record) => {
                     self.request_metrics.observe(&record);
                     let id = record.id;
-                    self.written.remove(&id);
+                    finished.push(id);
                     let remat = self.ledger.finished(id).unwrap_or_else(|e| {
                         tracing::error!("{e}");
                         false
@@ -965,6 +965,18 @@ impl Driver {
             self.push_load(load, end.0);
         }
         self.log.extend(out.drain(..));
+        // The iteration's KV bytes, written after its events are out: a whole prompt's KV takes
+        // this host tens of milliseconds to write (150 MiB at a few GB/s), which a GPU spends inside
+        // the iteration, and the leader's decisions on those events (a prefill's handoff, a
+        // `</think>` move) waited for it. Nothing reads them before: every command that does (a
+        // move's reads) runs on this thread, after this. A request that finished has no blocks
+        // left to write.
+        for t in &tokens {
+            self.write_kv(t.request, t.context_tokens);
+        }
+        for id in finished {
+            self.written.remove(&id);
+        }
         for cmd in std::mem::take(&mut self.pending) {
             match cmd {
                 Command::MigrateOut { request, reply } => {

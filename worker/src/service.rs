@@ -164,6 +164,9 @@ async fn stream_events(log: Arc<EventLog>, mut cursor: u64, tx: mpsc::Sender<Res
             Read::Some => {
                 for ev in buf.drain(..) {
                     cursor = ev.seq;
+                    if let Some(v1::worker_event::Event::PrefillDone(p)) = &ev.event {
+                        tracing::debug!(target: "kvfleet::moves", request = p.request_id, at_ns = p.at_ns, "prefill done streamed");
+                    }
                     if tx.send(Ok(ev)).await.is_err() {
                         return;
                     }

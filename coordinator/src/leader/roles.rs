@@ -161,6 +161,7 @@ impl Leader {
     /// A worker's request finished its prefill and is held there: the controller hands it off.
     pub(super) fn on_prefill_done(self: &Arc<Self>, p: v1::PrefillDone) {
         let request = RequestId(p.request_id);
+        tracing::debug!(target: "kvfleet::moves", request = request.0, at_ns = p.at_ns, heard_ns = self.cluster_now().0, "prefill done heard");
         let event = Event::PrefillDone { request, instance: InstanceId(p.instance), kv_blocks: p.kv_blocks };
         let Ok(actions) = self.decide(event) else { return };
         self.roles.handoffs.lock().expect("handoffs lock").entry(request).or_insert(false);
