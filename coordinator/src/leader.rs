@@ -1081,7 +1081,6 @@ impl Leader {
     }
 
     async fn migrate(self: Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId) -> Moved {
-        tracing::debug!(target: "kvfleet::moves", request = id.0, at_ns = self.cluster_now().0, "move begins");
         let (Some(mut src), Some(mut dst)) = (self.client(from), self.client(to)) else {
             return Moved::No;
         };
