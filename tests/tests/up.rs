@@ -160,6 +160,51 @@ fn up_with_etcd_replaces_the_requests_of_a_killed_worker() {
     assert_no_process_left(&out);
 }
 
+/// etcd killed from outside mid-run, and never started again: the requests it failed are
+/// reported with their cause, one line naming etcd, exit 2 (not "no leader elected yet" alone).
+#[test]
+fn up_names_a_process_killed_from_outside_as_the_cause_of_its_failures() {
+    if !etcd_installed() {
+        eprintln!("skipping: etcd not installed (apt-get install etcd-server)");
+        return;
+    }
+    let tmp = TempDir::new("up-etcd-killed");
+    let out = tmp.join("out");
+    let mut args = base_args(&out, 2, 2000);
+    args.extend(["--stall-timeout-s".into(), "5".into()]);
+    let up = std::process::Command::new(kvfleet_tests::kvfleet_bin())
+        .args(&args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kvfleet up starts");
+    // pids.txt appears once every process is up.
+    let pids = out.join("pids.txt");
+    let started = std::time::Instant::now();
+    while !pids.exists() {
+        assert!(started.elapsed().as_secs() < 120, "kvfleet up did not start its processes in 120 s");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let text = std::fs::read_to_string(&pids).expect("pids.txt readable");
+    let etcd = text.lines().find_map(|l| l.strip_suffix(" etcd")).expect("etcd's pid").to_string();
+    let killed = std::process::Command::new("kill").args(["-KILL", &etcd]).status().expect("kill runs");
+    assert!(killed.success());
+    let o = up.wait_with_output().expect("kvfleet up ends");
+    assert_eq!(o.status.code(), Some(2), "{}", describe(&o));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: ")
+            && last.contains("requests did not complete")
+            && last.contains(&format!("etcd (pid {etcd}) exited at")),
+        "{}",
+        describe(&o)
+    );
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains(&format!("unplanned: etcd (pid {etcd}) exited at")), "{stdout}");
+    assert_no_process_left(&out);
+}
+
 #[test]
 fn up_with_etcd_survives_an_etcd_restart() {
     if !etcd_installed() {

@@ -179,6 +179,11 @@ impl Chaos {
         }
     }
 
+    /// The processes a fault stopped and has not continued yet.
+    pub fn paused_pids(&self) -> Vec<u32> {
+        self.paused.iter().map(|(pid, _, _)| *pid).collect()
+    }
+
     /// Resume every stopped process (the run is over), collect the failover times and name the
     /// faults the run ended before.
     pub fn finish(&mut self) {

@@ -10,6 +10,7 @@ pub(crate) mod live;
 pub mod procs;
 pub mod replay;
 mod scrape;
+mod watch;
 
 use crate::experiment::{Plan, PlanArgs, Progress, Replayed};
 use crate::{report, say, InputError};
@@ -183,7 +184,20 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             own_groups: false,
         };
         let faults = faults(&args, plan.cfg.cluster.instances as usize);
-        let Started { finder, metric_pages, etcd_url, etcd_options, logs } = cluster::start(&spec, &rt, &mut cluster)?;
+        let mut watch = watch::Watch::new();
+        let Started { finder, metric_pages, etcd_url, etcd_options, logs } = cluster::start(&spec, &rt, &mut cluster)
+            .map_err(|e| {
+            // A process that died or was stopped meanwhile is the cause, not the one that
+            // then waited for it.
+            match watch.check(&mut cluster, &[]).join("; ") {
+                cause if cause.is_empty() => e,
+                cause => {
+                    let then = format!("{e:#}");
+                    let then = then.lines().next().unwrap_or_default().trim_end_matches(", which ends:");
+                    InputError(format!("the cluster did not start: {cause} (then: {then})")).into()
+                }
+            }
+        })?;
         // Replay.
         schedule(&mut plan.requests, clock, Duration::from_millis(300));
         let total = plan.requests.len() as u64;
@@ -192,6 +206,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         let give_up = GiveUp::default();
         // Given in emulated seconds, like every other time of a dilated run.
         let mut stall = StallWatch::new(dilation.real(TimeSpan::from_secs_f64(args.stall_timeout_s)));
+        watch.replay_starts();
         let (records, chaos_log) = rt.block_on(async {
             let replay_task = tokio::spawn(replay(
                 finder.clone(),
@@ -223,6 +238,11 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                     give_up.give_up(why);
                 }
                 chaos.step(&mut cluster, &finder, progress.bar()).await;
+                if !stopping {
+                    for line in watch.check(&mut cluster, &chaos.paused_pids()) {
+                        progress.say(&format!("unplanned: {line}"));
+                    }
+                }
             }
             chaos.finish();
             (replay_task.await.unwrap_or_default(), chaos.log)
@@ -303,6 +323,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         for line in &chaos_log.not_injected {
             say!("note: {line}");
         }
+        for line in &watch.seen {
+            say!("unplanned: {line}");
+        }
         for ms in &chaos_log.failovers_ms {
             say!("leader failover took {ms} ms (the leader killed or stopped → a new leader answering)");
         }
@@ -332,6 +355,10 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         }
         say!("wrote {} files to {} (process logs in {})", written.len(), args.out.display(), logs.display());
         if !replayed.failed.is_empty() {
+            if let Some(cause) = watch.cause() {
+                // Not kvfleet's doing: a process of the cluster died or was stopped from outside.
+                return Err(InputError(format!("{} requests did not complete: {cause}", replayed.failed.len())).into());
+            }
             bail!("{} requests did not complete", replayed.failed.len());
         }
         let mut ids: Vec<u64> = replayed.ok.iter().map(|r| r.id.0).collect();

@@ -27,6 +27,9 @@ pub struct Proc {
     pub restarts: u32,
     /// Its stdout lines not read yet ([`Proc::announced`] reads on past the `listening on` line).
     lines: mpsc::Receiver<String>,
+    /// Stopped or killed by `kvfleet up` itself (a fault it injected, or the run's end): its exit
+    /// is no surprise ([`Proc::ended_unasked`]).
+    ended_by_us: bool,
 }
 
 /// A process's command line, environment and log, as [`Proc::spawn_with_env`] got them.
@@ -114,7 +117,8 @@ impl Proc {
             log: log.to_path_buf(),
             own_group,
         };
-        let mut proc = Proc { name: name.to_string(), child, addr: None, launch, restarts: 0, lines: rx };
+        let mut proc =
+            Proc { name: name.to_string(), child, addr: None, launch, restarts: 0, lines: rx, ended_by_us: false };
         if let Some(limit) = wait_addr {
             let addr = proc.read_until(&["listening on ", "otlp on "], limit)?;
             proc.addr = Some(addr);
@@ -208,8 +212,22 @@ impl Proc {
         self.child.id()
     }
 
+    /// Its exit status if it exited although nothing here stopped or killed it.
+    pub fn ended_unasked(&mut self) -> Option<std::process::ExitStatus> {
+        if self.ended_by_us {
+            return None;
+        }
+        self.exit_status()
+    }
+
+    /// Its log file (stderr).
+    pub fn log(&self) -> &Path {
+        &self.launch.log
+    }
+
     /// Ask it to stop (SIGTERM), wait up to `grace`, then SIGKILL. Returns its exit status text.
     pub fn stop(&mut self, grace: Duration) -> String {
+        self.ended_by_us = true;
         if let Ok(Some(s)) = self.child.try_wait() {
             return s.to_string();
         }
@@ -232,6 +250,7 @@ impl Proc {
 
     /// SIGKILL now (fault injection).
     pub fn kill9(&mut self) {
+        self.ended_by_us = true;
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
