@@ -393,7 +393,8 @@ impl SimConfig {
                 return Err(ConfigError::Invalid(format!("`cluster.{field}` must be > 0")));
             }
         }
-        for (field, v) in [("tpot_s", self.slo.tpot_s), ("ttfat_s", self.slo.ttfat_s)] {
+        let ttft = self.slo.ttft_s.map(|v| ("ttft_s", v));
+        for (field, v) in [("tpot_s", self.slo.tpot_s), ("ttfat_s", self.slo.ttfat_s)].into_iter().chain(ttft) {
             if !(v.is_finite() && v > 0.0) {
                 return Err(ConfigError::Invalid(format!("`slo.{field}` must be > 0, got {v}")));
             }
@@ -509,7 +510,7 @@ impl SimConfig {
                 // The instance's GPUs together hold the weights once (split) and the KV.
                 let gpus = f64::from(tp.max(1));
                 let usable = (gpus * gpu.memory_bytes() as f64 * c.gpu_memory_utilization) as u64;
-                let kv = usable.checked_sub(model.weight_bytes()).filter(|&b| b >= block_bytes).ok_or_else(|| {
+                let kv = usable.checked_sub(model.weight_bytes()).filter(|&b| b > 0).ok_or_else(|| {
                     ConfigError::Invalid(format!(
                         "model `{}` ({:.1} GB of weights) leaves no KV memory on {} × `{}` at gpu_memory_utilization {}",
                         model.name,
@@ -519,6 +520,17 @@ impl SimConfig {
                         c.gpu_memory_utilization
                     ))
                 })?;
+                if kv < block_bytes {
+                    return Err(ConfigError::Invalid(format!(
+                        "`cluster.block_size` = {}: one block ({:.2} GB) is more than the {:.2} GB of KV memory the \
+                         weights leave on {} × `{}`",
+                        c.block_size,
+                        block_bytes as f64 / 1e9,
+                        kv as f64 / 1e9,
+                        tp,
+                        gpu.name
+                    )));
+                }
                 ("gpu_memory_utilization", kv)
             }
         };
@@ -696,6 +708,13 @@ mod tests {
             ("[cluster]\nkv_cache_gb = 1e300", "`cluster.kv_cache_gb` is out of range"),
             ("[cluster]\ncpu_swap_gb = 1e9", "`cluster.cpu_swap_gb`: "),
             ("[cluster]\nkv_cache_gb = 0.001", "hold no KV block"),
+            (
+                "[cluster]\nblock_size = 100000000",
+                "`cluster.block_size` = 100000000: one block (26214.40 GB) is more than",
+            ),
+            ("[slo]\ntpot_s = 0", "`slo.tpot_s` must be > 0"),
+            ("[slo]\nttft_s = -1", "`slo.ttft_s` must be > 0, got -1"),
+            ("[slo]\nttft_s = nan", "`slo.ttft_s` must be > 0, got NaN"),
         ];
         for (text, want) in cases {
             let e = SimConfig::parse(text, "x.toml").unwrap_err().to_string();
