@@ -128,13 +128,20 @@ pub fn init(service: Service, args: &TelemetryArgs) -> Result<Telemetry, Telemet
     Ok(Telemetry { provider: Some(provider) })
 }
 
-fn provider(service: Service, endpoint: &str) -> Result<SdkTracerProvider, TelemetryError> {
-    use opentelemetry_otlp::WithExportConfig;
+/// Whether `endpoint` is an OTLP/gRPC endpoint a process can export to: an `http://` or
+/// `https://` URL (what a launcher checks before it starts processes that would each refuse it).
+pub fn check_endpoint(endpoint: &str) -> Result<(), TelemetryError> {
     let bad = |reason: String| TelemetryError::Endpoint { endpoint: endpoint.to_string(), reason };
     if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
         return Err(bad("expected an http:// or https:// URL, e.g. http://127.0.0.1:4317".into()));
     }
-    endpoint.parse::<tonic::transport::Uri>().map_err(|e| bad(e.to_string()))?;
+    endpoint.parse::<tonic::transport::Uri>().map(drop).map_err(|e| bad(e.to_string()))
+}
+
+fn provider(service: Service, endpoint: &str) -> Result<SdkTracerProvider, TelemetryError> {
+    use opentelemetry_otlp::WithExportConfig;
+    let bad = |reason: String| TelemetryError::Endpoint { endpoint: endpoint.to_string(), reason };
+    check_endpoint(endpoint)?;
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_tonic()
         .with_endpoint(endpoint)

@@ -409,6 +409,33 @@ fn up_refuses_a_kv_arena_larger_than_the_host() {
     assert_up_refuses_kv_memory("64TiB", "this host's memory");
 }
 
+/// `kvfleet up`'s own flags, absurd: one line naming the flag, exit status 2, before any process
+/// starts (were: `--coordinators 1000` started a thousand coordinators, `--stall-timeout-s 0` gave
+/// up on every request at once, `--otlp-endpoint` was refused by each child in turn, negative
+/// times were taken for unknown flags).
+#[test]
+fn up_refuses_absurd_run_flags_in_one_line() {
+    let cases: [(&[&str], &str); 8] = [
+        (&["--coordinators", "0"], "--coordinators must be in 1..="),
+        (&["--coordinators", "1000"], "--coordinators must be in 1..="),
+        (&["--stall-timeout-s", "0"], "--stall-timeout-s must be a positive number of seconds, got 0"),
+        (&["--pause-worker-after-s", "1", "--pause-for-s", "-1"], "--pause-for-s must be a positive"),
+        (&["--kill-worker-after-s", "-3"], "--kill-worker-after-s must be a number of seconds ≥ 0, got -3"),
+        (&["--chaos", "1", "--chaos-faults", "100000"], "--chaos-faults must be at most"),
+        (&["--otlp-endpoint", "notaurl"], "--otlp-endpoint \"notaurl\": expected an http:// or https:// URL"),
+        (&["--link-latency-us", "-5"], "--link-latency-us must be ≥ 0, got -5"),
+    ];
+    for (flags, want) in cases {
+        let mut args = vec!["up", "--no-etcd", "-q"];
+        args.extend_from_slice(flags);
+        let out = run_kvfleet(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {}", describe(&out));
+        assert_eq!(stderr.lines().count(), 1, "{flags:?}: {}", describe(&out));
+        assert!(stderr.contains(want), "{flags:?}: {}", describe(&out));
+    }
+}
+
 /// An absurd but valid rate runs and names its files compactly (`1e308`: the plain expansion of
 /// 309 digits made the file name too long to create).
 #[test]

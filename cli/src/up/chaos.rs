@@ -131,13 +131,23 @@ impl Chaos {
         self.log.injected.push(format!("{at:.1} s: {line}"));
     }
 
-    /// Inject what is due, and end what is over (SIGCONT, restarts).
+    /// Inject what is due, and end what is over (SIGCONT, restarts), in time order: a restart or
+    /// SIGCONT that falls due while faults are injected (a leader fault can wait seconds for a
+    /// leader to answer) is not held back by the faults due after it.
     pub async fn step(&mut self, cluster: &mut Cluster, finder: &LeaderFinder, bar: &ProgressBar) {
-        let elapsed = self.started.elapsed().as_secs_f64();
-        while self.pending.last().is_some_and(|s| s.at_s <= elapsed) {
+        loop {
+            self.end_what_is_over(cluster, bar);
+            let elapsed = self.started.elapsed().as_secs_f64();
+            if !self.pending.last().is_some_and(|s| s.at_s <= elapsed) {
+                return;
+            }
             let s = self.pending.pop().expect("checked");
             self.inject(s.fault, cluster, finder, bar).await;
         }
+    }
+
+    /// SIGCONT the processes whose pause is over; start again etcd and the coordinators due back.
+    fn end_what_is_over(&mut self, cluster: &mut Cluster, bar: &ProgressBar) {
         let now = Instant::now();
         let mut resumed = Vec::new();
         self.paused.retain(|(pid, name, at)| {
@@ -179,6 +189,14 @@ impl Chaos {
         }
     }
 
+    /// `pid` stopped until `until`; stopped already, it stays stopped until the later of the two.
+    fn pause(&mut self, pid: u32, name: String, until: Instant) {
+        match self.paused.iter_mut().find(|(p, _, _)| *p == pid) {
+            Some(entry) => entry.2 = entry.2.max(until),
+            None => self.paused.push((pid, name, until)),
+        }
+    }
+
     /// The processes a fault stopped and has not continued yet.
     pub fn paused_pids(&self) -> Vec<u32> {
         self.paused.iter().map(|(pid, _, _)| *pid).collect()
@@ -200,6 +218,9 @@ impl Chaos {
     async fn inject(&mut self, fault: Fault, cluster: &mut Cluster, finder: &LeaderFinder, bar: &ProgressBar) {
         self.log.faults += 1;
         match fault {
+            Fault::RestartEtcd if self.etcd_back_at.is_some() => {
+                self.say(bar, format!("{fault}: etcd is down already (restarting); skipped"));
+            }
             Fault::KillLeader | Fault::PauseLeader(_) => {
                 // Bounded as a whole (each stopped coordinator's status call waits out its own
                 // timeout): the schedule's next faults, and the SIGCONT of a paused one, stay due.
@@ -221,11 +242,8 @@ impl Chaos {
                     }
                     Fault::PauseLeader(secs) => {
                         p.signal("STOP");
-                        self.paused.push((
-                            pid,
-                            format!("leader {}", s.leader),
-                            Instant::now() + Duration::from_secs_f64(secs),
-                        ));
+                        let until = Instant::now() + Duration::from_secs_f64(secs);
+                        self.pause(pid, format!("leader {}", s.leader), until);
                     }
                     _ => unreachable!("leader faults only"),
                 }
@@ -251,11 +269,17 @@ impl Chaos {
             Fault::KillWorker(i) | Fault::PauseWorker(i, _) | Fault::RestartWorker(i) => {
                 let Some(p) = cluster.workers.get_mut(i) else { return };
                 let pid = p.pid();
+                if !matches!(fault, Fault::RestartWorker(_)) && p.exit_status().is_some() {
+                    // Killed for good by an earlier fault: nothing to kill or stop.
+                    self.say(bar, format!("{fault}: worker-{i} is down already; skipped"));
+                    return;
+                }
                 match fault {
                     Fault::KillWorker(_) => p.kill9(),
                     Fault::PauseWorker(_, secs) => {
                         p.signal("STOP");
-                        self.paused.push((pid, p.name.clone(), Instant::now() + Duration::from_secs_f64(secs)));
+                        let name = p.name.clone();
+                        self.pause(pid, name, Instant::now() + Duration::from_secs_f64(secs));
                     }
                     _ => {
                         if let Err(e) = p.restart() {
@@ -383,6 +407,50 @@ mod tests {
         assert!(lines[0].starts_with("SIGSTOP worker-0 for 5.0 s at 800.0 s was not injected"), "{lines:?}");
         assert!(lines[1].starts_with("kill -9 the leader"), "{lines:?}");
         assert_eq!(chaos.log.faults, 0);
+    }
+
+    /// What falls due while faults are injected is done between them; a fault on a process an
+    /// earlier one killed is skipped, and a second pause of a stopped process extends the first.
+    #[tokio::test]
+    async fn pauses_end_between_injections_and_faults_on_a_killed_worker_are_skipped() {
+        let dir = std::env::temp_dir().join(format!("kvfleet-chaos-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let workers = (0..2).map(|i| super::super::procs::sleeper(&format!("worker-{i}"), &dir)).collect();
+        let mut c = Cluster { workers, ..Cluster::default() };
+        let (w0, w1) = (c.workers[0].pid(), c.workers[1].pid());
+        // Negative times: all due at the first step, in this order.
+        let at = |at_s, fault| Scheduled { at_s, fault };
+        let mut chaos = Chaos::new(vec![
+            at(-6.0, Fault::PauseWorker(0, 0.0)),
+            at(-5.0, Fault::KillWorker(1)),
+            at(-4.0, Fault::KillWorker(1)),
+            at(-3.0, Fault::PauseWorker(1, 5.0)),
+            at(-2.0, Fault::PauseWorker(0, 30.0)),
+            at(-1.0, Fault::PauseWorker(0, 1.0)),
+        ]);
+        let finder = LeaderFinder::new(Vec::new(), None);
+        chaos.step(&mut c, &finder, &ProgressBar::hidden()).await;
+        let lines: Vec<&str> = chaos.log.injected.iter().map(|l| l.split_once(": ").expect("timed").1).collect();
+        assert_eq!(
+            lines,
+            [
+                format!("SIGSTOP worker-0 for 0.0 s (pid {w0})"),
+                format!("SIGCONT worker-0 (pid {w0})"),
+                format!("kill -9 worker-1 (pid {w1})"),
+                "kill -9 worker-1: worker-1 is down already; skipped".to_string(),
+                "SIGSTOP worker-1 for 5.0 s: worker-1 is down already; skipped".to_string(),
+                format!("SIGSTOP worker-0 for 30.0 s (pid {w0})"),
+                format!("SIGSTOP worker-0 for 1.0 s (pid {w0})"),
+            ]
+        );
+        assert_eq!(chaos.paused_pids(), [w0], "one pause, extended to the later end");
+        std::thread::sleep(Duration::from_millis(1100));
+        chaos.step(&mut c, &finder, &ProgressBar::hidden()).await;
+        assert_eq!(chaos.paused_pids(), [w0], "still stopped: the 30 s pause is not over");
+        chaos.finish();
+        assert!(chaos.paused_pids().is_empty());
+        c.workers[0].kill9();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -91,7 +91,7 @@ pub struct ArenaArgs {
     #[arg(long, default_value = "1GiB")]
     pub cpu_memory: String,
     /// KV content written per token: `full` (every byte) or `stamp` (first 64 bytes).
-    #[arg(long, default_value = "full")]
+    #[arg(long, default_value = "full", value_parser = ["full", "stamp"])]
     pub kv_fill: String,
 }
 

@@ -66,7 +66,7 @@ pub struct UpArgs {
     #[arg(long)]
     link_gbps: Option<f64>,
     /// Added one-way latency on every worker's outgoing migration links, µs.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     link_latency_us: f64,
     /// Time dilation K: every emulated duration (GPU iterations, migration links and timers,
     /// the workload's arrivals) lasts K times longer in real time, and every reported figure is
@@ -83,22 +83,22 @@ pub struct UpArgs {
     #[arg(short, long, default_value = "results/up")]
     out: PathBuf,
     /// Fault injection: kill -9 the leader coordinator this many seconds into the replay.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     kill_leader_after_s: Option<f64>,
     /// Fault injection: kill -9 worker 0 this many seconds into the replay.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     kill_worker_after_s: Option<f64>,
     /// Fault injection: SIGSTOP worker 0 this many seconds into the replay and SIGCONT it
     /// `--pause-for-s` later (longer than its registration lease: its requests are re-placed,
     /// and its late copies must not count).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pause_worker_after_s: Option<f64>,
     /// Fault injection: SIGSTOP the leader coordinator this many seconds into the replay and
     /// SIGCONT it `--pause-for-s` later (a standby takes over; its clients must move too).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pause_leader_after_s: Option<f64>,
     /// How long `--pause-worker-after-s` / `--pause-leader-after-s` keep a process stopped, s.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, allow_negative_numbers = true)]
     pause_for_s: f64,
     /// Chaos: a random schedule of faults drawn from this seed (kill -9 and SIGSTOP of the
     /// leader and of workers, workers restarted at once under their number, etcd killed and
@@ -110,11 +110,11 @@ pub struct UpArgs {
     #[arg(long, default_value_t = 6)]
     chaos_faults: usize,
     /// The `--chaos` faults fall within this many seconds of the replay's start.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = 30.0, allow_negative_numbers = true)]
     chaos_span_s: f64,
     /// Fault injection: kill -9 etcd this many seconds into the replay and restart it (same data)
     /// two seconds later.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     restart_etcd_after_s: Option<f64>,
     /// Issue the cluster's certificates from this CA (a directory with `ca.pem` and `ca.key`)
     /// instead of a fresh one generated in `OUT/pki`.
@@ -133,7 +133,7 @@ pub struct UpArgs {
     no_traces: bool,
     /// Give up when no request finishes and no token streams for this many seconds while requests
     /// are outstanding: the run then fails naming every unfinished request and where it was.
-    #[arg(long, default_value_t = 120.0)]
+    #[arg(long, default_value_t = 120.0, allow_negative_numbers = true)]
     stall_timeout_s: f64,
     /// No progress bar.
     #[arg(short, long)]
@@ -155,6 +155,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     if !(args.link_latency_us.is_finite() && args.link_latency_us >= 0.0) {
         return Err(InputError(format!("--link-latency-us must be ≥ 0, got {}", args.link_latency_us)).into());
     }
+    check_run_flags(&args)?;
 
     let dilation = args.time_dilation.resolve(args.link_gbps, &args.out)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
@@ -381,6 +382,48 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         }
     }
     result
+}
+
+/// Most faults a `--chaos` schedule may hold, and most coordinators a run may start.
+const MAX_CHAOS_FAULTS: usize = 1000;
+const MAX_COORDINATORS: u32 = 16;
+
+/// The run's own flags (coordinators, fault times, stall timeout, trace endpoint) checked before
+/// any process starts: each bad one is one line naming it.
+fn check_run_flags(args: &UpArgs) -> Result<(), InputError> {
+    let bad = |line: String| Err(InputError(line));
+    if !(1..=MAX_COORDINATORS).contains(&args.coordinators) {
+        return bad(format!("--coordinators must be in 1..={MAX_COORDINATORS}, got {}", args.coordinators));
+    }
+    let times = [
+        ("--kill-leader-after-s", args.kill_leader_after_s),
+        ("--kill-worker-after-s", args.kill_worker_after_s),
+        ("--pause-worker-after-s", args.pause_worker_after_s),
+        ("--pause-leader-after-s", args.pause_leader_after_s),
+        ("--restart-etcd-after-s", args.restart_etcd_after_s),
+    ];
+    for (flag, at) in times {
+        if let Some(at) = at.filter(|at| !(at.is_finite() && *at >= 0.0)) {
+            return bad(format!("{flag} must be a number of seconds ≥ 0, got {at}"));
+        }
+    }
+    let spans = [
+        ("--pause-for-s", args.pause_for_s),
+        ("--chaos-span-s", args.chaos_span_s),
+        ("--stall-timeout-s", args.stall_timeout_s),
+    ];
+    for (flag, s) in spans {
+        if !(s.is_finite() && s > 0.0) {
+            return bad(format!("{flag} must be a positive number of seconds, got {s}"));
+        }
+    }
+    if args.chaos_faults > MAX_CHAOS_FAULTS {
+        return bad(format!("--chaos-faults must be at most {MAX_CHAOS_FAULTS}, got {}", args.chaos_faults));
+    }
+    if let Some(url) = &args.otlp_endpoint {
+        kvfleet_telemetry::check_endpoint(url).map_err(|e| InputError(e.to_string()))?;
+    }
+    Ok(())
 }
 
 /// The faults to inject: the single ones asked for, and a seeded schedule (printed).

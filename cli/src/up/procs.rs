@@ -265,6 +265,13 @@ impl Drop for Proc {
     }
 }
 
+/// A `sleep 30` child named `name`, logging into `dir` (tests of what watches and faults processes).
+#[cfg(test)]
+pub(crate) fn sleeper(name: &str, dir: &Path) -> Proc {
+    let args = vec!["-c".to_string(), "sleep 30".to_string()];
+    Proc::spawn(name, Path::new("/bin/sh"), &args, &dir.join(format!("{name}.log")), None).expect("sh starts")
+}
+
 /// The last lines of a child's log, each on its own indented line after a colon (empty when the
 /// log is empty or unreadable), for an error that names the log.
 fn log_tail(log: &Path) -> String {

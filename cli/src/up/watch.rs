@@ -101,14 +101,9 @@ pub fn run_state(pid: u32) -> Option<char> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::procs::sleeper;
     use super::*;
     use std::time::Duration;
-
-    fn sleeper(name: &str, dir: &Path) -> Proc {
-        let sh = Path::new("/bin/sh");
-        let args = vec!["-c".to_string(), "sleep 30".to_string()];
-        Proc::spawn(name, sh, &args, &dir.join(format!("{name}.log")), None).expect("sh starts")
-    }
 
     /// Polls `check` until it says something (the kernel changes a signalled process's state
     /// asynchronously), at most 5 s.
