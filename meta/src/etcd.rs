@@ -234,6 +234,12 @@ fn connect_options(endpoints: &[String], opts: &EtcdOptions) -> Result<ConnectOp
             reason: format!("need at least one non-empty endpoint, got {endpoints:?}"),
         });
     }
+    if let Some(bad) = endpoints.iter().find(|e| !is_endpoint(e)) {
+        return Err(MetaError::InvalidOption {
+            field: "endpoints",
+            reason: format!("`{bad}` is not HOST:PORT or http(s)://HOST:PORT"),
+        });
+    }
     // etcd rejects gRPC keep-alive pings more often than every 5 s (`--grpc-keepalive-min-time`)
     // and pings on idle connections; these values stay inside that policy.
     let mut co = ConnectOptions::new()
@@ -250,6 +256,17 @@ fn connect_options(endpoints: &[String], opts: &EtcdOptions) -> Result<ConnectOp
         co = co.with_tls(tls_options(tls)?);
     }
     Ok(co)
+}
+
+/// `HOST:PORT`, `http://HOST:PORT` or `https://HOST:PORT` (a path after it allowed): what
+/// etcd-client dials. Anything else would be retried forever as an unreachable etcd.
+fn is_endpoint(endpoint: &str) -> bool {
+    let rest = endpoint.strip_prefix("https://").or_else(|| endpoint.strip_prefix("http://")).unwrap_or(endpoint);
+    let authority = rest.split('/').next().unwrap_or_default();
+    match authority.rsplit_once(':') {
+        Some((host, port)) => !host.is_empty() && !host.contains("://") && port.parse::<u16>().is_ok_and(|p| p > 0),
+        None => false,
+    }
 }
 
 fn read_pem(field: &'static str, path: &Path) -> Result<Vec<u8>, MetaError> {
@@ -720,5 +737,18 @@ mod tests {
             .unwrap_or_default();
         assert!(err.contains("endpoints"), "{err}");
         assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn endpoints_are_host_port_with_or_without_a_scheme() {
+        for ok in ["127.0.0.1:2379", "http://etcd:2379", "https://[::1]:2379", "etcd-0.etcd:2379/", "localhost:1"] {
+            assert!(is_endpoint(ok), "{ok}");
+        }
+        for bad in ["notaurl", "etcd", "http://etcd", ":2379", "etcd:0", "etcd:99999", "unix://x:1", "https://"] {
+            assert!(!is_endpoint(bad), "{bad}");
+            let eps = vec![bad.to_owned()];
+            let err = connect_options(&eps, &EtcdOptions::default()).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains(&format!("`{bad}` is not HOST:PORT")), "{bad}: {err}");
+        }
     }
 }

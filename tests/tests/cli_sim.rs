@@ -436,6 +436,36 @@ fn up_refuses_absurd_run_flags_in_one_line() {
     }
 }
 
+/// The worker and coordinator binaries, given a flag whose value cannot work: one error line
+/// naming it, exit status 2, at once (a malformed etcd endpoint was retried for a minute as an
+/// unreachable etcd; a bad OTLP URL or model ended the coordinator with exit 1 and a backtrace).
+#[test]
+fn worker_and_coordinator_refuse_unusable_flags_with_exit_2() {
+    let cases: [(&str, &[&str], &str); 6] = [
+        ("kvfleet-worker", &["--etcd", "notaurl"], "`notaurl` is not HOST:PORT"),
+        ("kvfleet-worker", &["--otlp-endpoint", "nope"], "--otlp-endpoint \"nope\""),
+        ("kvfleet-worker", &["--link-gbps", "0"], "`--link-gbps`: must be a positive number"),
+        ("kvfleet-coordinator", &["--etcd", "etcd"], "`etcd` is not HOST:PORT"),
+        ("kvfleet-coordinator", &["--otlp-endpoint", "nope"], "--otlp-endpoint \"nope\""),
+        ("kvfleet-coordinator", &["--model", "gpt-9"], "unknown model `gpt-9`"),
+    ];
+    for (bin, flags, want) in cases {
+        let out = std::process::Command::new(kvfleet_tests::workspace_bin(bin))
+            .arg("--plaintext")
+            .args(flags)
+            .output()
+            .expect("the binary runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bin} {flags:?}: {}", describe(&out));
+        let last = stderr.lines().last().unwrap_or_default();
+        assert!(
+            last.starts_with(&format!("{bin}: error: ")) && last.contains(want),
+            "{bin} {flags:?}: {}",
+            describe(&out)
+        );
+    }
+}
+
 /// An absurd but valid rate runs and names its files compactly (`1e308`: the plain expansion of
 /// 309 digits made the file name too long to create).
 #[test]

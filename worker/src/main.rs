@@ -60,7 +60,8 @@ async fn main() -> ExitCode {
         Ok(t) => t,
         Err(e) => {
             eprintln!("kvfleet-worker: error: {e}");
-            return ExitCode::FAILURE;
+            let bad_flag = matches!(e, kvfleet_telemetry::TelemetryError::Endpoint { .. });
+            return if bad_flag { ExitCode::from(2) } else { ExitCode::FAILURE };
         }
     };
     let result = serve(cli).await;
@@ -73,6 +74,7 @@ async fn main() -> ExitCode {
             let bad_flag = |c: &(dyn std::error::Error + 'static)| {
                 c.is::<kvfleet_worker::options::OptionsError>()
                     || matches!(c.downcast_ref(), Some(kvfleet_worker::WorkerError::Options(_)))
+                    || matches!(c.downcast_ref(), Some(kvfleet_meta::MetaError::InvalidOption { .. }))
             };
             if e.chain().any(bad_flag) {
                 ExitCode::from(2)

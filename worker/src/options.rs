@@ -266,6 +266,29 @@ impl WorkerOptions {
         if self.load_interval_ms == 0 {
             return Err(invalid("load-interval-ms", "must be > 0".into()));
         }
+        if !(1..=MAX_MIGRATION_STREAMS).contains(&self.migration_streams) {
+            let got = self.migration_streams;
+            return Err(invalid("migration-streams", format!("must be in 1..={MAX_MIGRATION_STREAMS}, got {got}")));
+        }
+        if self.event_log_cap == 0 {
+            return Err(invalid("event-log-cap", "must be > 0 (0 would drop every token and load event)".into()));
+        }
+        if self.migration_timeout_ms == 0 {
+            return Err(invalid("migration-timeout-ms", "must be > 0".into()));
+        }
+        if !(1..=MAX_TENSOR_PARALLEL).contains(&self.tensor_parallel_size) {
+            let got = self.tensor_parallel_size;
+            return Err(invalid(
+                "tensor-parallel-size",
+                format!("GPUs per instance must be in 1..={MAX_TENSOR_PARALLEL}, got {got}"),
+            ));
+        }
+        if let Some(g) = self.link_gbps.filter(|g| !(g.is_finite() && *g > 0.0)) {
+            return Err(invalid("link-gbps", format!("must be a positive number, got {g}")));
+        }
+        if !(self.link_latency_us.is_finite() && self.link_latency_us >= 0.0) {
+            return Err(invalid("link-latency-us", format!("must be ≥ 0, got {}", self.link_latency_us)));
+        }
         let kv_bytes_per_token = model.kv_bytes_per_token();
         let block_bytes = sizing::block_bytes(self.block_size, kv_bytes_per_token)
             .map_err(|e| invalid("block-size", e.to_string()))?;
@@ -323,6 +346,11 @@ impl WorkerOptions {
         Ok(params)
     }
 }
+
+/// Most `--migration-streams` (QUIC streams per migration).
+pub const MAX_MIGRATION_STREAMS: usize = 64;
+/// Most `--tensor-parallel-size` (the simulator's bound on GPUs per instance).
+pub const MAX_TENSOR_PARALLEL: u32 = 64;
 
 /// `--instance auto` before it is resolved (never a real instance: the parser refuses it as a number).
 pub const AUTO_INSTANCE: u32 = u32::MAX;
@@ -464,6 +492,14 @@ mod tests {
             (&["--load-interval-ms", "0"], "--load-interval-ms"),
             (&["--ttfat-starvation-s=-1"], "--ttfat-starvation-s"),
             (&["--ttfat-starvation-s", "NaN"], "--ttfat-starvation-s"),
+            (&["--migration-streams", "0"], "`--migration-streams`: must be in 1..=64, got 0"),
+            (&["--migration-streams", "100000"], "--migration-streams"),
+            (&["--event-log-cap", "0"], "--event-log-cap"),
+            (&["--migration-timeout-ms", "0"], "--migration-timeout-ms"),
+            (&["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+            (&["--link-gbps", "0"], "`--link-gbps`: must be a positive number, got 0"),
+            (&["--link-gbps", "NaN"], "--link-gbps"),
+            (&["--link-latency-us=-5"], "--link-latency-us"),
         ];
         for &(args, want) in cases {
             let o = WorkerOptions::try_parse_from(std::iter::once("w").chain(args.iter().copied())).unwrap();

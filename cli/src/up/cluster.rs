@@ -623,7 +623,7 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
             "--max-stages".into(),
             args.cfg.migration.max_stages.to_string(),
             "--migration-timeout-ms".into(),
-            (args.cfg.migration.timeout_ms.round() as u64).to_string(),
+            (args.cfg.migration.timeout_ms.ceil() as u64).to_string(), // ≥ 1 ms (the worker takes whole ms, > 0)
         ];
         if args.cfg.scheduler.intra.boundary_hold {
             a.push("--boundary-hold".into());
