@@ -265,10 +265,20 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// Most worker processes `bench workers` starts at once.
+const MAX_BENCH_WORKERS: u32 = 1024;
+
 fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
     use crate::up::procs::{sibling_binary, Proc};
     use kvfleet_proto::v1;
     use std::time::Duration;
+    if let Some(n) = b.counts.iter().find(|&&n| !(1..=MAX_BENCH_WORKERS).contains(&n)) {
+        return Err(InputError(format!("--counts: each count must be in 1..={MAX_BENCH_WORKERS}, got {n}")).into());
+    }
+    if !(b.duration_s.is_finite() && b.duration_s > 0.0) || b.per_worker == 0 {
+        let why = format!("--duration-s and --per-worker must be positive, got {} and {}", b.duration_s, b.per_worker);
+        return Err(InputError(why).into());
+    }
     let worker_bin = sibling_binary("kvfleet-worker")?;
     std::fs::create_dir_all(&b.out)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

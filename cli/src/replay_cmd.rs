@@ -146,16 +146,43 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
 
     // A leader, then enough live workers.
     let deadline = Instant::now() + wait;
+    let started = Instant::now();
     let status = loop {
-        let (_, s) = rt
-            .block_on(finder.leader(wait))
-            .map_err(|e| anyhow::anyhow!("no leader among {:?}: {}", args.coordinators, e.message()))?;
+        // Asked in turns of a few seconds, each miss said, so a wait for a cluster that is still
+        // starting (or not there) is never silent.
+        let turn = deadline.saturating_duration_since(Instant::now()).min(Duration::from_secs(10));
+        let (_, s) = match rt.block_on(finder.leader(turn)) {
+            Ok(found) => found,
+            Err(e) if Instant::now() < deadline => {
+                let waited = started.elapsed().as_secs_f64();
+                say!(
+                    "waiting     for a leader among {:?} ({waited:.0} s of --wait-s {}): {}",
+                    args.coordinators,
+                    args.wait_s,
+                    e.message()
+                );
+                continue;
+            }
+            Err(e) => {
+                let why = format!(
+                    "no leader among {:?} within {} s (--wait-s): {}",
+                    args.coordinators,
+                    args.wait_s,
+                    e.message()
+                );
+                return Err(InputError(why).into());
+            }
+        };
         let alive = s.instances.iter().filter(|i| i.alive).count();
         if alive >= want_workers {
             break s;
         }
         if Instant::now() > deadline {
-            bail!("only {alive} of {want_workers} workers alive after {:.0} s (--min-workers)", args.wait_s);
+            let why = format!(
+                "only {alive} of {want_workers} workers alive after {:.0} s (--wait-s, --min-workers)",
+                args.wait_s
+            );
+            return Err(InputError(why).into());
         }
         std::thread::sleep(Duration::from_millis(200));
     };

@@ -28,9 +28,9 @@ pub fn run(a: StatusArgs) -> anyhow::Result<()> {
     let finder = LeaderFinder::new(a.coordinator.clone(), tls);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     loop {
-        let (_, status) = rt
-            .block_on(finder.leader(Duration::from_secs(5)))
-            .map_err(|e| anyhow::anyhow!("no leader among {:?}: {}", a.coordinator, e.message()))?;
+        let (_, status) = rt.block_on(finder.leader(Duration::from_secs(5))).map_err(|e| {
+            crate::InputError(format!("no leader among {:?} within 5 s: {}", a.coordinator, e.message()))
+        })?;
         let screen = render(&status);
         match a.watch {
             Some(secs) => {

@@ -466,6 +466,47 @@ fn worker_and_coordinator_refuse_unusable_flags_with_exit_2() {
     }
 }
 
+/// A coordinator address nobody answers at: `kvfleet replay` says it waits (not silent for its
+/// whole `--wait-s`), then, like `kvfleet status`, names the address, exit status 2; and
+/// `bench workers` refuses a count of 0 (it printed a row of NaN).
+#[test]
+fn replay_and_status_name_a_dead_coordinator_and_bench_workers_refuses_zero() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        l.local_addr().expect("bound").to_string()
+    };
+    let dir = TempDir::new("replay-dead");
+    let out_dir = dir.join("out");
+    let replay = ["replay", "--coordinators", &dead, "--plaintext", "--requests", "2", "--wait-s", "12", "-q"];
+    let out = run_kvfleet(replay.iter().copied().chain(["--out", path_str(&out_dir)]));
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!("waiting     for a leader among [\"{dead}\"] (10 s of --wait-s 12)")),
+        "{}",
+        describe(&out)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(last.starts_with(&format!("error: no leader among [\"{dead}\"] within 12 s")), "{}", describe(&out));
+
+    let out = run_kvfleet(["status", "--coordinator", &dead, "--plaintext"]);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&format!("no leader among [\"{dead}\"]")),
+        "{}",
+        describe(&out)
+    );
+
+    let out = run_kvfleet(["bench", "workers", "--counts", "8,0"]);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--counts: each count must be in 1..="),
+        "{}",
+        describe(&out)
+    );
+}
+
 /// An absurd but valid rate runs and names its files compactly (`1e308`: the plain expansion of
 /// 309 digits made the file name too long to create).
 #[test]
