@@ -169,7 +169,24 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         );
         say!("  logs      {}", logs.display());
         say!("Ctrl-C to stop.");
-        rt.block_on(stop.wait());
+        // Until stopped, a process of the cluster that dies or is stopped from outside is said.
+        let mut watch = crate::up::watch::Watch::new();
+        watch.replay_starts();
+        let mut stopped = Box::pin(stop.wait());
+        loop {
+            let tick = rt.block_on(async {
+                tokio::select! {
+                    () = &mut stopped => false,
+                    () = tokio::time::sleep(std::time::Duration::from_secs(1)) => true,
+                }
+            });
+            if !tick {
+                break;
+            }
+            for line in watch.check(&mut cluster, &[]) {
+                say!("unplanned: {line}");
+            }
+        }
         say!("stopping: workers drain, then the coordinator, the trace sink and etcd");
         Ok(())
     })();

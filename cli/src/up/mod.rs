@@ -10,7 +10,7 @@ pub(crate) mod live;
 pub mod procs;
 pub mod replay;
 mod scrape;
-mod watch;
+pub(crate) mod watch;
 
 use crate::experiment::{Plan, PlanArgs, Progress, Replayed};
 use crate::{report, say, InputError};

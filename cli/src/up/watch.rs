@@ -11,7 +11,7 @@ use std::time::Instant;
 
 /// What was seen of the processes not faulted on purpose.
 pub struct Watch {
-    /// When the replay started (`None`: the cluster is starting).
+    /// When the replay (or `kvfleet serve`'s service) started (`None`: the cluster is starting).
     started: Option<Instant>,
     /// `(pid, what)` already named, so each is said once.
     named: HashSet<(u32, Seen)>,
