@@ -81,6 +81,26 @@ fn up_with_the_embedded_store_runs_a_workload_end_to_end_past_a_paused_worker() 
     assert_no_process_left(&out);
 }
 
+/// `kvfleet up ARGS` started in the background, its output piped (`keep_output`) or dropped, and
+/// its `pids.txt` once every process it starts is up.
+fn up_in_background(args: &[String], out: &Path, keep_output: bool) -> (std::process::Child, String) {
+    let stdio = || if keep_output { std::process::Stdio::piped() } else { std::process::Stdio::null() };
+    let mut up = std::process::Command::new(kvfleet_tests::kvfleet_bin())
+        .args(args)
+        .stdout(stdio())
+        .stderr(stdio())
+        .spawn()
+        .expect("kvfleet up starts");
+    let pids = out.join("pids.txt");
+    let started = std::time::Instant::now();
+    while !pids.exists() {
+        assert!(started.elapsed().as_secs() < 120, "kvfleet up did not start its processes in 120 s");
+        assert!(up.try_wait().expect("waitable").is_none(), "kvfleet up exited before its processes were up");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    (up, std::fs::read_to_string(&pids).expect("pids.txt readable"))
+}
+
 /// `kvfleet up` killed with SIGKILL (no chance to clean up) takes every process it started with
 /// it: they get SIGTERM when it dies (PR_SET_PDEATHSIG).
 #[test]
@@ -89,21 +109,7 @@ fn a_killed_up_leaves_no_process_behind() {
     let out = tmp.join("out");
     let mut args = base_args(&out, 2, 2000);
     args.push("--no-etcd".into());
-    let mut up = std::process::Command::new(kvfleet_tests::kvfleet_bin())
-        .args(&args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("kvfleet up starts");
-    // pids.txt appears once every process is up.
-    let pids = out.join("pids.txt");
-    let started = std::time::Instant::now();
-    while !pids.exists() {
-        assert!(started.elapsed().as_secs() < 120, "kvfleet up did not start its processes in 120 s");
-        assert!(up.try_wait().expect("waitable").is_none(), "kvfleet up exited before its processes were up");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    let text = std::fs::read_to_string(&pids).expect("pids.txt readable");
+    let (mut up, text) = up_in_background(&args, &out, false);
     let started: Vec<&str> = text.lines().filter_map(|l| l.split_whitespace().next()).collect();
     assert!(started.len() >= 3, "coordinators and workers: {text}");
     up.kill().expect("SIGKILL");
@@ -172,20 +178,7 @@ fn up_names_a_process_killed_from_outside_as_the_cause_of_its_failures() {
     let out = tmp.join("out");
     let mut args = base_args(&out, 2, 2000);
     args.extend(["--stall-timeout-s".into(), "5".into()]);
-    let up = std::process::Command::new(kvfleet_tests::kvfleet_bin())
-        .args(&args)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("kvfleet up starts");
-    // pids.txt appears once every process is up.
-    let pids = out.join("pids.txt");
-    let started = std::time::Instant::now();
-    while !pids.exists() {
-        assert!(started.elapsed().as_secs() < 120, "kvfleet up did not start its processes in 120 s");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    let text = std::fs::read_to_string(&pids).expect("pids.txt readable");
+    let (up, text) = up_in_background(&args, &out, true);
     let etcd = text.lines().find_map(|l| l.strip_suffix(" etcd")).expect("etcd's pid").to_string();
     let killed = std::process::Command::new("kill").args(["-KILL", &etcd]).status().expect("kill runs");
     assert!(killed.success());
