@@ -222,12 +222,20 @@ impl Chaos {
                 self.say(bar, format!("{fault}: etcd is down already (restarting); skipped"));
             }
             Fault::KillLeader | Fault::PauseLeader(_) => {
-                // Bounded as a whole (each stopped coordinator's status call waits out its own
-                // timeout): the schedule's next faults, and the SIGCONT of a paused one, stay due.
-                let wait = Duration::from_secs(5);
-                let Ok(Ok((_, s))) = tokio::time::timeout(wait, finder.leader(wait)).await else {
-                    self.say(bar, format!("{fault}: no leader answered; skipped"));
-                    return;
+                // Asked in short turns, 5 s in all (a stopped coordinator's status call waits out
+                // its own timeout): between turns, the pauses and restarts that fall due end on
+                // time (a paused leader answers nobody until its SIGCONT).
+                let give_up = Instant::now() + Duration::from_secs(5);
+                let turn = Duration::from_millis(500);
+                let s = loop {
+                    if let Ok(Ok((_, s))) = tokio::time::timeout(turn, finder.leader(turn)).await {
+                        break s;
+                    }
+                    self.end_what_is_over(cluster, bar);
+                    if Instant::now() >= give_up {
+                        self.say(bar, format!("{fault}: no leader answered; skipped"));
+                        return;
+                    }
                 };
                 let Some(i) = cluster.coordinators.iter().position(|p| p.addr.as_deref() == Some(s.leader.as_str()))
                 else {
