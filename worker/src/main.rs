@@ -56,16 +56,14 @@ async fn main() -> ExitCode {
             vec![kvfleet_telemetry::KeyValue::new("kvfleet.instance", i64::from(cli.opts.instance))]
         },
     };
-    let telemetry = match kvfleet_telemetry::init(service, &cli.telemetry) {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("kvfleet-worker: error: {e}");
-            let bad_flag = matches!(e, kvfleet_telemetry::TelemetryError::Endpoint { .. });
-            return if bad_flag { ExitCode::from(2) } else { ExitCode::FAILURE };
+    let result = match kvfleet_telemetry::init(service, &cli.telemetry) {
+        Ok(telemetry) => {
+            let result = serve(cli).await;
+            telemetry.shutdown();
+            result
         }
+        Err(e) => Err(e.into()),
     };
-    let result = serve(cli).await;
-    telemetry.shutdown();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -75,6 +73,7 @@ async fn main() -> ExitCode {
                 c.is::<kvfleet_worker::options::OptionsError>()
                     || matches!(c.downcast_ref(), Some(kvfleet_worker::WorkerError::Options(_)))
                     || matches!(c.downcast_ref(), Some(kvfleet_meta::MetaError::InvalidOption { .. }))
+                    || matches!(c.downcast_ref(), Some(kvfleet_telemetry::TelemetryError::Endpoint { .. }))
             };
             if e.chain().any(bad_flag) {
                 ExitCode::from(2)

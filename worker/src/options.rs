@@ -273,9 +273,6 @@ impl WorkerOptions {
         if self.event_log_cap == 0 {
             return Err(invalid("event-log-cap", "must be > 0 (0 would drop every token and load event)".into()));
         }
-        if self.migration_timeout_ms == 0 {
-            return Err(invalid("migration-timeout-ms", "must be > 0".into()));
-        }
         if !(1..=MAX_TENSOR_PARALLEL).contains(&self.tensor_parallel_size) {
             let got = self.tensor_parallel_size;
             return Err(invalid(
@@ -297,6 +294,9 @@ impl WorkerOptions {
         })?;
         let cpu_blocks = sizing::pool_blocks(self.cpu_memory_bytes, block_bytes)
             .map_err(|e| invalid("cpu-memory", e.to_string()))?;
+        // The migration flags, checked here whether or not this worker migrates (with
+        // `--plaintext` it never does): a bad one is refused at start, not at a first migration.
+        self.migration_params(self.block_size, block_bytes)?;
         let demotion_basis = match self.demotion_basis.as_str() {
             "reasoning" => DemotionBasis::Reasoning,
             "kv" => DemotionBasis::Kv,
@@ -341,6 +341,9 @@ impl WorkerOptions {
             return Err(OptionsError::Migration(format!("--stop-copy-ms must be ≥ 0, got {}", self.stop_copy_ms)));
         }
         params.stop_copy_after = (self.stop_copy_ms > 0.0).then(|| TimeSpan::from_millis_f64(self.stop_copy_ms));
+        if self.migration_timeout_ms == 0 {
+            return Err(OptionsError::Migration("--migration-timeout-ms must be > 0".into()));
+        }
         params.timeout = TimeSpan(self.migration_timeout_ms.saturating_mul(1_000_000));
         params.validate().map_err(|e| OptionsError::Migration(e.to_string()))?;
         Ok(params)
