@@ -248,6 +248,17 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// Every process: etcd, the coordinators, the workers, the trace sink.
+    pub fn processes(&self) -> impl Iterator<Item = &Proc> {
+        self.etcd.iter().map(|(p, _)| p).chain(&self.coordinators).chain(&self.workers).chain(&self.sink)
+    }
+
+    /// [`Cluster::processes`], to ask each how it is doing (which reaps the exited).
+    pub fn processes_mut(&mut self) -> impl Iterator<Item = &mut Proc> {
+        let Cluster { etcd, coordinators, workers, sink, .. } = self;
+        etcd.iter_mut().map(|(p, _)| p).chain(coordinators).chain(workers).chain(sink)
+    }
+
     /// Stop workers first (they drain), then coordinators, then the trace sink (after everyone
     /// flushed their spans into it), then etcd. Every child is reaped.
     pub fn shutdown(&mut self) -> Vec<String> {
@@ -697,15 +708,7 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         say!("{line}");
     }
     // Every child's pid, so callers (and tests) can check that none outlives `kvfleet up`.
-    let pids: Vec<String> = cluster
-        .etcd
-        .iter()
-        .map(|e| &e.0)
-        .chain(&cluster.coordinators)
-        .chain(&cluster.workers)
-        .chain(&cluster.sink)
-        .map(|p| format!("{} {}", p.pid(), p.name))
-        .collect();
+    let pids: Vec<String> = cluster.processes().map(|p| format!("{} {}", p.pid(), p.name)).collect();
     std::fs::write(args.out.join("pids.txt"), pids.join("\n") + "\n")?;
 
     let etcd_options = Pki::etcd_options(pki.as_ref(), "client");

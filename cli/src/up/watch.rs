@@ -4,32 +4,25 @@
 //! cause rather than by the retries they ran out of ("no leader elected yet").
 
 use super::cluster::Cluster;
-use super::procs::Proc;
 use std::collections::HashSet;
-use std::path::Path;
 use std::time::Instant;
 
 /// What was seen of the processes not faulted on purpose.
 pub struct Watch {
     /// When the replay (or `kvfleet serve`'s service) started (`None`: the cluster is starting).
     started: Option<Instant>,
-    /// `(pid, what)` already named, so each is said once.
-    named: HashSet<(u32, Seen)>,
+    /// Pids whose exit was said.
+    exited: HashSet<u32>,
+    /// Pids said to be stopped, and not said to run again since.
+    stopped: HashSet<u32>,
     /// Every line said, in order (the run's end repeats them).
     pub seen: Vec<String>,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-enum Seen {
-    Exited,
-    Stopped,
-    Resumed,
 }
 
 impl Watch {
     /// Watching a cluster that is starting.
     pub fn new() -> Watch {
-        Watch { started: None, named: HashSet::new(), seen: Vec::new() }
+        Watch { started: None, exited: HashSet::new(), stopped: HashSet::new(), seen: Vec::new() }
     }
 
     /// The replay starts now: what happens from here is timed from it.
@@ -46,11 +39,11 @@ impl Watch {
             None => "while the cluster started".to_string(),
         };
         let mut lines = Vec::new();
-        for p in processes(cluster) {
+        for p in cluster.processes_mut() {
             let pid = p.pid();
             if let Some(status) = p.ended_unasked() {
-                if self.named.insert((pid, Seen::Exited)) {
-                    lines.push(format!("{} (pid {pid}) exited {at} ({status}){}", p.name, log_hint(p.log())));
+                if self.exited.insert(pid) {
+                    lines.push(format!("{} (pid {pid}) exited {at} ({status}); see {}", p.name, p.log().display()));
                 }
                 continue;
             }
@@ -58,15 +51,12 @@ impl Watch {
                 continue;
             }
             let stopped = run_state(pid) == Some('T');
-            if stopped && self.named.insert((pid, Seen::Stopped)) {
-                self.named.remove(&(pid, Seen::Resumed));
+            if stopped && self.stopped.insert(pid) {
                 lines.push(format!(
                     "{} (pid {pid}) is stopped (SIGSTOP or a debugger) {at}: it answers nobody until it is continued",
                     p.name
                 ));
-            } else if !stopped && self.named.contains(&(pid, Seen::Stopped)) && self.named.insert((pid, Seen::Resumed))
-            {
-                self.named.remove(&(pid, Seen::Stopped));
+            } else if !stopped && self.stopped.remove(&pid) {
                 lines.push(format!("{} (pid {pid}) runs again {at}", p.name));
             }
         }
@@ -80,20 +70,9 @@ impl Watch {
     }
 }
 
-/// Every process of the cluster, etcd first.
-fn processes(cluster: &mut Cluster) -> impl Iterator<Item = &mut Proc> {
-    let Cluster { etcd, coordinators, workers, sink, .. } = cluster;
-    etcd.iter_mut().map(|(p, _)| p).chain(coordinators.iter_mut()).chain(workers.iter_mut()).chain(sink.iter_mut())
-}
-
-/// "; see LOG".
-fn log_hint(log: &Path) -> String {
-    format!("; see {}", log.display())
-}
-
 /// The state letter of `/proc/PID/stat` (`R`, `S`, `T` stopped, `Z` zombie, …); `None` where it
 /// cannot be read (gone, or not Linux).
-pub fn run_state(pid: u32) -> Option<char> {
+fn run_state(pid: u32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // "PID (COMM) S …": COMM may hold spaces and parentheses, so the state follows the last ')'.
     stat.rsplit_once(')')?.1.trim_start().chars().next()
@@ -155,6 +134,7 @@ mod tests {
         let lines = next_lines(&mut w, &mut c, &paused_on_purpose);
         assert_eq!(lines.len(), 1, "{lines:?}");
         assert!(lines[0].starts_with(&format!("worker-2 (pid {stopped}) runs again at ")), "{lines:?}");
+        assert!(w.check(&mut c, &paused_on_purpose).is_empty(), "said once");
         assert_eq!(w.seen.len(), 3);
         let cause = w.cause().expect("something happened");
         assert!(cause.contains("worker-0") && cause.contains("worker-2") && !cause.contains("worker-1"), "{cause}");
