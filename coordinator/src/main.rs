@@ -125,34 +125,15 @@ async fn main() -> ExitCode {
         instance_id: format!("coordinator-{}", args.advertise.as_deref().unwrap_or(&std::process::id().to_string())),
         attributes: vec![],
     };
-    let result = match kvfleet_telemetry::init(service, &args.telemetry) {
-        Ok(telemetry) => {
-            let result = run(args).await;
-            telemetry.shutdown();
-            result
-        }
-        Err(e) => Err(e.into()),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("kvfleet-coordinator: error: {e:#}");
-            // A bad flag is the user's input, not the program's failure: exit 2, as the CLI does.
-            if e.chain().any(is_bad_flag) {
-                ExitCode::from(2)
-            } else {
-                ExitCode::FAILURE
-            }
-        }
-    }
+    let telemetry = args.telemetry.clone();
+    kvfleet_telemetry::run_main(service, &telemetry, run(args), is_bad_flag).await
 }
 
-/// Errors that name a flag whose value cannot work (a malformed etcd endpoint or OTLP URL, an
-/// unknown or unreadable model or GPU).
+/// Errors that name a flag whose value cannot work (a malformed etcd endpoint, an unknown or
+/// unreadable model or GPU).
 fn is_bad_flag(e: &(dyn std::error::Error + 'static)) -> bool {
     e.is::<kvfleet_core::spec::SpecError>()
         || matches!(e.downcast_ref(), Some(kvfleet_meta::MetaError::InvalidOption { .. }))
-        || matches!(e.downcast_ref(), Some(kvfleet_telemetry::TelemetryError::Endpoint { .. }))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {

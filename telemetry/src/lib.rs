@@ -97,6 +97,39 @@ impl Telemetry {
     }
 }
 
+/// A binary's `main` around `run`: telemetry set up for `service` ([`init`]), `run` awaited,
+/// spans flushed. An error is one line on stderr, `NAME: error: …`, and exit status 2 when a
+/// cause in its chain is the user's input (`bad_input`, or an OTLP endpoint that is no URL: a
+/// flag whose value cannot work), else 1.
+pub async fn run_main<F>(
+    service: Service,
+    args: &TelemetryArgs,
+    run: F,
+    bad_input: fn(&(dyn std::error::Error + 'static)) -> bool,
+) -> std::process::ExitCode
+where
+    F: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let name = service.name;
+    let result = match init(service, args) {
+        Ok(telemetry) => {
+            let result = run.await;
+            telemetry.shutdown();
+            result
+        }
+        Err(e) => Err(e.into()),
+    };
+    let Err(e) = result else { return std::process::ExitCode::SUCCESS };
+    eprintln!("{name}: error: {e:#}");
+    let bad_endpoint =
+        |c: &(dyn std::error::Error + 'static)| matches!(c.downcast_ref(), Some(TelemetryError::Endpoint { .. }));
+    if e.chain().any(|c| bad_input(c) || bad_endpoint(c)) {
+        std::process::ExitCode::from(2)
+    } else {
+        std::process::ExitCode::FAILURE
+    }
+}
+
 /// Install the process's subscriber (logs to stderr; spans to `args.otlp_endpoint` if set) and
 /// the W3C propagator. Call once, inside the tokio runtime (the gRPC exporter lives on it).
 pub fn init(service: Service, args: &TelemetryArgs) -> Result<Telemetry, TelemetryError> {

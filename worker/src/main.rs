@@ -56,32 +56,15 @@ async fn main() -> ExitCode {
             vec![kvfleet_telemetry::KeyValue::new("kvfleet.instance", i64::from(cli.opts.instance))]
         },
     };
-    let result = match kvfleet_telemetry::init(service, &cli.telemetry) {
-        Ok(telemetry) => {
-            let result = serve(cli).await;
-            telemetry.shutdown();
-            result
-        }
-        Err(e) => Err(e.into()),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("kvfleet-worker: error: {e:#}");
-            // A bad flag is the user's input, not the program's failure: exit 2, as the CLI does.
-            let bad_flag = |c: &(dyn std::error::Error + 'static)| {
-                c.is::<kvfleet_worker::options::OptionsError>()
-                    || matches!(c.downcast_ref(), Some(kvfleet_worker::WorkerError::Options(_)))
-                    || matches!(c.downcast_ref(), Some(kvfleet_meta::MetaError::InvalidOption { .. }))
-                    || matches!(c.downcast_ref(), Some(kvfleet_telemetry::TelemetryError::Endpoint { .. }))
-            };
-            if e.chain().any(bad_flag) {
-                ExitCode::from(2)
-            } else {
-                ExitCode::FAILURE
-            }
-        }
-    }
+    let telemetry = cli.telemetry.clone();
+    kvfleet_telemetry::run_main(service, &telemetry, serve(cli), is_bad_flag).await
+}
+
+/// Errors that name a flag whose value cannot work: the user's input, not the program's failure.
+fn is_bad_flag(c: &(dyn std::error::Error + 'static)) -> bool {
+    c.is::<kvfleet_worker::options::OptionsError>()
+        || matches!(c.downcast_ref(), Some(kvfleet_worker::WorkerError::Options(_)))
+        || matches!(c.downcast_ref(), Some(kvfleet_meta::MetaError::InvalidOption { .. }))
 }
 
 async fn serve(cli: Cli) -> anyhow::Result<()> {
