@@ -4,6 +4,13 @@
 //! per-request records are compared: TTFT and E2E error, where each request was placed first, how
 //! many migrations committed, migration downtime.
 //!
+//! How much a workload's placements hang on timing is measured beside: the simulator runs again
+//! with the link's rate off by a few per cent either way (`--sensitivity-pct`) and is compared
+//! with itself. Where a 1 % slower link already places a third of the requests elsewhere, an
+//! emulator whose real migrations take a few per cent more or less than the fabric model cannot
+//! agree with the simulator more than that; where the simulator holds its placements, every
+//! divergence is the emulator's.
+//!
 //! The link must be one this host's loopback QUIC can carry (a few Gbit/s here): the embedded
 //! quickstart config models a 100 Gbit/s fabric, so the bench runs it with `[link]` set to
 //! [`QUICKSTART_LINK_GBPS`] in both.
@@ -45,6 +52,15 @@ pub struct ParityBench {
     /// `<workload>-k<K>`.
     #[arg(long, default_value = "1")]
     time_dilation: String,
+    /// The workload seed in both backends (default: each config's `workload.seed`); rows are then
+    /// named `<workload>-seed<N>`.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Per cent by which the simulator's link rate is set off, either way, to compare the
+    /// simulator with itself (how much the workload's placements hang on migration times);
+    /// `0` runs no such comparison.
+    #[arg(long, value_delimiter = ',', default_value = "1,3", allow_negative_numbers = true)]
+    sensitivity_pct: Vec<f64>,
     /// Output directory: per workload the simulator's and the emulator's outputs; `parity.json`
     /// and `parity.csv` with the figures.
     #[arg(short, long, default_value = "results/bench-parity")]
@@ -93,6 +109,51 @@ pub struct Parity {
     pub prefix_hit_instance_gap_pp: Option<f64>,
     /// The first request (in arrival order) the two backends placed apart, if any.
     pub first_divergence: Option<Divergence>,
+    /// The simulator against itself with its link rate set off (`--sensitivity-pct`), one row
+    /// per rate.
+    pub sim_sensitivity: Vec<Sensitivity>,
+}
+
+/// The simulator with its link's rate changed by `link_pct` per cent, against the simulator.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Sensitivity {
+    pub link_pct: f64,
+    pub placement_agreement_pct: f64,
+    pub e2e_mape_pct: f64,
+    pub migrations: u32,
+    pub downtime_p50_ms: Option<f64>,
+}
+
+impl Sensitivity {
+    /// The lowest placement agreement and highest E2E MAPE among the rows set off by `pct` either
+    /// way.
+    fn worst(rows: &[Sensitivity], pct: f64) -> Option<(f64, f64)> {
+        let of = rows.iter().filter(|r| r.link_pct.abs() == pct);
+        of.fold(None, |acc, r| {
+            let (p, e) = acc.unwrap_or((f64::INFINITY, f64::NEG_INFINITY));
+            Some((p.min(r.placement_agreement_pct), e.max(r.e2e_mape_pct)))
+        })
+    }
+}
+
+/// `--sensitivity-pct`: the per-cent changes to run, each either way (0 dropped); a value that
+/// is no usable change is refused.
+fn link_changes(pcts: &[f64]) -> Result<Vec<f64>, InputError> {
+    let mut out = Vec::new();
+    for &p in pcts {
+        if !(0.0..50.0).contains(&p) {
+            return Err(InputError(format!("--sensitivity-pct {p}: must be a per cent in [0, 50)")));
+        }
+        if p > 0.0 {
+            out.extend([-p, p]);
+        }
+    }
+    Ok(out)
+}
+
+/// The link rate, Gbit/s, `pct` per cent off `gbps`.
+fn link_set_off(gbps: f64, pct: f64) -> String {
+    format!("link.bandwidth_gbps={}", gbps * (1.0 + pct / 100.0))
 }
 
 /// Where two runs' placements first part, and how far their timelines had drifted by then.
@@ -146,6 +207,9 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
         if b.policies.is_empty() { vec![None] } else { b.policies.iter().map(Some).collect() };
     let dilation: crate::up::cluster::DilationArg =
         b.time_dilation.parse().map_err(|e| InputError(format!("--time-dilation: {e}")))?;
+    let changes = link_changes(&b.sensitivity_pct)?;
+    let seed = b.seed.map(|s| s.to_string());
+    let seed_args: Vec<&str> = seed.as_deref().map(|s| vec!["--seed", s]).unwrap_or_default();
     let runs = b.workloads.iter().flat_map(|w| policies.iter().map(move |p| (w, *p)));
     for (w, policy) in runs {
         let (name, config) = workload_config(w, &b.out)?;
@@ -155,6 +219,10 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
                 kvfleet_sim::config::resolve_policy(p).map_err(|e| InputError(e.to_string()))?;
                 format!("{name}-{}", crate::report::file_safe(p))
             }
+            None => name,
+        };
+        let name = match &b.seed {
+            Some(seed) => format!("{name}-seed{seed}"),
             None => name,
         };
         let name = match dilation {
@@ -168,8 +236,23 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
         let config_arg = config.to_string_lossy().into_owned();
         say!("parity {name}: kvfleet sim …");
         let sim_dir_arg = path_arg(&sim_dir);
-        let sim_args = ["sim", "--config", &config_arg, "--no-plots", "-q", "--out", &sim_dir_arg];
-        run_step(&exe, &[&sim_args[..], &policy_args].concat())?;
+        let sim_args = ["sim", "--config", &config_arg, "--no-plots", "-q"];
+        let sim_args = [&sim_args[..], &policy_args, &seed_args].concat();
+        run_step(&exe, &[&sim_args[..], &["--out", &sim_dir_arg]].concat())?;
+        let mut sensitivity = Vec::new();
+        for &pct in &changes {
+            let dir = dir.join(format!("sim-link{pct:+}pct"));
+            let (dir_arg, set) = (path_arg(&dir), link_set_off(cfg.link.bandwidth_gbps, pct));
+            run_step(&exe, &[&sim_args[..], &["--set", &set, "--out", &dir_arg]].concat())?;
+            let p = compare(&name, &sim_dir, &dir)?;
+            sensitivity.push(Sensitivity {
+                link_pct: pct,
+                placement_agreement_pct: p.placement_agreement_pct,
+                e2e_mape_pct: p.e2e_mape_pct,
+                migrations: p.emu_migrations,
+                downtime_p50_ms: p.emu_downtime_p50_ms,
+            });
+        }
         say!("parity {name}: kvfleet up (real processes; about as long as the simulated run) …");
         let Some(kv) = cfg.cluster.kv_cache_gb else {
             let why = "needs `cluster.kv_cache_gb`: the emulator's arenas are sized from it";
@@ -200,8 +283,8 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
             "--out",
             &emu_dir_arg,
         ];
-        run_step(&exe, &[&up_args[..], &policy_args].concat())?;
-        let p = compare(&name, &sim_dir, &emu_dir)?;
+        run_step(&exe, &[&up_args[..], &policy_args, &seed_args].concat())?;
+        let p = Parity { sim_sensitivity: sensitivity, ..compare(&name, &sim_dir, &emu_dir)? };
         say!("{}", table(std::slice::from_ref(&p)));
         if let Some(d) = &p.first_divergence {
             say!("{}", d.describe(&p.workload));
@@ -209,9 +292,17 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
         results.push(p);
     }
     say!("\n{}", table(&results));
+    if !changes.is_empty() {
+        say!("\n{}", sensitivity_table(&results, &b.sensitivity_pct));
+    }
     std::fs::write(b.out.join("parity.json"), serde_json::to_string_pretty(&results)? + "\n")?;
     std::fs::write(b.out.join("parity.csv"), csv(&results))?;
-    say!("wrote parity.json and parity.csv to {}", b.out.display());
+    if changes.is_empty() {
+        say!("wrote parity.json and parity.csv to {}", b.out.display());
+    } else {
+        std::fs::write(b.out.join("sensitivity.csv"), sensitivity_csv(&results))?;
+        say!("wrote parity.json, parity.csv and sensitivity.csv to {}", b.out.display());
+    }
     Ok(())
 }
 
@@ -365,6 +456,7 @@ fn figures(name: &str, sim: &BTreeMap<u64, Req>, emu: &BTreeMap<u64, Req>) -> Pa
         same_cached_pct: share(both.iter().filter(|(s, e)| s.cached_tokens == e.cached_tokens).count()),
         prefix_hit_instance_gap_pp: if cached == (0, 0) { None } else { instance_hit_gap(&both) },
         first_divergence: Divergence::find(&both_ids),
+        sim_sensitivity: Vec::new(),
     }
 }
 
@@ -423,6 +515,31 @@ pub fn table(rows: &[Parity]) -> String {
     s
 }
 
+/// Same placement and E2E MAPE of the emulator against the simulator, beside the simulator's own
+/// against itself with the link set off by each of `pcts` (the worse way).
+pub fn sensitivity_table(rows: &[Parity], pcts: &[f64]) -> String {
+    let pcts: Vec<f64> = pcts.iter().copied().filter(|&p| p > 0.0).collect();
+    let mut s = String::from(
+        "same placement % / E2E MAPE %: emulator vs simulator, and simulator vs itself with its link rate set off\n",
+    );
+    let _ = write!(s, "{:<18} {:>17}", "workload", "emulator");
+    for p in &pcts {
+        let _ = write!(s, " {:>17}", format!("sim ±{p} % link"));
+    }
+    s.push('\n');
+    for r in rows {
+        let _ =
+            write!(s, "{:<18} {:>17}", r.workload, format!("{:.1} / {:.2}", r.placement_agreement_pct, r.e2e_mape_pct));
+        for &p in &pcts {
+            let cell =
+                Sensitivity::worst(&r.sim_sensitivity, p).map_or("-".into(), |(a, e)| format!("{a:.1} / {e:.2}"));
+            let _ = write!(s, " {cell:>17}");
+        }
+        s.push('\n');
+    }
+    s
+}
+
 fn csv(rows: &[Parity]) -> String {
     let mut s = String::from(
         "workload,compared,sim_finished,emu_finished,ttft_mape_pct,e2e_mape_pct,e2e_median_abs_err_pct,placement_agreement_pct,sim_migrations,emu_migrations,sim_downtime_p50_ms,emu_downtime_p50_ms,sim_prefix_hit_pct,emu_prefix_hit_pct,same_cached_pct,prefix_hit_instance_gap_pp\n",
@@ -449,6 +566,22 @@ fn csv(rows: &[Parity]) -> String {
             p.same_cached_pct,
             o(p.prefix_hit_instance_gap_pp),
         );
+    }
+    s
+}
+
+/// One row per workload and link change.
+fn sensitivity_csv(rows: &[Parity]) -> String {
+    let mut s = String::from("workload,link_pct,placement_agreement_pct,e2e_mape_pct,migrations,downtime_p50_ms\n");
+    for p in rows {
+        for r in &p.sim_sensitivity {
+            let down = r.downtime_p50_ms.map_or(String::new(), |v| format!("{v:.3}"));
+            let _ = writeln!(
+                s,
+                "{},{},{:.2},{:.3},{},{down}",
+                p.workload, r.link_pct, r.placement_agreement_pct, r.e2e_mape_pct, r.migrations
+            );
+        }
     }
     s
 }
@@ -518,6 +651,41 @@ mod tests {
         assert!((p.same_cached_pct - 200.0 / 3.0).abs() < 1e-9, "{}", p.same_cached_pct);
         // Instance 0 (request 1): 32 % in both; instance 1 (request 2): 8 % against 0 %.
         assert_eq!(p.prefix_hit_instance_gap_pp, Some(8.0));
+    }
+
+    /// Each change runs either way; the table shows the worse of the two beside the emulator's.
+    #[test]
+    fn the_simulators_sensitivity_is_run_both_ways_and_shown_at_its_worst() {
+        assert_eq!(link_changes(&[1.0, 0.0, 3.0]).unwrap(), [-1.0, 1.0, -3.0, 3.0]);
+        assert!(link_changes(&[0.0]).unwrap().is_empty());
+        for bad in [-1.0, 50.0, f64::NAN] {
+            let e = link_changes(&[bad]).unwrap_err().0;
+            assert!(e.starts_with("--sensitivity-pct"), "{e}");
+        }
+        assert_eq!(link_set_off(2.0, -1.0), "link.bandwidth_gbps=1.98");
+        assert_eq!(link_set_off(2.0, 3.0), "link.bandwidth_gbps=2.06");
+        let row = |link_pct: f64, agree: f64, mape: f64| Sensitivity {
+            link_pct,
+            placement_agreement_pct: agree,
+            e2e_mape_pct: mape,
+            migrations: 3,
+            downtime_p50_ms: Some(1.5),
+        };
+        let rows = [row(-1.0, 90.0, 0.5), row(1.0, 100.0, 0.7), row(-3.0, 50.0, 4.0), row(3.0, 75.0, 2.0)];
+        assert_eq!(Sensitivity::worst(&rows, 1.0), Some((90.0, 0.7)));
+        assert_eq!(Sensitivity::worst(&rows, 3.0), Some((50.0, 4.0)));
+        assert_eq!(Sensitivity::worst(&rows, 2.0), None);
+        let sim: BTreeMap<u64, Req> = [(1, req(0, 1.0, 10.0, 1)), (2, req(1, 2.0, 20.0, 0))].into();
+        let mut emu = sim.clone();
+        emu.insert(2, req(0, 2.0, 22.0, 0));
+        let p = Parity { sim_sensitivity: rows.to_vec(), ..figures("w", &sim, &emu) };
+        let t = sensitivity_table(std::slice::from_ref(&p), &[1.0, 3.0]);
+        let line = t.lines().nth(2).unwrap();
+        assert!(line.starts_with("w ") && line.contains("50.0 / 5.00"), "{t}");
+        assert!(line.contains("90.0 / 0.70") && line.ends_with("50.0 / 4.00"), "{t}");
+        let c = sensitivity_csv(&[p]);
+        assert_eq!(c.lines().count(), 5, "{c}");
+        assert!(c.lines().nth(3).unwrap().starts_with("w,-3,50.00,4.000,3,1.500"), "{c}");
     }
 
     #[test]

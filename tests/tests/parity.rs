@@ -42,8 +42,21 @@ fn emulator_and_simulator_agree_request_by_request() {
     // Arrivals a second apart and instances few: each request sees the same loads in both.
     assert!(num(&f, "placement_agreement_pct") >= 87.5, "{f}");
 
+    // The simulator against itself with its link 1 % and 3 % slower and faster: without
+    // migrations the link never matters, so every run is the same.
+    let rows = |w: &serde_json::Value| w["sim_sensitivity"].as_array().expect("sensitivity rows").clone();
+    let pcts: Vec<f64> = rows(&f).iter().map(|r| num(r, "link_pct")).collect();
+    assert_eq!(pcts, [-1.0, 1.0, -3.0, 3.0], "{f}");
+    for r in rows(&f) {
+        assert_eq!((num(&r, "placement_agreement_pct"), num(&r, "e2e_mape_pct")), (100.0, 0.0), "{r}");
+    }
+
     // PASCAL, 3 instances, live migrations over a 2 Gbit/s link in both.
     let p = figures(&json, "parity-pascal");
+    // Its migrations take longer or shorter on a link set off, and so do their requests.
+    for r in rows(&p) {
+        assert!(num(&r, "migrations") >= 5.0 && num(&r, "e2e_mape_pct") > 0.0, "{r}");
+    }
     assert_eq!((num(&p, "sim_finished"), num(&p, "emu_finished")), (30.0, 30.0), "{p}");
     assert!(num(&p, "e2e_mape_pct") < 20.0, "{p}");
     let (sim_moves, emu_moves) = (num(&p, "sim_migrations"), num(&p, "emu_migrations"));
