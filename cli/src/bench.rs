@@ -354,7 +354,7 @@ fn bench_workers(b: WorkersBench) -> anyhow::Result<()> {
                                 answer_tokens: 40,
                                 content_ids: Vec::new(),
                             };
-                            let _ = c.submit(v1::SubmitRequest { spec: Some(spec) }).await;
+                            let _ = c.submit(v1::SubmitRequest { spec: Some(spec), incarnation: 0 }).await;
                         }
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }

@@ -625,7 +625,7 @@ pub(crate) async fn migrate_once(pair: &WorkerPair<'_>, how: Move<'_>, stop_args
             content_ids: ids[..cached_prefix.div_ceil(512) as usize].to_vec(),
             ..Default::default()
         };
-        let accepted = dst.submit(v1::SubmitRequest { spec: Some(warm) }).await?.into_inner();
+        let accepted = dst.submit(v1::SubmitRequest { spec: Some(warm), incarnation: 0 }).await?.into_inner();
         anyhow::ensure!(accepted.accepted, "the target refused the warm-up request: {}", accepted.reason);
         let mut events = dst.events(v1::EventsRequest { after_seq: 0 }).await?.into_inner();
         let done = first_event(&mut events, minute, |e| matches!(e, Event::Finished(_)).then_some(())).await;
@@ -639,7 +639,7 @@ pub(crate) async fn migrate_once(pair: &WorkerPair<'_>, how: Move<'_>, stop_args
         answer_tokens: 1,
         content_ids: ids,
     };
-    let accepted = src.submit(v1::SubmitRequest { spec: Some(spec) }).await?.into_inner();
+    let accepted = src.submit(v1::SubmitRequest { spec: Some(spec), incarnation: 0 }).await?.into_inner();
     anyhow::ensure!(accepted.accepted, "the source refused the request: {}", accepted.reason);
     // Migrate once it decodes (its prompt is prefilled and written), or, handed off, once it is
     // held after its prefill.

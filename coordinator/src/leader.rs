@@ -750,31 +750,40 @@ impl Leader {
     /// orphans if it is moving out): so once the drop is answered (or its outcome unknown), a
     /// request placed on `on` by then is submitted again, to run afresh there or adopt the orphan
     /// (a repeat of a submit that came after the drop is answered "already accepted").
-    async fn drop_copy(self: Arc<Self>, id: RequestId, on: InstanceId) {
-        if self.owns(id, on) {
-            return;
-        }
-        let Some(mut client) = self.client(on) else { return };
-        match client.cancel(v1::CancelRequest { request_id: id.0, superseded: true }).await {
-            Ok(r) if r.get_ref().cancelled => {
-                self.stats.stale_copies_dropped.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(request = id.0, instance = on.0, "dropped a copy the cluster re-placed elsewhere");
+    ///
+    /// Boxed: a submit's rejection finishes the request, and a refused final record drops a copy
+    /// again, a cycle of futures whose `Send` only a named type can show.
+    fn drop_copy(
+        self: Arc<Self>,
+        id: RequestId,
+        on: InstanceId,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+        Box::pin(async move {
+            if self.owns(id, on) {
+                return;
             }
-            Ok(r) => {
-                tracing::debug!(request = id.0, instance = on.0, reason = %r.get_ref().reason, "no stale copy to drop")
+            let Some(mut client) = self.client(on) else { return };
+            match client.cancel(v1::CancelRequest { request_id: id.0, superseded: true }).await {
+                Ok(r) if r.get_ref().cancelled => {
+                    self.stats.stale_copies_dropped.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(request = id.0, instance = on.0, "dropped a copy the cluster re-placed elsewhere");
+                }
+                Ok(r) => {
+                    tracing::debug!(request = id.0, instance = on.0, reason = %r.get_ref().reason, "no stale copy to drop")
+                }
+                Err(e) => tracing::warn!(request = id.0, instance = on.0, "dropping a stale copy failed: {e}"),
             }
-            Err(e) => tracing::warn!(request = id.0, instance = on.0, "dropping a stale copy failed: {e}"),
-        }
-        let placed_here_since =
-            self.control().ownership(id).filter(|o| o.instance == on && o.unfinished()).map(|o| o.spec.clone());
-        if let Some(spec) = placed_here_since {
-            tracing::warn!(
-                request = id.0,
-                instance = on.0,
-                "placed there while its stale copy was dropped: submitted again"
-            );
-            self.submit_to_worker(on, &spec).await;
-        }
+            let placed_here_since =
+                self.control().ownership(id).filter(|o| o.instance == on && o.unfinished()).map(|o| o.spec.clone());
+            if let Some(spec) = placed_here_since {
+                tracing::warn!(
+                    request = id.0,
+                    instance = on.0,
+                    "placed there while its stale copy was dropped: submitted again"
+                );
+                self.submit_to_worker(on, &spec).await;
+            }
+        })
     }
 
     /// Delete a request's ownership record, fenced on leadership.
@@ -818,7 +827,11 @@ impl Leader {
     /// the cluster does not count, holding its memory (a prefill instance would hold it for a
     /// handoff nobody decides).
     async fn submit_to_worker(self: &Arc<Self>, to: InstanceId, spec: &RequestSpec) {
-        let msg = v1::SubmitRequest { spec: Some(spec.into()) };
+        // For the process placed on: a retry that reaches another one, restarted at once under the
+        // same number and address before the registry noticed, is refused (that process did not
+        // inherit the request; the registry re-places what the old one held).
+        let Some(incarnation) = self.links.lock().expect("links lock").get(&to).map(|l| l.incarnation) else { return };
+        let msg = v1::SubmitRequest { spec: Some(spec.into()), incarnation };
         for attempt in 0..3u32 {
             if !self.placed_on(spec.id, to) {
                 tracing::debug!(request = spec.id.0, instance = to.0, attempt, "not submitted: placed elsewhere since");
@@ -858,7 +871,11 @@ impl Leader {
     /// A late copy (an instance that lost the request to a re-placement while it was paused or
     /// cut off, an old incarnation) and a repeat are acknowledged and dropped, so the stored
     /// result is always the one the client got.
-    async fn finish(&self, rec: RequestRecord, from: InstanceId) -> Result<(), LeaderError> {
+    ///
+    /// The instance of a late copy is told to forget it ([`Leader::drop_copy`]): it remembers the
+    /// request as finished, and would refuse it as "already run" when it is handed off or moved
+    /// there, or answer "already accepted" and never run it when it is placed there again.
+    async fn finish(self: &Arc<Self>, rec: RequestRecord, from: InstanceId) -> Result<(), LeaderError> {
         match self.decide(Event::Finished { request: rec.id, from: Some(from) }) {
             Ok(actions) => {
                 if !actions.is_empty() {
@@ -868,6 +885,7 @@ impl Leader {
             Err(e @ ControlError::NotOwner { .. }) => {
                 tracing::warn!(request = rec.id.0, instance = from.0, "{e}");
                 self.stats.late_results.fetch_add(1, Ordering::Relaxed);
+                tokio::spawn(self.clone().drop_copy(rec.id, from));
                 return Ok(());
             }
             // Stored already (a worker re-sends what a leader did not acknowledge).

@@ -135,7 +135,7 @@ fn only_cluster_members_register_submit_or_read() {
         // Outsiders, directly at the worker: submit work, read its event log (results).
         for (how, ch) in outsider_channels(&worker_addr, &ca, &outsider) {
             let mut w = WorkerClient::new(ch);
-            let e = w.submit(v1::SubmitRequest { spec: Some(spec(3)) }).await.expect_err(how);
+            let e = w.submit(v1::SubmitRequest { spec: Some(spec(3)), incarnation: 0 }).await.expect_err(how);
             assert_refused(how, "worker submit", &e);
             let e = w.events(v1::EventsRequest { after_seq: 0 }).await.map(|_| ()).expect_err(how);
             assert_refused(how, "worker events", &e);
@@ -166,7 +166,10 @@ fn only_cluster_members_register_submit_or_read() {
         let moving = v1::MigrateOutRequest { request_id: 1, ..Default::default() };
         let e = w.migrate_out(moving).await.expect_err("nor order a migration");
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
-        let e = w.submit(v1::SubmitRequest { spec: Some(spec(5)) }).await.expect_err("nor submit past the leader");
+        let e = w
+            .submit(v1::SubmitRequest { spec: Some(spec(5)), incarnation: 0 })
+            .await
+            .expect_err("nor submit past the leader");
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
         let as_worker = NodeIdentity::load(&IdentityFiles::in_dir(&pki, "worker")).unwrap();
         let mut cw = CoordinatorClient::new(member_channel(&coordinator_addr, &as_worker));

@@ -37,6 +37,7 @@
 //! | `InDoubt` | registration expired | `Unseen` | frees it (the coordinator settled the move without it) |
 //! | `Finished`, its record unacknowledged | registration expired | `Unseen` | nothing (placed here again, it runs afresh) |
 //! | `Running`, `InDoubt` | the coordinator drops a copy it does not count | `Unseen` | cancels / frees it |
+//! | `Finished` | the coordinator drops a copy it does not count (its record was refused as a late copy's) | `Unseen` | nothing (it may come back, by a move or placed again) |
 //! | `MovingOut`, `Paused` | registration expired, or a copy dropped | unchanged, orphaned | nothing yet: the move ends by its protocol |
 //! | orphaned `MovingOut`, `Paused` | abort | `Unseen` | drops it (the coordinator re-placed it) |
 //! | orphaned `MovingOut`, `Paused` | submit again (re-placed here) | unchanged, adopted | answers "already accepted" |
@@ -710,7 +711,10 @@ impl Ledger {
     /// The coordinator counts another copy of it (re-placed while this worker was cut off or
     /// stopped, this one announced afterwards): a copy held here is dropped, as if it never came
     /// (a later placement here runs it afresh), or, moving out, orphaned as by
-    /// [`Ledger::lapse`] (dropped if its move does not land).
+    /// [`Ledger::lapse`] (dropped if its move does not land). A copy that finished here is
+    /// forgotten: the coordinator refused its record as a late copy's, and the request, still
+    /// running elsewhere, may come back (handed off or moved here, or placed here again) rather
+    /// than be refused as "already run" or answered "already accepted" and never run.
     pub fn drop_copy(&mut self, request: RequestId) -> Dropped {
         let Some(e) = self.entries.get_mut(&request) else { return Dropped::Nothing };
         let dropped = match e.state {
@@ -718,6 +722,11 @@ impl Ledger {
             State::InDoubt(_) => Dropped::Free,
             State::MovingOut(_) | State::Paused(_) => {
                 e.orphan = Orphan::Orphaned;
+                return Dropped::Nothing;
+            }
+            State::Finished => {
+                e.state = State::Unseen;
+                self.forget_if_blank(request);
                 return Dropped::Nothing;
             }
             _ => return Dropped::Nothing,

@@ -195,6 +195,14 @@ impl Worker for WorkerService {
     async fn submit(&self, request: Request<v1::SubmitRequest>) -> Result<Response<v1::SubmitReply>, Status> {
         kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/Submit")?;
         let spec = require_spec(request.get_ref().spec.as_ref())?;
+        let (meant, this) = (request.get_ref().incarnation, self.info.incarnation);
+        if meant != 0 && meant != this {
+            return Err(Status::failed_precondition(format!(
+                "request {} was submitted to incarnation {meant} of instance {}; this process is incarnation {this} \
+                 (the one it was meant for is gone)",
+                spec.id.0, self.info.instance
+            )));
+        }
         let outcome = self.ask(|reply| Command::Submit { spec, reply }).await?;
         let reply = match outcome {
             SubmitOutcome::Accepted => v1::SubmitReply { accepted: true, reason: String::new() },

@@ -17,7 +17,7 @@ const KV_TOKEN_BYTES: u64 = 256 << 10;
 
 /// Submit to a worker, which must accept.
 async fn submit(c: &mut WorkerClient<Channel>, spec: v1::RequestSpec) {
-    let reply = c.submit(v1::SubmitRequest { spec: Some(spec) }).await.expect("Submit").into_inner();
+    let reply = c.submit(v1::SubmitRequest { spec: Some(spec), incarnation: 0 }).await.expect("Submit").into_inner();
     assert!(reply.accepted, "refused: {reply:?}");
 }
 
@@ -265,7 +265,7 @@ async fn a_peer_killed_mid_copy_aborts_without_losing_the_request() {
     let target_kv = cb.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
     let (prompt, reasoning, answer) = (600, 400, 10);
     let s = spec(11, a.cluster_now_ns(), prompt, reasoning, answer);
-    assert!(ca.submit(v1::SubmitRequest { spec: Some(s) }).await.unwrap().into_inner().accepted);
+    assert!(ca.submit(v1::SubmitRequest { spec: Some(s), incarnation: 0 }).await.unwrap().into_inner().accepted);
     collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| !indices(c, 11).is_empty()).await;
     let mut mover = a.client().await;
     let req = v1::MigrateOutRequest { request_id: 11, target: 1, target_kv_address: target_kv, ..Default::default() };
@@ -285,7 +285,7 @@ async fn a_peer_killed_mid_copy_aborts_without_losing_the_request() {
     let target_kv = cc.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
     let mut a = a;
     let s = spec(12, a.cluster_now_ns(), prompt, reasoning, answer);
-    assert!(ca.submit(v1::SubmitRequest { spec: Some(s) }).await.unwrap().into_inner().accepted);
+    assert!(ca.submit(v1::SubmitRequest { spec: Some(s), incarnation: 0 }).await.unwrap().into_inner().accepted);
     collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| !indices(c, 12).is_empty()).await;
     let mut mover = a.client().await;
     let req = v1::MigrateOutRequest { request_id: 12, target: 2, target_kv_address: target_kv, ..Default::default() };

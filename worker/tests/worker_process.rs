@@ -95,10 +95,11 @@ async fn requests_stream_phase_tagged_tokens_and_match_the_timing_model() {
     let specs =
         [spec(1, now, 64, 30, 20), spec(2, now, 128, 10, 30), spec(3, now, 32, 0, 15), spec(4, now, 200, 40, 10)];
     for s in &specs {
-        let r = client.submit(v1::SubmitRequest { spec: Some(s.clone()) }).await.unwrap().into_inner();
+        let r = client.submit(v1::SubmitRequest { spec: Some(s.clone()), incarnation: 0 }).await.unwrap().into_inner();
         assert!(r.accepted, "{r:?}");
     }
-    let again = client.submit(v1::SubmitRequest { spec: Some(specs[0].clone()) }).await.unwrap().into_inner();
+    let again =
+        client.submit(v1::SubmitRequest { spec: Some(specs[0].clone()), incarnation: 0 }).await.unwrap().into_inner();
     assert!(again.accepted && again.reason.contains("duplicate"), "submits are idempotent: {again:?}");
 
     let c = collect_until(&mut client, 0, EVENTS_TIMEOUT, |c| c.finished.len() == specs.len()).await;
@@ -135,7 +136,7 @@ async fn a_request_migrated_out_and_attached_finishes_on_the_second_worker() {
     let b = WorkerProc::start(&["--instance", "1", "--kv-fill", "full"]);
     let (mut ca, mut cb) = (a.client().await, b.client().await);
     let s = spec(42, a.cluster_now_ns(), 48, 60, 20);
-    assert!(ca.submit(v1::SubmitRequest { spec: Some(s) }).await.unwrap().into_inner().accepted);
+    assert!(ca.submit(v1::SubmitRequest { spec: Some(s), incarnation: 0 }).await.unwrap().into_inner().accepted);
     let before = collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| c.tokens.get(&42).is_some_and(|t| t.len() >= 10)).await;
     assert!(before.tokens[&42].len() < 80);
 
@@ -180,12 +181,16 @@ async fn malformed_requests_are_invalid_arguments_and_oversized_ones_rejected() 
         (Some(spec(2, 0, u32::MAX, 1, 1)), "`spec`"),
     ];
     for (s, field) in cases {
-        let e = client.submit(v1::SubmitRequest { spec: s }).await.unwrap_err();
+        let e = client.submit(v1::SubmitRequest { spec: s, incarnation: 0 }).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
         assert!(e.message().contains(field), "{field}: {}", e.message());
     }
     // 64 blocks × 16 tokens = 1024 < 2000: never fits, finished as rejected.
-    let r = client.submit(v1::SubmitRequest { spec: Some(spec(9, 0, 1500, 400, 100)) }).await.unwrap().into_inner();
+    let r = client
+        .submit(v1::SubmitRequest { spec: Some(spec(9, 0, 1500, 400, 100)), incarnation: 0 })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!r.accepted && r.reason.contains("KV blocks"), "{r:?}");
     let c = collect_until(&mut client, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&9)).await;
     assert!(c.finished[&9].rejected);
@@ -194,6 +199,19 @@ async fn malformed_requests_are_invalid_arguments_and_oversized_ones_rejected() 
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound);
+    // A submit meant for another process under this instance number (one restarted at once
+    // since) is refused, not run: the coordinator re-places what that process held.
+    let this = client.info(v1::InfoRequest {}).await.unwrap().into_inner().incarnation;
+    let e = client
+        .submit(v1::SubmitRequest { spec: Some(spec(10, 0, 10, 1, 1)), incarnation: this - 1 })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("request 10") && e.message().contains(&format!("incarnation {this}")), "{e}");
+    let r = client.submit(v1::SubmitRequest { spec: Some(spec(10, 0, 10, 1, 1)), incarnation: this }).await.unwrap();
+    assert!(r.into_inner().accepted, "meant for this process: run");
+    let c = collect_until(&mut client, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&10)).await;
+    assert!(!c.finished[&10].rejected);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -201,11 +219,15 @@ async fn sigterm_drains_and_exits_zero_reporting_unfinished_requests() {
     let mut w = WorkerProc::start(&["--kv-fill", "stamp"]);
     let mut client = w.client().await;
     let s = spec(5, w.cluster_now_ns(), 16, 900, 10);
-    assert!(client.submit(v1::SubmitRequest { spec: Some(s) }).await.unwrap().into_inner().accepted);
+    assert!(client.submit(v1::SubmitRequest { spec: Some(s), incarnation: 0 }).await.unwrap().into_inner().accepted);
     collect_until(&mut client, 0, EVENTS_TIMEOUT, |c| c.tokens.contains_key(&5)).await;
     let drained = client.drain(v1::DrainRequest {}).await.unwrap().into_inner();
     assert_eq!(drained.remaining, 1);
-    let refused = client.submit(v1::SubmitRequest { spec: Some(spec(6, 0, 1, 1, 1)) }).await.unwrap().into_inner();
+    let refused = client
+        .submit(v1::SubmitRequest { spec: Some(spec(6, 0, 1, 1, 1)), incarnation: 0 })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!refused.accepted && refused.reason.contains("draining"), "{refused:?}");
     w.signal("TERM");
     let status = w.wait_exit(Duration::from_secs(20));
@@ -236,7 +258,9 @@ async fn sixteen_requests_report_timer_lateness() {
     let now = w.cluster_now_ns();
     for id in 0..16u64 {
         let s = spec(id, now, 16 + 8 * id as u32, 20 + 2 * id as u32, 20);
-        assert!(client.submit(v1::SubmitRequest { spec: Some(s) }).await.unwrap().into_inner().accepted);
+        assert!(
+            client.submit(v1::SubmitRequest { spec: Some(s), incarnation: 0 }).await.unwrap().into_inner().accepted
+        );
     }
     collect_until(&mut client, 0, EVENTS_TIMEOUT, |c| c.finished.len() == 16).await;
     w.signal("TERM");
@@ -278,7 +302,9 @@ async fn prometheus_metrics_use_vllm_names_and_count_what_happened() {
     let mut client = w.client().await;
     for id in 1..=3 {
         let s = spec(id, w.cluster_now_ns(), 32, 20, 10);
-        assert!(client.submit(v1::SubmitRequest { spec: Some(s) }).await.unwrap().into_inner().accepted);
+        assert!(
+            client.submit(v1::SubmitRequest { spec: Some(s), incarnation: 0 }).await.unwrap().into_inner().accepted
+        );
     }
     collect_until(&mut client, 0, EVENTS_TIMEOUT, |c| c.finished.len() == 3).await;
     let body = scrape(&metrics).await;
@@ -301,7 +327,7 @@ async fn a_prefill_worker_holds_each_request_after_its_first_token_until_release
     let now = w.cluster_now_ns();
     for id in [7, 8] {
         let s = spec(id, now, 64, 0, 30);
-        assert!(c.submit(v1::SubmitRequest { spec: Some(s) }).await.unwrap().into_inner().accepted);
+        assert!(c.submit(v1::SubmitRequest { spec: Some(s), incarnation: 0 }).await.unwrap().into_inner().accepted);
     }
     let held = collect_until(&mut c, 0, EVENTS_TIMEOUT, |c| c.prefill_done.len() >= 2).await;
     let mut ids: Vec<u64> = held.prefill_done.iter().map(|p| p.request_id).collect();

@@ -430,11 +430,13 @@ impl TargetMachine {
                 self.finish(now, Outcome::Committed);
             }
             Err(reason) => {
-                self.send(Body::CommitReply(wire::CommitReply {
-                    migration_id: self.id.0,
-                    ok: false,
-                    reason: reason.to_string(),
-                }));
+                // The source names a refused COMMIT as an attach that failed itself: the reply
+                // carries what failed, not that phrase again.
+                let why = match &reason {
+                    AbortReason::AttachFailed(why) => why.clone(),
+                    other => other.to_string(),
+                };
+                self.send(Body::CommitReply(wire::CommitReply { migration_id: self.id.0, ok: false, reason: why }));
                 self.release();
                 self.finish(now, Outcome::Aborted(reason));
             }

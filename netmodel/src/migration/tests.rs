@@ -766,7 +766,7 @@ fn failed_attach_is_a_clean_abort_not_unknown() {
     let Some(Outcome::Aborted(AbortReason::AttachFailed(reason))) = w.src_outcome() else {
         panic!("source: {:?}", w.src_outcome())
     };
-    assert!(reason.contains("no sequence slot"));
+    assert_eq!(reason, "no sequence slot", "said once: {}", AbortReason::AttachFailed(reason.clone()));
     assert!(w.src.report().downtime.is_some(), "the request resumes on the source: downtime is known");
     w.check_safety();
 }

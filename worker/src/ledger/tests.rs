@@ -221,8 +221,14 @@ fn a_copy_the_coordinator_does_not_count_is_dropped_and_may_be_placed_again() {
     assert_eq!(l.submit(done), Admission::Run { release: None });
     l.started(done).unwrap();
     l.finished(done).unwrap();
+    assert_eq!(l.submit(done), Admission::AlreadyAccepted);
+    // Its record refused as a late copy's: forgotten, so it may come back by a move or a placement.
     assert_eq!(l.drop_copy(done), Dropped::Nothing);
-    assert_eq!(l.state(done), State::Finished);
+    assert_eq!(l.state(done), State::Unseen);
+    l.prepare(done, M2, order(M2)).unwrap();
+    assert_eq!(l.commit(done, M2), Ok(Arrival::Attach), "not 'already run'");
+    l.release(done, M2);
+    assert_eq!(l.submit(done), Admission::Run { release: None }, "not 'already accepted'");
 }
 
 #[test]
