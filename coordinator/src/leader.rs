@@ -701,7 +701,7 @@ impl Leader {
             tracing::warn!(request = id.0, "cancelled, but its ownership record stays: {e}");
         }
         let Some(mut client) = self.client(on) else { return };
-        match client.cancel(v1::CancelRequest { request_id: id.0, superseded: false }).await {
+        match client.cancel(v1::CancelRequest { request_id: id.0, superseded: false, late_record: false }).await {
             Ok(r) if r.get_ref().cancelled => {
                 tracing::info!(request = id.0, instance = on.0, "cancelled: its client left")
             }
@@ -750,40 +750,60 @@ impl Leader {
     /// orphans if it is moving out): so once the drop is answered (or its outcome unknown), a
     /// request placed on `on` by then is submitted again, to run afresh there or adopt the orphan
     /// (a repeat of a submit that came after the drop is answered "already accepted").
+    async fn drop_copy(self: Arc<Self>, id: RequestId, on: InstanceId) {
+        if self.owns(id, on) {
+            return;
+        }
+        let Some(mut client) = self.client(on) else { return };
+        match client.cancel(v1::CancelRequest { request_id: id.0, superseded: true, late_record: false }).await {
+            Ok(r) if r.get_ref().cancelled => {
+                self.stats.stale_copies_dropped.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(request = id.0, instance = on.0, "dropped a copy the cluster re-placed elsewhere");
+            }
+            Ok(r) => {
+                tracing::debug!(request = id.0, instance = on.0, reason = %r.get_ref().reason, "no stale copy to drop")
+            }
+            Err(e) => tracing::warn!(request = id.0, instance = on.0, "dropping a stale copy failed: {e}"),
+        }
+        self.submit_if_placed_since(id, on, "its stale copy was dropped").await;
+    }
+
+    /// `on` finished a copy of `id` whose record was refused as a late copy's: it forgets that
+    /// the request finished there (touching nothing that runs), so that the request, living
+    /// elsewhere, may come back: handed off or moved there (refused as "already run" before), or
+    /// placed there again. A placement there while this is on its way may have been answered
+    /// "already accepted" by the finished copy, so a request placed on `on` by then is submitted
+    /// again, as after [`Leader::drop_copy`].
     ///
-    /// Boxed: a submit's rejection finishes the request, and a refused final record drops a copy
-    /// again, a cycle of futures whose `Send` only a named type can show.
-    fn drop_copy(
+    /// Boxed: it submits, a submit's rejection finishes the request, and a refused final record
+    /// starts this again, a cycle of futures whose `Send` only a named type can show.
+    fn forget_late_copy(
         self: Arc<Self>,
         id: RequestId,
         on: InstanceId,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
         Box::pin(async move {
-            if self.owns(id, on) {
-                return;
-            }
             let Some(mut client) = self.client(on) else { return };
-            match client.cancel(v1::CancelRequest { request_id: id.0, superseded: true }).await {
+            match client.cancel(v1::CancelRequest { request_id: id.0, superseded: true, late_record: true }).await {
                 Ok(r) if r.get_ref().cancelled => {
-                    self.stats.stale_copies_dropped.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(request = id.0, instance = on.0, "dropped a copy the cluster re-placed elsewhere");
+                    tracing::info!(request = id.0, instance = on.0, "a late copy forgotten where it finished")
                 }
-                Ok(r) => {
-                    tracing::debug!(request = id.0, instance = on.0, reason = %r.get_ref().reason, "no stale copy to drop")
-                }
-                Err(e) => tracing::warn!(request = id.0, instance = on.0, "dropping a stale copy failed: {e}"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(request = id.0, instance = on.0, "forgetting a late copy failed: {e}"),
             }
-            let placed_here_since =
-                self.control().ownership(id).filter(|o| o.instance == on && o.unfinished()).map(|o| o.spec.clone());
-            if let Some(spec) = placed_here_since {
-                tracing::warn!(
-                    request = id.0,
-                    instance = on.0,
-                    "placed there while its stale copy was dropped: submitted again"
-                );
-                self.submit_to_worker(on, &spec).await;
-            }
+            self.submit_if_placed_since(id, on, "a late copy of it was forgotten").await;
         })
+    }
+
+    /// After a copy of `id` on `on` was dropped or forgotten (`what`): placed on `on` since, it is
+    /// submitted again.
+    async fn submit_if_placed_since(self: &Arc<Self>, id: RequestId, on: InstanceId, what: &str) {
+        let placed_here_since =
+            self.control().ownership(id).filter(|o| o.instance == on && o.unfinished()).map(|o| o.spec.clone());
+        if let Some(spec) = placed_here_since {
+            tracing::warn!(request = id.0, instance = on.0, "placed there while {what}: submitted again");
+            self.submit_to_worker(on, &spec).await;
+        }
     }
 
     /// Delete a request's ownership record, fenced on leadership.
@@ -872,9 +892,9 @@ impl Leader {
     /// cut off, an old incarnation) and a repeat are acknowledged and dropped, so the stored
     /// result is always the one the client got.
     ///
-    /// The instance of a late copy is told to forget it ([`Leader::drop_copy`]): it remembers the
-    /// request as finished, and would refuse it as "already run" when it is handed off or moved
-    /// there, or answer "already accepted" and never run it when it is placed there again.
+    /// The instance of a late copy is told to forget it ([`Leader::forget_late_copy`]): it
+    /// remembers the request as finished, and would refuse it as "already run" when it is handed
+    /// off or moved there, or answer "already accepted" and never run it when placed there again.
     async fn finish(self: &Arc<Self>, rec: RequestRecord, from: InstanceId) -> Result<(), LeaderError> {
         match self.decide(Event::Finished { request: rec.id, from: Some(from) }) {
             Ok(actions) => {
@@ -885,7 +905,7 @@ impl Leader {
             Err(e @ ControlError::NotOwner { .. }) => {
                 tracing::warn!(request = rec.id.0, instance = from.0, "{e}");
                 self.stats.late_results.fetch_add(1, Ordering::Relaxed);
-                tokio::spawn(self.clone().drop_copy(rec.id, from));
+                tokio::spawn(self.clone().forget_late_copy(rec.id, from));
                 return Ok(());
             }
             // Stored already (a worker re-sends what a leader did not acknowledge).

@@ -84,10 +84,13 @@ pub(crate) enum Command {
         reply: oneshot::Sender<u32>,
     },
     /// The request's client left ([`Ledger::cancel`]), or (`superseded`) this copy is one the
-    /// cluster does not count ([`Ledger::drop_copy`]): `Ok(true)` when it was stopped here.
+    /// cluster does not count ([`Ledger::drop_copy`]): `Ok(true)` when it was stopped here. With
+    /// `late_record`, only a copy that finished here is forgotten ([`Ledger::forget_finished`]):
+    /// `Ok(true)` when it had.
     Cancel {
         request: RequestId,
         superseded: bool,
+        late_record: bool,
         reply: oneshot::Sender<Result<bool, String>>,
     },
     /// Prefill/decode disaggregation: hold every request after its prefill for a handoff
@@ -576,11 +579,21 @@ impl Driver {
                 self.ledger.drain();
                 let _ = reply.send(self.ledger.held() as u32);
             }
-            Command::Cancel { request, superseded: true, reply } => {
+            Command::Cancel { request, late_record: true, reply, .. } => {
+                let forgot = self.ledger.forget_finished(request);
+                if forgot {
+                    tracing::info!(
+                        request = request.0,
+                        "forgot a finished copy whose record was refused as a late copy's"
+                    );
+                }
+                let _ = reply.send(Ok(forgot));
+            }
+            Command::Cancel { request, superseded: true, reply, .. } => {
                 let dropped = self.ledger.drop_copy(request);
                 let _ = reply.send(self.drop_on_engine(request, dropped).map_err(|e| e.to_string()));
             }
-            Command::Cancel { request, superseded: false, reply } => {
+            Command::Cancel { request, superseded: false, reply, .. } => {
                 let answer = match self.ledger.cancel(request) {
                     Ok(true) => match self.engine.cancel(request) {
                         Ok(()) => {

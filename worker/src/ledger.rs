@@ -37,7 +37,7 @@
 //! | `InDoubt` | registration expired | `Unseen` | frees it (the coordinator settled the move without it) |
 //! | `Finished`, its record unacknowledged | registration expired | `Unseen` | nothing (placed here again, it runs afresh) |
 //! | `Running`, `InDoubt` | the coordinator drops a copy it does not count | `Unseen` | cancels / frees it |
-//! | `Finished` | the coordinator drops a copy it does not count (its record was refused as a late copy's) | `Unseen` | nothing (it may come back, by a move or placed again) |
+//! | `Finished` | the coordinator refused its record as a late copy's | `Unseen` | nothing (it may come back, by a move or placed again) |
 //! | `MovingOut`, `Paused` | registration expired, or a copy dropped | unchanged, orphaned | nothing yet: the move ends by its protocol |
 //! | orphaned `MovingOut`, `Paused` | abort | `Unseen` | drops it (the coordinator re-placed it) |
 //! | orphaned `MovingOut`, `Paused` | submit again (re-placed here) | unchanged, adopted | answers "already accepted" |
@@ -711,10 +711,7 @@ impl Ledger {
     /// The coordinator counts another copy of it (re-placed while this worker was cut off or
     /// stopped, this one announced afterwards): a copy held here is dropped, as if it never came
     /// (a later placement here runs it afresh), or, moving out, orphaned as by
-    /// [`Ledger::lapse`] (dropped if its move does not land). A copy that finished here is
-    /// forgotten: the coordinator refused its record as a late copy's, and the request, still
-    /// running elsewhere, may come back (handed off or moved here, or placed here again) rather
-    /// than be refused as "already run" or answered "already accepted" and never run.
+    /// [`Ledger::lapse`] (dropped if its move does not land).
     pub fn drop_copy(&mut self, request: RequestId) -> Dropped {
         let Some(e) = self.entries.get_mut(&request) else { return Dropped::Nothing };
         let dropped = match e.state {
@@ -724,15 +721,22 @@ impl Ledger {
                 e.orphan = Orphan::Orphaned;
                 return Dropped::Nothing;
             }
-            State::Finished => {
-                e.state = State::Unseen;
-                self.forget_if_blank(request);
-                return Dropped::Nothing;
-            }
             _ => return Dropped::Nothing,
         };
         self.drop_held(request);
         dropped
+    }
+
+    /// The coordinator refused the final record of this copy as a late copy's (it had re-placed
+    /// the request elsewhere): it is forgotten as finished here, so that the request, still
+    /// running elsewhere, may come back (handed off or moved here, or placed here again) rather
+    /// than be refused as "already run", or answered "already accepted" and never run. Nothing
+    /// that runs here is touched. Returns whether it had finished here.
+    pub fn forget_finished(&mut self, request: RequestId) -> bool {
+        let Some(e) = self.entries.get_mut(&request).filter(|e| e.state == State::Finished) else { return false };
+        e.state = State::Unseen;
+        self.forget_if_blank(request);
+        true
     }
 
     /// Whether a copy moving out here was orphaned ([`Ledger::lapse`], [`Ledger::drop_copy`]):

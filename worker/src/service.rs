@@ -338,8 +338,8 @@ impl Worker for WorkerService {
     async fn cancel(&self, request: Request<v1::CancelRequest>) -> Result<Response<v1::CancelReply>, Status> {
         kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/Cancel")?;
         let id = RequestId(request.get_ref().request_id);
-        let superseded = request.get_ref().superseded;
-        let reply = match self.ask(|reply| Command::Cancel { request: id, superseded, reply }).await? {
+        let (superseded, late_record) = (request.get_ref().superseded, request.get_ref().late_record);
+        let reply = match self.ask(|reply| Command::Cancel { request: id, superseded, late_record, reply }).await? {
             Ok(cancelled) => v1::CancelReply { cancelled, reason: String::new() },
             Err(reason) => v1::CancelReply { cancelled: false, reason },
         };

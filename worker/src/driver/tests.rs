@@ -899,7 +899,8 @@ fn an_idle_engine_plans_a_late_request_as_of_its_arrival() {
     let first = s.tokens[&1][0].2;
     assert_eq!(first, arrival.0 + 1_000_000, "first token one 1 ms iteration after the arrival");
     // A cancel (an engine change) now: a request stamped before it starts after it.
-    let cancelled = ask(&r, |reply| Command::Cancel { request: RequestId(7), superseded: false, reply });
+    let cancelled =
+        ask(&r, |reply| Command::Cancel { request: RequestId(7), superseded: false, late_record: false, reply });
     assert!(cancelled.is_err() || cancelled == Ok(false), "{cancelled:?}");
     let s = collect(&r.log);
     let after = s.finished[&1].finish_ns.unwrap();

@@ -222,8 +222,15 @@ fn a_copy_the_coordinator_does_not_count_is_dropped_and_may_be_placed_again() {
     l.started(done).unwrap();
     l.finished(done).unwrap();
     assert_eq!(l.submit(done), Admission::AlreadyAccepted);
-    // Its record refused as a late copy's: forgotten, so it may come back by a move or a placement.
     assert_eq!(l.drop_copy(done), Dropped::Nothing);
+    assert_eq!(l.state(done), State::Finished);
+    // Its record refused as a late copy's: forgotten, so it may come back by a move or a placement.
+    let live = RequestId(10);
+    assert_eq!(l.submit(live), Admission::Run { release: None });
+    l.started(live).unwrap();
+    assert!(!l.forget_finished(live), "running here: untouched");
+    assert_eq!(l.state(live), State::Running);
+    assert!(l.forget_finished(done));
     assert_eq!(l.state(done), State::Unseen);
     l.prepare(done, M2, order(M2)).unwrap();
     assert_eq!(l.commit(done, M2), Ok(Arrival::Attach), "not 'already run'");
@@ -408,6 +415,19 @@ enum Op {
     Announce {
         pick: u8,
     },
+    /// A submit the coordinator sent to instance `to` just before it re-placed the request
+    /// elsewhere arrives after all: a copy the cluster does not count runs there until it is
+    /// dropped ([`Op::Announce`]) or finishes (its record refused, [`Op::ForgetLate`]).
+    StaleSubmit {
+        pick: u8,
+        to: u8,
+    },
+    /// The coordinator, having refused a finished record as a late copy's, has that copy
+    /// forgotten where it finished (the drop arrives after whatever happened meanwhile), then
+    /// submits the request there again if it was placed there since.
+    ForgetLate {
+        pick: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -431,6 +451,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (b(), b(), any::<bool>()).prop_map(|(instance, to, reclaimed)| Op::LeaseLost { instance, to, reclaimed }),
         1 => b().prop_map(|pick| Op::Rejoin { pick }),
         1 => b().prop_map(|pick| Op::Announce { pick }),
+        1 => b().prop_map(|pick| Op::ForgetLate { pick }),
+        1 => (b(), b()).prop_map(|(pick, to)| Op::StaleSubmit { pick, to }),
     ]
 }
 
@@ -456,6 +478,10 @@ struct Cluster {
     /// Finished records in the log of a process whose registration lapsed (nobody reads it
     /// until it rejoins).
     late: BTreeSet<(Proc, RequestId)>,
+    /// Finished records the coordinator refused as late copies', their copies not yet forgotten.
+    refused: Vec<(Proc, RequestId)>,
+    /// Copies started by a submit that arrived after the request was placed elsewhere.
+    stale: BTreeSet<(Proc, RequestId)>,
     moves: Vec<Move>,
     /// What the engines have reserved, and for which migration.
     reservations: BTreeMap<(Proc, RequestId), MigrationId>,
@@ -489,6 +515,8 @@ impl Cluster {
             finished: BTreeMap::new(),
             unrecorded: BTreeMap::new(),
             late: BTreeSet::new(),
+            refused: Vec::new(),
+            stale: BTreeSet::new(),
             moves: Vec::new(),
             reservations: BTreeMap::new(),
             next_request: 1,
@@ -680,7 +708,10 @@ impl Cluster {
                     return;
                 }
                 if !self.counts(p, request) {
-                    return; // a late copy of a rejoined process: its record is refused
+                    // A late copy (a rejoined process, or a late submit's): its record is
+                    // refused, and the copy forgotten there in turn.
+                    self.refused.push((p, request));
+                    return;
                 }
                 self.unrecorded.insert(request, p);
                 if recorded {
@@ -903,7 +934,35 @@ impl Cluster {
                 let Some((p, request)) = nth(&stale, pick) else { return };
                 let _ = self.ledger(p).drop_copy(request);
             }
+            Op::StaleSubmit { pick, to } => {
+                let unfinished: Vec<RequestId> = self.owner.keys().copied().collect();
+                let Some(request) = nth(&unfinished, pick) else { return };
+                let elsewhere: Vec<usize> = self.up().into_iter().filter(|&i| i != self.owner[&request]).collect();
+                let Some(i) = nth(&elsewhere, to) else { return };
+                let p = self.current[i].as_ref().unwrap().id;
+                let idle = matches!(self.ledger(p).state(request), State::Unseen | State::Left);
+                if idle && !self.counts(p, request) && self.ledger(p).reserved_for(request).is_none() {
+                    self.submit(p, request);
+                    self.stale.insert((p, request));
+                }
+            }
+            Op::ForgetLate { pick } => {
+                let Some(k) = (!self.refused.is_empty()).then(|| pick as usize % self.refused.len()) else { return };
+                let (p, request) = self.refused.remove(k);
+                if self.current[p.instance].as_ref().is_none_or(|c| c.id != p) {
+                    return; // that process is gone
+                }
+                self.ledger(p).forget_finished(request);
+                if self.owner.get(&request) == Some(&p.instance) {
+                    self.submit(p, request);
+                }
+            }
         }
+    }
+
+    /// Whether `p`'s copy of `request` is a late submit's the coordinator does not count.
+    fn is_stale(&self, p: Proc, request: RequestId) -> bool {
+        self.stale.contains(&(p, request)) && !self.counts(p, request)
     }
 
     /// Whether the coordinator counts `p`'s copy of `request`: `p` is registered under the
@@ -959,6 +1018,9 @@ impl Cluster {
                 self.resolve(k);
             }
         }
+        while !self.refused.is_empty() {
+            self.apply(&Op::ForgetLate { pick: 0 });
+        }
         for z in std::mem::take(&mut self.zombies) {
             self.process_gone(z.id);
         }
@@ -983,7 +1045,8 @@ impl Cluster {
             let (mut live, mut in_doubt) = (0, 0);
             // A copy orphaned by a lapse decodes on until its move ends, but the cluster no
             // longer counts it (its record is refused): dropped unless the move lands.
-            for p in self.current.iter().flatten().filter(|p| !p.ledger.is_orphaned(r)) {
+            let counted = |p: &&Process| !p.ledger.is_orphaned(r) && !self.is_stale(p.id, r);
+            for p in self.current.iter().flatten().filter(counted) {
                 match p.ledger.state(r) {
                     State::Running | State::MovingOut(_) | State::Paused(_) => live += 1,
                     State::InDoubt(_) => in_doubt += 1,
@@ -993,7 +1056,8 @@ impl Cluster {
             if let Some(&i) = self.owner.get(&r) {
                 let held = self.current[i].as_ref().is_some_and(|p| {
                     p.ledger.holds(r)
-                        || (p.ledger.state(r) == State::Finished && self.unrecorded.get(&r) == Some(&p.id))
+                        || (p.ledger.state(r) == State::Finished
+                            && (self.unrecorded.get(&r) == Some(&p.id) || self.refused.contains(&(p.id, r))))
                 });
                 assert!(held, "{r} lost: the coordinator has it on instance {i}, which does not hold it");
                 assert!(live <= 1 && in_doubt <= 1, "{r} runs twice: {live} live copies, {in_doubt} in doubt");
@@ -1036,6 +1100,18 @@ proptest! {
 fn known_races_stay_fixed() {
     use Op::*;
     let cases: &[(&str, &[Op])] = &[
+        (
+            "a late submit's copy finished where the request is then moved, the commit's reply lost",
+            &[
+                Submit { to: 29 },
+                StaleSubmit { pick: 0, to: 47 },
+                Finish { pick: 2, recorded: false },
+                StartMove { pick: 0, to: 187 },
+                Pause { pick: 0 },
+                Commit { pick: 0, reply_lost: true },
+                Resolve { pick: 0 },
+            ],
+        ),
         (
             "re-placed on the instance it had left by a committed move",
             &[
