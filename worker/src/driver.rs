@@ -64,6 +64,18 @@ pub(crate) const SUBMIT_GRACE: Duration = Duration::from_millis(3);
 /// any other as of now.
 const MAX_SUBMIT_DELAY_NS: u64 = 250_000_000;
 
+/// Why the coordinator cancels a request on this instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CancelKind {
+    /// Its client left ([`Ledger::cancel`]).
+    ClientLeft,
+    /// This copy is one the cluster does not count ([`Ledger::drop_copy`]).
+    Superseded,
+    /// This copy finished, and its record was refused as a late copy's: only that is forgotten
+    /// ([`Ledger::forget_finished`]).
+    LateRecord,
+}
+
 /// What the gRPC service asks of the driver.
 #[derive(Debug)]
 pub(crate) enum Command {
@@ -83,14 +95,11 @@ pub(crate) enum Command {
     Drain {
         reply: oneshot::Sender<u32>,
     },
-    /// The request's client left ([`Ledger::cancel`]), or (`superseded`) this copy is one the
-    /// cluster does not count ([`Ledger::drop_copy`]): `Ok(true)` when it was stopped here. With
-    /// `late_record`, only a copy that finished here is forgotten ([`Ledger::forget_finished`]):
-    /// `Ok(true)` when it had.
+    /// Stop or forget a copy of the request, as [`CancelKind`] says; `Ok(true)` when there was
+    /// one to stop (or forget).
     Cancel {
         request: RequestId,
-        superseded: bool,
-        late_record: bool,
+        kind: CancelKind,
         reply: oneshot::Sender<Result<bool, String>>,
     },
     /// Prefill/decode disaggregation: hold every request after its prefill for a handoff
@@ -579,7 +588,7 @@ impl Driver {
                 self.ledger.drain();
                 let _ = reply.send(self.ledger.held() as u32);
             }
-            Command::Cancel { request, late_record: true, reply, .. } => {
+            Command::Cancel { request, kind: CancelKind::LateRecord, reply } => {
                 let forgot = self.ledger.forget_finished(request);
                 if forgot {
                     tracing::info!(
@@ -589,11 +598,11 @@ impl Driver {
                 }
                 let _ = reply.send(Ok(forgot));
             }
-            Command::Cancel { request, superseded: true, reply, .. } => {
+            Command::Cancel { request, kind: CancelKind::Superseded, reply } => {
                 let dropped = self.ledger.drop_copy(request);
                 let _ = reply.send(self.drop_on_engine(request, dropped).map_err(|e| e.to_string()));
             }
-            Command::Cancel { request, superseded: false, reply, .. } => {
+            Command::Cancel { request, kind: CancelKind::ClientLeft, reply } => {
                 let answer = match self.ledger.cancel(request) {
                     Ok(true) => match self.engine.cancel(request) {
                         Ok(()) => {

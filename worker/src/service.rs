@@ -5,7 +5,7 @@
 //! driver thread answered over a oneshot channel, except `Events`/`Ack`, which read the shared
 //! event log directly so that a slow reader never stalls the engine loop.
 
-use crate::driver::{Command, DriverError, DriverStats, SubmitOutcome};
+use crate::driver::{CancelKind, Command, DriverError, DriverStats, SubmitOutcome};
 use crate::events::{EventLog, Read};
 use crate::ledger::Settle;
 use crate::migrate::{stats_proto, Migrator};
@@ -338,8 +338,12 @@ impl Worker for WorkerService {
     async fn cancel(&self, request: Request<v1::CancelRequest>) -> Result<Response<v1::CancelReply>, Status> {
         kvfleet_pki::authorize(&request, &[Role::Coordinator], "Worker/Cancel")?;
         let id = RequestId(request.get_ref().request_id);
-        let (superseded, late_record) = (request.get_ref().superseded, request.get_ref().late_record);
-        let reply = match self.ask(|reply| Command::Cancel { request: id, superseded, late_record, reply }).await? {
+        let kind = match (request.get_ref().late_record, request.get_ref().superseded) {
+            (true, _) => CancelKind::LateRecord,
+            (false, true) => CancelKind::Superseded,
+            (false, false) => CancelKind::ClientLeft,
+        };
+        let reply = match self.ask(|reply| Command::Cancel { request: id, kind, reply }).await? {
             Ok(cancelled) => v1::CancelReply { cancelled, reason: String::new() },
             Err(reason) => v1::CancelReply { cancelled: false, reason },
         };

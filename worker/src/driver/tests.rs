@@ -899,8 +899,7 @@ fn an_idle_engine_plans_a_late_request_as_of_its_arrival() {
     let first = s.tokens[&1][0].2;
     assert_eq!(first, arrival.0 + 1_000_000, "first token one 1 ms iteration after the arrival");
     // A cancel (an engine change) now: a request stamped before it starts after it.
-    let cancelled =
-        ask(&r, |reply| Command::Cancel { request: RequestId(7), superseded: false, late_record: false, reply });
+    let cancelled = ask(&r, |reply| Command::Cancel { request: RequestId(7), kind: CancelKind::ClientLeft, reply });
     assert!(cancelled.is_err() || cancelled == Ok(false), "{cancelled:?}");
     let s = collect(&r.log);
     let after = s.finished[&1].finish_ns.unwrap();
@@ -974,4 +973,23 @@ fn a_request_on_its_way_joins_the_iteration_after_its_arrival() {
     let first_after = *boundaries.iter().find(|&&b| b >= arrival).expect("request 1 ran past the arrival");
     let first = s.tokens[&2][0].2;
     assert_eq!(first, first_after + 1_000_000, "joined the iteration starting at {first_after} (arrival {arrival})");
+}
+
+/// A copy that finished here, its record refused by the coordinator as a late copy's (the request
+/// was re-placed elsewhere meanwhile), is forgotten on the coordinator's word: placed here again it
+/// runs afresh, where it had been answered "already accepted" and never run.
+#[test]
+fn a_late_copys_finish_is_forgotten_and_the_request_may_run_here_again() {
+    let b = start(1, "fcfs", 32, 8);
+    let forget =
+        |id: u64| ask(&b, |reply| Command::Cancel { request: RequestId(id), kind: CancelKind::LateRecord, reply });
+    assert_eq!(ask(&b, |reply| Command::Submit { spec: spec(3, 9, 20, 5), reply }), SubmitOutcome::Accepted);
+    wait_for(&b.log, "the late copy's record", |s| s.finished.contains_key(&3));
+    assert_eq!(ask(&b, |reply| Command::Submit { spec: spec(3, 9, 20, 5), reply }), SubmitOutcome::Duplicate);
+    assert_eq!(forget(4), Ok(false), "never here");
+    assert_eq!(forget(3), Ok(true));
+    assert_eq!(forget(3), Ok(false), "once");
+    assert_eq!(ask(&b, |reply| Command::Submit { spec: spec(3, 9, 20, 5), reply }), SubmitOutcome::Accepted);
+    wait_for(&b.log, "its second record", |s| s.tokens.get(&3).is_some_and(|t| t.len() == 2 * 25));
+    consistent(&b);
 }
