@@ -239,18 +239,21 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
         let sim_args = ["sim", "--config", &config_arg, "--no-plots", "-q"];
         let sim_args = [&sim_args[..], &policy_args, &seed_args].concat();
         run_step(&exe, &[&sim_args[..], &["--out", &sim_dir_arg]].concat())?;
+        let sim = Run::read(&sim_dir)?;
         let mut sensitivity = Vec::new();
         for &pct in &changes {
             let dir = dir.join(format!("sim-link{pct:+}pct"));
             let (dir_arg, set) = (path_arg(&dir), link_set_off(cfg.link.bandwidth_gbps, pct));
             run_step(&exe, &[&sim_args[..], &["--set", &set, "--out", &dir_arg]].concat())?;
-            let p = compare(&name, &sim_dir, &dir)?;
+            let set_off = Run::read(&dir)?;
+            // The set-off run stands where the emulator's does (its figures are the `emu_` ones).
+            let p = figures(&name, &sim.requests, &set_off.requests);
             sensitivity.push(Sensitivity {
                 link_pct: pct,
                 placement_agreement_pct: p.placement_agreement_pct,
                 e2e_mape_pct: p.e2e_mape_pct,
                 migrations: p.emu_migrations,
-                downtime_p50_ms: p.emu_downtime_p50_ms,
+                downtime_p50_ms: set_off.downtime_p50_ms,
             });
         }
         say!("parity {name}: kvfleet up (real processes; about as long as the simulated run) …");
@@ -284,7 +287,7 @@ pub fn run(b: ParityBench) -> anyhow::Result<()> {
             &emu_dir_arg,
         ];
         run_step(&exe, &[&up_args[..], &policy_args, &seed_args].concat())?;
-        let p = Parity { sim_sensitivity: sensitivity, ..compare(&name, &sim_dir, &emu_dir)? };
+        let p = Parity { sim_sensitivity: sensitivity, ..compare(&name, &sim, &Run::read(&emu_dir)?) };
         say!("{}", table(std::slice::from_ref(&p)));
         if let Some(d) = &p.first_divergence {
             say!("{}", d.describe(&p.workload));
@@ -408,12 +411,25 @@ fn downtimes_ms(dir: &Path) -> anyhow::Result<Vec<f64>> {
     Ok(out)
 }
 
-fn compare(name: &str, sim_dir: &Path, emu_dir: &Path) -> anyhow::Result<Parity> {
-    let (sim, emu) = (requests(sim_dir)?, requests(emu_dir)?);
-    let mut p = figures(name, &sim, &emu);
-    p.sim_downtime_p50_ms = Distribution::new(downtimes_ms(sim_dir)?).percentile(0.5);
-    p.emu_downtime_p50_ms = Distribution::new(downtimes_ms(emu_dir)?).percentile(0.5);
-    Ok(p)
+/// One run's records, as compared: its requests and its committed migrations' downtime P50.
+struct Run {
+    requests: BTreeMap<u64, Req>,
+    downtime_p50_ms: Option<f64>,
+}
+
+impl Run {
+    fn read(dir: &Path) -> anyhow::Result<Run> {
+        Ok(Run { requests: requests(dir)?, downtime_p50_ms: Distribution::new(downtimes_ms(dir)?).percentile(0.5) })
+    }
+}
+
+/// The emulator's run against the simulator's.
+fn compare(name: &str, sim: &Run, emu: &Run) -> Parity {
+    Parity {
+        sim_downtime_p50_ms: sim.downtime_p50_ms,
+        emu_downtime_p50_ms: emu.downtime_p50_ms,
+        ..figures(name, &sim.requests, &emu.requests)
+    }
 }
 
 /// Relative error of `emu` against `sim`, in %; `None` unless both are known and `sim` > 0.
