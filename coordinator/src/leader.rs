@@ -586,6 +586,11 @@ impl Leader {
         self.links.lock().expect("links lock").get(&instance).map(|l| l.client.clone())
     }
 
+    /// The process the link of `instance` follows.
+    fn incarnation(&self, instance: InstanceId) -> Option<u64> {
+        self.links.lock().expect("links lock").get(&instance).map(|l| l.incarnation)
+    }
+
     /// Accept a client's request: place, persist, tell the client, then hand it to the worker
     /// (in a task of its own).
     pub async fn submit(self: &Arc<Self>, spec: RequestSpec, tx: ClientTx) -> Result<InstanceId, LeaderError> {
@@ -716,7 +721,7 @@ impl Leader {
     /// again, finds its registration expired, drops what the cluster re-placed and registers
     /// anew. Unless its registration changed meanwhile (a new process, or already lapsed).
     async fn expel(self: Arc<Self>, instance: InstanceId) {
-        let Some(incarnation) = self.links.lock().expect("links lock").get(&instance).map(|l| l.incarnation) else {
+        let Some(incarnation) = self.incarnation(instance) else {
             return;
         };
         let registered = match self.store.get(&keys::worker(instance.0)).await {
@@ -850,7 +855,7 @@ impl Leader {
         // For the process placed on: a retry that reaches another one, restarted at once under the
         // same number and address before the registry noticed, is refused (that process did not
         // inherit the request; the registry re-places what the old one held).
-        let Some(incarnation) = self.links.lock().expect("links lock").get(&to).map(|l| l.incarnation) else { return };
+        let Some(incarnation) = self.incarnation(to) else { return };
         let msg = v1::SubmitRequest { spec: Some(spec.into()), incarnation };
         for attempt in 0..3u32 {
             if !self.placed_on(spec.id, to) {
