@@ -347,6 +347,10 @@ fn expected_iteration_s(timing: &dyn TimingModel, demand: &KvDemand, decodes: f6
 /// config's own requests are its first ones); traces give their first requests.
 fn sample_requests(workload: &WorkloadConfig, base_dir: &Path) -> Result<Vec<RequestSpec>, SimError> {
     let mut w = workload.clone();
+    if let ArrivalConfig::Steps { .. } = w.arrivals {
+        // lengths do not depend on when requests arrive: sample them from an unbounded process
+        w.arrivals = ArrivalConfig::Poisson { rate: 1.0 };
+    }
     if matches!(w.arrivals, ArrivalConfig::Poisson { .. } | ArrivalConfig::Gamma { .. }) {
         w.num_requests = Some(SAMPLE_REQUESTS as u64);
         w.duration_s = None;

@@ -233,11 +233,11 @@ impl Controller {
         }
     }
 
-    /// Record a flip Arrow decided, and apply it.
-    fn arrow_flip(&mut self, instance: InstanceId, to_role: Role) {
+    /// Record a flip Arrow decided as of `at` (the cooldown counts from it), and apply it.
+    fn arrow_flip(&mut self, instance: InstanceId, to_role: Role, at: Timestamp) {
         self.trace_flip(instance, to_role);
         if let Some(a) = self.arrow.as_mut() {
-            a.last_flip_s = Some(secs(self.now));
+            a.last_flip_s = Some(secs(at));
             a.flips += 1;
         }
         tracing::info!(instance = instance.0, role = %to_role, "arrow flips an instance");
@@ -301,7 +301,7 @@ impl Controller {
             Choice::Instance(id) => id,
             Choice::Flip { instance, to_role } => {
                 self.trace_arrow_place(request, instance);
-                self.arrow_flip(instance, to_role);
+                self.arrow_flip(instance, to_role, self.now);
                 return Some(instance);
             }
         };
@@ -338,7 +338,7 @@ impl Controller {
             None => return if self.decoders_live() { Handoff::Wait } else { Handoff::NoDecoder },
             Some(Choice::Instance(to)) => to,
             Some(Choice::Flip { instance, to_role }) => {
-                self.arrow_flip(instance, to_role);
+                self.arrow_flip(instance, to_role, self.now);
                 instance
             }
         };
@@ -373,10 +373,14 @@ impl Controller {
         if now < a.next_pass {
             return;
         }
-        // The next pass on the grid, however late this one ran (an emulator's timer).
+        // The pass stands for the last grid instant it is due at, and decides as of it: an
+        // emulator's timer runs a pass a few ms late, and its flips and cooldowns must come out
+        // as the simulator's, whose passes run on time (a flip at 15 s and the pass at 17 s are
+        // 2 s apart, whichever ran how late). The next pass is the grid's next instant.
         let step = TimeSpan::from_secs_f64(a.params.interval_s).as_nanos().max(1);
         let behind = now.saturating_since(a.next_pass).as_nanos();
-        a.next_pass += TimeSpan::from_nanos((behind / step + 1) * step);
+        let due = a.next_pass + TimeSpan::from_nanos(behind / step * step);
+        a.next_pass = due + TimeSpan::from_nanos(step);
         for l in &self.live {
             let mark = a.marks.entry(l.instance).or_default();
             // A restarted worker counts from zero again: no interval to measure.
@@ -394,8 +398,8 @@ impl Controller {
         }
         let Some(snapshot) = self.arrow_snapshot(&[]) else { return };
         let a = self.arrow.as_ref().expect("checked above");
-        if let Some(instance) = arrow::monitor(&snapshot, secs(now), a.last_flip_s, &a.params) {
-            self.arrow_flip(instance, Role::Decode);
+        if let Some(instance) = arrow::monitor(&snapshot, secs(due), a.last_flip_s, &a.params) {
+            self.arrow_flip(instance, Role::Decode, due);
             self.retry_handoffs();
         }
     }

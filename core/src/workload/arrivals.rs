@@ -1,9 +1,11 @@
-//! Arrival processes: Poisson, gamma (bursty) and trace replay, with rate and time scaling.
+//! Arrival processes: Poisson, gamma (bursty), rate steps and trace replay, with rate and time
+//! scaling.
 //!
 //! PASCAL (§V) sweeps the request rate on Poisson arrivals; production reasoning traffic is
 //! burstier (ServeGen fits Gamma/Weibull inter-arrival laws per client), hence the gamma process
-//! with a chosen coefficient of variation. Traces keep their own timestamps, made relative to
-//! their first request and compressed or stretched by `rate_scale` / `time_scale`.
+//! with a chosen coefficient of variation. A stepped process changes its rate at set times (a
+//! load step that a role-flipping scheduler must follow). Traces keep their own timestamps, made
+//! relative to their first request and compressed or stretched by `rate_scale` / `time_scale`.
 
 use super::traces::TraceFormat;
 use super::WorkloadError;
@@ -29,6 +31,15 @@ pub enum ArrivalConfig {
         /// Coefficient of variation of the gaps (1 = Poisson).
         cv: f64,
     },
+    /// Poisson (or gamma, with `cv`) arrivals whose rate steps from phase to phase; no arrival
+    /// after the last phase ends.
+    Steps {
+        /// Coefficient of variation of the gaps inside each phase (absent: 1, Poisson).
+        #[serde(default)]
+        cv: Option<f64>,
+        /// The phases in order, each `{ rate, duration_s }`; a rate of 0 is a silent phase.
+        phases: Vec<RatePhase>,
+    },
     /// Replay a trace file's own timestamps.
     Trace {
         /// Trace whose timestamps to replay. Absent: the `lengths` trace (which must then be a
@@ -39,6 +50,16 @@ pub enum ArrivalConfig {
         #[serde(default)]
         format: Option<TraceFormat>,
     },
+}
+
+/// One phase of [`ArrivalConfig::Steps`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RatePhase {
+    /// Mean arrival rate in this phase, requests per second (before `rate_scale`); 0 = none.
+    pub rate: f64,
+    /// How long the phase lasts, seconds (before `time_scale`).
+    pub duration_s: f64,
 }
 
 impl Default for ArrivalConfig {
@@ -78,28 +99,50 @@ pub(crate) fn synthetic_arrivals(
     stop: Stop,
     rng: &mut SimRng,
 ) -> Result<Vec<Timestamp>, WorkloadError> {
-    let rate = rate * scale.rate_scale;
-    let gamma = cv.map(|cv| {
-        let shape = 1.0 / (cv * cv);
-        (shape, 1.0 / (rate * shape))
-    });
+    phased_arrivals(&[RatePhase { rate, duration_s: f64::INFINITY }], cv, scale, stop, rng)
+}
+
+/// Arrival times of a process whose rate steps through `phases` (already validated), starting
+/// at zero. Inside a phase the gaps are exponential (`cv` None) or gamma; a gap that would
+/// overshoot the phase's end is dropped and the next phase starts drawing at that end (exact for
+/// Poisson, which has no memory).
+pub(crate) fn phased_arrivals(
+    phases: &[RatePhase],
+    cv: Option<f64>,
+    scale: Scale,
+    stop: Stop,
+    rng: &mut SimRng,
+) -> Result<Vec<Timestamp>, WorkloadError> {
     let capacity = stop.max_requests.min(1 << 20) as usize;
     let mut out = Vec::with_capacity(capacity);
-    let mut t_s = 0.0f64;
-    while (out.len() as u64) < stop.max_requests {
-        let gap_s = match gamma {
-            None => rng.exponential(rate),
-            Some((shape, scale_s)) => rng.gamma(shape, scale_s),
-        };
-        t_s += gap_s * scale.time_scale;
-        let t = Timestamp::from_secs_f64(t_s);
-        if t > stop.horizon {
-            break;
+    let mut start_s = 0.0f64;
+    for phase in phases {
+        let end_s = start_s + phase.duration_s * scale.time_scale;
+        let rate = phase.rate * scale.rate_scale;
+        let gamma = cv.map(|cv| {
+            let shape = 1.0 / (cv * cv);
+            (shape, 1.0 / (rate * shape))
+        });
+        let mut t_s = start_s;
+        while rate > 0.0 && (out.len() as u64) < stop.max_requests {
+            let gap_s = match gamma {
+                None => rng.exponential(rate),
+                Some((shape, scale_s)) => rng.gamma(shape, scale_s),
+            };
+            t_s += gap_s * scale.time_scale;
+            if t_s > end_s {
+                break;
+            }
+            let t = Timestamp::from_secs_f64(t_s);
+            if t > stop.horizon {
+                return Ok(out);
+            }
+            if out.len() as u64 >= super::MAX_REQUESTS {
+                return Err(too_many());
+            }
+            out.push(t);
         }
-        if out.len() as u64 >= super::MAX_REQUESTS {
-            return Err(too_many());
-        }
-        out.push(t);
+        start_s = end_s;
     }
     Ok(out)
 }
@@ -209,6 +252,30 @@ mod tests {
         assert!(t.last().unwrap() <= &stop.horizon);
         let stop = Stop { max_requests: 7, horizon: Timestamp::MAX };
         assert_eq!(synthetic_arrivals(5.0, None, UNIT, stop, &mut SimRng::seed_from_u64(2)).unwrap().len(), 7);
+    }
+
+    /// A stepped process keeps each phase's rate inside its window, and none after the last.
+    #[test]
+    fn stepped_arrivals_follow_each_phases_rate() {
+        let phases = [
+            RatePhase { rate: 2.0, duration_s: 500.0 },
+            RatePhase { rate: 0.0, duration_s: 100.0 },
+            RatePhase { rate: 10.0, duration_s: 300.0 },
+        ];
+        let t = phased_arrivals(&phases, None, UNIT, UNLIMITED, &mut SimRng::seed_from_u64(4)).unwrap();
+        let count = |lo: f64, hi: f64| t.iter().filter(|x| (lo..hi).contains(&x.as_secs_f64())).count() as f64;
+        assert!((count(0.0, 500.0) / 1000.0 - 1.0).abs() < 0.1, "{}", count(0.0, 500.0));
+        assert_eq!(count(500.0, 600.0), 0.0);
+        assert!((count(600.0, 900.0) / 3000.0 - 1.0).abs() < 0.05, "{}", count(600.0, 900.0));
+        assert!(t.last().unwrap().as_secs_f64() <= 900.0);
+        assert!(t.windows(2).all(|w| w[0] <= w[1]));
+        // rate_scale scales every phase's rate, time_scale stretches the phases
+        let scaled = Scale { rate_scale: 2.0, time_scale: 2.0 };
+        let t2 = phased_arrivals(&phases, Some(2.0), scaled, UNLIMITED, &mut SimRng::seed_from_u64(4)).unwrap();
+        let late = t2.iter().filter(|x| x.as_secs_f64() >= 1200.0).count() as f64;
+        assert!(t2.last().unwrap().as_secs_f64() <= 1800.0);
+        assert!((late / 6000.0 - 1.0).abs() < 0.1, "{late}");
+        assert!(!t2.iter().any(|x| (1000.0..1200.0).contains(&x.as_secs_f64())));
     }
 
     #[test]

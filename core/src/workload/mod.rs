@@ -22,7 +22,7 @@ mod lengths;
 mod prefix;
 mod traces;
 
-pub use arrivals::ArrivalConfig;
+pub use arrivals::{ArrivalConfig, RatePhase};
 pub use lengths::{
     cap_output, split_output, FixedLengths, Joint, LengthConfig, LengthPmf, LognormalLengths, PmfField,
     ReasonRatioConfig, TraceLengths,
@@ -35,7 +35,7 @@ use crate::kv::TRACE_BLOCK_TOKENS;
 use crate::request::RequestSpec;
 use crate::rng::SimRng;
 use crate::time::{Timestamp, RUN_LIMIT};
-use arrivals::{replay_times, synthetic_arrivals, Scale, Stop};
+use arrivals::{phased_arrivals, replay_times, synthetic_arrivals, Scale, Stop};
 use lengths::{sample_lognormal, sample_servegen, PmfRef};
 use prefix::PrefixSampler;
 use serde::{Deserialize, Serialize};
@@ -200,7 +200,7 @@ impl WorkloadConfig {
     fn synthetic_rate(&self) -> Option<f64> {
         match self.arrivals {
             ArrivalConfig::Poisson { rate } | ArrivalConfig::Gamma { rate, .. } => Some(rate),
-            ArrivalConfig::Trace { .. } => None,
+            ArrivalConfig::Steps { .. } | ArrivalConfig::Trace { .. } => None,
         }
     }
 
@@ -223,6 +223,33 @@ impl WorkloadConfig {
             ArrivalConfig::Gamma { rate, cv } => {
                 positive("arrivals.rate", *rate)?;
                 positive("arrivals.cv", *cv)?;
+            }
+            ArrivalConfig::Steps { cv, phases } => {
+                if let Some(cv) = cv {
+                    positive("arrivals.cv", *cv)?;
+                }
+                if phases.is_empty() {
+                    return Err(invalid("arrivals.phases", "needs at least one `{ rate, duration_s }` phase"));
+                }
+                for (i, p) in phases.iter().enumerate() {
+                    if !(p.rate.is_finite() && p.rate >= 0.0) {
+                        return Err(invalid(
+                            &format!("arrivals.phases[{i}].rate"),
+                            format!("must be a finite number >= 0, got {}", p.rate),
+                        ));
+                    }
+                    positive(&format!("arrivals.phases[{i}].duration_s"), p.duration_s)?;
+                }
+                if phases.iter().all(|p| p.rate == 0.0) {
+                    return Err(invalid("arrivals.phases", "every phase has rate 0: no request would arrive"));
+                }
+                let expected: f64 = phases.iter().map(|p| p.rate * p.duration_s).sum::<f64>() * self.rate_scale;
+                if self.num_requests.is_none() && expected > MAX_REQUESTS as f64 {
+                    return Err(invalid(
+                        "arrivals.phases",
+                        format!("about {expected:.3e} requests expected, more than {MAX_REQUESTS}; set `num_requests`"),
+                    ));
+                }
             }
             ArrivalConfig::Trace { path: None, format } => {
                 if format.is_some() {
@@ -316,6 +343,17 @@ impl WorkloadConfig {
             ArrivalConfig::Poisson { rate } => format!("Poisson {} req/s", rate * self.rate_scale / self.time_scale),
             ArrivalConfig::Gamma { rate, cv } => {
                 format!("gamma {} req/s cv {cv}", rate * self.rate_scale / self.time_scale)
+            }
+            ArrivalConfig::Steps { cv, phases } => {
+                let steps: Vec<String> = phases
+                    .iter()
+                    .map(|p| {
+                        let rate = p.rate * self.rate_scale / self.time_scale;
+                        format!("{rate} req/s for {} s", p.duration_s * self.time_scale)
+                    })
+                    .collect();
+                let cv = cv.map(|cv| format!(" cv {cv}")).unwrap_or_default();
+                format!("rate steps{cv}: {}", steps.join(", then "))
             }
             ArrivalConfig::Trace { path, .. } => {
                 let p = path.as_ref().or(match &self.lengths {
@@ -445,6 +483,7 @@ pub fn generate(cfg: &WorkloadConfig, base_dir: &Path) -> Result<Vec<RequestSpec
     let arrivals = match &cfg.arrivals {
         ArrivalConfig::Poisson { rate } => synthetic_arrivals(*rate, None, scale, stop, &mut arrival_rng)?,
         ArrivalConfig::Gamma { rate, cv } => synthetic_arrivals(*rate, Some(*cv), scale, stop, &mut arrival_rng)?,
+        ArrivalConfig::Steps { cv, phases } => phased_arrivals(phases, *cv, scale, stop, &mut arrival_rng)?,
         ArrivalConfig::Trace { path: None, .. } => {
             // Replaying the length trace: sort its rows so request i keeps row i's lengths.
             let rows = length_rows.as_mut().ok_or_else(|| invalid("arrivals.path", "required"))?;

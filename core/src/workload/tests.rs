@@ -83,6 +83,23 @@ fn duration_bounds_synthetic_arrivals() {
     assert_eq!(both.len(), 100);
 }
 
+/// A TOML `steps` process: phases in order, none after the last; without `num_requests` the
+/// phases bound the workload (not the 1,000 requests a plain process defaults to).
+#[test]
+fn stepped_arrivals_from_toml() {
+    let text = "[arrivals]\nkind = \"steps\"\nphases = [ { rate = 20.0, duration_s = 50 }, { rate = 100.0, duration_s = 30 } ]\n";
+    let c = cfg(text);
+    assert!(matches!(&c.arrivals, ArrivalConfig::Steps { cv: None, phases } if phases.len() == 2));
+    let said = c.describe();
+    assert!(said.contains("rate steps: 20 req/s for 50 s, then 100 req/s for 30 s"), "{said}");
+    let reqs = gen(text);
+    assert!((3_700..4_300).contains(&reqs.len()), "{}", reqs.len());
+    let early = reqs.iter().filter(|r| r.arrival < Timestamp::from_secs_f64(50.0)).count();
+    assert!((900..1_100).contains(&early), "{early}");
+    assert!(reqs.last().unwrap().arrival <= Timestamp::from_secs_f64(80.0));
+    assert_well_formed(&reqs);
+}
+
 /// data/README.md, "Reasoning lengths": the ServeGen PMF. With one uniform over the whole-day
 /// mixture (not per client-window, as the README's table did) the coupling is stronger than
 /// ServeGen's: 63 % of requests reason for < 1,000 tokens and answers cluster around 100–215
@@ -372,6 +389,17 @@ fn invalid_configs_name_the_field() {
         ("num_requests = 0\n", "`num_requests`"),
         ("num_requests = 1000000000000\n", "`num_requests`"),
         ("duration_s = 1e12\n[arrivals]\nkind = \"poisson\"\nrate = 1000.0\n", "`duration_s`: about 1.000e15 requests"),
+        ("[arrivals]\nkind = \"steps\"\nphases = []\n", "`arrivals.phases`: needs at least one"),
+        (
+            "[arrivals]\nkind = \"steps\"\nphases = [{ rate = 1.0, duration_s = 5 }, { rate = -1.0, duration_s = 5 }]\n",
+            "`arrivals.phases[1].rate`: must be a finite number >= 0, got -1",
+        ),
+        ("[arrivals]\nkind = \"steps\"\nphases = [{ rate = nan, duration_s = 5 }]\n", "`arrivals.phases[0].rate`"),
+        ("[arrivals]\nkind = \"steps\"\nphases = [{ rate = 1.0, duration_s = 0 }]\n", "`arrivals.phases[0].duration_s`"),
+        ("[arrivals]\nkind = \"steps\"\nphases = [{ rate = 1.0, duration_s = inf }]\n", "`arrivals.phases[0].duration_s`"),
+        ("[arrivals]\nkind = \"steps\"\nphases = [{ rate = 0.0, duration_s = 5 }]\n", "`arrivals.phases`: every phase has rate 0"),
+        ("[arrivals]\nkind = \"steps\"\ncv = 0.0\nphases = [{ rate = 1.0, duration_s = 5 }]\n", "`arrivals.cv`"),
+        ("[arrivals]\nkind = \"steps\"\nphases = [{ rate = 1e9, duration_s = 1e9 }]\n", "`arrivals.phases`: about"),
         ("[arrivals]\nkind = \"trace\"\n", "`arrivals.path`"),
         ("[arrivals]\nkind = \"trace\"\npath = \"x.csv\"\n", "`arrivals.format`"),
         ("max_prompt_tokens = 0\n", "`max_prompt_tokens`"),
@@ -416,6 +444,8 @@ fn unknown_fields_are_rejected() {
         ("num_request = 5\n", "num_request"),
         ("[arrivals]\nkind = \"poisson\"\nrate = 1.0\ncv = 2.0\n", "cv"),
         ("[arrivals]\nkind = \"uniform\"\n", "uniform"),
+        ("[arrivals]\nkind = \"steps\"\nphases = [{ rate = 1.0, duration = 5 }]\n", "duration"),
+        ("[arrivals]\nkind = \"steps\"\n", "phases"),
         ("[lengths]\nkind = \"servegen\"\njoint = \"gaussian\"\n", "gaussian"),
         ("[lengths]\nkind = \"lognormal\"\nreasoning_mean = 3.0\n", "reasoning_mean"),
         ("[lengths]\nkind = \"fixed\"\nprompt = 3\n", "prompt"),

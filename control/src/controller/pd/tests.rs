@@ -141,6 +141,32 @@ fn the_monitor_flips_a_prefill_instance_when_decoding_slows_past_l_expand() {
     assert_eq!(actions, vec![Action::SetRole { instance: InstanceId(2), role: Role::Decode }]);
 }
 
+/// A pass decides as of its grid instant, however late its timer ran: with a cooldown of exactly
+/// two intervals, a flip made by the pass due at 2 s (run 15 ms late) leaves the pass due at 4 s
+/// (run 5 ms late) free to flip again, as the simulator's on-time passes are.
+#[test]
+fn a_late_pass_decides_as_of_its_grid_instant() {
+    let mut c = arrow(3, 4);
+    let mut a = c.arrow.take().unwrap();
+    a.params.cooldown_s = 2.0;
+    c.arrow = Some(a);
+    c.handle(at(0.5), Event::Load(decoded(3, 1000, 30.0))).unwrap();
+    assert_eq!(c.decide(at(1.0), Event::Tick).unwrap(), vec![]);
+    // L_D = 0.93 over the next interval: instance 1 flips at the pass due at 2 s.
+    c.handle(at(1.5), Event::Load(decoded(3, 1100, 44.0))).unwrap();
+    c.handle(at(1.8), Event::Load(queued(0, 1))).unwrap();
+    let actions = c.decide(at(2.015), Event::Tick).unwrap();
+    assert_eq!(actions, vec![Action::SetRole { instance: InstanceId(1), role: Role::Decode }]);
+    c.handle(at(2.5), Event::Load(decoded(3, 1200, 58.0))).unwrap();
+    c.handle(at(2.5), Event::Load(decoded(1, 100, 14.0))).unwrap();
+    assert_eq!(c.decide(at(3.0), Event::Tick).unwrap(), vec![], "1 s after the flip: cooldown");
+    c.handle(at(3.5), Event::Load(decoded(3, 1300, 72.0))).unwrap();
+    c.handle(at(3.5), Event::Load(decoded(1, 200, 28.0))).unwrap();
+    // Due at 4 s, run at 4.005 s: 1.99 s after the late flip's run, 2 s after its instant.
+    let actions = c.decide(at(4.005), Event::Tick).unwrap();
+    assert_eq!(actions, vec![Action::SetRole { instance: InstanceId(2), role: Role::Decode }]);
+}
+
 /// The passes fall every interval from the first arrival, wherever the controller's clock started
 /// (an emulator's leader starts seconds before its workload), and keep that grid when a pass runs
 /// late (a timer's lateness does not add up).
