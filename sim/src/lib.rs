@@ -72,7 +72,8 @@ fn with_rate(cfg: &SimConfig, rate: Option<f64>) -> Result<SimConfig, SimError> 
             ArrivalConfig::Gamma { rate, .. } => *rate = r,
             other => {
                 return Err(SimError::Workload(format!(
-                    "a sweep over rates needs a poisson or gamma arrival process, not {other:?}; use `workload.rate_scale` for traces"
+                    "a sweep over rates needs a poisson or gamma arrival process, not `kind = \"{}\"`; scale its rate with `workload.rate_scale`",
+                    other.kind()
                 )))
             }
         }

@@ -456,7 +456,7 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     let tmp = TempDir::new("up-arrow");
     let out = tmp.join("out");
     let example = arrow_example();
-    let cfg = std::fs::read_to_string(&example).expect("examples/arrow-up.toml");
+    let cfg = std::fs::read_to_string(&example).expect("examples/arrow-up-4.toml");
     assert!(cfg.contains("slo_ttft_s = 1.5"), "the example's Arrow TTFT SLO moved; update this test");
     let config = tmp.join("arrow.toml");
     // The decode pool spans two GPUs per instance, the prefill pool one (Arrow's heterogeneous
@@ -571,9 +571,9 @@ fn up_with_arrow_a_prefill_worker_paused_past_its_lease_completes_every_request_
     assert_no_process_left(&out);
 }
 
-/// The shipped Arrow emulator example (`examples/arrow-up.toml`).
+/// The shipped Arrow emulator example (`examples/arrow-up-4.toml`).
 fn arrow_example() -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/arrow-up.toml")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/arrow-up-4.toml")
 }
 
 /// `kvfleet up`'s `prefill/decode:` line, the handoffs it counts, and of them those overlapped

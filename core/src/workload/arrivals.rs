@@ -62,6 +62,18 @@ pub struct RatePhase {
     pub duration_s: f64,
 }
 
+impl ArrivalConfig {
+    /// The TOML `kind` of this process.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ArrivalConfig::Poisson { .. } => "poisson",
+            ArrivalConfig::Gamma { .. } => "gamma",
+            ArrivalConfig::Steps { .. } => "steps",
+            ArrivalConfig::Trace { .. } => "trace",
+        }
+    }
+}
+
 impl Default for ArrivalConfig {
     fn default() -> Self {
         ArrivalConfig::Poisson { rate: 1.0 }

@@ -15,8 +15,8 @@ sed -e 's/slo_ttft_s = 1.5/slo_ttft_s = 0.001/' \
     -e 's/^\[cluster\]$/[cluster]\ndecode_tensor_parallel_size = 2/' \
     -e 's/^policy = "arrow"$/policy = "arrow"\noverlap = "chunk"/' \
     -e 's/^\[scheduler\]$/[scheduler.intra]\nchunked_prefill_tokens = 256\n\n[scheduler]/' \
-    examples/arrow-up.toml > "$flip"
-./target/debug/kvfleet up -c examples/arrow-up.toml --requests 30 --pause-worker-after-s 6 --pause-for-s 5 \
+    examples/arrow-up-4.toml > "$flip"
+./target/debug/kvfleet up -c examples/arrow-up-4.toml --requests 30 --pause-worker-after-s 6 --pause-for-s 5 \
     -q --out "$out/paused" > "$out/paused.txt" 2>&1 &
 ./target/debug/kvfleet up -c "$flip" --requests 60 --kill-leader-after-s 8 -q --out "$out/flip" > "$out/flip.txt" 2>&1 &
 wait || true
