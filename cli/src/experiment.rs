@@ -204,7 +204,14 @@ impl Replayed {
             .iter()
             .map(|c| RoleChange { at_s: c.at_ns as f64 / 1e9, instance: c.instance, role: c.role.clone() })
             .collect();
-        run.with_control(changes, Default::default()).with_prefix_fetches(self.prefix_fetches, self.prefix_fetch_bytes)
+        let run = run
+            .with_control(changes, Default::default())
+            .with_prefix_fetches(self.prefix_fetches, self.prefix_fetch_bytes);
+        if plan.cfg.pd.is_off() {
+            run
+        } else {
+            run.with_handoffs()
+        }
     }
 
     /// The line on prefill/decode handoffs and role flips (`None` when the run had neither).

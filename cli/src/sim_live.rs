@@ -43,6 +43,7 @@ pub fn table(runs: &[RunResult]) -> String {
         out.push('\n');
     }
     out.push_str(&flips(runs));
+    out.push_str(&handoffs(runs));
     out
 }
 
@@ -63,6 +64,20 @@ fn flips(runs: &[RunResult]) -> String {
             to("decode"),
             to("prefill")
         );
+    }
+    out
+}
+
+/// One line per prefill/decode run that handed requests off: q2, c and q3 P50/P99.
+fn handoffs(runs: &[RunResult]) -> String {
+    let mut out = String::new();
+    for run in runs {
+        let Some(h) = run.handoffs.as_ref().filter(|h| h.handoffs > 0) else { continue };
+        if out.is_empty() {
+            out.push_str("handoffs (prefill -> decode):\n");
+        }
+        let rate = run.rate.map_or_else(|| rate_label(None), |r| format!("{} req/s", rate_label(Some(r))));
+        let _ = writeln!(out, "  {} @ {rate}: {} handed off | {h}", run.policy, h.handoffs);
     }
     out
 }

@@ -177,8 +177,9 @@ pub fn run_one_until(
         timing: timing.name().to_string(),
         seed: cfg.workload.seed,
     };
-    Ok(RunResult::new(id, records, migrations, &cfg.slo, end.as_secs_f64())
+    let run = RunResult::new(id, records, migrations, &cfg.slo, end.as_secs_f64())
         .with_engine_counters(instances, events, queue_events)
         .with_control(role_changes, decisions)
-        .with_prefix_fetches(fetches.fetches, fetches.bytes))
+        .with_prefix_fetches(fetches.fetches, fetches.bytes);
+    Ok(if cfg.pd.is_off() { run } else { run.with_handoffs() })
 }

@@ -128,11 +128,15 @@ fn case() -> impl Strategy<Value = Case> {
     let workload = (
         prop::sample::select(&["1", "5", "20", "0", "4294967296"][..]),
         num_field("time_scale"),
-        0..3u8,
+        0..4u8,
         prop::sample::select(&["kvfleet", "mooncake"][..]),
+        (number(), number(), number()),
     )
-        .prop_map(|(n, scale, kind, format)| {
+        .prop_map(|(n, scale, kind, format, (rate, duration, cv))| {
             let lengths = match kind {
+                3 => format!(
+                    "[workload.arrivals]\nkind = \"steps\"\ncv = {cv}\nphases = [{{ rate = {rate}, duration_s = {duration} }}, {{ rate = 0, duration_s = {duration} }}]\n"
+                ),
                 0 => format!("[workload.arrivals]\nkind = \"trace\"\n[workload.lengths]\nkind = \"trace\"\npath = \"trace.txt\"\nformat = \"{format}\"\n"),
                 1 => "[workload.arrivals]\nkind = \"poisson\"\nrate = 4.0\n[workload.lengths]\nkind = \"fixed\"\nprompt_tokens = 100\nreasoning_tokens = 50\nanswer_tokens = 20\n".into(),
                 _ => "[workload.arrivals]\nkind = \"poisson\"\nrate = 1e-300\n".into(),

@@ -69,11 +69,14 @@ fn records_table(migrations: &[MigrationRecord]) -> String {
     let secs: f64 = ok.iter().map(|m| m.transfer_s()).sum();
     let stages = ok.iter().map(|m| f64::from(m.stages())).sum::<f64>() / ok.len().max(1) as f64;
     let refused = migrations.iter().filter(|m| m.refused()).count();
+    // Blocks whose bytes did not hash to the sender's checksum at the target (the move aborts).
+    let corrupt = migrations.iter().filter(|m| m.abort_reason().is_some_and(|r| r.contains("checksum"))).count();
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "live migrations (QUIC, pipelined stop-and-copy): {} committed, {} aborted, {} refused by the target \
-         (nothing copied: no room, or the request settled elsewhere; it stayed or went to another target)",
+        "live migrations (QUIC, pipelined stop-and-copy): {} committed, {} aborted ({corrupt} on a checksum \
+         mismatch), {} refused by the target (nothing copied: no room, or the request settled elsewhere; it \
+         stayed or went to another target)",
         ok.len(),
         migrations.len() - ok.len() - refused,
         refused
@@ -157,14 +160,22 @@ mod tests {
         assert_eq!((refused.outcome_name(), refused.live_stages, refused.downtime), ("refused", 0, None));
         assert_eq!((refused.kv_tokens_start, refused.kv_tokens_final), (Some(480), None));
 
-        let log = [stats(1 << 27, 15_000_000, ""), stats(0, 0, &format!("{REFUSED_PREFIX}: no room")), {
-            stats(4096, 0, "timed out \"copying\"")
-        }];
+        let log = [
+            stats(1 << 27, 15_000_000, ""),
+            stats(0, 0, &format!("{REFUSED_PREFIX}: no room")),
+            stats(4096, 0, "timed out \"copying\""),
+            stats(8192, 0, "Gpu block 3: received bytes hash to 0x1, the sender's checksum is 0x2"),
+        ];
         for (m, r) in log.iter().zip(records(&log)) {
             assert_eq!((m.outcome_name(), m.abort_reason.as_str()), (r.outcome_name(), r.abort_reason().unwrap_or("")));
         }
         let table = table(&log);
-        assert!(table.starts_with("live migrations (QUIC, pipelined stop-and-copy): 1 committed, 1 aborted, 1 refused"));
+        assert!(
+            table.starts_with(
+                "live migrations (QUIC, pipelined stop-and-copy): 1 committed, 2 aborted (1 on a checksum mismatch), 1 refused"
+            ),
+            "{table}"
+        );
         assert!(table.contains("  aborted: request 7 0→1: timed out \"copying\""), "{table}");
         assert!(table.contains("GiB not sent (cached at the target)"), "{table}");
     }

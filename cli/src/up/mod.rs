@@ -290,6 +290,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         if let Some(line) = replayed.pd_line() {
             say!("{line}");
         }
+        if let Some(h) = run.handoffs.as_ref().filter(|h| h.handoffs > 0) {
+            say!("  handoffs: {h}");
+        }
         if replayed.prefix_fetches > 0 {
             say!(
                 "cache-aware: {} placements copied a cached prefix from another worker first ({:.2} GiB)",

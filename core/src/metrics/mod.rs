@@ -25,6 +25,6 @@ pub use compare::{compare_tails, BinChange, SeedRange, TailComparison, MIN_TRUST
 pub use migration::{MigrationOutcome, MigrationRecord};
 pub use percentile::{nearest_rank, Distribution};
 pub use record::RequestRecord;
-pub use run::{DecisionTimes, LiveMigrations, RoleChange, RunIdentity, RunResult, TAIL_BIN_TOKENS};
+pub use run::{DecisionTimes, HandoffTimes, LiveMigrations, RoleChange, RunIdentity, RunResult, TAIL_BIN_TOKENS};
 pub use summary::{summarize, RunSummary, SloTargets};
 pub use tail::{tail_ttft_by_reasoning_bin, ttft_cdf, ttft_s, TailBin, TailStatistic};

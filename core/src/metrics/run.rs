@@ -8,8 +8,10 @@ use super::{
     TailBin,
 };
 use crate::engine::EngineStats;
+use crate::ids::RequestId;
 use crate::time::TimeSpan;
 use serde::Serialize;
+use std::collections::HashMap;
 
 /// The reasoning-length bin width of a run's tail-TTFT table (tokens; PASCAL Fig. 10).
 pub const TAIL_BIN_TOKENS: u32 = 256;
@@ -78,6 +80,9 @@ pub struct RunResult {
     /// Wall time the cluster controller took per decision (the simulator's; for benchmarks).
     #[serde(skip)]
     pub decisions: DecisionTimes,
+    /// A prefill/decode run's handoffs: the wait for a decoder, the copy, the decode queue.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub handoffs: Option<HandoffTimes>,
 }
 
 /// Wall time of the cluster controller's decisions in one run, ns (the simulator measures them;
@@ -143,6 +148,7 @@ impl RunResult {
             span_s,
             role_changes: Vec::new(),
             decisions: DecisionTimes::default(),
+            handoffs: None,
         }
     }
 
@@ -161,11 +167,84 @@ impl RunResult {
         self
     }
 
+    /// Its handoffs' times ([`HandoffTimes`]), for a prefill/decode run.
+    pub fn with_handoffs(mut self) -> RunResult {
+        self.handoffs = Some(HandoffTimes::new(&self.records, &self.migrations));
+        self
+    }
+
     /// The run's role changes ([`RunResult::role_changes`]) and decision times.
     pub fn with_control(mut self, role_changes: Vec<RoleChange>, decisions: DecisionTimes) -> RunResult {
         self.role_changes = role_changes;
         self.decisions = decisions;
         self
+    }
+}
+
+/// Where a prefill/decode run's requests waited around their handoff (Arrow's q2, c and q3),
+/// P50 and P99 in seconds. A request's handoff is its first committed migration.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct HandoffTimes {
+    /// Requests handed off (a committed migration).
+    pub handoffs: u64,
+    /// q2, the wait for a decoder: its first token → its handoff starts (0 for a handoff that
+    /// started with its prefill, overlapping it).
+    pub q2_p50_s: Option<f64>,
+    /// P99 of q2.
+    pub q2_p99_s: Option<f64>,
+    /// c, the copy: the handoff's start → its commit.
+    pub c_p50_s: Option<f64>,
+    /// P99 of c.
+    pub c_p99_s: Option<f64>,
+    /// q3, the decode queue: attached to the decoder → the first iteration that ran it there
+    /// (after the request's last migration).
+    pub q3_p50_s: Option<f64>,
+    /// P99 of q3.
+    pub q3_p99_s: Option<f64>,
+}
+
+impl HandoffTimes {
+    /// From a run's records and migrations.
+    pub fn new(records: &[RequestRecord], migrations: &[MigrationRecord]) -> HandoffTimes {
+        let mut first: HashMap<RequestId, &MigrationRecord> = HashMap::new();
+        for m in migrations.iter().filter(|m| m.committed()) {
+            first.entry(m.request).and_modify(|f| *f = if m.start < f.start { m } else { f }).or_insert(m);
+        }
+        let (mut q2, mut c, mut q3) = (Vec::new(), Vec::new(), Vec::new());
+        for r in records {
+            if let Some(m) = first.get(&r.id) {
+                c.push(m.transfer_s());
+                if let Some(t) = r.first_token {
+                    q2.push(m.start.saturating_since(t).as_secs_f64());
+                }
+            }
+            if let (Some(attached), Some(ran)) = (r.migrated_in, r.first_scheduled_after_migration) {
+                q3.push(ran.saturating_since(attached).as_secs_f64());
+            }
+        }
+        let p = |v: Vec<f64>| {
+            let d = Distribution::new(v);
+            (d.percentile(0.5), d.percentile(0.99))
+        };
+        let ((q2_p50_s, q2_p99_s), (c_p50_s, c_p99_s), (q3_p50_s, q3_p99_s)) = (p(q2), p(c), p(q3));
+        HandoffTimes { handoffs: first.len() as u64, q2_p50_s, q2_p99_s, c_p50_s, c_p99_s, q3_p50_s, q3_p99_s }
+    }
+}
+
+impl std::fmt::Display for HandoffTimes {
+    /// `q2 (wait for a decoder) ms p50 … p99 … | c (copy) … | q3 (decode queue) …`
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |v: Option<f64>| v.map_or("-".into(), |s| format!("{:.1}", s * 1e3));
+        write!(
+            f,
+            "q2 (wait for a decoder) ms p50 {} p99 {} | c (copy) ms p50 {} p99 {} | q3 (decode queue) ms p50 {} p99 {}",
+            ms(self.q2_p50_s),
+            ms(self.q2_p99_s),
+            ms(self.c_p50_s),
+            ms(self.c_p99_s),
+            ms(self.q3_p50_s),
+            ms(self.q3_p99_s)
+        )
     }
 }
 
@@ -214,5 +293,62 @@ impl LiveMigrations {
             transfer_p99_s: transfer.percentile(0.99),
             bytes_committed: ok.iter().map(|r| r.bytes).sum(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::InstanceId;
+    use crate::metrics::MigrationOutcome;
+    use crate::time::Timestamp;
+
+    fn t(s: f64) -> Timestamp {
+        Timestamp::from_secs_f64(s)
+    }
+
+    /// q2 from the first token to the first committed migration (an aborted try before it and a
+    /// later move after it are not the handoff), c its copy, q3 each request's decode queue.
+    #[test]
+    fn handoff_times_take_each_requests_first_committed_migration() {
+        let rec = |id, first_token: f64, attached: Option<f64>, ran: Option<f64>| RequestRecord {
+            id: RequestId(id),
+            first_token: Some(t(first_token)),
+            migrated_in: attached.map(t),
+            first_scheduled_after_migration: ran.map(t),
+            ..Default::default()
+        };
+        let records =
+            vec![rec(0, 1.0, Some(1.6), Some(1.65)), rec(1, 2.0, Some(3.2), Some(3.5)), rec(2, 4.0, None, None)];
+        let m = |id, start: f64, end: f64, outcome| MigrationRecord {
+            request: RequestId(id),
+            from: InstanceId(0),
+            to: InstanceId(1),
+            outcome,
+            start: t(start),
+            end: t(end),
+            ..Default::default()
+        };
+        let ok = MigrationOutcome::Committed;
+        let migrations = vec![
+            m(0, 1.1, 1.6, ok.clone()),
+            // request 1: refused at 2.0, handed off at 2.5, moved again at 9.0
+            m(1, 9.0, 9.1, ok.clone()),
+            m(1, 2.0, 2.0, MigrationOutcome::Refused("no room".into())),
+            m(1, 2.5, 3.2, ok),
+        ];
+        let h = HandoffTimes::new(&records, &migrations);
+        assert_eq!(h.handoffs, 2);
+        let close = |v: Option<f64>, want: f64| (v.unwrap() - want).abs() < 1e-9;
+        // q2: 0.1 and 0.5 s; c: 0.5 and 0.7 s; q3: 0.05 and 0.3 s (nearest rank: P50 the lower)
+        assert!(close(h.q2_p50_s, 0.1) && close(h.q2_p99_s, 0.5), "{h:?}");
+        assert!(close(h.c_p50_s, 0.5) && close(h.c_p99_s, 0.7), "{h:?}");
+        assert!(close(h.q3_p50_s, 0.05) && close(h.q3_p99_s, 0.3), "{h:?}");
+        let line = h.to_string();
+        assert!(line.contains("q2 (wait for a decoder) ms p50 100.0 p99 500.0"), "{line}");
+        // A handoff that started before the first token (overlapping the prefill) waited 0.
+        let overlapped = HandoffTimes::new(&records[..1], &[m(0, 0.5, 1.6, MigrationOutcome::Committed)]);
+        assert_eq!(overlapped.q2_p99_s, Some(0.0));
+        assert_eq!(HandoffTimes::new(&records, &[]).handoffs, 0);
     }
 }
