@@ -477,6 +477,7 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     assert!(o.status.success(), "{}", describe(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(stdout.contains("failover: new leader"), "a standby took over: {stdout}");
+    assert!(stdout.contains("handoffs and live migrations are the last leader's"), "says whose counts: {stdout}");
     let s = summary(&out);
     assert_eq!(s["requests_finished"], 60, "{s}");
     assert_each_request_once(&out, 60);

@@ -293,6 +293,22 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         if let Some(h) = run.handoffs.as_ref().filter(|h| h.handoffs > 0) {
             say!("  handoffs: {h}");
         }
+        if !chaos_log.failovers_ms.is_empty() {
+            // Each leader logs the migrations it ran in its own memory; role changes are in etcd.
+            let traces = match (&args.otlp_endpoint, args.no_traces) {
+                (Some(url), _) => format!("every leader's migrations are in the spans sent to {url}"),
+                (None, true) => "with --no-traces no record has every leader's".into(),
+                (None, false) => format!(
+                    "every leader's migrations are in the traces (kvfleet traces analyze {})",
+                    args.out.join("traces.jsonl").display()
+                ),
+            };
+            say!(
+                "note: the leader changed {} time(s): handoffs and live migrations are the last leader's, counted since it \
+                 took over; {traces}",
+                chaos_log.failovers_ms.len()
+            );
+        }
         if replayed.prefix_fetches > 0 {
             say!(
                 "cache-aware: {} placements copied a cached prefix from another worker first ({:.2} GiB)",
