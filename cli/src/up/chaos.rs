@@ -146,6 +146,11 @@ impl Chaos {
         }
     }
 
+    /// No SIGCONT for `pid` (killed or replaced while stopped).
+    fn forget_pause(&mut self, pid: u32) {
+        self.paused.retain(|(p, _, _)| *p != pid);
+    }
+
     /// SIGCONT the processes whose pause is over; start again etcd and the coordinators due back.
     fn end_what_is_over(&mut self, cluster: &mut Cluster, bar: &ProgressBar) {
         let now = Instant::now();
@@ -246,6 +251,7 @@ impl Chaos {
                 match fault {
                     Fault::KillLeader => {
                         p.kill9();
+                        self.forget_pause(pid);
                         self.coordinators_back.push((i, Instant::now() + Duration::from_secs(3)));
                     }
                     Fault::PauseLeader(secs) => {
@@ -281,6 +287,11 @@ impl Chaos {
                     // Killed for good by an earlier fault: nothing to kill or stop.
                     self.say(bar, format!("{fault}: worker-{i} is down already; skipped"));
                     return;
+                }
+                if !matches!(fault, Fault::PauseWorker(..)) {
+                    // A stopped process killed or replaced: its pause ends with it, and its pid
+                    // must not get the SIGCONT (the system may give the number to another).
+                    self.forget_pause(pid);
                 }
                 match fault {
                     Fault::KillWorker(_) => p.kill9(),
@@ -457,9 +468,12 @@ mod tests {
         std::thread::sleep(Duration::from_millis(1100));
         chaos.step(&mut c, &finder, &ProgressBar::hidden()).await;
         assert_eq!(chaos.paused_pids(), [w0], "still stopped: the 30 s pause is not over");
+        // Killed while stopped: no SIGCONT is due for its pid any more.
+        chaos.inject(Fault::KillWorker(0), &mut c, &finder, &ProgressBar::hidden()).await;
+        assert!(chaos.paused_pids().is_empty(), "the pause ended with the process");
         chaos.finish();
-        assert!(chaos.paused_pids().is_empty());
-        c.workers[0].kill9();
+        let conts = chaos.log.injected.iter().filter(|l| l.contains("SIGCONT worker-0")).count();
+        assert_eq!(conts, 1, "only the first pause's SIGCONT: {:?}", chaos.log.injected);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 /// Send signal `name` (`STOP`, `CONT`, …) to process `pid`.
 pub fn signal_pid(pid: u32, name: &str) {
-    let _ = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status();
+    // A process gone meanwhile is not an error here: `kill`'s complaint would only garble the output.
+    let _ = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).stderr(Stdio::null()).status();
 }
 
 /// A child process we own.
