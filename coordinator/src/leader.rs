@@ -319,6 +319,24 @@ impl Leader {
         }
     }
 
+    /// Read back the migrations and handoffs the previous leaders settled, so this leader's
+    /// status reports the whole run's.
+    async fn restore_run_log(&self) -> Result<(), LeaderError> {
+        let migrations = self.store.get_prefix(keys::MIGRATION_LOG).await?;
+        let mut log = Vec::with_capacity(migrations.kvs.len());
+        for kv in migrations.kvs {
+            match <v1::MigrationStats as prost::Message>::decode(kv.value.as_slice()) {
+                Ok(m) => log.push(m),
+                Err(e) => tracing::error!(key = %kv.key, "unreadable migration record; skipped: {e}"),
+            }
+        }
+        if !log.is_empty() {
+            tracing::info!(migrations = log.len(), "restored the run's migration log");
+        }
+        *self.migration_log.lock().expect("migration log lock") = log;
+        self.restore_handoffs().await
+    }
+
     async fn persist_ownership(&self, id: RequestId) -> Result<(), LeaderError> {
         let o = self.control().ownership(id).cloned();
         match o {
@@ -353,6 +371,7 @@ impl Leader {
         if roles > 0 {
             tracing::info!(roles, "restored the instances' roles");
         }
+        self.restore_run_log().await?;
         Ok(n)
     }
 
@@ -1246,6 +1265,15 @@ impl Leader {
                     stats.abort_reason.clear();
                 }
             }
+            // Kept for the next leader's report of the run (a leader's log lives in its memory).
+            let key = keys::migration_log_entry(stats.started_ns, stats.request_id, stats.source);
+            let value = prost::Message::encode_to_vec(&stats);
+            let me = Arc::clone(self);
+            tokio::spawn(async move {
+                if let Err(e) = me.persist(&key, &value).await {
+                    tracing::warn!(request = id.0, "migration not recorded for the next leader: {e}");
+                }
+            });
             self.migration_log.lock().expect("migration log lock").push(stats);
         }
         if outcome == v1::MigrationOutcome::MigrationCommitted {

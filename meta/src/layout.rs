@@ -35,6 +35,11 @@ pub const RESULTS: &str = "/kvfleet/results/";
 pub const ROLES: &str = "/kvfleet/roles/";
 /// Prefix of role changes ([`role_change`]).
 pub const ROLE_CHANGES: &str = "/kvfleet/role-changes/";
+/// Prefix of the live migrations the leaders ran ([`migration_log_entry`]): each leader logs its
+/// own, and a new leader reads the run's so far back.
+pub const MIGRATION_LOG: &str = "/kvfleet/migration-log/";
+/// Prefix of settled prefill/decode handoffs ([`handoff`]): how each ended.
+pub const HANDOFFS: &str = "/kvfleet/handoffs/";
 /// Name (key prefix) of the coordinator election.
 pub const ELECTION: &str = "/kvfleet/leader";
 /// Instance numbers claimed by `--instance auto` workers (see [`instance_claim`]).
@@ -58,6 +63,15 @@ pub fn role(instance: u32) -> String {
 /// sort by time).
 pub fn role_change(at_ns: u64, instance: u32) -> String {
     format!("{ROLE_CHANGES}{at_ns:020}-{instance}")
+}
+/// The key of one settled live migration: its start (zero-padded, so keys sort by it), request
+/// and source instance.
+pub fn migration_log_entry(started_ns: u64, request: u64, source: u32) -> String {
+    format!("{MIGRATION_LOG}{started_ns:020}-{request}-{source}")
+}
+/// The key of request `id`'s settled handoff.
+pub fn handoff(id: u64) -> String {
+    format!("{HANDOFFS}{id}")
 }
 /// The ownership key of request `id` (zero-padded to 20 digits so keys sort by id).
 pub fn request(id: u64) -> String {

@@ -477,7 +477,6 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     assert!(o.status.success(), "{}", describe(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(stdout.contains("failover: new leader"), "a standby took over: {stdout}");
-    assert!(stdout.contains("handoffs and live migrations are the last leader's"), "says whose counts: {stdout}");
     let s = summary(&out);
     assert_eq!(s["requests_finished"], 60, "{s}");
     assert_each_request_once(&out, 60);
@@ -494,6 +493,16 @@ fn up_with_arrow_hands_requests_off_and_flips_a_decoder() {
     assert!(changes.iter().any(|c| c["role"] == "prefill"), "a decoder flipped to prefill: {changes:?}");
     let migrations = runs[0]["live_migrations"]["committed"].as_u64().unwrap_or(0);
     assert!(migrations >= handoffs, "each handoff is a committed live migration: {}", runs[0]["live_migrations"]);
+    // The leader killed at 8 s stored the migrations it settled and the handoffs it counted; the
+    // next one read them back, so the run's log covers the requests that migrated (a move in
+    // flight at the kill may have left no record).
+    let moved = std::fs::read_to_string(kvfleet_tests::requests_csv(&out))
+        .unwrap()
+        .lines()
+        .skip(1)
+        .filter(|l| l.split(',').nth(13).and_then(|m| m.parse::<u32>().ok()).unwrap_or(0) > 0)
+        .count() as u64;
+    assert!(migrations * 10 >= moved * 9, "{migrations} migrations logged for {moved} requests that moved");
     // Each worker measured Arrow's profile of itself on its own timing (or read it from the
     // cache), and a leader weighs the instance with it.
     let leaders: String = (0..3)

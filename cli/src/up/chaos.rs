@@ -362,10 +362,8 @@ impl ChaosReport {
         } else {
             self.failovers_ms.iter().map(|ms| format!("{:.1} s", *ms as f64 / 1e3)).collect::<Vec<_>>().join(", ")
         };
-        // A leader keeps its migration log in memory: after a failover the count is the last one's.
-        let whose = if self.failovers_ms.is_empty() { "" } else { " (the last leader's, since it took over)" };
         format!(
-            "chaos (seed {}, {} faults): {}\n  submitted                {}\n  completed exactly once   {}\n  executed more than once  {}\n  lost or hung             {}\n  results missing in etcd  {}\n  migrations               {} committed, {} aborted{whose}\n  leader failovers         {}\n",
+            "chaos (seed {}, {} faults): {}\n  submitted                {}\n  completed exactly once   {}\n  executed more than once  {}\n  lost or hung             {}\n  results missing in etcd  {}\n  migrations               {} committed, {} aborted\n  leader failovers         {}\n",
             self.seed,
             self.faults,
             if self.survived() { "survived" } else { "FAILED" },

@@ -56,6 +56,31 @@ pub(super) struct RoleBook {
     queue: Mutex<Option<mpsc::UnboundedSender<(InstanceId, Role)>>>,
 }
 
+/// How a handoff ended, as stored for the next leader (`/kvfleet/handoffs/<id>`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HandoffEnd {
+    /// Moved to a decoder after its prefill.
+    Moved,
+    /// Moved to a decoder, the move decided while the prefill ran.
+    Overlapped,
+    /// Decoded where it was prefilled.
+    Released,
+}
+
+impl HandoffEnd {
+    fn as_str(self) -> &'static str {
+        match self {
+            HandoffEnd::Moved => "moved",
+            HandoffEnd::Overlapped => "overlapped",
+            HandoffEnd::Released => "released",
+        }
+    }
+
+    fn parse(s: &str) -> Option<HandoffEnd> {
+        [HandoffEnd::Moved, HandoffEnd::Overlapped, HandoffEnd::Released].into_iter().find(|h| h.as_str() == s)
+    }
+}
+
 /// A role change as stored for the next leader.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct StoredChange {
@@ -180,13 +205,45 @@ impl Leader {
         self.act(actions);
     }
 
-    /// A move of `request` committed: counted as a handoff when it was one.
-    pub(super) fn handed_off(&self, request: RequestId) {
+    /// A move of `request` committed: counted as a handoff when it was one (and stored, for the
+    /// next leader's count).
+    pub(super) fn handed_off(self: &Arc<Self>, request: RequestId) {
         let Some(overlapped) = self.roles.handoffs.lock().expect("handoffs lock").remove(&request) else { return };
         self.stats.handoffs.fetch_add(1, Ordering::Relaxed);
         if overlapped {
             self.stats.handoffs_overlapped.fetch_add(1, Ordering::Relaxed);
         }
+        let how = if overlapped { HandoffEnd::Overlapped } else { HandoffEnd::Moved };
+        let me = Arc::clone(self);
+        tokio::spawn(async move { me.record_handoff(request, how).await });
+    }
+
+    /// Store how `request`'s handoff ended for the next leader.
+    async fn record_handoff(&self, request: RequestId, how: HandoffEnd) {
+        if let Err(e) = self.persist(&keys::handoff(request.0), how.as_str().as_bytes()).await {
+            tracing::warn!(request = request.0, "handoff not recorded for the next leader: {e}");
+        }
+    }
+
+    /// Count the handoffs the previous leaders settled (restoring a run's report).
+    pub(super) async fn restore_handoffs(&self) -> Result<(), LeaderError> {
+        let stored = self.store.get_prefix(keys::HANDOFFS).await?;
+        let (mut moved, mut overlapped, mut released) = (0, 0, 0);
+        for kv in stored.kvs {
+            match std::str::from_utf8(&kv.value).ok().and_then(HandoffEnd::parse) {
+                Some(HandoffEnd::Moved) => moved += 1,
+                Some(HandoffEnd::Overlapped) => {
+                    moved += 1;
+                    overlapped += 1;
+                }
+                Some(HandoffEnd::Released) => released += 1,
+                None => tracing::error!(key = %kv.key, "unreadable handoff record; skipped"),
+            }
+        }
+        self.stats.handoffs.store(moved, Ordering::Relaxed);
+        self.stats.handoffs_overlapped.store(overlapped, Ordering::Relaxed);
+        self.stats.handoffs_released.store(released, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Carry out [`Action::Release`](kvfleet_control::Action::Release): the request decodes where
@@ -198,6 +255,7 @@ impl Leader {
             Ok(Ok(r)) if r.get_ref().released => {
                 self.roles.handoffs.lock().expect("handoffs lock").remove(&request);
                 self.stats.handoffs_released.fetch_add(1, Ordering::Relaxed);
+                self.record_handoff(request, HandoffEnd::Released).await;
             }
             Ok(Ok(r)) => tracing::debug!(request = request.0, reason = %r.get_ref().reason, "not released"),
             Ok(Err(e)) => tracing::warn!(request = request.0, instance = on.0, "release failed: {e}"),
