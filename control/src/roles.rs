@@ -69,7 +69,43 @@ pub struct PdConfig {
     /// chunk is written (`chunk`), so each chunk's KV crosses while the next computes, or when the
     /// prefill starts (`layer`), so each layer group's KV crosses while the next computes.
     pub overlap: Overlap,
+    /// Which requests are split into a prefill and a decode placed apart (absent: `always`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disaggregate: Option<Disaggregate>,
+    /// `disaggregate = "prefix-threshold"`: the shortest prompt handed off (tokens; absent: 512).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_prompt_tokens: Option<u32>,
 }
+
+/// Which requests are disaggregated: their decode placed apart from their prefill
+/// ([`PdConfig::disaggregate`]). A request not disaggregated decodes where it was prefilled.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Disaggregate {
+    /// Every request (under Arrow, a request still decodes where it was prefilled when that
+    /// instance decodes now: Arrow's own rule).
+    #[default]
+    Always,
+    /// None: every request decodes on the instance that prefilled it.
+    Never,
+    /// Requests whose prompt has at least `min_prompt_tokens` tokens (512 unless set; ours):
+    /// a short prompt's KV is not worth a copy.
+    PrefixThreshold,
+}
+
+impl Disaggregate {
+    /// Its name in a config.
+    pub fn name(self) -> &'static str {
+        match self {
+            Disaggregate::Always => "always",
+            Disaggregate::Never => "never",
+            Disaggregate::PrefixThreshold => "prefix-threshold",
+        }
+    }
+}
+
+/// `min_prompt_tokens` when not set.
+pub const DEFAULT_MIN_PROMPT_TOKENS: u32 = 512;
 
 /// When a prefill/decode handoff starts ([`PdConfig::overlap`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -134,6 +170,15 @@ impl PdConfig {
                 "`pd.overlap` overlaps handoffs with prefills: it needs `pd.prefill_instances` of at least 1".into()
             );
         }
+        if self.disaggregate.is_some() && self.is_off() {
+            return Err(format!(
+                "`pd.disaggregate = \"{}\"` needs a prefill instance to hand requests off from: set `pd.prefill_instances` of at least 1",
+                self.disaggregation().name()
+            ));
+        }
+        if self.min_prompt_tokens.is_some() && self.disaggregation() != Disaggregate::PrefixThreshold {
+            return Err("`pd.min_prompt_tokens` is used only with `pd.disaggregate = \"prefix-threshold\"`".into());
+        }
         if self.policy == PdPolicy::Arrow {
             if self.is_off() {
                 return Err(
@@ -144,6 +189,23 @@ impl PdConfig {
             self.arrow.validate().map_err(|e| format!("[pd.arrow] {e}"))?;
         }
         Ok(())
+    }
+
+    /// Which requests are disaggregated (`always` unless set).
+    pub fn disaggregation(&self) -> Disaggregate {
+        self.disaggregate.unwrap_or_default()
+    }
+
+    /// Whether a request with a prompt of `prompt_tokens` is handed off after its prefill (else it
+    /// decodes where it was prefilled).
+    pub fn hands_off(&self, prompt_tokens: u32) -> bool {
+        match self.disaggregation() {
+            Disaggregate::Always => true,
+            Disaggregate::Never => false,
+            Disaggregate::PrefixThreshold => {
+                prompt_tokens >= self.min_prompt_tokens.unwrap_or(DEFAULT_MIN_PROMPT_TOKENS)
+            }
+        }
     }
 
     /// The role of instance `instance` in the initial split: the first `prefill_instances`
@@ -162,6 +224,45 @@ impl PdConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Which prompts each rule hands off, and the configs that cannot work named by field.
+    #[test]
+    fn the_disaggregation_rule_decides_by_prompt_length() {
+        let pd = |d: Option<Disaggregate>, min: Option<u32>| PdConfig {
+            prefill_instances: 1,
+            disaggregate: d,
+            min_prompt_tokens: min,
+            ..PdConfig::default()
+        };
+        // (rule, threshold, prompt, handed off)
+        let table = [
+            (None, None, 1, true),
+            (Some(Disaggregate::Always), None, 1, true),
+            (Some(Disaggregate::Never), None, 100_000, false),
+            (Some(Disaggregate::PrefixThreshold), None, 511, false),
+            (Some(Disaggregate::PrefixThreshold), None, 512, true),
+            (Some(Disaggregate::PrefixThreshold), Some(2048), 2047, false),
+            (Some(Disaggregate::PrefixThreshold), Some(2048), 2048, true),
+        ];
+        for (d, min, prompt, want) in table {
+            let c = pd(d, min);
+            assert_eq!(c.validate(4), Ok(()));
+            assert_eq!(c.hands_off(prompt), want, "{d:?} {min:?} {prompt}");
+        }
+        let off = PdConfig { prefill_instances: 0, ..pd(Some(Disaggregate::Always), None) };
+        assert!(off.validate(4).unwrap_err().starts_with("`pd.disaggregate = \"always\"` needs a prefill instance"));
+        let stray = pd(None, Some(100));
+        assert!(stray.validate(4).unwrap_err().starts_with("`pd.min_prompt_tokens` is used only with"));
+        let parsed: PdConfig = serde_json::from_str(
+            r#"{"prefill_instances": 2, "disaggregate": "prefix-threshold", "min_prompt_tokens": 1024}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (parsed.disaggregation(), parsed.hands_off(1023), parsed.hands_off(1024)),
+            (Disaggregate::PrefixThreshold, false, true)
+        );
+        assert!(serde_json::from_str::<PdConfig>(r#"{"disaggregate": "sometimes"}"#).is_err());
+    }
 
     #[test]
     fn roles_name_what_they_take() {

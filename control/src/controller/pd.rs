@@ -315,6 +315,11 @@ impl Controller {
     /// as it is ([`arrow::place_decode_within_slo`]): no flip, no fallback ([`Handoff::Wait`],
     /// decided again at the prefill's end).
     pub(super) fn handoff_target(&mut self, id: RequestId, m: &Move, when: Decided) -> Handoff {
+        // `[pd] disaggregate`: a request not split decodes where it was prefilled.
+        let prompt = self.requests.get(&id).map_or(0, |o| o.spec.prompt_tokens);
+        if self.split.as_ref().is_some_and(|pd| !pd.hands_off(prompt)) {
+            return Handoff::Here;
+        }
         let least_kv = |c: &Controller| match c.choose_decoder(m) {
             Some(to) => Handoff::To(to),
             None if c.decoders_live() => Handoff::Wait,

@@ -527,3 +527,41 @@ fn a_held_copy_the_cluster_re_placed_elsewhere_is_dropped_where_it_is_held() {
     // A repeated announcement of a handoff under way is not a stale copy.
     assert_eq!(prefilled(&mut c, at(3.1), 1, again), vec![]);
 }
+
+/// `[pd] disaggregate = "prefix-threshold"` on a static split: a short prompt decodes where it was
+/// prefilled, a long one is handed off; `never` hands none off, whatever the prompt.
+#[test]
+fn short_prompts_decode_where_they_were_prefilled_under_a_prefix_threshold() {
+    use crate::roles::Disaggregate;
+    let run = |disaggregate: Disaggregate| {
+        let policy = build_policy("least-kv", &PolicyParams::default()).unwrap();
+        let mut c = Controller::new(policy, SimRng::seed_from_u64(1)).retain_finished();
+        let pd = PdConfig { prefill_instances: 1, disaggregate: Some(disaggregate), ..PdConfig::default() };
+        c.split_prefill_decode(&pd);
+        join(&mut c, 0);
+        join(&mut c, 1);
+        let mut out = Vec::new();
+        for (id, prompt) in [(1, 100), (2, 600)] {
+            let placed = c.decide(at(0.0), Event::Arrival(spec(id, prompt))).unwrap();
+            assert!(matches!(placed[..], [Action::Place { on: InstanceId(0), .. }]), "{placed:?}");
+            out.extend(prefilled(&mut c, at(0.1), id, InstanceId(0)));
+        }
+        out
+    };
+    assert_eq!(
+        run(Disaggregate::PrefixThreshold),
+        vec![
+            Action::Release { request: RequestId(1), on: InstanceId(0) },
+            Action::Migrate { request: RequestId(2), from: InstanceId(0), to: InstanceId(1), kv_blocks: 7 },
+        ]
+    );
+    assert_eq!(
+        run(Disaggregate::Never),
+        vec![
+            Action::Release { request: RequestId(1), on: InstanceId(0) },
+            Action::Release { request: RequestId(2), on: InstanceId(0) },
+        ]
+    );
+    let always = run(Disaggregate::Always);
+    assert!(always.iter().all(|a| matches!(a, Action::Migrate { to: InstanceId(1), .. })), "{always:?}");
+}
