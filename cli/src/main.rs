@@ -392,10 +392,7 @@ pub fn run_parallel(
                     last = f;
                     bar.set_position(finished_total.load(Ordering::Relaxed));
                 });
-                bar.set_message(format!(
-                    "done: {policy} @ {}",
-                    rate.map_or("trace".into(), |r| format!("{} req/s", report::rate_label(Some(r))))
-                ));
+                bar.set_message(format!("done: {policy} @ {}", report::rate_text(*rate)));
                 slots.lock().expect("no thread panicked holding the lock")[i] = Some(res);
             });
         }

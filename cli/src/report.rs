@@ -30,6 +30,11 @@ const MAX_TABLE_COLUMNS: usize = 160;
 /// Space between table columns.
 const COLUMN_GAP: &str = "  ";
 
+/// A run's rate as its report lines say it: `2.5 req/s`, or `trace` (the workload's own arrivals).
+pub fn rate_text(rate: Option<f64>) -> String {
+    rate.map_or_else(|| rate_label(None), |r| format!("{} req/s", rate_label(Some(r))))
+}
+
 /// A rate as it appears in file names and plot legends: shortest round-trip (`2.5`, `10`), or
 /// `trace` for a run whose arrivals come from a trace.
 pub fn rate_label(rate: Option<f64>) -> String {
@@ -278,7 +283,7 @@ pub fn rejected_note(runs: &[RunResult]) -> String {
             })
             .collect();
         let more = rejected.len().saturating_sub(REJECTED_NAMED);
-        let rate = run.rate.map_or_else(|| rate_label(None), |r| format!("{} req/s", rate_label(Some(r))));
+        let rate = rate_text(run.rate);
         let _ = writeln!(
             out,
             "rejected: {} @ {rate}: {} request(s) never fit an instance (prompt + output beyond its KV cache): {}{}",

@@ -5,7 +5,7 @@
 //!
 //! [`MigrationRecord`]: kvfleet_core::metrics::MigrationRecord
 
-use crate::report::{live_migration_row, rate_label, run_stems, LIVE_MIGRATIONS_HEADER};
+use crate::report::{live_migration_row, rate_text, run_stems, LIVE_MIGRATIONS_HEADER};
 use anyhow::Context as _;
 use kvfleet_sim::RunResult;
 use std::fmt::Write as _;
@@ -23,7 +23,7 @@ pub fn table(runs: &[RunResult]) -> String {
             out.push_str("live migrations (virtual time, pipelined stop-and-copy over the [link] fabric):\n");
         }
         let l = &run.live_migrations;
-        let rate = run.rate.map_or_else(|| rate_label(None), |r| format!("{} req/s", rate_label(Some(r))));
+        let rate = rate_text(run.rate);
         let _ = write!(
             out,
             "  {} @ {rate}: {} committed, {} aborted, {} refused",
@@ -55,7 +55,7 @@ fn flips(runs: &[RunResult]) -> String {
             out.push_str("role flips (prefill/decode pools):\n");
         }
         let to = |role: &str| run.role_changes.iter().filter(|c| c.role == role).count();
-        let rate = run.rate.map_or_else(|| rate_label(None), |r| format!("{} req/s", rate_label(Some(r))));
+        let rate = rate_text(run.rate);
         let _ = writeln!(
             out,
             "  {} @ {rate}: {} flips, {} to decode, {} to prefill",
@@ -76,7 +76,7 @@ fn handoffs(runs: &[RunResult]) -> String {
         if out.is_empty() {
             out.push_str("handoffs (prefill -> decode):\n");
         }
-        let rate = run.rate.map_or_else(|| rate_label(None), |r| format!("{} req/s", rate_label(Some(r))));
+        let rate = rate_text(run.rate);
         let _ = writeln!(out, "  {} @ {rate}: {} handed off | {h}", run.policy, h.handoffs);
     }
     out

@@ -293,13 +293,15 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         if let Some(h) = run.handoffs.as_ref().filter(|h| h.handoffs > 0) {
             say!("  handoffs: {h}");
         }
-        // Each leader stores the migrations it settles for the next one; a leader killed in the
-        // moment between settling a move and storing it takes that record with it.
+        // Each leader stores the migrations it settles for the next one. A move a killed leader
+        // had in flight is settled by the next by asking its target, without the source's
+        // measurements, so it has no record (nor one a leader killed just before storing it).
         let logged = run.live_migrations.committed as usize;
         if logged < replayed.migrated() {
             say!(
-                "note: {} requests migrated but the leaders logged {logged} committed migrations: a leader died before \
-                 storing some (each migration's spans are in the traces)",
+                "note: {} requests migrated but the leaders logged {logged} committed migrations: moves a killed \
+                 leader had in flight were settled by the next without their measurements (each migration's spans \
+                 are in the traces)",
                 replayed.migrated()
             );
         }
