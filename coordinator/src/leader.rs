@@ -123,6 +123,10 @@ pub struct Leader {
     connector: Connector,
     /// Settled live migrations, as the sources measured them.
     migration_log: Mutex<Vec<v1::MigrationStats>>,
+    /// Late copies to forget on a process the leader could not reach when their record was
+    /// refused (its registration lapsed): (instance, that process's incarnation, request), sent
+    /// when that same process registers again ([`Leader::forget_late_copy`]).
+    pending_forgets: Mutex<Vec<(InstanceId, u64, RequestId)>>,
     /// Open `request` spans; their contexts travel with `Submit` and `MigrateOut`.
     traces: RequestTraces,
     clock: ClusterTime,
@@ -204,6 +208,7 @@ impl Leader {
             deposed,
             connector,
             migration_log: Mutex::new(Vec::new()),
+            pending_forgets: Mutex::new(Vec::new()),
             traces,
             clock,
             started: std::time::Instant::now(),
@@ -464,9 +469,21 @@ impl Leader {
             heard_ms,
         };
         links.insert(id, link);
+        drop(links);
         // A new process: what its predecessor said was due no longer is.
         self.due_reports.forget(id);
         tracing::info!(instance = id.0, address = %rec.address, incarnation = rec.incarnation, "worker joined");
+        // Back after a lapse: the late copies it finished meanwhile are forgotten now (another
+        // process under its number never held them).
+        let due: Vec<RequestId> = {
+            let mut pending = self.pending_forgets.lock().expect("pending forgets lock");
+            let due = pending.iter().filter(|p| p.0 == id && p.1 == rec.incarnation).map(|p| p.2).collect();
+            pending.retain(|p| p.0 != id);
+            due
+        };
+        for request in due {
+            tokio::spawn(self.clone().forget_late_copy(request, id, rec.incarnation));
+        }
         Ok(())
     }
 
@@ -805,9 +822,14 @@ impl Leader {
         self: Arc<Self>,
         id: RequestId,
         on: InstanceId,
+        incarnation: u64,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
         Box::pin(async move {
-            let Some(mut client) = self.client(on) else { return };
+            // Not registered now (its lease lapsed): told when it registers again.
+            let Some(mut client) = self.client(on).filter(|_| self.incarnation(on) == Some(incarnation)) else {
+                self.pending_forgets.lock().expect("pending forgets lock").push((on, incarnation, id));
+                return;
+            };
             match client.cancel(v1::CancelRequest { request_id: id.0, superseded: true, late_record: true }).await {
                 Ok(r) if r.get_ref().cancelled => {
                     tracing::info!(request = id.0, instance = on.0, "a late copy forgotten where it finished")
@@ -929,7 +951,9 @@ impl Leader {
             Err(e @ ControlError::NotOwner { .. }) => {
                 tracing::warn!(request = rec.id.0, instance = from.0, "{e}");
                 self.stats.late_results.fetch_add(1, Ordering::Relaxed);
-                tokio::spawn(self.clone().forget_late_copy(rec.id, from));
+                if let Some(incarnation) = self.incarnation(from) {
+                    tokio::spawn(self.clone().forget_late_copy(rec.id, from, incarnation));
+                }
                 return Ok(());
             }
             // Stored already (a worker re-sends what a leader did not acknowledge).

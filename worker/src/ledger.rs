@@ -41,6 +41,7 @@
 //! | `MovingOut`, `Paused` | registration expired, or a copy dropped | unchanged, orphaned | nothing yet: the move ends by its protocol |
 //! | orphaned `MovingOut`, `Paused` | abort | `Unseen` | drops it (the coordinator re-placed it) |
 //! | orphaned `MovingOut`, `Paused` | submit again (re-placed here) | unchanged, adopted | answers "already accepted" |
+//! | orphaned `MovingOut`, `Paused` | the coordinator asks whether a move landed here | unchanged | answers no: the copy goes if its move does not land (placed here, it is adopted) |
 //! | adopted `MovingOut`, `Paused` | abort | `Running` | resumes it |
 //!
 //! Beside the state, each entry records an inbound reservation (which migration's PREPARE was
@@ -534,10 +535,12 @@ impl Ledger {
     /// asks: then the source must free its paused copy, not resume a request that is done). If
     /// not, it never will through a move the coordinator started up to `upto` (every move
     /// started so far, the one in question among them): fenced from now on for those; a move
-    /// started later may still bring it here.
+    /// started later may still bring it here. A copy orphaned here (moving out when this worker's
+    /// registration lapsed) is not the move's landing: it goes if its own move does not land, so
+    /// the answer is no, and a re-placement here adopts it.
     pub fn resolve_target(&mut self, request: RequestId, upto: MoveOrder) -> bool {
         let e = self.entries.entry(request).or_default();
-        if e.state.is_held() || e.state == State::Finished {
+        if (e.state.is_held() && e.orphan != Orphan::Orphaned) || e.state == State::Finished {
             return true;
         }
         e.fence = e.fence.max(Some(upto));

@@ -480,6 +480,8 @@ struct Cluster {
     late: BTreeSet<(Proc, RequestId)>,
     /// Finished records the coordinator refused as late copies', their copies not yet forgotten.
     refused: Vec<(Proc, RequestId)>,
+    /// Forgets the coordinator could not send (the process was a zombie): sent when it rejoins.
+    pending_forgets: Vec<(Proc, RequestId)>,
     /// Copies started by a submit that arrived after the request was placed elsewhere.
     stale: BTreeSet<(Proc, RequestId)>,
     moves: Vec<Move>,
@@ -516,6 +518,7 @@ impl Cluster {
             unrecorded: BTreeMap::new(),
             late: BTreeSet::new(),
             refused: Vec::new(),
+            pending_forgets: Vec::new(),
             stale: BTreeSet::new(),
             moves: Vec::new(),
             reservations: BTreeMap::new(),
@@ -651,10 +654,20 @@ impl Cluster {
         }
     }
 
+    /// The coordinator has `p` forget its refused late copy of `request`, and submits the request
+    /// there again if it was placed there meanwhile.
+    fn forget_late(&mut self, p: Proc, request: RequestId) {
+        self.ledger(p).forget_finished(request);
+        if self.owner.get(&request) == Some(&p.instance) {
+            self.submit(p, request);
+        }
+    }
+
     /// A process stops for good (killed, or a zombie at the end): its engine's memory goes.
     fn process_gone(&mut self, p: Proc) {
         self.reservations.retain(|(at, _), _| *at != p);
         self.unrecorded.retain(|_, at| *at != p); // its log is gone with it
+        self.pending_forgets.retain(|(at, _)| *at != p);
         self.late.retain(|(at, _)| *at != p);
         for m in &mut self.moves {
             if m.from == p {
@@ -920,6 +933,12 @@ impl Cluster {
                 }
                 p.ledger.set_registered(true);
                 self.current[id.instance] = Some(p);
+                let due: Vec<RequestId> =
+                    self.pending_forgets.iter().filter(|(at, _)| *at == id).map(|&(_, r)| r).collect();
+                self.pending_forgets.retain(|(at, _)| *at != id);
+                for request in due {
+                    self.forget_late(id, request);
+                }
             }
             Op::Announce { pick } => {
                 let mut stale = Vec::new();
@@ -950,12 +969,13 @@ impl Cluster {
                 let Some(k) = (!self.refused.is_empty()).then(|| pick as usize % self.refused.len()) else { return };
                 let (p, request) = self.refused.remove(k);
                 if self.current[p.instance].as_ref().is_none_or(|c| c.id != p) {
-                    return; // that process is gone
+                    // Not registered: the coordinator tells it if that process registers again.
+                    if self.zombies.iter().any(|z| z.id == p) {
+                        self.pending_forgets.push((p, request));
+                    }
+                    return;
                 }
-                self.ledger(p).forget_finished(request);
-                if self.owner.get(&request) == Some(&p.instance) {
-                    self.submit(p, request);
-                }
+                self.forget_late(p, request);
             }
         }
     }
@@ -1100,6 +1120,37 @@ proptest! {
 fn known_races_stay_fixed() {
     use Op::*;
     let cases: &[(&str, &[Op])] = &[
+        (
+            "a late copy refused while its process was cut off, forgotten when it rejoins, before \
+             the request is re-placed there",
+            &[
+                Submit { to: 2 },
+                StartMove { pick: 0, to: 8 },
+                StaleSubmit { pick: 0, to: 1 },
+                Kill { instance: 198, to: 0 },
+                Finish { pick: 44, recorded: false },
+                LeaseLost { instance: 184, to: 0, reclaimed: false },
+                ForgetLate { pick: 0 },
+                Rejoin { pick: 0 },
+                LeaseLost { instance: 95, to: 0, reclaimed: false },
+            ],
+        ),
+        (
+            "a copy orphaned by a lapse answers for another move's target: asked about a move into \
+             the killed newcomer that held its number, the rejoined old process must not say it holds it",
+            &[
+                Kill { instance: 29, to: 0 },
+                Submit { to: 29 },
+                StartMove { pick: 0, to: 0 },
+                Submit { to: 0 },
+                LeaseLost { instance: 43, to: 0, reclaimed: true },
+                StartMove { pick: 0, to: 0 },
+                Submit { to: 0 },
+                Kill { instance: 100, to: 0 },
+                Rejoin { pick: 0 },
+                LeaseLost { instance: 45, to: 0, reclaimed: false },
+            ],
+        ),
         (
             "a late submit's copy finished where the request is then moved, the commit's reply lost",
             &[
