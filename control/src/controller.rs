@@ -30,7 +30,7 @@
 
 use crate::ownership::{initial_phase, OwnedPhase, Ownership};
 use crate::prefix::PrefixIndex;
-use crate::roles::Role;
+use crate::roles::{HandoffMode, Role, PUSH_RETRY};
 use kvfleet_core::kv::KvEvent;
 use kvfleet_core::policy::cache_aware::{PlacementCosts, PrefixFetch};
 use kvfleet_core::policy::{InstancePolicy, LoadReport, PhaseChange, PhaseDecision};
@@ -468,6 +468,9 @@ pub struct Controller {
     /// Requests held after their prefill that no decode instance has room for yet, in the order
     /// they became ready: handed off as decode instances report room (first come, first served).
     waiting_handoffs: VecDeque<RequestId>,
+    /// Pushed handoffs a decoder refused (`[pd] handoff = "push"`), each tried on the next
+    /// decoder at its time ([`PUSH_RETRY`] after the refusal), in that order.
+    push_retries: VecDeque<(Timestamp, RequestId)>,
     retain_finished: bool,
     now: Timestamp,
     actions: VecDeque<Action>,
@@ -501,6 +504,7 @@ impl Controller {
             cancelling: BTreeSet::new(),
             stranded: BTreeSet::new(),
             waiting_handoffs: VecDeque::new(),
+            push_retries: VecDeque::new(),
             retain_finished: false,
             now: Timestamp::ZERO,
             actions: VecDeque::new(),
@@ -524,13 +528,15 @@ impl Controller {
             // The requests it held for a handoff decode here now (the driver's engine lets them
             // go with the new role): their handoffs are off.
             let moves = &mut self.moves;
-            self.waiting_handoffs.retain(|id| {
+            let mut held_here = |id: &RequestId| {
                 let here = moves.get(id).is_some_and(|m| m.from == instance);
                 if here {
                     moves.remove(id);
                 }
                 !here
-            });
+            };
+            self.waiting_handoffs.retain(|id| held_here(id));
+            self.push_retries.retain(|(_, id)| held_here(id));
         }
     }
 
@@ -647,9 +653,10 @@ impl Controller {
         }
     }
 
-    /// Requests held after their prefill that wait for a decode instance with room.
+    /// Requests held after their prefill that wait for a decode instance with room (pulled), or
+    /// for their next try after a refusal (pushed).
     pub fn waiting_handoffs(&self) -> usize {
-        self.waiting_handoffs.len()
+        self.waiting_handoffs.len() + self.push_retries.len()
     }
 
     /// The next action to execute, in the order decided.
@@ -717,6 +724,7 @@ impl Controller {
                     self.expire_charges(id);
                 }
                 self.arrow_tick();
+                self.retry_pushes();
                 Ok(())
             }
         }
@@ -1211,18 +1219,60 @@ impl Controller {
 
     /// The decode instance a handoff goes to: among the live instances that decode, have not
     /// declined it and have room for it, the one with the least KV in use or promised (fewest
-    /// requests, then lowest id, on a tie).
+    /// requests, then lowest id, on a tie). Pushed, room now is the decoder's to judge (it
+    /// refuses the PREPARE): room for it when empty is enough.
     fn choose_decoder(&self, m: &Move) -> Option<InstanceId> {
+        let push = self.pushes();
         self.live
             .iter()
             .filter(|l| l.instance != m.from && !m.declined.contains(&l.instance))
             .filter(|l| self.instances.get(&l.instance).is_some_and(|i| i.role.decodes()))
-            .filter(|l| pd::has_room(l, m.kv_blocks))
+            .filter(|l| if push { pd::could_hold(l, m.kv_blocks) } else { pd::has_room(l, m.kv_blocks) })
             .min_by_key(|l| {
                 let blocks = u64::from(l.gpu_used_blocks) + u64::from(l.waiting_blocks);
                 (blocks, l.answering_requests + l.reasoning_requests, l.instance)
             })
             .map(|l| l.instance)
+    }
+
+    /// Whether handoffs are pushed (`[pd] handoff = "push"`).
+    fn pushes(&self) -> bool {
+        self.split.as_ref().is_some_and(|pd| pd.handoff == HandoffMode::Push)
+    }
+
+    /// Pushed handoffs whose retry is due, each to its next decoder (the declined ones skipped,
+    /// all of them again once every live decoder declined).
+    fn retry_pushes(&mut self) {
+        while let Some(&(due, id)) = self.push_retries.front() {
+            if due > self.now {
+                return;
+            }
+            self.push_retries.pop_front();
+            // Released, re-placed or finished meanwhile: nothing to hand off.
+            let held = self.requests.get(&id).is_some_and(|o| {
+                o.unfinished()
+                    && o.migrating_to.is_none()
+                    && self.moves.get(&id).is_some_and(|m| m.handoff && m.from == o.instance)
+            });
+            if !held {
+                continue;
+            }
+            let m = self.moves.get(&id).expect("checked above");
+            let untried = self.live.iter().any(|l| {
+                l.instance != m.from
+                    && !m.declined.contains(&l.instance)
+                    && self.instances.get(&l.instance).is_some_and(|i| i.role.decodes())
+            });
+            if !untried {
+                self.moves.get_mut(&id).expect("checked above").declined.clear();
+            }
+            self.decide_move(id);
+        }
+    }
+
+    /// When the next pushed handoff is due for another try.
+    fn next_push_retry(&self) -> Option<Timestamp> {
+        self.push_retries.front().map(|&(due, _)| due)
     }
 
     /// Whether any live instance decodes (else a held request can only decode where it is).
@@ -1315,6 +1365,8 @@ impl Controller {
         let moved_blocks = self.moves.get(&id).map_or(0, |m| m.kv_blocks);
         let (handoff, after, failed) =
             self.moves.get(&id).map_or((false, OwnedPhase::Answering, 0), |m| (m.handoff, m.after, m.failed));
+        // The decoders that declined it so far (the move's target among them).
+        let mut declined = self.moves.get(&id).map(|m| m.declined.clone()).unwrap_or_default();
         // A request can finish on its source while its move is still being settled: it stays
         // finished (else it would count as in flight and be re-placed if its instance died).
         if o.unfinished() {
@@ -1360,8 +1412,17 @@ impl Controller {
             }
             return Ok(());
         }
+        let pushed_back = handoff && unfinished && outcome == MoveOutcome::Refused && self.pushes();
         if lost_with_target {
             self.replace(id);
+        } else if pushed_back {
+            // A pushed handoff its decoder refused (full): the prefill instance keeps the KV, and
+            // the next decoder is tried after PUSH_RETRY. Not a failure: it waits its turn.
+            let from = self.requests.get(&id).map_or(InstanceId(0), |o| o.instance);
+            declined.extend(to.filter(|t| !declined.contains(t)));
+            let m = Move { from, kv_blocks: moved_blocks, declined, handoff: true, after, failed };
+            self.moves.insert(id, m);
+            self.push_retries.push_back((self.now + PUSH_RETRY, id));
         } else if handoff && !retry && unfinished && outcome != MoveOutcome::Committed {
             // No decode instance took it: held, it waits for one with room (each may be asked
             // again), until its handoffs failed too often: then it decodes where it is.

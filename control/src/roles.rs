@@ -75,7 +75,43 @@ pub struct PdConfig {
     /// `disaggregate = "prefix-threshold"`: the shortest prompt handed off (tokens; absent: 512).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub min_prompt_tokens: Option<u32>,
+    /// Who waits when every decode instance is full: the held request, for one with room
+    /// (`pull`), or the decoder's PREPARE refusals, retried (`push`).
+    #[serde(skip_serializing_if = "HandoffMode::is_pull")]
+    pub handoff: HandoffMode,
 }
+
+/// How a handoff finds a decode instance with room ([`PdConfig::handoff`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HandoffMode {
+    /// Arrow's: the held request waits (q2) until a decode instance reports room for it, and
+    /// only then is its KV copied (the decoder reserves its blocks first).
+    #[default]
+    Pull,
+    /// Ours: the handoff goes to the decoder the policy picks, full or not; a full one refuses
+    /// the PREPARE, the prefill instance keeps the KV, and the handoff is tried on the next
+    /// decoder after [`PUSH_RETRY`] (round the pool, over and over: never dropped).
+    Push,
+}
+
+impl HandoffMode {
+    /// Whether this is the default, `pull`.
+    pub fn is_pull(&self) -> bool {
+        *self == HandoffMode::Pull
+    }
+
+    /// Its name in a config.
+    pub fn name(self) -> &'static str {
+        match self {
+            HandoffMode::Pull => "pull",
+            HandoffMode::Push => "push",
+        }
+    }
+}
+
+/// How long a pushed handoff a decoder refused waits before it is tried on the next (ours).
+pub const PUSH_RETRY: kvfleet_core::TimeSpan = kvfleet_core::TimeSpan(50_000_000);
 
 /// Which requests are disaggregated: their decode placed apart from their prefill
 /// ([`PdConfig::disaggregate`]). A request not disaggregated decodes where it was prefilled.
@@ -176,6 +212,12 @@ impl PdConfig {
                 self.disaggregation().name()
             ));
         }
+        if self.handoff != HandoffMode::Pull && self.is_off() {
+            return Err(format!(
+                "`pd.handoff = \"{}\"` needs a prefill instance to hand requests off from: set `pd.prefill_instances` of at least 1",
+                self.handoff.name()
+            ));
+        }
         if self.min_prompt_tokens.is_some() && self.disaggregation() != Disaggregate::PrefixThreshold {
             return Err("`pd.min_prompt_tokens` is used only with `pd.disaggregate = \"prefix-threshold\"`".into());
         }
@@ -251,6 +293,11 @@ mod tests {
         }
         let off = PdConfig { prefill_instances: 0, ..pd(Some(Disaggregate::Always), None) };
         assert!(off.validate(4).unwrap_err().starts_with("`pd.disaggregate = \"always\"` needs a prefill instance"));
+        let pushed_off = PdConfig { prefill_instances: 0, handoff: HandoffMode::Push, ..PdConfig::default() };
+        assert!(pushed_off.validate(4).unwrap_err().starts_with("`pd.handoff = \"push\"` needs a prefill instance"));
+        let parsed: PdConfig = serde_json::from_str(r#"{"prefill_instances": 1, "handoff": "push"}"#).unwrap();
+        assert_eq!((parsed.handoff, parsed.validate(2)), (HandoffMode::Push, Ok(())));
+        assert!(serde_json::from_str::<PdConfig>(r#"{"handoff": "shove"}"#).is_err());
         let stray = pd(None, Some(100));
         assert!(stray.validate(4).unwrap_err().starts_with("`pd.min_prompt_tokens` is used only with"));
         let parsed: PdConfig = serde_json::from_str(

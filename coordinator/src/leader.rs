@@ -139,6 +139,9 @@ pub struct Leader {
     due_reports: reports::DueReports,
     /// The longest a placement waits for those ([`reports::REPORT_WAIT`]).
     report_wait: Mutex<Duration>,
+    /// Wakes [`Leader::run_ticks`] when a decision brought the controller's next pass forward
+    /// (a refused push's retry, due before Arrow's next monitoring pass or with none).
+    tick_due: tokio::sync::Notify,
 }
 
 /// Why the leader could not carry out a client's or a worker's request.
@@ -215,6 +218,7 @@ impl Leader {
             roles: roles::RoleBook::default(),
             due_reports: reports::DueReports::default(),
             report_wait: Mutex::new(reports::REPORT_WAIT),
+            tick_due: tokio::sync::Notify::new(),
         })
     }
 
@@ -302,7 +306,13 @@ impl Leader {
     /// Apply `event` now; the actions it decided, to execute.
     fn decide(&self, event: Event) -> Result<Vec<Action>, ControlError> {
         let now = self.cluster_now();
-        self.control().decide(now, event)
+        let mut control = self.control();
+        let before = control.next_tick();
+        let decided = control.decide(now, event);
+        if control.next_tick().is_some_and(|t| before.is_none_or(|b| t < b)) {
+            self.tick_due.notify_one();
+        }
+        decided
     }
 
     /// Whether a refused fenced write has deposed this leader.

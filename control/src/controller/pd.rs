@@ -205,10 +205,15 @@ impl Controller {
         Ok(())
     }
 
-    /// When the controller next needs an [`Event::Tick`](super::Event::Tick) (Arrow's monitoring
-    /// pass); `None` when nothing it runs is periodic.
+    /// When the controller next needs an [`Event::Tick`](super::Event::Tick): Arrow's monitoring
+    /// pass, or a pushed handoff's next try; `None` when nothing is due (a driver asks again
+    /// after each event: a refused push makes one due).
     pub fn next_tick(&self) -> Option<Timestamp> {
-        self.arrow.as_ref().map(|a| a.next_pass)
+        let pass = self.arrow.as_ref().map(|a| a.next_pass);
+        match (pass, self.next_push_retry()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Arrow's view of the live instances now: their published loads (charges included).
@@ -320,9 +325,10 @@ impl Controller {
         if self.split.as_ref().is_some_and(|pd| !pd.hands_off(prompt)) {
             return Handoff::Here;
         }
+        // Pushed, no decoder to try is no decoder at all: none could ever hold it.
         let least_kv = |c: &Controller| match c.choose_decoder(m) {
             Some(to) => Handoff::To(to),
-            None if c.decoders_live() => Handoff::Wait,
+            None if c.decoders_live() && !c.pushes() => Handoff::Wait,
             None => Handoff::NoDecoder,
         };
         let Some(snapshot) = self.arrow_snapshot(&m.declined) else { return least_kv(self) };
@@ -350,8 +356,12 @@ impl Controller {
         if to == m.from {
             return Handoff::Here;
         }
-        // Alg. 1's pick may be full (no instance met SLO_TPOT): it would refuse the KV. Ours: then
-        // the decoder with the least KV that has room, else wait for one.
+        // Alg. 1's pick may be full (no instance met SLO_TPOT): it would refuse the KV. Pushed, it
+        // is asked all the same. Pulled (ours): then the decoder with the least KV that has room,
+        // else wait for one.
+        if self.pushes() {
+            return Handoff::To(to);
+        }
         let room = self.live.iter().find(|l| l.instance == to).is_some_and(|l| has_room(l, m.kv_blocks));
         match (room, self.choose_decoder(m)) {
             (true, _) => Handoff::To(to),
@@ -440,6 +450,12 @@ fn static_pick(
 pub(super) fn has_room(load: &LoadReport, kv_blocks: u32) -> bool {
     let used = u64::from(load.gpu_used_blocks) + u64::from(load.waiting_blocks);
     used + u64::from(kv_blocks) + u64::from(super::HANDOFF_HEADROOM_BLOCKS) <= u64::from(load.gpu_total_blocks)
+}
+
+/// Whether `load`'s instance could take a handoff of `kv_blocks` blocks (and some growth) were it
+/// empty.
+pub(super) fn could_hold(load: &LoadReport, kv_blocks: u32) -> bool {
+    u64::from(kv_blocks) + u64::from(super::HANDOFF_HEADROOM_BLOCKS) <= u64::from(load.gpu_total_blocks)
 }
 
 /// Arrow's [`InstanceLoad`] of one published load.

@@ -263,17 +263,32 @@ impl Leader {
         }
     }
 
-    /// Run the controller's periodic pass (Arrow's monitoring, Alg. 2) when it asks for one, until
-    /// deposed; returns at once when nothing it runs is periodic.
+    /// Run the controller's timed passes (Arrow's monitoring, Alg. 2; a refused push's next try)
+    /// when it asks for them, until deposed. With none due it waits for a decision that makes one
+    /// due, and a decision that brings one forward wakes it early.
     pub async fn run_ticks(self: Arc<Self>) {
+        let mut deposed = self.deposed.clone();
         loop {
-            let Some(at) = self.control().next_tick() else { return };
-            let wait_ns = at.0.saturating_sub(self.cluster_now().0);
-            let real = Duration::from_nanos(self.clock.dilation.real_ns(wait_ns)).max(Duration::from_millis(1));
-            tokio::time::sleep(real).await;
+            let next = self.control().next_tick();
+            let wait = next.map(|at| {
+                let wait_ns = at.0.saturating_sub(self.cluster_now().0);
+                Duration::from_nanos(self.clock.dilation.real_ns(wait_ns)).max(Duration::from_millis(1))
+            });
+            let due = async move {
+                match wait {
+                    Some(real) => tokio::time::sleep(real).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = due => {}
+                () = self.tick_due.notified() => continue,
+                _ = deposed.wait_for(|d| *d) => return,
+            }
             if self.is_deposed() {
                 return;
             }
+            let Some(at) = next else { continue };
             // On the loads as of the pass's instant, as the simulator runs it: an iteration that
             // ended just before (a prefill, say) is reported a moment later.
             self.await_reports(at, None, None).await;

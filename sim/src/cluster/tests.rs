@@ -378,6 +378,48 @@ fn a_failed_handoff_decodes_where_it_was_prefilled() {
     assert!(!out.migrations.is_empty());
 }
 
+/// Decode instances too small for the burst handed to them (KV for about three requests each):
+/// pushed handoffs (`[pd] handoff = "push"`) are sent to full decoders, refused (nothing copied)
+/// and tried on the next decoder 50 ms later, until one has room; pulled ones wait and are never
+/// refused. Either way every request is prefilled on the prefill instance, handed off once and
+/// finishes once on a decode instance.
+#[test]
+fn pushed_handoffs_to_full_decoders_are_refused_and_retried_never_dropped() {
+    use kvfleet_control::roles::HandoffMode;
+    let mut cfg = SimConfig::default();
+    cfg.cluster.instances = 3;
+    cfg.cluster.kv_cache_gb = Some(2.0);
+    // No CPU pool: a decoder out of GPU blocks cannot take a handoff there either.
+    cfg.cluster.cpu_swap_gb = 0.0;
+    let requests: Vec<RequestSpec> = (0..12).map(|i| request(i, 0.1 * i as f64, 2000, 0, 400)).collect();
+    let mut refusals = Vec::new();
+    for handoff in [HandoffMode::Push, HandoffMode::Pull] {
+        let policy = build_policy("least-kv", &cfg.scheduler.instance).unwrap();
+        let out = run_pd(&cfg, policy, &PdConfig { prefill_instances: 1, handoff, ..PdConfig::default() }, &requests);
+        let mut ids: Vec<u64> = out.records.iter().map(|r| r.id.0).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, (0..12).collect::<Vec<_>>(), "{handoff:?}: each once");
+        for r in &out.records {
+            assert!(!r.rejected, "{handoff:?} {}", r.id);
+            assert_eq!(r.placed_on, InstanceId(0), "{handoff:?} {}", r.id);
+            assert!(r.finished_on.is_some_and(|i| i.0 >= 1), "{handoff:?} {}: {:?}", r.id, r.finished_on);
+            assert_eq!(r.migrations, 1, "{handoff:?} {}", r.id);
+        }
+        let refused: Vec<_> = out.migrations.iter().filter(|m| m.refused()).collect();
+        assert!(out.migrations.iter().all(|m| m.committed() || m.refused()), "{handoff:?}: {:?}", out.migrations);
+        // A refusal copies nothing; the next try comes 50 ms after it at the earliest.
+        assert!(refused.iter().all(|m| m.bytes == 0), "{handoff:?}");
+        for m in &refused {
+            let next = out.migrations.iter().filter(|n| n.request == m.request && n.start > m.start);
+            let gap = next.map(|n| n.start.saturating_since(m.end)).min();
+            assert!(gap.is_some_and(|g| g >= kvfleet_control::roles::PUSH_RETRY), "{handoff:?}: {m:?} then {gap:?}");
+        }
+        refusals.push(refused.len());
+    }
+    assert!(refusals[0] > 0, "pushed into full decoders: refused {refusals:?}");
+    assert_eq!(refusals[1], 0, "pulled: each waits for room");
+}
+
 /// Arrow on 2 prefill + 2 decode instances, over bursts that flip roles both ways (seeded random
 /// workloads): every request finishes exactly once, every committed handoff moves exactly its KV,
 /// and neither pool is ever empty.

@@ -565,3 +565,107 @@ fn short_prompts_decode_where_they_were_prefilled_under_a_prefix_threshold() {
     let always = run(Disaggregate::Always);
     assert!(always.iter().all(|a| matches!(a, Action::Migrate { to: InstanceId(1), .. })), "{always:?}");
 }
+
+/// A static split of one prefill and two decode instances whose handoffs are `handoff`.
+fn split_with(handoff: crate::roles::HandoffMode) -> Controller {
+    let policy = build_policy("least-kv", &PolicyParams::default()).unwrap();
+    let mut c = Controller::new(policy, SimRng::seed_from_u64(1)).retain_finished();
+    c.split_prefill_decode(&PdConfig { prefill_instances: 1, handoff, ..PdConfig::default() });
+    for i in 0..3 {
+        join(&mut c, i);
+    }
+    c
+}
+
+fn full(i: u32, used: u32) -> Event {
+    Event::Load(LoadReport { gpu_used_blocks: used, ..report(i) })
+}
+
+fn refused(c: &mut Controller, now: Timestamp, id: u64, to: u32) -> Vec<Action> {
+    let ended = Event::MigrationEnded {
+        request: RequestId(id),
+        from: InstanceId(0),
+        to: InstanceId(to),
+        outcome: crate::controller::MoveOutcome::Refused,
+    };
+    c.decide(now, ended).unwrap()
+}
+
+fn migrate(id: u64, to: u32) -> Action {
+    Action::Migrate { request: RequestId(id), from: InstanceId(0), to: InstanceId(to), kv_blocks: 7 }
+}
+
+/// `[pd] handoff = "push"`: with both decoders full the handoff is sent all the same, to the one
+/// with the least KV; each refusal leaves it held on its prefill instance and the next decoder
+/// is tried 50 ms later, round the pool for as long as it takes (refusals are not failures:
+/// more of them than MAX_HANDOFF_FAILURES never release it), until one takes it. Pulled, the
+/// same handoff waits for a report of room and asks nobody.
+#[test]
+fn a_pushed_handoff_refused_by_full_decoders_tries_the_next_every_50_ms() {
+    use crate::controller::{MoveOutcome, MAX_HANDOFF_FAILURES};
+    use crate::roles::HandoffMode;
+    let mut c = split_with(HandoffMode::Push);
+    c.handle(at(0.0), full(1, TOTAL - 5)).unwrap();
+    c.handle(at(0.0), full(2, TOTAL - 10)).unwrap();
+    assert_eq!(arrive(&mut c, at(0.0), 1), InstanceId(0));
+    assert_eq!(c.next_tick(), None, "nothing periodic before a refusal");
+    assert_eq!(prefilled(&mut c, at(1.0), 1, InstanceId(0)), vec![migrate(1, 2)], "the least KV, full or not");
+    // Refused: nothing at once; the next try is due 50 ms later, on the other decoder.
+    assert_eq!(refused(&mut c, at(1.0), 1, 2), vec![]);
+    assert_eq!(c.waiting_handoffs(), 1);
+    assert_eq!(c.next_tick(), Some(at(1.05)));
+    assert_eq!(c.decide(at(1.04), Event::Tick).unwrap(), vec![], "not due yet");
+    assert_eq!(c.decide(at(1.05), Event::Tick).unwrap(), vec![migrate(1, 1)]);
+    // Round the pool: every decoder declined, so the first is asked again, and again.
+    let mut t = 1.05;
+    let mut asked = vec![1];
+    for _ in 0..MAX_HANDOFF_FAILURES + 2 {
+        let last = *asked.last().unwrap();
+        assert_eq!(refused(&mut c, at(t), 1, last), vec![]);
+        t += 0.05;
+        let actions = c.decide(at(t), Event::Tick).unwrap();
+        let [Action::Migrate { to, .. }] = actions[..] else { panic!("at {t}: {actions:?}") };
+        asked.push(to.0);
+    }
+    assert!(asked.windows(2).all(|w| w[0] != w[1]), "each try the next decoder: {asked:?}");
+    // Decoder 1 took it: no retry left.
+    let last = *asked.last().unwrap();
+    let ended = Event::MigrationEnded {
+        request: RequestId(1),
+        from: InstanceId(0),
+        to: InstanceId(last),
+        outcome: MoveOutcome::Committed,
+    };
+    assert_eq!(c.decide(at(t), ended).unwrap(), vec![]);
+    assert_eq!((c.waiting_handoffs(), c.next_tick()), (0, None));
+    assert_eq!(c.ownership(RequestId(1)).unwrap().instance, InstanceId(last));
+
+    // Pulled, the same handoff asks no full decoder: it waits for a report of room.
+    let mut c = split_with(HandoffMode::Pull);
+    c.handle(at(0.0), full(1, TOTAL - 5)).unwrap();
+    c.handle(at(0.0), full(2, TOTAL - 10)).unwrap();
+    arrive(&mut c, at(0.0), 1);
+    assert_eq!(prefilled(&mut c, at(1.0), 1, InstanceId(0)), vec![]);
+    assert_eq!((c.waiting_handoffs(), c.next_tick()), (1, None));
+    assert_eq!(c.decide(at(2.0), full(1, 0)).unwrap(), vec![migrate(1, 1)]);
+}
+
+/// A pushed handoff waiting for its next try whose prefill instance starts decoding decodes there
+/// (no move at the retry); one no decoder could ever hold decodes where it was prefilled at once.
+#[test]
+fn a_pushed_handoff_ends_with_its_instances_flip_or_when_no_decoder_could_hold_it() {
+    use crate::roles::HandoffMode;
+    let mut c = split_with(HandoffMode::Push);
+    arrive(&mut c, at(0.0), 1);
+    assert_eq!(prefilled(&mut c, at(1.0), 1, InstanceId(0)), vec![migrate(1, 1)]);
+    assert_eq!(refused(&mut c, at(1.0), 1, 1), vec![]);
+    c.set_role(InstanceId(0), Role::Decode);
+    assert_eq!(c.poll_action(), Some(Action::SetRole { instance: InstanceId(0), role: Role::Decode }));
+    assert_eq!(c.decide(at(1.05), Event::Tick).unwrap(), vec![]);
+    assert_eq!((c.waiting_handoffs(), c.next_tick()), (0, None));
+
+    let mut c = split_with(HandoffMode::Push);
+    arrive(&mut c, at(0.0), 2);
+    let huge = Event::PrefillDone { request: RequestId(2), instance: InstanceId(0), kv_blocks: TOTAL };
+    assert_eq!(c.decide(at(1.0), huge).unwrap(), vec![Action::Release { request: RequestId(2), on: InstanceId(0) }]);
+}
