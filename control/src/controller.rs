@@ -1240,8 +1240,8 @@ impl Controller {
         self.split.as_ref().is_some_and(|pd| pd.handoff == HandoffMode::Push)
     }
 
-    /// Pushed handoffs whose retry is due, each to its next decoder (the declined ones skipped,
-    /// all of them again once every live decoder declined).
+    /// Pushed handoffs whose retry is due, each to its next decoder: not one that declined it
+    /// yet, and once every live decoder has, any but the last to refuse.
     fn retry_pushes(&mut self) {
         while let Some(&(due, id)) = self.push_retries.front() {
             if due > self.now {
@@ -1258,13 +1258,19 @@ impl Controller {
                 continue;
             }
             let m = self.moves.get(&id).expect("checked above");
-            let untried = self.live.iter().any(|l| {
-                l.instance != m.from
-                    && !m.declined.contains(&l.instance)
-                    && self.instances.get(&l.instance).is_some_and(|i| i.role.decodes())
-            });
-            if !untried {
-                self.moves.get_mut(&id).expect("checked above").declined.clear();
+            let decoders = |skip: &[InstanceId]| {
+                self.live.iter().any(|l| {
+                    l.instance != m.from
+                        && !skip.contains(&l.instance)
+                        && self.instances.get(&l.instance).is_some_and(|i| i.role.decodes())
+                })
+            };
+            if !decoders(&m.declined) {
+                // Round again, from the one after the last that refused (itself, if it is the
+                // only decoder).
+                let last: Vec<InstanceId> = m.declined.last().copied().into_iter().collect();
+                let again = if decoders(&last) { last } else { Vec::new() };
+                self.moves.get_mut(&id).expect("checked above").declined = again;
             }
             self.decide_move(id);
         }

@@ -632,6 +632,72 @@ fn up_hands_requests_off_layer_by_layer() {
     assert_no_process_left(&out);
 }
 
+/// Pushed handoffs into full decoders on real processes (`tests/fixtures/static-push.toml`: 1
+/// prefill + 2 decode workers whose arenas hold about three requests each, a burst of 16,
+/// `[pd] handoff = "push"`): the leader sends each handoff to a decoder whether it has room or
+/// not; a full one refuses the PREPARE over QUIC (nothing copied), the prefill worker keeps the
+/// KV, and the leader tries the other decoder 50 ms later, until one takes it. Every request is
+/// handed off once and completes exactly once.
+#[test]
+fn up_pushes_handoffs_into_full_decoders_and_retries_each_refusal_on_the_next() {
+    let tmp = TempDir::new("up-push");
+    let out = tmp.join("out");
+    let config = kvfleet_tests::fixture("static-push.toml");
+    let args = [
+        "up",
+        "-c",
+        config.to_str().expect("utf-8"),
+        "--no-etcd",
+        "--cpu-memory",
+        "4MiB",
+        "--kv-fill",
+        "stamp",
+        "-q",
+        "--out",
+        out.to_str().expect("utf-8"),
+    ];
+    let o = run_kvfleet(args);
+    assert!(o.status.success(), "{}", describe(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert_each_request_once(&out, 16);
+    let (line, handoffs, _) = handoff_line(&stdout);
+    assert_eq!(handoffs, 16, "{line}");
+    // request,from,to,bytes,start_s,end_s,transfer_s,aborted: one row per move tried.
+    #[derive(Debug)]
+    struct Try {
+        to: u32,
+        bytes: u64,
+        start: f64,
+        end: f64,
+        aborted: bool,
+    }
+    let csv = std::fs::read_to_string(out.join("migrations-fcfs+least-kv-8.csv")).expect("the moves' CSV");
+    let mut tries: std::collections::BTreeMap<u64, Vec<Try>> = Default::default();
+    for row in csv.lines().skip(1) {
+        let f: Vec<&str> = row.split(',').collect();
+        let n = |i: usize| f[i].parse::<f64>().unwrap_or_else(|e| panic!("{row}: {e}"));
+        let t = Try { to: n(2) as u32, bytes: n(3) as u64, start: n(4), end: n(5), aborted: f[7] == "true" };
+        tries.entry(n(0) as u64).or_default().push(t);
+    }
+    let mut refused = 0;
+    for (id, t) in &mut tries {
+        t.sort_by(|a, b| a.start.total_cmp(&b.start));
+        let (last, before) = t.split_last().expect("a row per request");
+        assert!(!last.aborted && last.bytes > 0 && last.to >= 1, "request {id}: its last try committed: {t:?}");
+        for (i, r) in before.iter().enumerate() {
+            refused += 1;
+            assert!(r.aborted && r.bytes == 0, "request {id}: each earlier try refused, nothing copied: {t:?}");
+            let next = &t[i + 1];
+            assert_ne!(next.to, r.to, "request {id}: the next try goes to the other decoder: {t:?}");
+            assert!(next.start - r.end >= 0.049, "request {id}: retried 50 ms after the refusal: {t:?}");
+        }
+    }
+    assert_eq!(tries.len(), 16);
+    assert!(refused >= 4, "the burst fills both decoders: {refused} refusals\n{stdout}");
+    eprintln!("{line}; {refused} refusals");
+    assert_no_process_left(&out);
+}
+
 /// Cache-aware placement (`tests/fixtures/cache-aware.toml`): the leader has a worker copy a
 /// cached prompt prefix from the worker holding it before it submits the request; the bytes move
 /// between the worker processes over QUIC, whole 4 MiB blocks, every one passing its checks, and

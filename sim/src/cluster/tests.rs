@@ -411,8 +411,9 @@ fn pushed_handoffs_to_full_decoders_are_refused_and_retried_never_dropped() {
         assert!(refused.iter().all(|m| m.bytes == 0), "{handoff:?}");
         for m in &refused {
             let next = out.migrations.iter().filter(|n| n.request == m.request && n.start > m.start);
-            let gap = next.map(|n| n.start.saturating_since(m.end)).min();
-            assert!(gap.is_some_and(|g| g >= kvfleet_control::roles::PUSH_RETRY), "{handoff:?}: {m:?} then {gap:?}");
+            let next = next.min_by_key(|n| n.start).expect("a refused handoff is tried again");
+            assert!(next.start.saturating_since(m.end) >= kvfleet_control::roles::PUSH_RETRY, "{m:?} then {next:?}");
+            assert_ne!(next.to, m.to, "the next try goes to the other decoder: {m:?} then {next:?}");
         }
         refusals.push(refused.len());
     }

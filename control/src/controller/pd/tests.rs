@@ -616,12 +616,15 @@ fn a_pushed_handoff_refused_by_full_decoders_tries_the_next_every_50_ms() {
     assert_eq!(c.next_tick(), Some(at(1.05)));
     assert_eq!(c.decide(at(1.04), Event::Tick).unwrap(), vec![], "not due yet");
     assert_eq!(c.decide(at(1.05), Event::Tick).unwrap(), vec![migrate(1, 1)]);
-    // Round the pool: every decoder declined, so the first is asked again, and again.
+    // Round the pool, over and over: never the decoder that just refused, though it reports the
+    // least KV now.
     let mut t = 1.05;
     let mut asked = vec![1];
     for _ in 0..MAX_HANDOFF_FAILURES + 2 {
         let last = *asked.last().unwrap();
         assert_eq!(refused(&mut c, at(t), 1, last), vec![]);
+        c.handle(at(t), full(last, TOTAL - 20)).unwrap();
+        c.handle(at(t), full(3 - last, TOTAL - 5)).unwrap();
         t += 0.05;
         let actions = c.decide(at(t), Event::Tick).unwrap();
         let [Action::Migrate { to, .. }] = actions[..] else { panic!("at {t}: {actions:?}") };
