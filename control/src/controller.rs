@@ -870,7 +870,16 @@ impl Controller {
             };
             // No decoder has room: it waits on. With Arrow too (a flip could make room, but its
             // monitoring pass does that: every decoder's report would otherwise rebuild its view).
-            let Some(least_kv) = self.choose_decoder(&m) else { return };
+            // None could ever take it (the large ones left): it decodes where it is, and the rest
+            // go on.
+            let Some(least_kv) = self.choose_decoder(&m) else {
+                if self.decoder_could_take(&m) {
+                    return;
+                }
+                self.waiting_handoffs.pop_front();
+                self.decode_here(id, m.from);
+                continue;
+            };
             let target = if self.arrow.is_none() {
                 Handoff::To(least_kv)
             } else {
@@ -1281,9 +1290,14 @@ impl Controller {
         self.push_retries.front().map(|&(due, _)| due)
     }
 
-    /// Whether any live instance decodes (else a held request can only decode where it is).
-    fn decoders_live(&self) -> bool {
-        self.live.iter().any(|l| self.instances.get(&l.instance).is_some_and(|i| i.role.decodes()))
+    /// Whether a live decode instance other than its prefill instance could take `m`'s KV once
+    /// it has room (else it can only decode where it is: none decodes, or none is large enough).
+    fn decoder_could_take(&self, m: &Move) -> bool {
+        self.live.iter().any(|l| {
+            l.instance != m.from
+                && self.instances.get(&l.instance).is_some_and(|i| i.role.decodes())
+                && pd::could_hold(l, m.kv_blocks)
+        })
     }
 
     /// A request's prefill ended on a prefill instance, where it is held: hand it off.

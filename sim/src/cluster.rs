@@ -121,6 +121,48 @@ pub struct Overrun {
     pub total: usize,
 }
 
+/// A run whose events ran out with requests neither finished nor rejected: reported by name,
+/// never dropped from the results (a simulator bug: the cluster lost track of them).
+#[derive(Clone, Debug, thiserror::Error)]
+#[error(
+    "the run stopped at t = {:.3} s with nothing left to happen and {} of {total} requests neither finished nor \
+     rejected ({held} held on a prefill instance for a handoff): {}",
+    at.as_secs_f64(),
+    stuck.len(),
+    name_some(stuck)
+)]
+pub struct Stalled {
+    /// The clock when the last event ran.
+    pub at: Timestamp,
+    /// The requests that never finished, in id order.
+    pub stuck: Vec<RequestId>,
+    /// Of them, those held after their prefill for a handoff.
+    pub held: usize,
+    /// Requests in the workload.
+    pub total: usize,
+}
+
+/// The first few of `ids`, and how many more.
+fn name_some(ids: &[RequestId]) -> String {
+    const SHOWN: usize = 5;
+    let names: Vec<String> = ids.iter().take(SHOWN).map(|id| format!("request {}", id.0)).collect();
+    match ids.len().saturating_sub(SHOWN) {
+        0 => names.join(", "),
+        more => format!("{} and {more} more", names.join(", ")),
+    }
+}
+
+/// Why a run did not finish.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum RunError {
+    /// The clock passed its limit.
+    #[error(transparent)]
+    Overrun(#[from] Overrun),
+    /// Events ran out first.
+    #[error(transparent)]
+    Stalled(#[from] Stalled),
+}
+
 /// A live migration in progress, and the deadline an event is queued for.
 struct InFlight {
     m: LiveMigration,
@@ -467,8 +509,8 @@ impl Cluster {
     }
 
     /// Run `requests` (sorted by arrival) to completion, or stop with [`Overrun`] once the clock
-    /// passes [`RUN_LIMIT`].
-    pub fn run(self, requests: &[RequestSpec], progress: impl FnMut(Progress)) -> Result<ClusterOutcome, Overrun> {
+    /// passes [`RUN_LIMIT`] ([`Stalled`] if the events run out with requests unfinished).
+    pub fn run(self, requests: &[RequestSpec], progress: impl FnMut(Progress)) -> Result<ClusterOutcome, RunError> {
         self.run_until(requests, RUN_LIMIT, progress)
     }
 
@@ -478,7 +520,7 @@ impl Cluster {
         requests: &[RequestSpec],
         until: Timestamp,
         mut progress: impl FnMut(Progress),
-    ) -> Result<ClusterOutcome, Overrun> {
+    ) -> Result<ClusterOutcome, RunError> {
         let total = requests.len();
         let mut records: Vec<RequestRecord> = Vec::with_capacity(total);
         let mut events_buf = Vec::new();
@@ -494,7 +536,7 @@ impl Cluster {
         }
         while let Some(Reverse((now, _, _))) = self.queue.peek().copied() {
             if now > until {
-                return Err(Overrun { at: now, limit: until, finished: records.len(), total });
+                return Err(Overrun { at: now, limit: until, finished: records.len(), total }.into());
             }
             while let Some(&Reverse((t2, _, ev))) = self.queue.peek() {
                 if t2 != now {
@@ -664,6 +706,13 @@ impl Cluster {
         debug_assert!(self.fetches.is_empty(), "every prefix fetch ends");
         debug_assert!(self.pending_moves.iter().all(Vec::is_empty), "every decided move starts");
         records.sort_by_key(|r| r.id);
+        if records.len() < total {
+            let done: std::collections::HashSet<RequestId> = records.iter().map(|r| r.id).collect();
+            let mut stuck: Vec<RequestId> = requests.iter().map(|r| r.id).filter(|id| !done.contains(id)).collect();
+            stuck.sort_unstable();
+            let held = self.control.waiting_handoffs();
+            return Err(Stalled { at: last_event, stuck, held, total }.into());
+        }
         let iterations: u64 = self.engines.iter().map(|e| e.stats().iterations).sum();
         Ok(ClusterOutcome {
             records,

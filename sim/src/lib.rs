@@ -44,9 +44,10 @@ pub enum SimError {
     /// The policy or the cluster could not be built.
     #[error("{0}")]
     Setup(String),
-    /// The virtual clock passed the run's time limit.
+    /// The virtual clock passed the run's time limit, or the events ran out with requests
+    /// unfinished.
     #[error(transparent)]
-    Overrun(#[from] cluster::Overrun),
+    Run(#[from] cluster::RunError),
 }
 
 /// Build the timing model a config asks for (shared by every instance of a run).
@@ -100,7 +101,7 @@ pub fn run_one(
     run_one_until(cfg, policy, rate, base_dir, RUN_LIMIT, progress)
 }
 
-/// [`run_one`], stopping with [`SimError::Overrun`] once the virtual clock passes `until` (at
+/// [`run_one`], stopping with [`SimError::Run`] once the virtual clock passes `until` (at
 /// most [`RUN_LIMIT`]).
 pub fn run_one_until(
     cfg: &SimConfig,

@@ -328,7 +328,7 @@ impl Controller {
         // Pushed, no decoder to try is no decoder at all: none could ever hold it.
         let least_kv = |c: &Controller| match c.choose_decoder(m) {
             Some(to) => Handoff::To(to),
-            None if c.decoders_live() && !c.pushes() => Handoff::Wait,
+            None if c.decoder_could_take(m) && !c.pushes() => Handoff::Wait,
             None => Handoff::NoDecoder,
         };
         let Some(snapshot) = self.arrow_snapshot(&m.declined) else { return least_kv(self) };
@@ -346,7 +346,7 @@ impl Controller {
             static_pick(&snapshot, Role::Decode, a, |l| l.decode_tokens as f64).map(Choice::Instance)
         };
         let to = match choice {
-            None => return if self.decoders_live() { Handoff::Wait } else { Handoff::NoDecoder },
+            None => return if self.decoder_could_take(m) { Handoff::Wait } else { Handoff::NoDecoder },
             Some(Choice::Instance(to)) => to,
             Some(Choice::Flip { instance, to_role }) => {
                 self.arrow_flip(instance, to_role, self.now);
@@ -366,7 +366,8 @@ impl Controller {
         match (room, self.choose_decoder(m)) {
             (true, _) => Handoff::To(to),
             (false, Some(other)) => Handoff::To(other),
-            (false, None) => Handoff::Wait,
+            (false, None) if self.decoder_could_take(m) => Handoff::Wait,
+            (false, None) => Handoff::NoDecoder,
         }
     }
 
@@ -449,13 +450,24 @@ fn static_pick(
 /// counting what was promised to it already.
 pub(super) fn has_room(load: &LoadReport, kv_blocks: u32) -> bool {
     let used = u64::from(load.gpu_used_blocks) + u64::from(load.waiting_blocks);
-    used + u64::from(kv_blocks) + u64::from(super::HANDOFF_HEADROOM_BLOCKS) <= u64::from(load.gpu_total_blocks)
+    used + u64::from(kv_blocks) + headroom(load, kv_blocks) <= u64::from(load.gpu_total_blocks)
 }
 
-/// Whether `load`'s instance could take a handoff of `kv_blocks` blocks (and some growth) were it
-/// empty.
+/// The growth a handoff of `kv_blocks` blocks asks room for beyond its KV:
+/// [`HANDOFF_HEADROOM_BLOCKS`](super::HANDOFF_HEADROOM_BLOCKS), or none where its KV alone nearly
+/// fills the instance (its engine then reserves the KV without headroom).
+fn headroom(load: &LoadReport, kv_blocks: u32) -> u64 {
+    let h = u64::from(super::HANDOFF_HEADROOM_BLOCKS);
+    if u64::from(kv_blocks) + h <= u64::from(load.gpu_total_blocks) {
+        h
+    } else {
+        0
+    }
+}
+
+/// Whether `load`'s instance could take a handoff of `kv_blocks` blocks were it empty.
 pub(super) fn could_hold(load: &LoadReport, kv_blocks: u32) -> bool {
-    u64::from(kv_blocks) + u64::from(super::HANDOFF_HEADROOM_BLOCKS) <= u64::from(load.gpu_total_blocks)
+    u64::from(kv_blocks) <= u64::from(load.gpu_total_blocks)
 }
 
 /// Arrow's [`InstanceLoad`] of one published load.

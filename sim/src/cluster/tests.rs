@@ -421,6 +421,32 @@ fn pushed_handoffs_to_full_decoders_are_refused_and_retried_never_dropped() {
     assert_eq!(refusals[1], 0, "pulled: each waits for room");
 }
 
+/// Prompts whose KV leaves a decoder less than the handoff headroom (3,950 of its 4,096 tokens):
+/// each is handed off once a decoder is empty (before, the controller waited for room it could
+/// never see, and the run ended with those requests neither finished nor rejected; a run that
+/// ends so now fails naming them, [`Stalled`]).
+#[test]
+fn a_handoff_nearly_as_large_as_every_decoder_is_handed_off_not_lost() {
+    let mut cfg = SimConfig::default();
+    cfg.cluster.instances = 2;
+    cfg.cluster.kv_cache_gb = Some(1.073741824);
+    cfg.cluster.cpu_swap_gb = 0.0;
+    let requests: Vec<RequestSpec> = (0..3).map(|i| request(i, i as f64, 3950, 20, 20)).collect();
+    let policy = build_policy("least-kv", &cfg.scheduler.instance).unwrap();
+    let out = run_split(&cfg, policy, 1, &requests);
+    assert_eq!(out.records.len(), 3);
+    for r in &out.records {
+        assert_eq!((r.finished_on, r.migrations), (Some(InstanceId(1)), 1), "{}", r.id);
+    }
+    let stalled = Stalled { at: Timestamp::ZERO, stuck: (0..7).map(RequestId).collect(), held: 7, total: 9 };
+    assert_eq!(
+        stalled.to_string(),
+        "the run stopped at t = 0.000 s with nothing left to happen and 7 of 9 requests neither finished nor \
+         rejected (7 held on a prefill instance for a handoff): request 0, request 1, request 2, request 3, \
+         request 4 and 2 more"
+    );
+}
+
 /// Arrow on 2 prefill + 2 decode instances, over bursts that flip roles both ways (seeded random
 /// workloads): every request finishes exactly once, every committed handoff moves exactly its KV,
 /// and neither pool is ever empty.

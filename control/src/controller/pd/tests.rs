@@ -654,9 +654,10 @@ fn a_pushed_handoff_refused_by_full_decoders_tries_the_next_every_50_ms() {
 }
 
 /// A pushed handoff waiting for its next try whose prefill instance starts decoding decodes there
-/// (no move at the retry); one no decoder could ever hold decodes where it was prefilled at once.
+/// (no move at the retry); one no decoder could ever hold decodes where it was prefilled at once
+/// (it had waited for ever when pulled, its KV and the headroom larger than any decoder).
 #[test]
-fn a_pushed_handoff_ends_with_its_instances_flip_or_when_no_decoder_could_hold_it() {
+fn a_handoff_ends_with_its_instances_flip_or_where_no_decoder_could_ever_hold_it() {
     use crate::roles::HandoffMode;
     let mut c = split_with(HandoffMode::Push);
     arrive(&mut c, at(0.0), 1);
@@ -667,8 +668,26 @@ fn a_pushed_handoff_ends_with_its_instances_flip_or_when_no_decoder_could_hold_i
     assert_eq!(c.decide(at(1.05), Event::Tick).unwrap(), vec![]);
     assert_eq!((c.waiting_handoffs(), c.next_tick()), (0, None));
 
-    let mut c = split_with(HandoffMode::Push);
-    arrive(&mut c, at(0.0), 2);
-    let huge = Event::PrefillDone { request: RequestId(2), instance: InstanceId(0), kv_blocks: TOTAL };
-    assert_eq!(c.decide(at(1.0), huge).unwrap(), vec![Action::Release { request: RequestId(2), on: InstanceId(0) }]);
+    // A KV larger than every decoder decodes where it was prefilled, pushed or pulled; one that
+    // leaves a decoder less than the headroom is handed off (pulled: once one is empty).
+    for mode in [HandoffMode::Push, HandoffMode::Pull] {
+        let mut c = split_with(mode);
+        arrive(&mut c, at(0.0), 2);
+        arrive(&mut c, at(0.0), 3);
+        let held = |id, kv_blocks| Event::PrefillDone { request: RequestId(id), instance: InstanceId(0), kv_blocks };
+        let release = Action::Release { request: RequestId(2), on: InstanceId(0) };
+        assert_eq!(c.decide(at(1.0), held(2, TOTAL + 1)).unwrap(), vec![release], "{mode:?}");
+        c.handle(at(1.0), full(1, 10)).unwrap();
+        c.handle(at(1.0), full(2, 10)).unwrap();
+        let nearly = held(3, TOTAL - HANDOFF_HEADROOM_BLOCKS / 2);
+        let pushed =
+            Action::Migrate { request: RequestId(3), from: InstanceId(0), to: InstanceId(1), kv_blocks: TOTAL - 8 };
+        match mode {
+            HandoffMode::Push => assert_eq!(c.decide(at(1.1), nearly).unwrap(), vec![pushed]),
+            HandoffMode::Pull => {
+                assert_eq!(c.decide(at(1.1), nearly).unwrap(), vec![], "no decoder is empty yet");
+                assert_eq!(c.decide(at(1.2), full(1, 0)).unwrap(), vec![pushed]);
+            }
+        }
+    }
 }
