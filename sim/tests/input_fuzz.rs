@@ -125,6 +125,16 @@ fn case() -> impl Strategy<Value = Case> {
         num_field("timeout_ms"),
     )
         .prop_map(|(t, b, l, s, m)| format!("[slo]\n{t}[link]\n{b}{l}[migration]\n{s}{m}"));
+    let pd = (
+        num_field("prefill_instances"),
+        field("policy", quoted(&["static", "arrow", "dynamo"])),
+        field("handoff", quoted(&["pull", "push", "shove"])),
+        field("overlap", quoted(&["none", "chunk", "layer", "both"])),
+        field("disaggregate", quoted(&["always", "never", "prefix-threshold", "sometimes"])),
+        num_field("min_prompt_tokens"),
+        (num_field("interval_s"), num_field("cooldown_s"), num_field("l_expand"), num_field("l_shrink")),
+    )
+        .prop_map(|(n, p, h, o, d, m, (i, c, e, s))| format!("[pd]\n{n}{p}{h}{o}{d}{m}[pd.arrow]\n{i}{c}{e}{s}"));
     let workload = (
         prop::sample::select(&["1", "5", "20", "0", "4294967296"][..]),
         num_field("time_scale"),
@@ -143,9 +153,9 @@ fn case() -> impl Strategy<Value = Case> {
             };
             (format!("[workload]\nnum_requests = {n}\n{scale}{lengths}"), format)
         });
-    (cluster, scheduler, rest, workload, model_toml(), gpu_toml(), trace("kvfleet"), trace("mooncake")).prop_map(
-        |(c, s, r, (w, format), model, gpu, kv_trace, mc_trace)| Case {
-            config: format!("{c}{s}{r}{w}"),
+    (cluster, scheduler, rest, pd, workload, model_toml(), gpu_toml(), trace("kvfleet"), trace("mooncake")).prop_map(
+        |(c, s, r, pd, (w, format), model, gpu, kv_trace, mc_trace)| Case {
+            config: format!("{c}{s}{r}{pd}{w}"),
             model,
             gpu,
             trace: if format == "kvfleet" { kv_trace } else { mc_trace },
