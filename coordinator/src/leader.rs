@@ -1266,7 +1266,7 @@ impl Leader {
         why: &str,
     ) -> bool {
         let held = ask_target(id, Some(dst.clone()), self.moves_so_far()).await;
-        let told = tell_source(id, src.clone(), held).await;
+        let (told, _) = tell_source(id, src.clone(), held).await;
         tracing::warn!(request = id.0, from = from.0, to = to.0, held, ?told, "{why}; settled by asking the target");
         held
     }
@@ -1299,16 +1299,7 @@ impl Leader {
                     stats.abort_reason.clear();
                 }
             }
-            // Kept for the next leader's report of the run (a leader's log lives in its memory).
-            let key = keys::migration_log_entry(stats.started_ns, stats.request_id, stats.source);
-            let value = prost::Message::encode_to_vec(&stats);
-            let me = Arc::clone(self);
-            tokio::spawn(async move {
-                if let Err(e) = me.persist(&key, &value).await {
-                    tracing::warn!(request = id.0, "migration not recorded for the next leader: {e}");
-                }
-            });
-            self.migration_log.lock().expect("migration log lock").push(stats);
+            self.log_migration(stats);
         }
         if outcome == v1::MigrationOutcome::MigrationCommitted {
             Moved::Yes
@@ -1396,7 +1387,9 @@ impl Leader {
                     }
                     drop(answered);
                     if let Some(src) = leader.client(from) {
-                        let _ = tell_source(id, src, held).await;
+                        if let (_, Some(stats)) = tell_source(id, src, held).await {
+                            leader.log_inherited_move(stats, to, held);
+                        }
                     }
                     if !held {
                         leader.inherited_move_ended(id, from, to, false).await;
@@ -1409,6 +1402,43 @@ impl Leader {
             let _ = a.await;
         }
         open.len()
+    }
+
+    /// Add a settled migration to the run's log: this leader's, and stored for the next leader's
+    /// report of the run (a leader's log lives in its memory).
+    fn log_migration(self: &Arc<Self>, stats: v1::MigrationStats) {
+        let key = keys::migration_log_entry(stats.started_ns, stats.request_id, stats.source);
+        let value = prost::Message::encode_to_vec(&stats);
+        let (me, id) = (Arc::clone(self), stats.request_id);
+        tokio::spawn(async move {
+            if let Err(e) = me.persist(&key, &value).await {
+                tracing::warn!(request = id, "migration not recorded for the next leader: {e}");
+            }
+        });
+        self.migration_log.lock().expect("migration log lock").push(stats);
+    }
+
+    /// Log a move a previous leader left open, from its source's own measurements (`stats`, the
+    /// source's last move of the request), as its target's answer settled it (`held`): in doubt,
+    /// as the source never heard its end from the leader. Not if it is another move than the one
+    /// settled, or one the log holds already (that leader stored it before it died).
+    fn log_inherited_move(self: &Arc<Self>, mut stats: v1::MigrationStats, to: InstanceId, held: bool) {
+        if stats.target != to.0 {
+            return;
+        }
+        let same = |s: &v1::MigrationStats| {
+            (s.started_ns, s.request_id, s.source) == (stats.started_ns, stats.request_id, stats.source)
+        };
+        if self.migration_log.lock().expect("migration log lock").iter().any(same) {
+            return;
+        }
+        stats.in_doubt = true;
+        if held {
+            stats.abort_reason.clear();
+        } else if stats.abort_reason.is_empty() {
+            stats.abort_reason = "settled by the next leader: the target did not hold it".into();
+        }
+        self.log_migration(stats);
     }
 
     /// Record how a move a previous leader left open ended, and carry out what follows.
@@ -1493,7 +1523,7 @@ async fn ask_target(id: RequestId, dst: Option<WorkerClient<Channel>>, upto: (u6
 /// Tell the source of `id`'s move which copy lives (`held`: the target's). A source left
 /// uninformed stays paused in doubt: a failed call is worth a few tries, and a source answering
 /// that its move is still copying is told again until the move has ended.
-async fn tell_source(id: RequestId, src: WorkerClient<Channel>, held: bool) -> Told {
+async fn tell_source(id: RequestId, src: WorkerClient<Channel>, held: bool) -> (Told, Option<v1::MigrationStats>) {
     let tell = v1::ResolveMigrationRequest { request_id: id.0, committed: Some(held), ..Default::default() };
     keep_telling(id, || {
         let mut src = src.clone();
@@ -1514,7 +1544,7 @@ enum Told {
 }
 
 /// [`tell_source`]'s tries: `call` tells the source once.
-async fn keep_telling<F, Fut>(id: RequestId, mut call: F) -> Told
+async fn keep_telling<F, Fut>(id: RequestId, mut call: F) -> (Told, Option<v1::MigrationStats>)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<v1::ResolveMigrationReply, tonic::Status>>,
@@ -1528,20 +1558,20 @@ where
                         request = id.0,
                         "the source's move has not ended in {waited:?}; not telling it again"
                     );
-                    return Told::StillMoving;
+                    return (Told::StillMoving, None);
                 }
                 tokio::time::sleep(MOVE_END_POLL).await;
                 waited += MOVE_END_POLL;
                 continue;
             }
-            Ok(Ok(_)) => return Told::Answered,
+            Ok(Ok(r)) => return (Told::Answered, r.stats),
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("no answer within {SETTLE_CALL_TIMEOUT:?}"),
         };
         failures += 1;
         tracing::warn!(request = id.0, attempt = failures, "telling the source which copy lives failed: {why}");
         if failures == SETTLE_TELL_ATTEMPTS {
-            return Told::Unreachable;
+            return (Told::Unreachable, None);
         }
         tokio::time::sleep(Duration::from_millis(500) * failures).await;
     }
@@ -1885,10 +1915,10 @@ mod tests {
         let calls = std::sync::atomic::AtomicU32::new(0);
         let told = keep_telling(RequestId(3), || {
             let n = calls.fetch_add(1, Ordering::Relaxed);
-            async move { Ok(v1::ResolveMigrationReply { held: true, moving: n < 5 }) }
+            async move { Ok(v1::ResolveMigrationReply { held: true, moving: n < 5, stats: None }) }
         })
         .await;
-        assert_eq!((told, calls.load(Ordering::Relaxed)), (Told::Answered, 6), "told until the move ended");
+        assert_eq!((told.0, calls.load(Ordering::Relaxed)), (Told::Answered, 6), "told until the move ended");
 
         let calls = std::sync::atomic::AtomicU32::new(0);
         let told = keep_telling(RequestId(3), || {
@@ -1896,12 +1926,14 @@ mod tests {
             async { Err(tonic::Status::unavailable("gone")) }
         })
         .await;
-        assert_eq!((told, calls.load(Ordering::Relaxed)), (Told::Unreachable, SETTLE_TELL_ATTEMPTS));
+        assert_eq!((told.0, calls.load(Ordering::Relaxed)), (Told::Unreachable, SETTLE_TELL_ATTEMPTS));
 
         let started = tokio::time::Instant::now();
-        let told =
-            keep_telling(RequestId(3), || async { Ok(v1::ResolveMigrationReply { held: true, moving: true }) }).await;
-        assert_eq!(told, Told::StillMoving);
+        let told = keep_telling(RequestId(3), || async {
+            Ok(v1::ResolveMigrationReply { held: true, moving: true, stats: None })
+        })
+        .await;
+        assert_eq!(told.0, Told::StillMoving);
         assert!(started.elapsed() >= MOVE_END_PATIENCE, "patient for as long as a move may last");
     }
 
@@ -2045,6 +2077,56 @@ mod tests {
         dst.0.lock().unwrap().holds = target_holds;
         let leader = request_5_on_fake_0(&src, &dst, true).await;
         (leader, src, dst)
+    }
+
+    /// A move the previous leader left open (request 5 from worker 0 to 1; the source's reply died
+    /// with that leader): the new leader settles it by asking the target, tells the source, and
+    /// logs the move from the measurements the source kept, in doubt, as the target's answer
+    /// settled it. A source whose last move of the request went elsewhere adds nothing.
+    #[tokio::test]
+    async fn a_move_the_last_leader_left_open_is_logged_from_its_sources_measurements() {
+        for (target_holds, measured_to) in [(true, 1), (false, 1), (true, 2)] {
+            let (src, dst) = (fake_worker::FakeWorker::default(), fake_worker::FakeWorker::default());
+            dst.0.lock().unwrap().holds = target_holds;
+            src.0.lock().unwrap().last_move = Some(v1::MigrationStats {
+                source: 0,
+                target: measured_to,
+                request_id: 5,
+                bytes: 4 << 20,
+                started_ns: 1_000,
+                ended_ns: 9_000,
+                abort_reason: if target_holds { String::new() } else { "connection to the peer lost".into() },
+                ..Default::default()
+            });
+            let leader = request_5_on_fake_0(&src, &dst, true).await;
+            let mut open = leader.control().ownership(RequestId(5)).unwrap().clone();
+            open.phase = OwnedPhase::Migrating;
+            open.migrating_to = Some(InstanceId(1));
+            leader.control().restore([open]);
+            assert_eq!(leader.settle_inherited_moves().await, 1);
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while src.resolved().is_empty() {
+                assert!(tokio::time::Instant::now() < deadline, "the source is told");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let log = || leader.status("b", leader.clock).migration_log;
+            if measured_to != 1 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                assert!(log().is_empty(), "another move's measurements: {:?}", log());
+                leader.stop();
+                continue;
+            }
+            while log().is_empty() {
+                assert!(tokio::time::Instant::now() < deadline, "the move is logged");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let logged = log();
+            assert_eq!(logged.len(), 1, "{logged:?}");
+            let m = &logged[0];
+            assert_eq!((m.request_id, m.source, m.target, m.bytes, m.in_doubt), (5, 0, 1, 4 << 20, true));
+            assert_eq!(m.committed(), target_holds, "as the target's answer settled it: {m:?}");
+            leader.stop();
+        }
     }
 
     /// A leader with fake workers 0 and 1 registered (`live`: with a QUIC address each, where

@@ -71,7 +71,13 @@ pub struct WorkerService {
     shutdown: ShutdownTrigger,
     /// Live migration endpoint (`None`: this worker cannot migrate live, e.g. `--plaintext`).
     migrator: Option<Arc<Migrator>>,
+    /// The measurements of the last [`RECENT_MOVES`] live moves out, newest last: a leader that
+    /// died before it got a move's reply leaves them to the next, which asks when it settles it.
+    recent_moves: Arc<std::sync::Mutex<std::collections::VecDeque<v1::MigrationStats>>>,
 }
+
+/// Live moves out whose measurements a worker keeps for a new leader.
+const RECENT_MOVES: usize = 1024;
 
 fn stopped() -> Status {
     Status::unavailable("the worker is shutting down")
@@ -85,7 +91,7 @@ impl WorkerService {
         shutdown: ShutdownTrigger,
         migrator: Option<Arc<Migrator>>,
     ) -> Self {
-        WorkerService { info, commands, log, shutdown, migrator }
+        WorkerService { info, commands, log, shutdown, migrator, recent_moves: Default::default() }
     }
 
     fn migrator(&self) -> Result<&Arc<Migrator>, Status> {
@@ -256,13 +262,23 @@ impl Worker for WorkerService {
             // cancels this handler, and a migration dropped half-way would leave its request
             // paused here with nobody to resume it. Run to its end, it settles itself (committed,
             // resumed here, or in doubt for the next leader to settle).
+            // Its measurements are kept in that task too, for a next leader to ask for.
             let migrator = self.migrator()?.clone();
             let order = MoveOrder { term: request.get_ref().leader_term, seq: request.get_ref().move_seq };
-            let report =
-                tokio::spawn(async move { migrator.migrate_out(id, addr, Some(target), order, &parent).await })
-                    .await
-                    .map_err(|e| Status::internal(format!("the migration task failed: {e}")))?
-                    .map_err(driver_status)?;
+            let (recent, source) = (Arc::clone(&self.recent_moves), self.info.instance);
+            let (report, stats) = tokio::spawn(async move {
+                let report = migrator.migrate_out(id, addr, Some(target), order, &parent).await?;
+                let stats = stats_proto(&report, source, target);
+                let mut recent = recent.lock().expect("recent moves lock");
+                if recent.len() == RECENT_MOVES {
+                    recent.pop_front();
+                }
+                recent.push_back(stats.clone());
+                Ok((report, stats))
+            })
+            .await
+            .map_err(|e| Status::internal(format!("the migration task failed: {e}")))?
+            .map_err(driver_status)?;
             let outcome = match &report.outcome {
                 Some(Outcome::Committed) => v1::MigrationOutcome::MigrationCommitted,
                 Some(Outcome::Unknown(_)) => v1::MigrationOutcome::MigrationUnknown,
@@ -274,7 +290,7 @@ impl Worker for WorkerService {
                 kv_tokens,
                 kv_bytes: report.bytes,
                 outcome: outcome as i32,
-                stats: Some(stats_proto(&report, self.info.instance, target)),
+                stats: Some(stats),
             }));
         }
         let out = self.ask(|reply| Command::MigrateOut { request: id, reply }).await?.map_err(driver_status)?;
@@ -314,7 +330,14 @@ impl Worker for WorkerService {
         if !moving {
             tracing::info!(request = %id, held, "migration resolved");
         }
-        Ok(Response::new(v1::ResolveMigrationReply { held, moving }))
+        // Told as its source, once the move has ended: what it measured of it.
+        let stats = (request.get_ref().committed.is_some() && !moving)
+            .then(|| {
+                let recent = self.recent_moves.lock().expect("recent moves lock");
+                recent.iter().rev().find(|s| s.request_id == id.0).cloned()
+            })
+            .flatten();
+        Ok(Response::new(v1::ResolveMigrationReply { held, moving, stats }))
     }
 
     async fn attach(&self, request: Request<v1::AttachRequest>) -> Result<Response<v1::AttachReply>, Status> {

@@ -21,6 +21,8 @@ pub(super) struct Script {
     pub cancel_gate: Option<Arc<tokio::sync::Notify>>,
     /// Submits and cancels, in order: "submit N", "cancel N", "cancel N answered".
     pub calls: Vec<String>,
+    /// `ResolveMigration` told as the source: its measurements of its last move out.
+    pub last_move: Option<v1::MigrationStats>,
 }
 
 #[derive(Clone, Default)]
@@ -103,7 +105,8 @@ impl Worker for FakeWorker {
         let r = r.into_inner();
         let mut script = self.0.lock().expect("script lock");
         script.resolved.push((r.request_id, r.committed, r.fence_term, r.fence_seq));
-        Ok(Response::new(v1::ResolveMigrationReply { held: script.holds, moving: false }))
+        let stats = r.committed.and(script.last_move.clone());
+        Ok(Response::new(v1::ResolveMigrationReply { held: script.holds, moving: false, stats }))
     }
     async fn drain(&self, _: Request<v1::DrainRequest>) -> Reply<v1::DrainReply> {
         no("Drain")
