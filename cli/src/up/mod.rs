@@ -293,15 +293,16 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         if let Some(h) = run.handoffs.as_ref().filter(|h| h.handoffs > 0) {
             say!("  handoffs: {h}");
         }
-        // Each leader stores the migrations it settles for the next one. A move a killed leader
-        // had in flight is settled by the next by asking its target, without the source's
-        // measurements, so it has no record (nor one a leader killed just before storing it).
+        // Each leader stores the migrations it settles for the next one; a move a killed leader
+        // had in flight is logged by the next from its source's measurements as it settles it.
+        // Only a leader killed between a move's reply and storing it, or a source restarted
+        // since, leaves a move without a record.
         let logged = run.live_migrations.committed as usize;
         if logged < replayed.migrated() {
             say!(
-                "note: {} requests migrated but the leaders logged {logged} committed migrations: moves a killed \
-                 leader had in flight were settled by the next without their measurements (each migration's spans \
-                 are in the traces)",
+                "note: {} requests migrated but the leaders logged {logged} committed migrations: a leader was \
+                 killed before it stored some, or their source restarted before a new leader asked it (each \
+                 migration's spans are in the traces)",
                 replayed.migrated()
             );
         }
