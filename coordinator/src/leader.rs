@@ -1444,9 +1444,15 @@ impl Leader {
     /// Record how a move a previous leader left open ended, and carry out what follows.
     async fn inherited_move_ended(self: &Arc<Self>, id: RequestId, from: InstanceId, to: InstanceId, held: bool) {
         let outcome = if held { MoveOutcome::Committed } else { MoveOutcome::Aborted };
+        // A move out of a prefill instance is its request's handoff (this leader did not start it,
+        // so its book of open handoffs does not hold it).
+        let handoff = held && self.control().role(from).hands_off();
         let actions = self.decide(Event::MigrationEnded { request: id, from, to, outcome }).unwrap_or_default();
         if held {
             self.stats.migrations.fetch_add(1, Ordering::Relaxed);
+        }
+        if handoff {
+            self.inherited_handoff(id);
         }
         let _ = self.persist_ownership(id).await;
         let moves = self.execute(actions).await;
@@ -2099,6 +2105,8 @@ mod tests {
                 ..Default::default()
             });
             let leader = request_5_on_fake_0(&src, &dst, true).await;
+            // Worker 0 prefills: the move is request 5's handoff.
+            leader.control().set_role(InstanceId(0), kvfleet_control::Role::Prefill);
             let mut open = leader.control().ownership(RequestId(5)).unwrap().clone();
             open.phase = OwnedPhase::Migrating;
             open.migrating_to = Some(InstanceId(1));
@@ -2125,6 +2133,11 @@ mod tests {
             let m = &logged[0];
             assert_eq!((m.request_id, m.source, m.target, m.bytes, m.in_doubt), (5, 0, 1, 4 << 20, true));
             assert_eq!(m.committed(), target_holds, "as the target's answer settled it: {m:?}");
+            assert_eq!(
+                leader.stats.handoffs.load(Ordering::Relaxed),
+                u64::from(target_holds),
+                "a handoff if it landed"
+            );
             leader.stop();
         }
     }

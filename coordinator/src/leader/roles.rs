@@ -218,6 +218,13 @@ impl Leader {
         tokio::spawn(async move { me.record_handoff(request, how).await });
     }
 
+    /// A handoff a previous leader started landed (its move settled by this one): counted and
+    /// stored as moved.
+    pub(super) fn inherited_handoff(self: &Arc<Self>, request: RequestId) {
+        self.roles.handoffs.lock().expect("handoffs lock").insert(request, false);
+        self.handed_off(request);
+    }
+
     /// Store how `request`'s handoff ended for the next leader.
     async fn record_handoff(&self, request: RequestId, how: HandoffEnd) {
         if let Err(e) = self.persist(&keys::handoff(request.0), how.as_str().as_bytes()).await {
