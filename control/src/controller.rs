@@ -1232,16 +1232,21 @@ impl Controller {
     /// refuses the PREPARE): room for it when empty is enough.
     fn choose_decoder(&self, m: &Move) -> Option<InstanceId> {
         let push = self.pushes();
-        self.live
-            .iter()
-            .filter(|l| l.instance != m.from && !m.declined.contains(&l.instance))
-            .filter(|l| self.instances.get(&l.instance).is_some_and(|i| i.role.decodes()))
+        self.decoders_for(m)
+            .filter(|l| !m.declined.contains(&l.instance))
             .filter(|l| if push { pd::could_hold(l, m.kv_blocks) } else { pd::has_room(l, m.kv_blocks) })
             .min_by_key(|l| {
                 let blocks = u64::from(l.gpu_used_blocks) + u64::from(l.waiting_blocks);
                 (blocks, l.answering_requests + l.reasoning_requests, l.instance)
             })
             .map(|l| l.instance)
+    }
+
+    /// The live instances that decode, other than `m`'s source: where its handoff may go.
+    fn decoders_for<'a>(&'a self, m: &'a Move) -> impl Iterator<Item = &'a LoadReport> + 'a {
+        self.live
+            .iter()
+            .filter(move |l| l.instance != m.from && self.instances.get(&l.instance).is_some_and(|i| i.role.decodes()))
     }
 
     /// Whether handoffs are pushed (`[pd] handoff = "push"`).
@@ -1267,13 +1272,7 @@ impl Controller {
                 continue;
             }
             let m = self.moves.get(&id).expect("checked above");
-            let decoders = |skip: &[InstanceId]| {
-                self.live.iter().any(|l| {
-                    l.instance != m.from
-                        && !skip.contains(&l.instance)
-                        && self.instances.get(&l.instance).is_some_and(|i| i.role.decodes())
-                })
-            };
+            let decoders = |skip: &[InstanceId]| self.decoders_for(m).any(|l| !skip.contains(&l.instance));
             if !decoders(&m.declined) {
                 // Round again, from the one after the last that refused (itself, if it is the
                 // only decoder).
@@ -1293,11 +1292,7 @@ impl Controller {
     /// Whether a live decode instance other than its prefill instance could take `m`'s KV once
     /// it has room (else it can only decode where it is: none decodes, or none is large enough).
     fn decoder_could_take(&self, m: &Move) -> bool {
-        self.live.iter().any(|l| {
-            l.instance != m.from
-                && self.instances.get(&l.instance).is_some_and(|i| i.role.decodes())
-                && pd::could_hold(l, m.kv_blocks)
-        })
+        self.decoders_for(m).any(|l| pd::could_hold(l, m.kv_blocks))
     }
 
     /// A request's prefill ended on a prefill instance, where it is held: hand it off.

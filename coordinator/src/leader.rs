@@ -1294,10 +1294,7 @@ impl Leader {
         if let Some(mut stats) = out.stats {
             if in_doubt {
                 // The source logged "unknown"; the log says what the target answered.
-                stats.in_doubt = true;
-                if outcome == v1::MigrationOutcome::MigrationCommitted {
-                    stats.abort_reason.clear();
-                }
+                stats.settle_in_doubt(outcome == v1::MigrationOutcome::MigrationCommitted);
             }
             self.log_migration(stats);
         }
@@ -1432,12 +1429,7 @@ impl Leader {
         if self.migration_log.lock().expect("migration log lock").iter().any(same) {
             return;
         }
-        stats.in_doubt = true;
-        if held {
-            stats.abort_reason.clear();
-        } else if stats.abort_reason.is_empty() {
-            stats.abort_reason = "settled by the next leader: the target did not hold it".into();
-        }
+        stats.settle_in_doubt(held);
         self.log_migration(stats);
     }
 

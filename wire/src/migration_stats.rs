@@ -22,6 +22,18 @@ impl v1::MigrationStats {
         outcome_name(self.committed(), self.refused())
     }
 
+    /// Its outcome as the target's answer settled it (`held`: the target runs the request), the
+    /// source having never heard the move's end: in doubt; committed with no abort reason, or
+    /// aborted with one.
+    pub fn settle_in_doubt(&mut self, held: bool) {
+        self.in_doubt = true;
+        if held {
+            self.abort_reason.clear();
+        } else if self.abort_reason.is_empty() {
+            self.abort_reason = "settled in doubt: the target did not hold it".into();
+        }
+    }
+
     /// Start to settle, in nanoseconds.
     pub fn total_ns(&self) -> u64 {
         self.ended_ns.saturating_sub(self.started_ns)
