@@ -107,42 +107,71 @@ pub fn spawn_keep_alive(store: Arc<dyn MetaStore>, lease: LeaseId, ttl: Duration
 ///
 /// A TTL that passed on this process's clock (a process stopped by SIGSTOP, a host that
 /// froze) is checked with the store once before it counts: a lease the store still holds is
-/// kept, one it no longer knows is reported expired.
+/// kept, one it no longer knows is reported expired. That holds however the TTL was seen to
+/// pass: the wait for a refresh running out, or a refresh failing after it (a process resumed
+/// from SIGSTOP finds its store client's own timeout fired as well, and that error comes first).
 async fn keep_alive_loop(store: &dyn MetaStore, lease: LeaseId, ttl: Duration) -> (String, bool) {
     let mut last_ok_sent = Instant::now();
     let mut effective_ttl = ttl;
     loop {
         let sent = Instant::now();
         let expires = last_ok_sent + effective_ttl;
-        let outcome = match tokio::time::timeout_at(expires, store.keep_alive(lease)).await {
-            Ok(r) => r,
-            // Bounded by a quarter TTL: a holder that must stop acting once the store may have
-            // expired its lease (a leader) learns it at most that much later, and its writes are
-            // fenced by revision meanwhile.
-            Err(_) => match tokio::time::timeout(effective_ttl / 4, store.keep_alive(lease)).await {
-                // The clock ran out, the store did not: carry on.
-                Ok(Ok(granted)) => Ok(granted),
-                Ok(Err(e @ MetaError::LeaseNotFound(_))) => Err(e),
-                _ => return (format!("no successful refresh within the {effective_ttl:?} TTL (timed out)"), false),
-            },
+        let refresh = match tokio::time::timeout_at(expires, store.keep_alive(lease)).await {
+            Ok(r) => Refresh::from(r),
+            Err(_) => Refresh::Failed("timed out".to_owned()),
         };
-        match outcome {
-            Ok(granted) => {
+        let refresh = match refresh {
+            Refresh::Failed(why) if Instant::now() >= expires => {
+                // Bounded by a quarter TTL: a holder that must stop acting once the store may
+                // have expired its lease (a leader) learns it at most that much later, and its
+                // writes are fenced by revision meanwhile.
+                match tokio::time::timeout(effective_ttl / 4, store.keep_alive(lease)).await {
+                    Ok(r) => match Refresh::from(r) {
+                        Refresh::Failed(then) => Refresh::Lost(format!("{why}; then {then}")),
+                        settled => settled,
+                    },
+                    Err(_) => Refresh::Lost(format!("{why}; then timed out")),
+                }
+            }
+            other => other,
+        };
+        match refresh {
+            Refresh::Kept(granted) => {
                 last_ok_sent = sent;
                 effective_ttl = if granted.is_zero() { ttl } else { ttl.min(granted) };
                 tokio::time::sleep((effective_ttl / 3).max(MIN_REFRESH_INTERVAL)).await;
             }
-            Err(MetaError::LeaseNotFound(_)) => {
-                return (format!("lease {lease} expired or was revoked"), true);
+            Refresh::Expired => return (format!("lease {lease} expired or was revoked"), true),
+            Refresh::Lost(why) => {
+                return (format!("no successful refresh within the {effective_ttl:?} TTL: {why}"), false)
             }
-            Err(e) => {
-                let now = Instant::now();
-                if now >= expires {
-                    return (format!("no successful refresh within the {effective_ttl:?} TTL: {e}"), false);
-                }
-                tracing::warn!(lease = %lease, error = %e, "lease refresh failed; retrying");
-                tokio::time::sleep(RETRY_INTERVAL.min(expires - now)).await;
+            Refresh::Failed(why) => {
+                tracing::warn!(lease = %lease, error = %why, "lease refresh failed; retrying");
+                let left = expires.saturating_duration_since(Instant::now());
+                tokio::time::sleep(RETRY_INTERVAL.min(left)).await;
             }
+        }
+    }
+}
+
+/// How one refresh went.
+enum Refresh {
+    /// The store kept the lease, for this TTL.
+    Kept(Duration),
+    /// The store no longer knows the lease.
+    Expired,
+    /// It failed (`why`); worth another try while the TTL lasts.
+    Failed(String),
+    /// The TTL passed and the try after it failed too: lost, not known expired.
+    Lost(String),
+}
+
+impl From<Result<Duration, MetaError>> for Refresh {
+    fn from(r: Result<Duration, MetaError>) -> Self {
+        match r {
+            Ok(granted) => Refresh::Kept(granted),
+            Err(MetaError::LeaseNotFound(_)) => Refresh::Expired,
+            Err(e) => Refresh::Failed(e.to_string()),
         }
     }
 }
@@ -166,6 +195,23 @@ mod tests {
         let reason = tokio::time::timeout(ttl * 4, keeper.lost()).await.expect("loss not reported");
         assert!(reason.contains("expired or was revoked"), "{reason}");
         assert!(keeper.expired(), "the store said so: an expiry, not a guess");
+    }
+
+    /// A process stopped past its TTL resumes to find its refresh failed (its store client's own
+    /// timeout fired while it was stopped) after the TTL: it asks the store once, which says the
+    /// lease expired, so the holder knows its registration is gone (not merely unrenewed).
+    #[tokio::test]
+    async fn a_refresh_failing_after_a_stop_past_the_ttl_asks_the_store_once() {
+        let mem = MemStore::new();
+        let store: Arc<dyn MetaStore> = Arc::new(mem.clone());
+        let ttl = Duration::from_millis(60);
+        let lease = store.grant_lease(ttl).await.unwrap();
+        let keeper = spawn_keep_alive(store.clone(), lease, ttl);
+        tokio::time::sleep(ttl / 2).await;
+        mem.stall_next_keep_alive(ttl * 3);
+        let reason = tokio::time::timeout(ttl * 8, keeper.lost()).await.expect("loss not reported");
+        assert!(keeper.expired(), "the store said the lease expired: {reason}");
+        assert!(reason.contains("expired or was revoked"), "{reason}");
     }
 
     #[tokio::test]

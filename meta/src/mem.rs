@@ -41,6 +41,8 @@ struct Inner {
     state: Mutex<State>,
     /// Reads still to fail ([`MemStore::fail_next_reads`]), as an etcd that dropped would.
     failing_reads: std::sync::atomic::AtomicU32,
+    /// Milliseconds the next keep-alive stalls its caller's thread ([`MemStore::stall_next_keep_alive`]).
+    stalled_keep_alive_ms: std::sync::atomic::AtomicU64,
     /// The current revision, published after every change; campaigners and observers wait on it.
     changed: watch::Sender<i64>,
 }
@@ -95,13 +97,28 @@ impl MemStore {
             watchers: Vec::new(),
         };
         let (changed, _) = watch::channel(state.revision);
-        MemStore { inner: Arc::new(Inner { state: Mutex::new(state), failing_reads: Default::default(), changed }) }
+        MemStore {
+            inner: Arc::new(Inner {
+                state: Mutex::new(state),
+                failing_reads: Default::default(),
+                stalled_keep_alive_ms: Default::default(),
+                changed,
+            }),
+        }
     }
 
     /// Make the next `n` reads (`get`, `get_prefix`) fail with a timeout, as an etcd that is
     /// restarting would answer: for tests of what retries a blink of the store.
     pub fn fail_next_reads(&self, n: u32) {
         self.inner.failing_reads.store(n, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Make the next keep-alive hold its caller's thread for `stall` and then fail with a
+    /// timeout: what a process stopped by SIGSTOP sees once it resumes (its client's own timeout
+    /// fired while it was stopped; the lease may have expired meanwhile).
+    pub fn stall_next_keep_alive(&self, stall: Duration) {
+        let ms = u64::try_from(stall.as_millis()).unwrap_or(u64::MAX);
+        self.inner.stalled_keep_alive_ms.store(ms, std::sync::atomic::Ordering::SeqCst);
     }
 
     fn read_fault(&self) -> Result<(), MetaError> {
@@ -373,6 +390,11 @@ impl MetaStore for MemStore {
 
     fn keep_alive(&self, lease: LeaseId) -> MetaFuture<'_, Duration> {
         Box::pin(async move {
+            let stall = self.inner.stalled_keep_alive_ms.swap(0, std::sync::atomic::Ordering::SeqCst);
+            if stall > 0 {
+                std::thread::sleep(Duration::from_millis(stall));
+                return Err(MetaError::Timeout { op: "lease keep-alive", timeout_ms: stall });
+            }
             self.inner.with_state(|s| match s.leases.get_mut(&lease.0) {
                 Some(l) => {
                     l.deadline = Instant::now() + l.ttl;
