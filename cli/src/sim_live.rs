@@ -24,11 +24,11 @@ pub fn table(runs: &[RunResult]) -> String {
         }
         let l = &run.live_migrations;
         let rate = rate_text(run.rate);
-        let _ = write!(
-            out,
-            "  {} @ {rate}: {} committed, {} aborted, {} refused",
-            run.policy, l.committed, l.aborted, l.refused
-        );
+        let _ = write!(out, "  {} @ {rate}: {} committed, {} aborted", run.policy, l.committed, l.aborted);
+        if l.checksum_mismatches > 0 {
+            let _ = write!(out, " ({} on a checksum mismatch)", l.checksum_mismatches);
+        }
+        let _ = write!(out, ", {} refused", l.refused);
         if l.committed > 0 {
             let _ = write!(
                 out,

@@ -47,6 +47,10 @@ pub const MAX_RETARGETS: usize = 2;
 /// Handoffs of one request that may end without committing (aborted, or refused by every decode
 /// instance asked) before it decodes where it was prefilled instead.
 pub const MAX_HANDOFF_FAILURES: u32 = 8;
+/// Handoffs of a request whose bytes failed their checksum at the target ([`MoveOutcome::Corrupt`])
+/// before its KV is computed again elsewhere: the first is retried on another decoder, the second
+/// re-prefills it ([`Action::Drop`] of the held copy, [`Action::Place`] on another instance).
+pub const MAX_CORRUPT_HANDOFFS: u32 = 2;
 
 /// Free blocks a decode instance must have beyond a handoff's KV to be asked to take it.
 pub const HANDOFF_HEADROOM_BLOCKS: u32 = 16;
@@ -202,6 +206,10 @@ pub enum MoveOutcome {
     Aborted,
     /// The target declined before anything moved (no room): try the policy's next choice.
     Refused,
+    /// Aborted because bytes the target received did not hash to the source's checksum: the
+    /// request stays on its source. A handoff is tried once more, then its KV computed again
+    /// elsewhere ([`MAX_CORRUPT_HANDOFFS`]).
+    Corrupt,
     /// Neither end holds the request any more (the target refused it after the source had let it
     /// go, and handing it back failed): it starts over on a live instance.
     Lost,
@@ -436,6 +444,8 @@ struct Move {
     after: OwnedPhase,
     /// Handoffs of this request that ended without committing.
     failed: u32,
+    /// Of those, the ones whose bytes failed their checksum at the target.
+    corrupt: u32,
 }
 
 /// Which end of a request's open move left the cluster.
@@ -1068,15 +1078,53 @@ impl Controller {
             return;
         };
         self.stranded.remove(&id);
+        self.restart_on(id, &spec, to, fetch);
+    }
+
+    /// Start request `id` (`spec`) over on `to`: its copy elsewhere is gone or dropped.
+    fn restart_on(&mut self, id: RequestId, spec: &RequestSpec, to: InstanceId, fetch: Option<PrefixFetch>) {
         self.moves.remove(&id);
-        let o = self.requests.get_mut(&id).expect("present: read above");
+        let Some(o) = self.requests.get_mut(&id) else { return };
         o.instance = to;
         o.replaced += 1;
-        o.phase = initial_phase(&spec);
+        o.phase = initial_phase(spec);
         o.migrating_to = None;
         let replaced = o.replaced;
-        self.charge(to, id, charge_kind(&spec), spec.prompt_tokens);
+        self.charge(to, id, charge_kind(spec), spec.prompt_tokens);
         self.actions.push_back(Action::Place { request: id, on: to, replaced, fetch });
+    }
+
+    /// A handoff whose bytes failed their checksum [`MAX_CORRUPT_HANDOFFS`] times: the KV held on
+    /// `from` is dropped and computed again on the live instance other than `from` with the least
+    /// KV, one that prefills first (the same fabric or memory may corrupt it again, so not
+    /// `from`). `false` when its KV was computed again once already, or no other instance is live.
+    fn reprefill(&mut self, id: RequestId, from: InstanceId) -> bool {
+        let Some(o) = self.requests.get(&id).filter(|o| o.reprefilled == 0) else { return false };
+        let spec = o.spec.clone();
+        let instances = &self.instances;
+        let to = self
+            .live
+            .iter()
+            .filter(|l| l.instance != from)
+            .min_by_key(|l| {
+                let prefills = instances.get(&l.instance).is_some_and(|i| i.role.prefills());
+                (!prefills, l.kv_footprint_bytes(), l.instance)
+            })
+            .map(|l| l.instance);
+        let Some(to) = to else { return false };
+        tracing::warn!(
+            request = id.0,
+            from = from.0,
+            to = to.0,
+            "its handoffs' bytes failed their checksum twice: its KV is computed again"
+        );
+        self.uncharge(from, id);
+        self.actions.push_back(Action::Drop { request: id, on: from });
+        if let Some(o) = self.requests.get_mut(&id) {
+            o.reprefilled += 1;
+        }
+        self.restart_on(id, &spec, to, None);
+        true
     }
 
     fn on_lost(&mut self, id: RequestId) -> Result<(), ControlError> {
@@ -1140,6 +1188,7 @@ impl Controller {
                     handoff: false,
                     after: OwnedPhase::Answering,
                     failed: 0,
+                    corrupt: 0,
                 },
             );
             self.decide_move(id);
@@ -1351,7 +1400,15 @@ impl Controller {
             tracing::debug!(request = id.0, instance = instance.0, owner = o.instance.0, what, "stale event; ignored");
             return None;
         }
-        Some(Move { from: instance, kv_blocks, declined: Vec::new(), handoff: true, after: o.phase, failed: 0 })
+        Some(Move {
+            from: instance,
+            kv_blocks,
+            declined: Vec::new(),
+            handoff: true,
+            after: o.phase,
+            failed: 0,
+            corrupt: 0,
+        })
     }
 
     /// Whether a report of `id`'s move from `from` to `to` is about a move superseded meanwhile
@@ -1378,8 +1435,10 @@ impl Controller {
         self.departed.remove(&id);
         let to = o.migrating_to.take();
         let moved_blocks = self.moves.get(&id).map_or(0, |m| m.kv_blocks);
-        let (handoff, after, failed) =
-            self.moves.get(&id).map_or((false, OwnedPhase::Answering, 0), |m| (m.handoff, m.after, m.failed));
+        let (handoff, after, failed, corrupt) = self
+            .moves
+            .get(&id)
+            .map_or((false, OwnedPhase::Answering, 0, 0), |m| (m.handoff, m.after, m.failed, m.corrupt));
         // The decoders that declined it so far (the move's target among them).
         let mut declined = self.moves.get(&id).map(|m| m.declined.clone()).unwrap_or_default();
         // A request can finish on its source while its move is still being settled: it stays
@@ -1435,14 +1494,26 @@ impl Controller {
             // the next decoder is tried after PUSH_RETRY. Not a failure: it waits its turn.
             let from = self.requests.get(&id).map_or(InstanceId(0), |o| o.instance);
             declined.extend(to.filter(|t| !declined.contains(t)));
-            let m = Move { from, kv_blocks: moved_blocks, declined, handoff: true, after, failed };
+            let m = Move { from, kv_blocks: moved_blocks, declined, handoff: true, after, failed, corrupt };
             self.moves.insert(id, m);
             self.push_retries.push_back((self.now + PUSH_RETRY, id));
         } else if handoff && !retry && unfinished && outcome != MoveOutcome::Committed {
             // No decode instance took it: held, it waits for one with room (each may be asked
             // again), until its handoffs failed too often: then it decodes where it is.
             let from = self.requests.get(&id).map_or(InstanceId(0), |o| o.instance);
-            if failed + 1 >= MAX_HANDOFF_FAILURES {
+            let corrupt = corrupt + u32::from(outcome == MoveOutcome::Corrupt);
+            if corrupt >= MAX_CORRUPT_HANDOFFS {
+                // Its bytes failed their checksum again: compute its KV again elsewhere, once;
+                // after that (or with no other instance live) it decodes where it is.
+                if !self.reprefill(id, from) {
+                    tracing::warn!(
+                        request = id.0,
+                        corrupt,
+                        "its handoffs' bytes keep failing their checksum: it decodes where it was prefilled"
+                    );
+                    self.decode_here(id, from);
+                }
+            } else if failed + 1 >= MAX_HANDOFF_FAILURES {
                 tracing::warn!(
                     request = id.0,
                     failed = failed + 1,
@@ -1453,7 +1524,7 @@ impl Controller {
                 let kv_blocks = moved_blocks;
                 // Not the one that just failed it, this time.
                 let declined = to.into_iter().collect();
-                let m = Move { from, kv_blocks, declined, handoff: true, after, failed: failed + 1 };
+                let m = Move { from, kv_blocks, declined, handoff: true, after, failed: failed + 1, corrupt };
                 self.moves.insert(id, m);
                 self.decide_move(id);
             }

@@ -26,7 +26,8 @@ pub mod prefix;
 pub mod roles;
 
 pub use controller::{
-    Action, ArrowProfile, ControlError, Controller, Event, MoveOutcome, RejectReason, Silence, MAX_RETARGETS,
+    Action, ArrowProfile, ControlError, Controller, Event, MoveOutcome, RejectReason, Silence, MAX_CORRUPT_HANDOFFS,
+    MAX_RETARGETS,
 };
 pub use ownership::{OwnedPhase, Ownership};
 pub use roles::Role;

@@ -31,6 +31,10 @@ pub struct Ownership {
     pub replaced: u32,
     /// Committed migrations.
     pub migrations: u32,
+    /// Times its KV was computed again after its handoff's bytes failed their checksum
+    /// ([`crate::MAX_CORRUPT_HANDOFFS`]); counted in `replaced` too.
+    #[serde(default)]
+    pub reprefilled: u32,
     /// While `phase` is `Migrating`: where to. Persisted before the move starts, so a leader that
     /// takes over knows to settle a move its predecessor left undecided.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -41,7 +45,7 @@ impl Ownership {
     /// A new request placed on `instance`.
     pub fn placed(spec: RequestSpec, instance: InstanceId) -> Ownership {
         let phase = initial_phase(&spec);
-        Ownership { spec, instance, phase, replaced: 0, migrations: 0, migrating_to: None }
+        Ownership { spec, instance, phase, replaced: 0, migrations: 0, reprefilled: 0, migrating_to: None }
     }
 
     /// Whether the request still needs to run somewhere.

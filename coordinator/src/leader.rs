@@ -1136,6 +1136,7 @@ impl Leader {
             let outcome = match moved {
                 Moved::Yes => MoveOutcome::Committed,
                 Moved::Refused => MoveOutcome::Refused,
+                Moved::Corrupt => MoveOutcome::Corrupt,
                 Moved::No => MoveOutcome::Aborted,
                 Moved::Lost => MoveOutcome::Lost,
             };
@@ -1291,6 +1292,7 @@ impl Leader {
                 if held { v1::MigrationOutcome::MigrationCommitted } else { v1::MigrationOutcome::MigrationAborted };
         }
         let refused = out.stats.as_ref().is_some_and(v1::MigrationStats::refused);
+        let corrupt = out.stats.as_ref().is_some_and(|s| s.checksum_mismatch);
         if let Some(mut stats) = out.stats {
             if in_doubt {
                 // The source logged "unknown"; the log says what the target answered.
@@ -1304,6 +1306,8 @@ impl Leader {
             self.stats.migration_failures.fetch_add(1, Ordering::Relaxed);
             if refused {
                 Moved::Refused
+            } else if corrupt {
+                Moved::Corrupt
             } else {
                 Moved::No
             }
@@ -1598,6 +1602,8 @@ enum Moved {
     No,
     /// It stays on its source: the target had no room and nothing was copied.
     Refused,
+    /// It stays on its source: bytes the target received failed their checksum.
+    Corrupt,
     /// Neither the target nor the source holds it any more.
     Lost,
 }

@@ -202,6 +202,11 @@ pub struct Cluster {
     /// Handoffs follow prefills layer by layer (`[pd] overlap = "layer"`): the layer groups a
     /// block leaves in; 1 otherwise.
     layer_groups: u32,
+    /// Requests started over ([`Action::Place`] after a start) that no instance can ever hold:
+    /// their records, for the run's.
+    rejected: Vec<RequestRecord>,
+    /// Instances whose migrations out deliver corrupt bytes (a fault; `[migration] corrupt_sends_from`).
+    corrupt_sends_from: Vec<InstanceId>,
     /// Live migrations in progress, by key (the migration id), so iteration order is fixed.
     migrations: BTreeMap<u64, InFlight>,
     next_migration: u64,
@@ -286,6 +291,8 @@ impl Cluster {
             migrations: BTreeMap::new(),
             next_migration: 0,
             layer_groups: 1,
+            corrupt_sends_from: Vec::new(),
+            rejected: Vec::new(),
             transfer_owner: HashMap::new(),
             migrating_out_of: vec![0; instances as usize],
             pending_moves: vec![Vec::new(); instances as usize],
@@ -407,6 +414,12 @@ impl Cluster {
         self.role_changes.clear();
     }
 
+    /// A fault: every migration out of `instances` delivers bytes that fail their checksum at the
+    /// target, as a worker started with `--corrupt-sent-blocks` does.
+    pub fn corrupt_sends_from(&mut self, instances: &[u32]) {
+        self.corrupt_sends_from = instances.iter().map(|&i| InstanceId(i)).collect();
+    }
+
     /// Let Arrow place prefills and handoffs and flip roles (after
     /// [`Cluster::split_prefill_decode`] set its initial pools), profiling `timing` as its
     /// profiler would profile the instances.
@@ -447,6 +460,19 @@ impl Cluster {
                 self.touch(instance.0);
                 let change = RoleChange { at_s: now.as_secs_f64(), instance: instance.0, role: role.to_string() };
                 self.role_changes.push(change);
+            }
+            Action::Drop { request, on } => {
+                // A copy the cluster no longer counts (its KV is computed again elsewhere).
+                self.settle(now, on.0);
+                let _ = self.engines[on.0 as usize].cancel(request);
+                self.touch(on.0);
+            }
+            Action::Place { request, on, fetch: None, .. } => {
+                // Started over: its spec is the controller's.
+                let Some(spec) = self.control.ownership(request).map(|o| o.spec.clone()) else { return };
+                let mut rejected = Vec::new();
+                self.start_on(now, &spec, on, &mut rejected);
+                self.rejected.append(&mut rejected);
             }
             other => debug_assert!(false, "the simulator cannot execute {other:?}"),
         }
@@ -689,6 +715,7 @@ impl Cluster {
                 std::mem::swap(&mut touched, &mut self.touched);
             }
             self.touched = touched;
+            records.append(&mut self.rejected);
             // Handoffs started above put transfers on the fabric.
             if std::mem::take(&mut self.fabric_dirty) {
                 self.schedule_fabric_wake();
@@ -859,6 +886,7 @@ impl Cluster {
         self.next_migration += 1;
         let spec = LiveMigrationSpec {
             layer_groups: self.layer_groups,
+            corrupt: self.corrupt_sends_from.contains(&from),
             ..LiveMigrationSpec::new(MigrationId(key), request, from, to, self.migration.clone())
         };
         let started = match Engines::pick(&mut self.engines, from, to) {
@@ -959,6 +987,8 @@ impl Cluster {
                     MoveOutcome::Committed
                 } else if record.refused() {
                     MoveOutcome::Refused
+                } else if record.checksum_mismatch {
+                    MoveOutcome::Corrupt
                 } else {
                     MoveOutcome::Aborted
                 };

@@ -204,6 +204,11 @@ pub struct MigrationConfig {
     pub max_stages: u32,
     /// Deadline of one migration, ms (then it aborts and the request carries on at its source).
     pub timeout_ms: f64,
+    /// A fault to exercise the checksum check: the instances whose migrations out deliver every
+    /// block with bytes that do not hash to the sender's checksum (a bad NIC or memory), so each
+    /// such move aborts at its target. Empty (default): none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub corrupt_sends_from: Vec<u32>,
 }
 
 impl Default for MigrationConfig {
@@ -214,6 +219,7 @@ impl Default for MigrationConfig {
             stop_copy_ms: p.stop_copy_after.map_or(0.0, |d| d.as_millis_f64()),
             max_stages: p.max_stages,
             timeout_ms: p.timeout.as_millis_f64(),
+            corrupt_sends_from: Vec::new(),
         }
     }
 }
@@ -439,6 +445,12 @@ impl SimConfig {
         self.scheduler.instance.validate().map_err(|e| ConfigError::Invalid(format!("`scheduler.instance`: {e}")))?;
         self.link.validate().map_err(|e| ConfigError::Invalid(format!("link: {e}")))?;
         self.migration.validate()?;
+        if let Some(&i) = self.migration.corrupt_sends_from.iter().find(|&&i| i >= c.instances) {
+            return Err(ConfigError::Invalid(format!(
+                "`migration.corrupt_sends_from` names instance {i}, but the cluster has {} (0..{})",
+                c.instances, c.instances
+            )));
+        }
         self.workload.validate().map_err(|e| ConfigError::Invalid(format!("workload: {e}")))?;
         let (model, gpu) = self.specs()?;
         for (field, tp) in [
@@ -702,6 +714,12 @@ mod tests {
             ("[migration]\nstop_copy_ms = nan", "migration.stop_copy_ms"),
             ("[migration]\nmax_stages = -1", "max_stages = -1 | ^^ invalid value"),
             ("[migration]\nstop_copy_bytes = 1", "unknown field `stop_copy_bytes`"),
+            (
+                "[cluster]\ninstances = 4\n[migration]\ncorrupt_sends_from = [1, 4]",
+                "`migration.corrupt_sends_from` names instance 4, but the cluster has 4 (0..4)",
+            ),
+            ("[migration]\ncorrupt_sends_from = [-1]", "corrupt_sends_from = [-1]"),
+            ("[migration]\ncorrupt_sends_from = 0", "invalid type"),
             ("[scheduler.intra]\nquantum_tokens = 0", "`scheduler.intra` for policy `pascal`"),
             ("[sweep]\npolicies = [\"fcfs\", \"rr\"]\n[scheduler.intra]\ndemotion_tokens = 0", "demotion_tokens"),
             ("[cluster]\nkv_cache_gb = 1e9", "`cluster.kv_cache_gb`: 1000000000000000000 bytes are"),

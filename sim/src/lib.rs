@@ -161,6 +161,7 @@ pub fn run_one_until(
         None => None,
     };
     cluster.split_prefill_decode(&cfg.pd);
+    cluster.corrupt_sends_from(&cfg.migration.corrupt_sends_from);
     if cfg.pd.policy == PdPolicy::Arrow {
         cluster.use_arrow(cfg.pd.arrow, timing.as_ref()).map_err(SimError::Setup)?;
         if let Some(t) = &decode_timing {

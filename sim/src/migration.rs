@@ -59,8 +59,9 @@ use kvfleet_core::metrics::{MigrationOutcome, MigrationRecord};
 use kvfleet_core::{InstanceId, RequestId, Timestamp};
 use kvfleet_netmodel::migration::wire::{frame::Body, BlockData, Frame};
 use kvfleet_netmodel::migration::{
-    block_tokens, checksum, slice_bytes, slice_frame_head, AbortReason, MigrationId, MigrationParams, MigrationReport,
-    Outcome, ParamsError, Slices, SourceAction, SourceMachine, TargetAction, TargetMachine, LAYER_GROUPS,
+    block_tokens, checksum, slice_bytes, slice_frame_head, AbortKind, AbortReason, MigrationId, MigrationParams,
+    MigrationReport, Outcome, ParamsError, Slices, SourceAction, SourceMachine, TargetAction, TargetMachine,
+    LAYER_GROUPS,
 };
 use kvfleet_netmodel::{Fabric, Payload, TransferId};
 use prost::Message as _;
@@ -125,6 +126,9 @@ pub struct LiveMigrationSpec {
     /// A migration following a prefill sends each block in this many layer groups as the
     /// iteration computing it goes (`[pd] overlap = "layer"`); 1: whole blocks.
     pub layer_groups: u32,
+    /// A fault: every block arrives with bytes that do not hash to the source's checksum (the
+    /// target aborts at the first; `[migration] corrupt_sends_from`).
+    pub corrupt: bool,
 }
 
 impl LiveMigrationSpec {
@@ -138,6 +142,7 @@ impl LiveMigrationSpec {
             params,
             reserve_headroom_blocks: RESERVE_HEADROOM_BLOCKS,
             layer_groups: 1,
+            corrupt: false,
         }
     }
 }
@@ -660,6 +665,9 @@ impl LiveMigration {
                 };
                 if let Some(t) = self.target.as_mut() {
                     match grown {
+                        Ok(()) if self.spec.corrupt => {
+                            t.on_write_failed(now, AbortReason::ChecksumMismatch { block: index })
+                        }
                         Ok(()) => t.on_written(now, index),
                         Err(err) => t.on_write_failed(now, AbortReason::TargetOutOfMemory(err.to_string())),
                     }
@@ -720,6 +728,7 @@ impl LiveMigration {
             request: self.spec.request,
             from: self.spec.from,
             to: self.spec.to,
+            checksum_mismatch: matches!(&outcome, Outcome::Aborted(r) if r.kind() == AbortKind::ChecksumMismatch),
             outcome: measured(outcome),
             in_doubt: self.in_doubt,
             bytes: real(report.bytes),

@@ -1,6 +1,7 @@
 //! Random prefill/decode clusters run to the end: whatever the split, Arrow or a static one,
 //! pulled or pushed handoffs, overlap, disaggregation rule, memory and prompt sizes (up to nearly
-//! an instance's whole KV), every request of the workload finishes or is rejected exactly once;
+//! an instance's whole KV), instances whose handoffs fail their checksum (retried, then prefilled
+//! again elsewhere), every request of the workload finishes or is rejected exactly once;
 //! a run never stops with requests held for a handoff nobody takes ([`kvfleet_sim::cluster::Stalled`]).
 
 use kvfleet_sim::config::SimConfig;
@@ -25,6 +26,8 @@ struct Pd {
     rate: &'static str,
     prompt: &'static str,
     answer: &'static str,
+    /// Instances sending corrupt blocks, as a bit mask over the instance ids.
+    corrupt: u32,
 }
 
 impl Pd {
@@ -32,12 +35,15 @@ impl Pd {
         let chunk = self.chunk.map_or(String::new(), |c| format!("[scheduler.intra]\nchunked_prefill_tokens = {c}\n"));
         // Overlap by chunk needs chunks.
         let overlap = if self.overlap == "chunk" && self.chunk.is_none() { "none" } else { self.overlap };
+        let corrupt: Vec<String> =
+            (0..self.instances).filter(|i| self.corrupt & (1 << i) != 0).map(|i| i.to_string()).collect();
+        let corrupt = format!("[migration]\ncorrupt_sends_from = [{}]\n", corrupt.join(", "));
         format!(
             "[cluster]\ninstances = {}\nmodel = \"r1-distill-qwen-32b\"\ngpu = \"h100-80gb\"\nkv_cache_gb = {}\n\
              cpu_swap_gb = {}\n[scheduler]\npolicy = \"fcfs+least-kv\"\n{chunk}[pd]\nprefill_instances = {}\n\
              policy = \"{}\"\nhandoff = \"{}\"\noverlap = \"{overlap}\"\ndisaggregate = \"{}\"\n\
              [pd.arrow]\nslo_ttft_s = 1.5\ncooldown_s = 2.0\ninterval_s = {}\n[slo]\nttft_s = 1.5\ntpot_s = 0.15\n\
-             [link]\nbandwidth_gbps = {}\n[workload]\nseed = {}\nnum_requests = {}\n[workload.arrivals]\n\
+             [link]\nbandwidth_gbps = {}\n{corrupt}[workload]\nseed = {}\nnum_requests = {}\n[workload.arrivals]\n\
              kind = \"gamma\"\nrate = {}\ncv = 3.0\n[workload.lengths]\nkind = \"lognormal\"\nprompt_median = {}\n\
              prompt_sigma = 0.8\nprompt_max = 3900\nreasoning_median = 20.0\nreasoning_sigma = 0.5\n\
              reasoning_max = 100\nanswer_median = {}\nanswer_sigma = 0.8\nanswer_max = 150\n",
@@ -73,6 +79,8 @@ fn pd() -> impl Strategy<Value = Pd> {
         (prop::sample::select(&["0.25", "1.0"][..]), prop::sample::select(&["2", "100"][..])),
         (any::<u64>(), 5..25u32, prop::sample::select(&["1.0", "4.0", "16.0"][..])),
         (prop::sample::select(&["200.0", "1000.0", "3000.0"][..]), prop::sample::select(&["20.0", "100.0"][..])),
+        // Mostly none; else any subset (all of them too).
+        prop_oneof![3 => Just(0u32), 1 => 0..32u32],
     )
         .prop_map(
             |(
@@ -86,6 +94,7 @@ fn pd() -> impl Strategy<Value = Pd> {
                 (interval_s, gbps),
                 (seed, requests, rate),
                 (prompt, answer),
+                corrupt,
             )| Pd {
                 instances,
                 prefill,
@@ -103,6 +112,7 @@ fn pd() -> impl Strategy<Value = Pd> {
                 rate,
                 prompt,
                 answer,
+                corrupt,
             },
         )
 }

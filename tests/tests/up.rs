@@ -698,6 +698,56 @@ fn up_pushes_handoffs_into_full_decoders_and_retries_each_refusal_on_the_next() 
     assert_no_process_left(&out);
 }
 
+/// Handoffs whose bytes fail their checksum, on real processes (`tests/fixtures/corrupt-handoffs.toml`:
+/// 2 prefill + 2 decode workers, prefill worker 0 started with `--corrupt-sent-blocks`). Each
+/// handoff out of worker 0 aborts at its decoder on a checksum mismatch and is tried once more on
+/// the other decoder; then the request is prefilled again on worker 1 (worker 0's copy dropped),
+/// whose handoff commits. Every request completes once, on a decoder.
+#[test]
+fn up_prefills_again_a_request_whose_handoffs_fail_their_checksum_twice() {
+    let tmp = TempDir::new("up-corrupt");
+    let out = tmp.join("out");
+    let config = kvfleet_tests::fixture("corrupt-handoffs.toml");
+    let args = ["up", "-c", config.to_str().expect("utf-8"), "--no-etcd", "--kv-fill", "stamp", "-q", "--out"];
+    let o = run_kvfleet(args.iter().copied().chain([out.to_str().expect("utf-8")]));
+    assert!(o.status.success(), "{}", describe(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert_each_request_once(&out, 12);
+    // request,source,target,outcome,…,abort_reason: one row per move tried.
+    let csv = std::fs::read_to_string(out.join("live-migrations.csv")).expect("the moves' CSV");
+    let mut tries: std::collections::BTreeMap<u64, Vec<(u32, u32, String)>> = Default::default();
+    for row in csv.lines().skip(1) {
+        let f: Vec<&str> = row.splitn(14, ',').collect();
+        let n = |i: usize| f[i].parse::<u32>().unwrap_or_else(|e| panic!("{row}: {e}"));
+        let checksum = f[13].contains("CHECKSUM_MISMATCH");
+        let how = if f[3] == "committed" { "committed".to_string() } else { format!("{} {checksum}", f[3]) };
+        tries.entry(u64::from(n(0))).or_default().push((n(1), n(2), how));
+    }
+    let requests = std::fs::read_to_string(kvfleet_tests::requests_csv(&out)).expect("requests");
+    let mut again = 0;
+    for row in requests.lines().skip(1) {
+        let f: Vec<&str> = row.split(',').collect();
+        let (id, placed_on, finished_on): (u64, u32, u32) =
+            (f[0].parse().unwrap(), f[5].parse().unwrap(), f[6].parse().unwrap());
+        let t = tries.get(&id).unwrap_or_else(|| panic!("request {id} was handed off: {tries:?}"));
+        assert!(finished_on >= 2, "request {id} finished on a decoder: {row}");
+        let (last, before) = t.split_last().expect("a try");
+        assert_eq!((last.0, last.2.as_str()), (1, "committed"), "request {id}: handed off from worker 1: {t:?}");
+        assert_eq!(placed_on, 1, "request {id}: its finishing copy was prefilled on worker 1: {row}");
+        if before.is_empty() {
+            continue;
+        }
+        again += 1;
+        assert!(before.iter().all(|b| b.0 == 0 && b.2 != "committed"), "request {id}: {t:?}");
+        let corrupt = before.iter().filter(|b| b.2 == "aborted true").count();
+        assert!(corrupt >= 2 && before.last().unwrap().2 == "aborted true", "request {id}: {t:?}");
+        assert!(before.len() <= 3, "request {id}: one retry (and a try lost to a race at most): {t:?}");
+    }
+    assert!(again >= 2, "requests prefilled on worker 0 were prefilled again on worker 1: {again}\n{stdout}");
+    eprintln!("{again} of 12 prefilled again after two checksum mismatches");
+    assert_no_process_left(&out);
+}
+
 /// Cache-aware placement (`tests/fixtures/cache-aware.toml`): the leader has a worker copy a
 /// cached prompt prefix from the worker holding it before it submits the request; the bytes move
 /// between the worker processes over QUIC, whole 4 MiB blocks, every one passing its checks, and

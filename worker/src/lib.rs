@@ -479,7 +479,12 @@ fn start_migrator(
     };
     let params = opts.migration_params(block_size, block_bytes).map_err(|e| WorkerError::Migration(e.to_string()))?;
     let link = migrate::trace::LinkShape { gbps: opts.link_gbps.unwrap_or(0.0), latency_us: opts.link_latency_us };
-    let cfg = migrate::MigrateConfig { params, streams: opts.migration_streams, link };
+    let cfg = migrate::MigrateConfig {
+        params,
+        streams: opts.migration_streams,
+        link,
+        corrupt_sent_blocks: opts.corrupt_sent_blocks,
+    };
     Ok(migrate::Migrator::new(transport, commands, clock, cfg, opts.instance))
 }
 

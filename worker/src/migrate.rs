@@ -33,10 +33,12 @@ use crate::ledger::{Refusal, Settle};
 use bytes::Bytes;
 use kvfleet_core::kv::BlockHash;
 use kvfleet_core::{RequestId, Timestamp};
-use kvfleet_netmodel::migration::wire::{frame::Body, BlockHash as WireHash, Frame, PrefixBlock, PrefixPull};
+use kvfleet_netmodel::migration::wire::{
+    frame::Body, BlockData, BlockHash as WireHash, Frame, PrefixBlock, PrefixPull,
+};
 use kvfleet_netmodel::migration::{
-    block_frame_head, block_tokens, checksum, slice_bytes, slice_frame_head, AbortReason, MigrationId, MigrationParams,
-    MigrationReport, MoveOrder, Outcome, SourceAction, SourceMachine, TargetAction, TargetMachine,
+    block_frame_head, block_tokens, checksum, slice_bytes, slice_frame_head, AbortKind, AbortReason, MigrationId,
+    MigrationParams, MigrationReport, MoveOrder, Outcome, SourceAction, SourceMachine, TargetAction, TargetMachine,
     BLOCK_DATA_PAYLOAD_PATH,
 };
 use kvfleet_proto::v1;
@@ -67,6 +69,10 @@ const READ_AHEAD_BLOCKS: usize = 2;
 /// A target's inbound data-stream frames, each with its block's data if it arrived apart.
 type DataRoute = mpsc::UnboundedSender<(Frame, Option<Payload>)>;
 
+/// How long a source whose data stream broke waits for the target's `Abort` on the control
+/// stream (which says why) before it counts the connection lost.
+const ABORT_GRACE: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// How this worker migrates.
 #[derive(Clone, Debug)]
 pub struct MigrateConfig {
@@ -76,6 +82,8 @@ pub struct MigrateConfig {
     pub streams: usize,
     /// The shaping of this worker's outbound link (span attributes).
     pub link: trace::LinkShape,
+    /// A fault: every block sent carries a checksum its bytes do not match (`--corrupt-sent-blocks`).
+    pub corrupt_sent_blocks: bool,
 }
 
 /// The worker's live-migration endpoint (both roles).
@@ -383,7 +391,17 @@ impl Migrator {
                             m.on_blocks_sent(self.now(), stage);
                         }
                         Ok((_, Err(e))) if e.starts_with("read:") => m.on_read_failed(self.now(), e),
-                        _ => m.on_disconnect(self.now()),
+                        _ => {
+                            // A data stream broke. A target that aborted (a block failed its
+                            // checksum, it ran out of room) resets them as its Abort leaves on the
+                            // control stream: that says why, if it comes at once.
+                            if let Ok(Some(Some(frame))) = tokio::time::timeout(ABORT_GRACE, frames.recv()).await {
+                                m.on_frame(self.now(), frame);
+                            }
+                            if m.outcome().is_none() {
+                                m.on_disconnect(self.now());
+                            }
+                        }
                     }
                 }
                 paused = async { pausing.as_mut().expect("guarded").await }, if pausing.is_some() => {
@@ -455,6 +473,7 @@ impl Migrator {
         let n = writers.len().max(1);
         let bs = self.cfg.params.block_size;
         let block_bytes = self.cfg.params.block_bytes;
+        let corrupt = self.cfg.corrupt_sent_blocks;
         // Scoped: a copy aborted mid-stage (the migration timed out or its target refused)
         // takes its per-stream tasks, and with them their read-ahead, down with it.
         let mut tasks = Vec::new();
@@ -479,6 +498,7 @@ impl Migrator {
                         }
                         None => (block_frame_head(id, stage, i, tokens, &data), data),
                     };
+                    let head = if corrupt { BlockData { checksum: !head.checksum, ..head } } else { head };
                     if let Err(e) = w.send_with_payload(&head, &BLOCK_DATA_PAYLOAD_PATH, data).await {
                         return (w, Err(format!("send: {e}")));
                     }
@@ -918,6 +938,7 @@ pub fn stats_proto(r: &MigrationReport, source: u32, target: u32) -> v1::Migrati
             _ => String::new(),
         },
         in_doubt: matches!(r.outcome, Some(Outcome::Unknown(_))),
+        checksum_mismatch: matches!(&r.outcome, Some(Outcome::Aborted(e)) if e.kind() == AbortKind::ChecksumMismatch),
         bytes_skipped: r.bytes_skipped,
     }
 }

@@ -145,6 +145,11 @@ pub struct WorkerOptions {
     /// migrations out are always checked).
     #[arg(long)]
     pub verify_kv: bool,
+    /// A fault, to exercise the checksum check: every KV block this worker migrates out carries a
+    /// checksum its bytes do not match, as if they were corrupted on the way, so each move out of
+    /// it aborts at its target (`[migration] corrupt_sends_from` in `kvfleet up`).
+    #[arg(long)]
+    pub corrupt_sent_blocks: bool,
     /// Address to receive live KV migrations on (QUIC/UDP; mutual TLS with the cluster
     /// certificate). Default: the `--listen` IP, any free port. Needs a cluster certificate: with
     /// `--plaintext` there is no live migration (the coordinator re-materialises KV instead).

@@ -69,6 +69,39 @@ async fn a_running_request_moves_with_its_kv_bytes_and_continues_on_the_target()
     assert_eq!(gone.unwrap_err().code(), tonic::Code::NotFound);
 }
 
+/// A source started with `--corrupt-sent-blocks` (its blocks' checksums do not match their
+/// bytes): the target aborts at the first block, the source's reply says it was a checksum
+/// mismatch (not a lost connection: the target resets the data streams as its Abort leaves), and
+/// the request carries on at the source, finishing there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_failing_their_checksum_abort_the_move_and_the_reply_says_so() {
+    let pki = TestPki::new("corrupt");
+    let args = ["--kv-fill", "stamp", "--kv-memory", "256MiB"];
+    let a = WorkerProc::start_tls(&[&args[..], &["--instance", "0", "--corrupt-sent-blocks"]].concat(), &pki, "w0");
+    let b = WorkerProc::start_tls(&[&args[..], &["--instance", "1"]].concat(), &pki, "w1");
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    let target_kv = cb.info(v1::InfoRequest {}).await.unwrap().into_inner().kv_address;
+    submit(&mut ca, spec(3, a.cluster_now_ns(), 300, 100, 20)).await;
+    collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| indices(c, 3).len() >= 3).await;
+    for _ in 0..3 {
+        let req = v1::MigrateOutRequest {
+            request_id: 3,
+            target: 1,
+            target_kv_address: target_kv.clone(),
+            ..Default::default()
+        };
+        let out = ca.migrate_out(req).await.unwrap().into_inner();
+        assert_eq!(out.outcome(), v1::MigrationOutcome::MigrationAborted, "{out:?}");
+        let st = out.stats.expect("stats");
+        assert!(st.checksum_mismatch, "the reply names the cause: {st:?}");
+        assert!(st.abort_reason.contains("CHECKSUM_MISMATCH"), "{}", st.abort_reason);
+        assert!(st.stage_bytes.iter().sum::<u64>() > 0, "blocks were sent: {st:?}");
+    }
+    let on_a = collect_until(&mut ca, 0, EVENTS_TIMEOUT, |c| c.finished.contains_key(&3)).await;
+    assert_eq!(indices(&on_a, 3), (0..120).collect::<Vec<_>>(), "every token once, at the source");
+    assert_eq!(on_a.finished[&3].migrations, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_migrations_abort_and_the_request_finishes_on_the_source() {
     let pki = TestPki::new("abort");

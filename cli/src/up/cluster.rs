@@ -652,6 +652,9 @@ pub fn start(args: &ClusterSpec, rt: &tokio::runtime::Runtime, cluster: &mut Clu
         if let Some(c) = args.cfg.scheduler.intra.chunked_prefill_tokens {
             a.extend(["--chunked-prefill-tokens".into(), c.to_string()]);
         }
+        if args.cfg.migration.corrupt_sends_from.contains(&i) {
+            a.push("--corrupt-sent-blocks".into());
+        }
         if args.cfg.pd.policy == kvfleet_sim::config::PdPolicy::Arrow && !args.cfg.pd.is_off() {
             // Each worker measures Arrow's profile of itself on its own timing (live kernels under
             // `timing = "cuda"`, cached on disk) and registers it; the leader weighs it with that.

@@ -33,6 +33,7 @@ fn record(m: &MigrationStats) -> MigrationRecord {
         from: InstanceId(m.source),
         to: InstanceId(m.target),
         outcome,
+        checksum_mismatch: m.checksum_mismatch,
         in_doubt: m.in_doubt,
         bytes: m.bytes,
         bytes_skipped: m.bytes_skipped,
@@ -70,7 +71,7 @@ fn records_table(migrations: &[MigrationRecord]) -> String {
     let stages = ok.iter().map(|m| f64::from(m.stages())).sum::<f64>() / ok.len().max(1) as f64;
     let refused = migrations.iter().filter(|m| m.refused()).count();
     // Blocks whose bytes did not hash to the sender's checksum at the target (the move aborts).
-    let corrupt = migrations.iter().filter(|m| m.abort_reason().is_some_and(|r| r.contains("checksum"))).count();
+    let corrupt = migrations.iter().filter(|m| m.checksum_mismatch).count();
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -142,6 +143,7 @@ mod tests {
             abort_reason: abort_reason.into(),
             in_doubt: false,
             bytes_skipped: 4096,
+            checksum_mismatch: false,
         }
     }
 
@@ -164,7 +166,10 @@ mod tests {
             stats(1 << 27, 15_000_000, ""),
             stats(0, 0, &format!("{REFUSED_PREFIX}: no room")),
             stats(4096, 0, "timed out \"copying\""),
-            stats(8192, 0, "Gpu block 3: received bytes hash to 0x1, the sender's checksum is 0x2"),
+            MigrationStats {
+                checksum_mismatch: true,
+                ..stats(8192, 0, "peer aborted (ABORT_CODE_CHECKSUM_MISMATCH): checksum mismatch in block 3")
+            },
         ];
         for (m, r) in log.iter().zip(records(&log)) {
             assert_eq!((m.outcome_name(), m.abort_reason.as_str()), (r.outcome_name(), r.abort_reason().unwrap_or("")));

@@ -665,6 +665,75 @@ fn handoffs_go_from_prefill_to_decode_instances() {
     assert_eq!(c.ownership(RequestId(8)).unwrap().migrations, 1);
 }
 
+/// A handoff whose bytes fail their checksum at the target: tried once more on the other
+/// decoder; failing again, the held copy is dropped and the request starts over (its KV computed
+/// again) on the other prefill instance, not the one whose bytes failed (on a decoder where no
+/// other instance prefills); that is done once: a request whose handoffs fail their checksum twice
+/// more decodes where it was prefilled again.
+#[test]
+fn a_handoff_failing_its_checksum_twice_is_prefilled_again_elsewhere_once() {
+    let mut c = ctl("least-kv", 4);
+    for (i, role) in [Role::Prefill, Role::Prefill, Role::Decode, Role::Decode].into_iter().enumerate() {
+        c.set_role(InstanceId(i as u32), role);
+        c.handle(Timestamp::ZERO, Event::Load(load(i as u32, [30, 0, 20, 10][i], 0))).unwrap();
+    }
+    while c.poll_action().is_some() {}
+    let id = RequestId(7);
+    let at = place(&mut c, spec(7, 10));
+    assert_eq!(at, InstanceId(1));
+    let ended = |from, to, outcome| Event::MigrationEnded { request: id, from, to, outcome };
+    let actions = c.decide(Timestamp::ZERO, Event::PrefillDone { request: id, instance: at, kv_blocks: 1 }).unwrap();
+    assert_eq!(actions, vec![Action::Migrate { request: id, from: at, to: InstanceId(3), kv_blocks: 1 }]);
+    // First mismatch: the other decoder.
+    let actions = c.decide(Timestamp::ZERO, ended(at, InstanceId(3), MoveOutcome::Corrupt)).unwrap();
+    assert_eq!(actions, vec![Action::Migrate { request: id, from: at, to: InstanceId(2), kv_blocks: 1 }]);
+    // An abort for another cause in between does not count as a mismatch.
+    let actions = c.decide(Timestamp::ZERO, ended(at, InstanceId(2), MoveOutcome::Aborted)).unwrap();
+    assert_eq!(actions, vec![Action::Migrate { request: id, from: at, to: InstanceId(3), kv_blocks: 1 }]);
+    // Second mismatch: dropped here, prefilled again on the other prefill instance.
+    let actions = c.decide(Timestamp::ZERO, ended(at, InstanceId(3), MoveOutcome::Corrupt)).unwrap();
+    let again = InstanceId(0);
+    assert_eq!(
+        actions,
+        vec![Action::Drop { request: id, on: at }, Action::Place { request: id, on: again, replaced: 1, fetch: None }]
+    );
+    let o = c.ownership(id).unwrap();
+    assert_eq!((o.instance, o.replaced, o.reprefilled, o.migrating_to), (again, 1, 1, None));
+    // A late event from the dropped copy changes nothing.
+    let stale = c.decide(Timestamp::ZERO, Event::PrefillDone { request: id, instance: at, kv_blocks: 1 }).unwrap();
+    assert_eq!(stale, vec![Action::Drop { request: id, on: at }]);
+    // Prefilled again; its handoffs fail their checksum twice more: it decodes there.
+    let actions = c.decide(Timestamp::ZERO, Event::PrefillDone { request: id, instance: again, kv_blocks: 1 }).unwrap();
+    let [Action::Migrate { to, .. }] = actions.as_slice() else { panic!("{actions:?}") };
+    let actions = c.decide(Timestamp::ZERO, ended(again, *to, MoveOutcome::Corrupt)).unwrap();
+    let [Action::Migrate { to, .. }] = actions.as_slice() else { panic!("{actions:?}") };
+    let actions = c.decide(Timestamp::ZERO, ended(again, *to, MoveOutcome::Corrupt)).unwrap();
+    assert_eq!(actions, vec![Action::Release { request: id, on: again }], "computed again once only");
+    assert_eq!(c.ownership(id).unwrap().reprefilled, 1);
+
+    // With no other prefill instance, it is prefilled again on a decoder (and decodes there).
+    let mut c = ctl("least-kv", 2);
+    for (i, role) in [Role::Prefill, Role::Decode].into_iter().enumerate() {
+        c.set_role(InstanceId(i as u32), role);
+        c.handle(Timestamp::ZERO, Event::Load(load(i as u32, 0, 0))).unwrap();
+    }
+    while c.poll_action().is_some() {}
+    let at = place(&mut c, spec(7, 10));
+    c.decide(Timestamp::ZERO, Event::PrefillDone { request: id, instance: at, kv_blocks: 1 }).unwrap();
+    let actions = c.decide(Timestamp::ZERO, ended(at, InstanceId(1), MoveOutcome::Corrupt)).unwrap();
+    assert!(actions.is_empty(), "not the decoder that just failed it: it waits for its next report: {actions:?}");
+    let actions = c.decide(Timestamp::ZERO, Event::Load(load(1, 0, 0))).unwrap();
+    assert_eq!(actions, vec![Action::Migrate { request: id, from: at, to: InstanceId(1), kv_blocks: 1 }]);
+    let actions = c.decide(Timestamp::ZERO, ended(at, InstanceId(1), MoveOutcome::Corrupt)).unwrap();
+    assert_eq!(
+        actions,
+        vec![
+            Action::Drop { request: id, on: at },
+            Action::Place { request: id, on: InstanceId(1), replaced: 1, fetch: None }
+        ]
+    );
+}
+
 /// A handoff no decode instance has room for waits, held, and goes first come first served to the
 /// first decode instance that reports room.
 #[test]

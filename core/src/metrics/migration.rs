@@ -58,6 +58,9 @@ pub struct MigrationRecord {
     pub to: InstanceId,
     /// How it ended.
     pub outcome: MigrationOutcome,
+    /// Aborted because bytes the target received did not hash to the source's checksum.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub checksum_mismatch: bool,
     /// The source's deadline passed between `Commit` and `CommitReply`, so the outcome was
     /// settled from the target's side. The emulator's log does not say (always `false` there).
     pub in_doubt: bool,

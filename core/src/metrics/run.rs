@@ -258,6 +258,8 @@ pub struct LiveMigrations {
     pub aborted: u64,
     /// The target declined the `Prepare` (no room); the controller may have tried another.
     pub refused: u64,
+    /// Of the aborted ones, those whose bytes failed their checksum at the target.
+    pub checksum_mismatches: u64,
     /// The source's deadline passed between `Commit` and `CommitReply`; settled by the target.
     pub in_doubt: u64,
     /// Copy stages per committed migration, the stop-and-copy one included.
@@ -285,6 +287,7 @@ impl LiveMigrations {
             committed: ok.len() as u64,
             aborted: records.len() as u64 - ok.len() as u64 - refused,
             refused,
+            checksum_mismatches: records.iter().filter(|r| r.checksum_mismatch).count() as u64,
             in_doubt: records.iter().filter(|r| r.in_doubt).count() as u64,
             stages_avg: Distribution::new(ok.iter().map(|r| f64::from(r.stages())).collect()).mean(),
             downtime_p50_s: downtime.percentile(0.5),

@@ -45,6 +45,7 @@ fn run_pd(cfg: &SimConfig, policy: Box<dyn InstancePolicy>, pd: &PdConfig, reque
     )
     .unwrap();
     cluster.split_prefill_decode(pd);
+    cluster.corrupt_sends_from(&cfg.migration.corrupt_sends_from);
     cluster.run(requests, |_| {}).expect("the run ends within RUN_LIMIT")
 }
 
@@ -419,6 +420,44 @@ fn pushed_handoffs_to_full_decoders_are_refused_and_retried_never_dropped() {
     }
     assert!(refusals[0] > 0, "pushed into full decoders: refused {refusals:?}");
     assert_eq!(refusals[1], 0, "pulled: each waits for room");
+}
+
+/// Prefill instance 0 corrupts every block it sends (`[migration] corrupt_sends_from = [0]`):
+/// each handoff out of it aborts at its target on a checksum mismatch, is tried once more on the
+/// other decoder, then the request is prefilled again on instance 1, whose handoff commits. Every
+/// request finishes once, on a decoder; nothing from instance 0 ever commits.
+#[test]
+fn handoffs_failing_their_checksum_are_retried_once_then_prefilled_again() {
+    let mut cfg = SimConfig::default();
+    cfg.cluster.instances = 4;
+    cfg.migration.corrupt_sends_from = vec![0];
+    let requests: Vec<RequestSpec> = (0..8).map(|i| request(i, 0.2 * i as f64, 1000, 0, 50)).collect();
+    let policy = build_policy("least-kv", &cfg.scheduler.instance).unwrap();
+    let out = run_split(&cfg, policy, 2, &requests);
+    let mut ids: Vec<u64> = out.records.iter().map(|r| r.id.0).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, (0..8).collect::<Vec<_>>(), "each once");
+    let mut again = 0;
+    for r in &out.records {
+        assert!(!r.rejected, "{}", r.id);
+        assert!(r.finished_on.is_some_and(|i| i.0 >= 2), "{} finished on a decoder: {:?}", r.id, r.finished_on);
+        let moves: Vec<_> = out.migrations.iter().filter(|m| m.request == r.id).collect();
+        let corrupt: Vec<_> = moves.iter().filter(|m| m.checksum_mismatch).collect();
+        if corrupt.is_empty() {
+            assert_eq!(r.placed_on, InstanceId(1), "{}: only instance 0 corrupts", r.id);
+            continue;
+        }
+        again += 1;
+        assert_eq!(corrupt.len(), 2, "{}: one try, one retry: {moves:?}", r.id);
+        assert!(corrupt.iter().all(|m| m.from == InstanceId(0) && !m.committed() && m.bytes > 0), "{moves:?}");
+        assert_ne!(corrupt[0].to, corrupt[1].to, "{}: the retry goes to the other decoder", r.id);
+        assert_eq!(r.placed_on, InstanceId(1), "{}: prefilled again on the other prefill instance", r.id);
+        let handed = moves.iter().filter(|m| m.committed()).collect::<Vec<_>>();
+        assert!(handed.len() == 1 && handed[0].from == InstanceId(1), "{}: {moves:?}", r.id);
+        assert!(handed[0].start > corrupt[1].end, "{}", r.id);
+    }
+    assert!(again >= 2, "requests prefilled on instance 0 were prefilled again: {again}");
+    assert!(out.migrations.iter().all(|m| m.from != InstanceId(0) || m.checksum_mismatch), "nothing from 0 commits");
 }
 
 /// Prompts whose KV leaves a decoder less than the handoff headroom (3,950 of its 4,096 tokens):
