@@ -744,6 +744,8 @@ fn up_prefills_again_a_request_whose_handoffs_fail_their_checksum_twice() {
         assert!(before.len() <= 3, "request {id}: one retry (and a try lost to a race at most): {t:?}");
     }
     assert!(again >= 2, "requests prefilled on worker 0 were prefilled again on worker 1: {again}\n{stdout}");
+    let counted = format!("| {again} prefilled again after checksum mismatches");
+    assert!(stdout.lines().any(|l| l.contains("handoffs: ") && l.ends_with(&counted)), "{counted}:\n{stdout}");
     eprintln!("{again} of 12 prefilled again after two checksum mismatches");
     assert_no_process_left(&out);
 }

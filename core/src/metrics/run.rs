@@ -201,6 +201,10 @@ pub struct HandoffTimes {
     pub q3_p50_s: Option<f64>,
     /// P99 of q3.
     pub q3_p99_s: Option<f64>,
+    /// Requests prefilled again on another instance after their handoffs' bytes failed their
+    /// checksum: one with such a move out of an instance other than the one its finishing copy
+    /// was placed on.
+    pub prefilled_again: u64,
 }
 
 impl HandoffTimes {
@@ -227,7 +231,21 @@ impl HandoffTimes {
             (d.percentile(0.5), d.percentile(0.99))
         };
         let ((q2_p50_s, q2_p99_s), (c_p50_s, c_p99_s), (q3_p50_s, q3_p99_s)) = (p(q2), p(c), p(q3));
-        HandoffTimes { handoffs: first.len() as u64, q2_p50_s, q2_p99_s, c_p50_s, c_p99_s, q3_p50_s, q3_p99_s }
+        let corrupt_from: std::collections::HashSet<(RequestId, crate::ids::InstanceId)> =
+            migrations.iter().filter(|m| m.checksum_mismatch).map(|m| (m.request, m.from)).collect();
+        let prefilled_again =
+            records.iter().filter(|r| corrupt_from.iter().any(|&(id, from)| id == r.id && from != r.placed_on)).count()
+                as u64;
+        HandoffTimes {
+            handoffs: first.len() as u64,
+            q2_p50_s,
+            q2_p99_s,
+            c_p50_s,
+            c_p99_s,
+            q3_p50_s,
+            q3_p99_s,
+            prefilled_again,
+        }
     }
 }
 
@@ -244,7 +262,11 @@ impl std::fmt::Display for HandoffTimes {
             ms(self.c_p99_s),
             ms(self.q3_p50_s),
             ms(self.q3_p99_s)
-        )
+        )?;
+        if self.prefilled_again > 0 {
+            write!(f, " | {} prefilled again after checksum mismatches", self.prefilled_again)?;
+        }
+        Ok(())
     }
 }
 
@@ -353,5 +375,33 @@ mod tests {
         let overlapped = HandoffTimes::new(&records[..1], &[m(0, 0.5, 1.6, MigrationOutcome::Committed)]);
         assert_eq!(overlapped.q2_p99_s, Some(0.0));
         assert_eq!(HandoffTimes::new(&records, &[]).handoffs, 0);
+        assert_eq!(h.prefilled_again, 0);
+        assert!(!line.contains("prefilled again"), "{line}");
+    }
+
+    /// A request counts as prefilled again when a move out of another instance than the one its
+    /// finishing copy was placed on failed its checksum; a mismatch retried from the same
+    /// instance, or an abort for another cause, does not count.
+    #[test]
+    fn requests_prefilled_again_after_checksum_mismatches_are_counted() {
+        let rec =
+            |id, placed_on| RequestRecord { id: RequestId(id), placed_on: InstanceId(placed_on), ..Default::default() };
+        let m = |id, from, checksum_mismatch| MigrationRecord {
+            request: RequestId(id),
+            from: InstanceId(from),
+            to: InstanceId(3),
+            outcome: MigrationOutcome::Aborted("x".into()),
+            checksum_mismatch,
+            ..Default::default()
+        };
+        // 0: mismatches out of 0, finished as placed on 1 (prefilled again); 1: a mismatch out of
+        // 1, retried from 1; 2: an abort for another cause out of 0; 3: mismatches out of 0 and 1,
+        // placed on 1 last (prefilled again once).
+        let records = vec![rec(0, 1), rec(1, 1), rec(2, 1), rec(3, 1)];
+        let migrations =
+            vec![m(0, 0, true), m(0, 0, true), m(1, 1, true), m(2, 0, false), m(3, 0, true), m(3, 1, true)];
+        let h = HandoffTimes::new(&records, &migrations);
+        assert_eq!(h.prefilled_again, 2);
+        assert!(h.to_string().ends_with(" | 2 prefilled again after checksum mismatches"), "{h}");
     }
 }
