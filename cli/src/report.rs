@@ -200,13 +200,14 @@ fn opt_cell(v: Option<f64>) -> String {
 }
 
 const REQUESTS_HEADER: &str = "id,arrival_s,prompt_tokens,reasoning_tokens,answer_tokens,placed_on,finished_on,\
-ttft_s,ttfat_s,e2e_s,blocking_s,qoe,preemptions,migrations,rejected,cached_tokens,q3_s";
+ttft_s,ttfat_s,e2e_s,blocking_s,qoe,preemptions,migrations,rejected,cached_tokens,q3_s,replaced";
 
 /// One request as a CSV line (no newline). Latencies follow [`kvfleet_core::metrics::summary`]:
 /// a rejected request has none. `q3_s` is the wait in the queue of the instance its last
 /// migration moved it to (a prefill → decode handoff's decode-queue wait): from that migration's
 /// commit (`migrated_in`) to the start of the first iteration that ran it there; empty for a
-/// request that never migrated.
+/// request that never migrated. `replaced`: times the cluster started it over on another
+/// instance (its instance died, or its handoff's bytes failed their checksum twice).
 fn request_row(r: &RequestRecord) -> String {
     let live = !r.rejected;
     let (ttfat, e2e, blocking, q3) = if live {
@@ -220,7 +221,7 @@ fn request_row(r: &RequestRecord) -> String {
         Default::default()
     };
     format!(
-        "{},{:.6},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+        "{},{:.6},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
         r.id.0,
         r.arrival.as_secs_f64(),
         r.prompt_tokens,
@@ -238,6 +239,7 @@ fn request_row(r: &RequestRecord) -> String {
         r.rejected,
         r.cached_tokens,
         q3,
+        r.replaced,
     )
 }
 
@@ -453,6 +455,7 @@ pub(crate) mod fixtures {
                     rejected,
                     migrated_in: (i % 3 == 0).then_some(t(arrival + 0.07)),
                     first_scheduled_after_migration: (i % 3 == 0).then_some(t(arrival + 0.0725)),
+                    replaced: 0,
                 }
             })
             .collect()

@@ -951,7 +951,9 @@ impl Leader {
     /// The instance of a late copy is told to forget it ([`Leader::forget_late_copy`]): it
     /// remembers the request as finished, and would refuse it as "already run" when it is handed
     /// off or moved there, or answer "already accepted" and never run it when placed there again.
-    async fn finish(self: &Arc<Self>, rec: RequestRecord, from: InstanceId) -> Result<(), LeaderError> {
+    async fn finish(self: &Arc<Self>, mut rec: RequestRecord, from: InstanceId) -> Result<(), LeaderError> {
+        // Its worker counts nothing of the cluster's: how often it started over is the owner's.
+        rec.replaced = self.control().ownership(rec.id).filter(|o| o.instance == from).map_or(0, |o| o.replaced);
         match self.decide(Event::Finished { request: rec.id, from: Some(from) }) {
             Ok(actions) => {
                 if !actions.is_empty() {

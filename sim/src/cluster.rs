@@ -615,7 +615,9 @@ impl Cluster {
                         self.engines[i as usize].complete_iteration(now, &mut events_buf);
                         for ev in std::mem::take(&mut events_buf) {
                             match ev {
-                                EngineEvent::Finished(r) => {
+                                EngineEvent::Finished(mut r) => {
+                                    // How often it started over is the controller's count.
+                                    r.replaced = self.control.ownership(r.id).map_or(0, |o| o.replaced);
                                     let _ = self
                                         .control
                                         .handle(now, Control::Finished { request: r.id, from: Some(InstanceId(i)) });

@@ -163,6 +163,13 @@ fn up_with_etcd_replaces_the_requests_of_a_killed_worker() {
     let s = summary(&out);
     assert_eq!(s["requests_finished"], 30, "{s}");
     assert_each_request_once(&out, 30);
+    // The requests it ran started over elsewhere, and their records say so.
+    let csv = std::fs::read_to_string(kvfleet_tests::requests_csv(&out)).expect("requests");
+    let again: Vec<&str> = csv.lines().skip(1).filter(|l| l.rsplit(',').next() != Some("0")).collect();
+    assert!(!again.is_empty(), "no request started over:\n{csv}");
+    assert!(again.iter().all(|l| l.split(',').nth(6) != Some("0")), "finished elsewhere: {again:?}");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains(&format!("; {} started over on another instance;", again.len())), "{stdout}");
     assert_no_process_left(&out);
 }
 
@@ -729,21 +736,25 @@ fn up_prefills_again_a_request_whose_handoffs_fail_their_checksum_twice() {
         let f: Vec<&str> = row.split(',').collect();
         let (id, placed_on, finished_on): (u64, u32, u32) =
             (f[0].parse().unwrap(), f[5].parse().unwrap(), f[6].parse().unwrap());
+        let replaced: u32 = f[17].parse().unwrap_or_else(|e| panic!("{row}: {e}"));
         let t = tries.get(&id).unwrap_or_else(|| panic!("request {id} was handed off: {tries:?}"));
         assert!(finished_on >= 2, "request {id} finished on a decoder: {row}");
         let (last, before) = t.split_last().expect("a try");
         assert_eq!((last.0, last.2.as_str()), (1, "committed"), "request {id}: handed off from worker 1: {t:?}");
         assert_eq!(placed_on, 1, "request {id}: its finishing copy was prefilled on worker 1: {row}");
         if before.is_empty() {
+            assert_eq!(replaced, 0, "request {id}: {row}");
             continue;
         }
         again += 1;
+        assert_eq!(replaced, 1, "request {id}: its record counts the start over: {row}");
         assert!(before.iter().all(|b| b.0 == 0 && b.2 != "committed"), "request {id}: {t:?}");
         let corrupt = before.iter().filter(|b| b.2 == "aborted true").count();
         assert!(corrupt >= 2 && before.last().unwrap().2 == "aborted true", "request {id}: {t:?}");
         assert!(before.len() <= 3, "request {id}: one retry (and a try lost to a race at most): {t:?}");
     }
     assert!(again >= 2, "requests prefilled on worker 0 were prefilled again on worker 1: {again}\n{stdout}");
+    assert!(stdout.contains(&format!("; {again} started over on another instance;")), "{again}:\n{stdout}");
     let counted = format!("| {again} prefilled again after checksum mismatches");
     assert!(stdout.lines().any(|l| l.contains("handoffs: ") && l.ends_with(&counted)), "{counted}:\n{stdout}");
     eprintln!("{again} of 12 prefilled again after two checksum mismatches");

@@ -154,6 +154,7 @@ impl From<&RequestRecord> for v1::RequestRecord {
             cached_tokens: r.cached_tokens,
             migrated_in_ns: ns(r.migrated_in),
             first_scheduled_after_migration_ns: ns(r.first_scheduled_after_migration),
+            replaced: r.replaced,
         }
     }
 }
@@ -181,6 +182,7 @@ impl From<&v1::RequestRecord> for RequestRecord {
             rejected: r.rejected,
             migrated_in: time(r.migrated_in_ns),
             first_scheduled_after_migration: time(r.first_scheduled_after_migration_ns),
+            replaced: r.replaced,
         }
     }
 }

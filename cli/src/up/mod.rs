@@ -273,13 +273,14 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         let rejected = replayed.rejected();
         say!(
             "{} of {} requests finished, {} rejected (never fit an instance), {} failed, in {:.1} s; {} migrated (at </think> or handed off); \
-             {} resumed after a leader change; {} client retries",
+             {} started over on another instance; {} resumed after a leader change; {} client retries",
             replayed.ok.len() - rejected,
             total,
             rejected,
             replayed.failed.len(),
             replayed.span_s,
             replayed.migrated(),
+            replayed.ok.iter().filter(|r| r.replaced > 0).count(),
             stats.resumed.load(Ordering::Relaxed),
             stats.retries.load(Ordering::Relaxed)
         );

@@ -55,4 +55,9 @@ pub struct RequestRecord {
     /// when it never migrated, or nothing ran it since its last attach.
     #[serde(default)]
     pub first_scheduled_after_migration: Option<Timestamp>,
+    /// Times the cluster started it over on another instance (its instance died, or its
+    /// handoff's bytes failed their checksum twice): the controller's count, set on its final
+    /// record; 0 where it ran where it was placed.
+    #[serde(default)]
+    pub replaced: u32,
 }

@@ -444,10 +444,11 @@ fn handoffs_failing_their_checksum_are_retried_once_then_prefilled_again() {
         let moves: Vec<_> = out.migrations.iter().filter(|m| m.request == r.id).collect();
         let corrupt: Vec<_> = moves.iter().filter(|m| m.checksum_mismatch).collect();
         if corrupt.is_empty() {
-            assert_eq!(r.placed_on, InstanceId(1), "{}: only instance 0 corrupts", r.id);
+            assert_eq!((r.placed_on, r.replaced), (InstanceId(1), 0), "{}: only instance 0 corrupts", r.id);
             continue;
         }
         again += 1;
+        assert_eq!(r.replaced, 1, "{}: its record counts the start over", r.id);
         assert_eq!(corrupt.len(), 2, "{}: one try, one retry: {moves:?}", r.id);
         assert!(corrupt.iter().all(|m| m.from == InstanceId(0) && !m.committed() && m.bytes > 0), "{moves:?}");
         assert_ne!(corrupt[0].to, corrupt[1].to, "{}: the retry goes to the other decoder", r.id);
