@@ -472,6 +472,14 @@ pub enum Outcome {
     Unknown(AbortReason),
 }
 
+impl Outcome {
+    /// Aborted because a block's bytes did not hash to the sender's checksum (found by this side,
+    /// or by the peer, whose `Abort` said so).
+    pub fn checksum_mismatch(&self) -> bool {
+        matches!(self, Outcome::Aborted(r) if r.kind() == AbortKind::ChecksumMismatch)
+    }
+}
+
 impl fmt::Display for Outcome {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -59,9 +59,8 @@ use kvfleet_core::metrics::{MigrationOutcome, MigrationRecord};
 use kvfleet_core::{InstanceId, RequestId, Timestamp};
 use kvfleet_netmodel::migration::wire::{frame::Body, BlockData, Frame};
 use kvfleet_netmodel::migration::{
-    block_tokens, checksum, slice_bytes, slice_frame_head, AbortKind, AbortReason, MigrationId, MigrationParams,
-    MigrationReport, Outcome, ParamsError, Slices, SourceAction, SourceMachine, TargetAction, TargetMachine,
-    LAYER_GROUPS,
+    block_tokens, checksum, slice_bytes, slice_frame_head, AbortReason, MigrationId, MigrationParams, MigrationReport,
+    Outcome, ParamsError, Slices, SourceAction, SourceMachine, TargetAction, TargetMachine, LAYER_GROUPS,
 };
 use kvfleet_netmodel::{Fabric, Payload, TransferId};
 use prost::Message as _;
@@ -728,7 +727,7 @@ impl LiveMigration {
             request: self.spec.request,
             from: self.spec.from,
             to: self.spec.to,
-            checksum_mismatch: matches!(&outcome, Outcome::Aborted(r) if r.kind() == AbortKind::ChecksumMismatch),
+            checksum_mismatch: outcome.checksum_mismatch(),
             outcome: measured(outcome),
             in_doubt: self.in_doubt,
             bytes: real(report.bytes),

@@ -37,8 +37,8 @@ use kvfleet_netmodel::migration::wire::{
     frame::Body, BlockData, BlockHash as WireHash, Frame, PrefixBlock, PrefixPull,
 };
 use kvfleet_netmodel::migration::{
-    block_frame_head, block_tokens, checksum, slice_bytes, slice_frame_head, AbortKind, AbortReason, MigrationId,
-    MigrationParams, MigrationReport, MoveOrder, Outcome, SourceAction, SourceMachine, TargetAction, TargetMachine,
+    block_frame_head, block_tokens, checksum, slice_bytes, slice_frame_head, AbortReason, MigrationId, MigrationParams,
+    MigrationReport, MoveOrder, Outcome, SourceAction, SourceMachine, TargetAction, TargetMachine,
     BLOCK_DATA_PAYLOAD_PATH,
 };
 use kvfleet_proto::v1;
@@ -938,7 +938,7 @@ pub fn stats_proto(r: &MigrationReport, source: u32, target: u32) -> v1::Migrati
             _ => String::new(),
         },
         in_doubt: matches!(r.outcome, Some(Outcome::Unknown(_))),
-        checksum_mismatch: matches!(&r.outcome, Some(Outcome::Aborted(e)) if e.kind() == AbortKind::ChecksumMismatch),
+        checksum_mismatch: r.outcome.as_ref().is_some_and(Outcome::checksum_mismatch),
         bytes_skipped: r.bytes_skipped,
     }
 }

@@ -231,11 +231,14 @@ impl HandoffTimes {
             (d.percentile(0.5), d.percentile(0.99))
         };
         let ((q2_p50_s, q2_p99_s), (c_p50_s, c_p99_s), (q3_p50_s, q3_p99_s)) = (p(q2), p(c), p(q3));
-        let corrupt_from: std::collections::HashSet<(RequestId, crate::ids::InstanceId)> =
-            migrations.iter().filter(|m| m.checksum_mismatch).map(|m| (m.request, m.from)).collect();
-        let prefilled_again =
-            records.iter().filter(|r| corrupt_from.iter().any(|&(id, from)| id == r.id && from != r.placed_on)).count()
-                as u64;
+        let placed_on: HashMap<RequestId, crate::ids::InstanceId> =
+            records.iter().map(|r| (r.id, r.placed_on)).collect();
+        let again: std::collections::HashSet<RequestId> = migrations
+            .iter()
+            .filter(|m| m.checksum_mismatch && placed_on.get(&m.request).is_some_and(|&on| on != m.from))
+            .map(|m| m.request)
+            .collect();
+        let prefilled_again = again.len() as u64;
         HandoffTimes {
             handoffs: first.len() as u64,
             q2_p50_s,
