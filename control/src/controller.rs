@@ -442,10 +442,6 @@ struct Move {
     handoff: bool,
     /// The request's phase once the move ends.
     after: OwnedPhase,
-    /// Handoffs of this request that ended without committing.
-    failed: u32,
-    /// Of those, the ones whose bytes failed their checksum at the target.
-    corrupt: u32,
 }
 
 /// Which end of a request's open move left the cluster.
@@ -1089,6 +1085,9 @@ impl Controller {
         o.replaced += 1;
         o.phase = initial_phase(spec);
         o.migrating_to = None;
+        // A new copy of its KV: its handoffs count from zero.
+        o.handoff_failures = 0;
+        o.corrupt_handoffs = 0;
         let replaced = o.replaced;
         self.charge(to, id, charge_kind(spec), spec.prompt_tokens);
         self.actions.push_back(Action::Place { request: id, on: to, replaced, fetch });
@@ -1181,15 +1180,7 @@ impl Controller {
         if self.policy.migrates_at_phase_boundary() {
             self.moves.insert(
                 id,
-                Move {
-                    from: instance,
-                    kv_blocks,
-                    declined: Vec::new(),
-                    handoff: false,
-                    after: OwnedPhase::Answering,
-                    failed: 0,
-                    corrupt: 0,
-                },
+                Move { from: instance, kv_blocks, declined: Vec::new(), handoff: false, after: OwnedPhase::Answering },
             );
             self.decide_move(id);
         }
@@ -1400,15 +1391,7 @@ impl Controller {
             tracing::debug!(request = id.0, instance = instance.0, owner = o.instance.0, what, "stale event; ignored");
             return None;
         }
-        Some(Move {
-            from: instance,
-            kv_blocks,
-            declined: Vec::new(),
-            handoff: true,
-            after: o.phase,
-            failed: 0,
-            corrupt: 0,
-        })
+        Some(Move { from: instance, kv_blocks, declined: Vec::new(), handoff: true, after: o.phase })
     }
 
     /// Whether a report of `id`'s move from `from` to `to` is about a move superseded meanwhile
@@ -1435,10 +1418,7 @@ impl Controller {
         self.departed.remove(&id);
         let to = o.migrating_to.take();
         let moved_blocks = self.moves.get(&id).map_or(0, |m| m.kv_blocks);
-        let (handoff, after, failed, corrupt) = self
-            .moves
-            .get(&id)
-            .map_or((false, OwnedPhase::Answering, 0, 0), |m| (m.handoff, m.after, m.failed, m.corrupt));
+        let (handoff, after) = self.moves.get(&id).map_or((false, OwnedPhase::Answering), |m| (m.handoff, m.after));
         // The decoders that declined it so far (the move's target among them).
         let mut declined = self.moves.get(&id).map(|m| m.declined.clone()).unwrap_or_default();
         // A request can finish on its source while its move is still being settled: it stays
@@ -1494,14 +1474,17 @@ impl Controller {
             // the next decoder is tried after PUSH_RETRY. Not a failure: it waits its turn.
             let from = self.requests.get(&id).map_or(InstanceId(0), |o| o.instance);
             declined.extend(to.filter(|t| !declined.contains(t)));
-            let m = Move { from, kv_blocks: moved_blocks, declined, handoff: true, after, failed, corrupt };
+            let m = Move { from, kv_blocks: moved_blocks, declined, handoff: true, after };
             self.moves.insert(id, m);
             self.push_retries.push_back((self.now + PUSH_RETRY, id));
         } else if handoff && !retry && unfinished && outcome != MoveOutcome::Committed {
             // No decode instance took it: held, it waits for one with room (each may be asked
             // again), until its handoffs failed too often: then it decodes where it is.
-            let from = self.requests.get(&id).map_or(InstanceId(0), |o| o.instance);
-            let corrupt = corrupt + u32::from(outcome == MoveOutcome::Corrupt);
+            // Counted with the request (stored), so that a leader taking over counts on.
+            let Some(o) = self.requests.get_mut(&id) else { return Ok(()) };
+            o.handoff_failures += 1;
+            o.corrupt_handoffs += u32::from(outcome == MoveOutcome::Corrupt);
+            let (from, failed, corrupt) = (o.instance, o.handoff_failures, o.corrupt_handoffs);
             if corrupt >= MAX_CORRUPT_HANDOFFS {
                 // Its bytes failed their checksum again: compute its KV again elsewhere, once;
                 // after that (or with no other instance live) it decodes where it is.
@@ -1513,18 +1496,14 @@ impl Controller {
                     );
                     self.decode_here(id, from);
                 }
-            } else if failed + 1 >= MAX_HANDOFF_FAILURES {
-                tracing::warn!(
-                    request = id.0,
-                    failed = failed + 1,
-                    "handoffs keep failing: it decodes where it was prefilled"
-                );
+            } else if failed >= MAX_HANDOFF_FAILURES {
+                tracing::warn!(request = id.0, failed, "handoffs keep failing: it decodes where it was prefilled");
                 self.decode_here(id, from);
             } else {
                 let kv_blocks = moved_blocks;
                 // Not the one that just failed it, this time.
                 let declined = to.into_iter().collect();
-                let m = Move { from, kv_blocks, declined, handoff: true, after, failed: failed + 1, corrupt };
+                let m = Move { from, kv_blocks, declined, handoff: true, after };
                 self.moves.insert(id, m);
                 self.decide_move(id);
             }

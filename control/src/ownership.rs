@@ -35,6 +35,15 @@ pub struct Ownership {
     /// ([`crate::MAX_CORRUPT_HANDOFFS`]); counted in `replaced` too.
     #[serde(default)]
     pub reprefilled: u32,
+    /// Handoffs of its current KV copy that ended without committing
+    /// ([`crate::controller::MAX_HANDOFF_FAILURES`]). Stored with the request, so that a leader
+    /// taking over counts on from it; zero again when the request starts over elsewhere.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub handoff_failures: u32,
+    /// Of those, the ones whose bytes failed their checksum at the target
+    /// ([`crate::MAX_CORRUPT_HANDOFFS`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub corrupt_handoffs: u32,
     /// While `phase` is `Migrating`: where to. Persisted before the move starts, so a leader that
     /// takes over knows to settle a move its predecessor left undecided.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -45,13 +54,27 @@ impl Ownership {
     /// A new request placed on `instance`.
     pub fn placed(spec: RequestSpec, instance: InstanceId) -> Ownership {
         let phase = initial_phase(&spec);
-        Ownership { spec, instance, phase, replaced: 0, migrations: 0, reprefilled: 0, migrating_to: None }
+        Ownership {
+            spec,
+            instance,
+            phase,
+            replaced: 0,
+            migrations: 0,
+            reprefilled: 0,
+            handoff_failures: 0,
+            corrupt_handoffs: 0,
+            migrating_to: None,
+        }
     }
 
     /// Whether the request still needs to run somewhere.
     pub fn unfinished(&self) -> bool {
         self.phase != OwnedPhase::Finished
     }
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// The phase a request starts (or starts over) in.

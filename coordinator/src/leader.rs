@@ -1300,7 +1300,7 @@ impl Leader {
                 // The source logged "unknown"; the log says what the target answered.
                 stats.settle_in_doubt(outcome == v1::MigrationOutcome::MigrationCommitted);
             }
-            self.log_migration(stats);
+            self.log_migration(stats).await;
         }
         if outcome == v1::MigrationOutcome::MigrationCommitted {
             Moved::Yes
@@ -1391,7 +1391,7 @@ impl Leader {
                     drop(answered);
                     if let Some(src) = leader.client(from) {
                         if let (_, Some(stats)) = tell_source(id, src, held).await {
-                            leader.log_inherited_move(stats, to, held);
+                            leader.log_inherited_move(stats, to, held).await;
                         }
                     }
                     if !held {
@@ -1408,24 +1408,25 @@ impl Leader {
     }
 
     /// Add a settled migration to the run's log: this leader's, and stored for the next leader's
-    /// report of the run (a leader's log lives in its memory).
-    fn log_migration(self: &Arc<Self>, stats: v1::MigrationStats) {
+    /// report of the run (a leader's log lives in its memory). Awaited before the move's end is
+    /// stored (its request's ownership without `migrating_to`): a leader that dies between the
+    /// reply and this write leaves the move open in the store, and its successor logs it from the
+    /// source's measurements ([`Leader::settle_inherited_moves`]).
+    async fn log_migration(&self, stats: v1::MigrationStats) {
         let key = keys::migration_log_entry(stats.started_ns, stats.request_id, stats.source);
         let value = prost::Message::encode_to_vec(&stats);
-        let (me, id) = (Arc::clone(self), stats.request_id);
-        tokio::spawn(async move {
-            if let Err(e) = me.persist(&key, &value).await {
-                tracing::warn!(request = id, "migration not recorded for the next leader: {e}");
-            }
-        });
+        let id = stats.request_id;
         self.migration_log.lock().expect("migration log lock").push(stats);
+        if let Err(e) = self.persist(&key, &value).await {
+            tracing::warn!(request = id, "migration not recorded for the next leader: {e}");
+        }
     }
 
     /// Log a move a previous leader left open, from its source's own measurements (`stats`, the
     /// source's last move of the request), as its target's answer settled it (`held`): in doubt,
     /// as the source never heard its end from the leader. Not if it is another move than the one
     /// settled, or one the log holds already (that leader stored it before it died).
-    fn log_inherited_move(self: &Arc<Self>, mut stats: v1::MigrationStats, to: InstanceId, held: bool) {
+    async fn log_inherited_move(&self, mut stats: v1::MigrationStats, to: InstanceId, held: bool) {
         if stats.target != to.0 {
             return;
         }
@@ -1436,7 +1437,7 @@ impl Leader {
             return;
         }
         stats.settle_in_doubt(held);
-        self.log_migration(stats);
+        self.log_migration(stats).await;
     }
 
     /// Record how a move a previous leader left open ended, and carry out what follows.
@@ -2142,6 +2143,76 @@ mod tests {
         }
     }
 
+    /// A leader killed after a move's reply but before its log entry is stored leaves the move
+    /// open in the store (its ownership still says where the request was going): the next leader
+    /// settles it and logs it from its source's measurements. Before, the move's end was stored
+    /// first and its log entry after, aside: a leader killed between the two left it unlogged.
+    #[tokio::test]
+    async fn a_leader_killed_before_logging_a_move_leaves_it_for_the_next_to_log() {
+        let mem = MemStore::new();
+        let store: Arc<dyn MetaStore> = Arc::new(mem.clone());
+        let (src, dst) = (fake_worker::FakeWorker::default(), fake_worker::FakeWorker::default());
+        let measured = v1::MigrationStats {
+            source: 0,
+            target: 1,
+            request_id: 5,
+            bytes: 4 << 20,
+            started_ns: 1_000,
+            ended_ns: 9_000,
+            ..Default::default()
+        };
+        src.0.lock().unwrap().migrate_out_reply = Some(v1::MigrateOutReply {
+            outcome: v1::MigrationOutcome::MigrationCommitted as i32,
+            stats: Some(measured.clone()),
+            ..Default::default()
+        });
+        src.0.lock().unwrap().last_move = Some(measured);
+        dst.0.lock().unwrap().holds = true;
+        let a = leader_on(store.clone(), "least-kv", &PdSetup::default(), 0).await;
+        serve_on_fakes(&a, &src, &dst, true).await;
+        let (tx, mut rx) = mpsc::channel(16);
+        a.submit(spec(5, 100), tx).await.unwrap();
+        assert!(matches!(rx.recv().await.unwrap().unwrap().event, Some(v1::client_event::Event::AcceptedOn(0))));
+        // Worker 0 prefills, 1 decodes: the request's handoff. A's write of its log entry never
+        // lands: A is killed while it waits.
+        a.control().set_role(InstanceId(0), kvfleet_control::Role::Prefill);
+        a.control().set_role(InstanceId(1), kvfleet_control::Role::Decode);
+        mem.hang_writes_under(Some(keys::MIGRATION_LOG));
+        let handoff = a.decide(Event::PrefillDone { request: RequestId(5), instance: InstanceId(0), kv_blocks: 1 });
+        // (The role changes queued first are not what this test is about.)
+        let handoff: Vec<_> = handoff.unwrap().into_iter().filter(|a| matches!(a, Action::Migrate { .. })).collect();
+        assert!(matches!(handoff[..], [Action::Migrate { to: InstanceId(1), .. }]), "{handoff:?}");
+        a.act(handoff);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while mem.hung_writes() == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "the move's log entry is written");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        a.stop();
+        store.resign(&a.fence).await.unwrap();
+        mem.hang_writes_under(None);
+        let stored: Ownership =
+            serde_json::from_slice(&store.get(&keys::request(5)).await.unwrap().unwrap().value).unwrap();
+        assert_eq!(stored.migrating_to, Some(InstanceId(1)), "the move's end is not stored before its log entry");
+
+        let b = leader_on(store.clone(), "least-kv", &PdSetup::default(), 0).await;
+        serve_on_fakes(&b, &src, &dst, true).await;
+        assert_eq!(b.settle_inherited_moves().await, 1);
+        let log = || b.status("b", b.clock).migration_log;
+        while log().is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "the move is logged");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let m = &log()[0];
+        assert_eq!((m.request_id, m.source, m.target, m.bytes, m.committed()), (5, 0, 1, 4 << 20, true));
+        assert_eq!(b.control().ownership(RequestId(5)).unwrap().instance, InstanceId(1), "it lives on the target");
+        while store.get_prefix(keys::MIGRATION_LOG).await.unwrap().kvs.is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "and stored for the leader after");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        b.stop();
+    }
+
     /// A leader with fake workers 0 and 1 registered (`live`: with a QUIC address each, where
     /// nothing listens and nothing is sent) and request 5 placed on 0.
     async fn request_5_on_fake_0(
@@ -2150,6 +2221,21 @@ mod tests {
         live: bool,
     ) -> Arc<Leader> {
         let leader = leader_with_unserved_workers("least-kv", 0).await;
+        serve_on_fakes(&leader, first, second, live).await;
+        let (tx, mut rx) = mpsc::channel(16);
+        leader.submit(spec(5, 100), tx).await.unwrap();
+        let placed = rx.recv().await.unwrap().unwrap().event;
+        assert!(matches!(placed, Some(v1::client_event::Event::AcceptedOn(0))), "{placed:?}");
+        leader
+    }
+
+    /// Register fake workers 0 and 1 with `leader` (`live`: with a QUIC address each).
+    async fn serve_on_fakes(
+        leader: &Arc<Leader>,
+        first: &fake_worker::FakeWorker,
+        second: &fake_worker::FakeWorker,
+        live: bool,
+    ) {
         for (instance, worker) in [(0, first), (1, second)] {
             let mut rec = registration(instance, &worker.serve().await, 1);
             if live {
@@ -2157,10 +2243,5 @@ mod tests {
             }
             leader.admit(&rec).await.unwrap();
         }
-        let (tx, mut rx) = mpsc::channel(16);
-        leader.submit(spec(5, 100), tx).await.unwrap();
-        let placed = rx.recv().await.unwrap().unwrap().event;
-        assert!(matches!(placed, Some(v1::client_event::Event::AcceptedOn(0))), "{placed:?}");
-        leader
     }
 }

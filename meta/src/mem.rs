@@ -43,6 +43,10 @@ struct Inner {
     failing_reads: std::sync::atomic::AtomicU32,
     /// Milliseconds the next keep-alive stalls its caller's thread ([`MemStore::stall_next_keep_alive`]).
     stalled_keep_alive_ms: std::sync::atomic::AtomicU64,
+    /// Writes to keys under this prefix never complete ([`MemStore::hang_writes_under`]).
+    hung_prefix: Mutex<Option<String>>,
+    /// Writes that hung so far.
+    hung_writes: std::sync::atomic::AtomicU32,
     /// The current revision, published after every change; campaigners and observers wait on it.
     changed: watch::Sender<i64>,
 }
@@ -102,6 +106,8 @@ impl MemStore {
                 state: Mutex::new(state),
                 failing_reads: Default::default(),
                 stalled_keep_alive_ms: Default::default(),
+                hung_prefix: Mutex::new(None),
+                hung_writes: Default::default(),
                 changed,
             }),
         }
@@ -119,6 +125,28 @@ impl MemStore {
     pub fn stall_next_keep_alive(&self, stall: Duration) {
         let ms = u64::try_from(stall.as_millis()).unwrap_or(u64::MAX);
         self.inner.stalled_keep_alive_ms.store(ms, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Make every write (`put`, `put_if`) to a key under `prefix` hang for ever, as a process
+    /// killed while it waited for the write would leave it; `None` lets later writes through.
+    /// For tests of what a crash between two writes leaves in the store.
+    pub fn hang_writes_under(&self, prefix: Option<&str>) {
+        *self.inner.hung_prefix.lock().expect("mem store lock") = prefix.map(str::to_string);
+    }
+
+    /// Writes that hung ([`MemStore::hang_writes_under`]) so far.
+    pub fn hung_writes(&self) -> u32 {
+        self.inner.hung_writes.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Never returns if a write to `key` is to hang.
+    async fn write_fault(&self, key: &str) {
+        let hangs =
+            self.inner.hung_prefix.lock().expect("mem store lock").as_deref().is_some_and(|p| key.starts_with(p));
+        if hangs {
+            self.inner.hung_writes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            std::future::pending::<()>().await;
+        }
     }
 
     fn read_fault(&self) -> Result<(), MetaError> {
@@ -311,7 +339,10 @@ impl MetaStore for MemStore {
     }
 
     fn put<'a>(&'a self, key: &'a str, value: &'a [u8]) -> MetaFuture<'a, Revision> {
-        Box::pin(async move { self.inner.with_state(|s| s.put_kv(key, value, None)) })
+        Box::pin(async move {
+            self.write_fault(key).await;
+            self.inner.with_state(|s| s.put_kv(key, value, None))
+        })
     }
 
     fn put_with_lease<'a>(&'a self, key: &'a str, value: &'a [u8], lease: LeaseId) -> MetaFuture<'a, Revision> {
@@ -347,6 +378,7 @@ impl MetaStore for MemStore {
         conditions: &'a [Condition],
     ) -> MetaFuture<'a, Option<Revision>> {
         Box::pin(async move {
+            self.write_fault(key).await;
             self.inner.with_state(|s| {
                 if !s.conditions_hold(conditions) {
                     return Ok(None);

@@ -3,8 +3,7 @@
 //! too ([`records`]), then a summary table and `live-migrations.csv` from those.
 
 use crate::report::{live_migration_row, LIVE_MIGRATIONS_HEADER};
-use kvfleet_core::metrics::Distribution;
-use kvfleet_core::metrics::{MigrationOutcome, MigrationRecord};
+use kvfleet_core::metrics::{LiveMigrations, MigrationOutcome, MigrationRecord};
 use kvfleet_core::{InstanceId, RequestId, TimeSpan, Timestamp};
 use kvfleet_proto::v1::MigrationStats;
 use std::fmt::Write as _;
@@ -62,44 +61,34 @@ pub fn table(log: &[MigrationStats]) -> String {
 }
 
 fn records_table(migrations: &[MigrationRecord]) -> String {
-    let ok: Vec<&MigrationRecord> = migrations.iter().filter(|m| m.committed()).collect();
-    let total = Distribution::new(ok.iter().map(|m| m.transfer_s()).collect());
-    let down = Distribution::new(ok.iter().map(|m| m.downtime.map_or(0.0, TimeSpan::as_secs_f64)).collect());
-    let bytes: u64 = ok.iter().map(|m| m.bytes).sum();
-    let skipped: u64 = ok.iter().map(|m| m.bytes_skipped).sum();
-    let secs: f64 = ok.iter().map(|m| m.transfer_s()).sum();
-    let stages = ok.iter().map(|m| f64::from(m.stages())).sum::<f64>() / ok.len().max(1) as f64;
-    let refused = migrations.iter().filter(|m| m.refused()).count();
-    // Blocks whose bytes did not hash to the sender's checksum at the target (the move aborts).
-    let corrupt = migrations.iter().filter(|m| m.checksum_mismatch).count();
+    // The counts and distributions the simulator's migration line prints too.
+    let live = LiveMigrations::new(migrations);
+    let ok = || migrations.iter().filter(|m| m.committed());
+    let skipped: u64 = ok().map(|m| m.bytes_skipped).sum();
+    let secs: f64 = ok().map(MigrationRecord::transfer_s).sum();
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "live migrations (QUIC, pipelined stop-and-copy): {} committed, {} aborted ({corrupt} on a checksum \
+        "live migrations (QUIC, pipelined stop-and-copy): {} committed, {} aborted ({} on a checksum \
          mismatch), {} refused by the target (nothing copied: no room, or the request settled elsewhere; it \
          stayed or went to another target)",
-        ok.len(),
-        migrations.len() - ok.len() - refused,
-        refused
+        live.committed, live.aborted, live.checksum_mismatches, live.refused
     );
-    if ok.is_empty() {
+    if live.committed == 0 {
         return out;
     }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let _ = writeln!(
         out,
         "  total ms p50 {} p99 {} | downtime ms p50 {} p99 {} | stages {:.1} avg | {:.2} GiB moved{} | goodput {:.2} Gbit/s",
-        ms(total.percentile(0.5)),
-        ms(total.percentile(0.99)),
-        ms(down.percentile(0.5)),
-        ms(down.percentile(0.99)),
-        stages,
-        bytes as f64 / (1u64 << 30) as f64,
-        if skipped > 0 {
-            format!(", {:.2} GiB not sent (cached at the target)", skipped as f64 / (1u64 << 30) as f64)
-        } else {
-            String::new()
-        },
-        if secs > 0.0 { bytes as f64 * 8.0 / secs / 1e9 } else { 0.0 }
+        ms(live.transfer_p50_s),
+        ms(live.transfer_p99_s),
+        ms(live.downtime_p50_s),
+        ms(live.downtime_p99_s),
+        live.stages_avg.unwrap_or(0.0),
+        gib(live.bytes_committed),
+        if skipped > 0 { format!(", {:.2} GiB not sent (cached at the target)", gib(skipped)) } else { String::new() },
+        if secs > 0.0 { live.bytes_committed as f64 * 8.0 / secs / 1e9 } else { 0.0 }
     );
     for m in migrations.iter().filter(|m| !m.committed()).take(5) {
         let what = m.outcome_name();

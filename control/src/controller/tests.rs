@@ -734,6 +734,51 @@ fn a_handoff_failing_its_checksum_twice_is_prefilled_again_elsewhere_once() {
     );
 }
 
+/// A leader that takes over mid-handoff counts on from the checksum mismatches its predecessor
+/// saw (stored with the request's ownership): the next mismatch prefills it again.
+#[test]
+fn a_new_leader_counts_on_from_the_mismatches_stored_with_the_request() {
+    let roles = [Role::Prefill, Role::Prefill, Role::Decode, Role::Decode];
+    let cluster = || {
+        let mut c = ctl("least-kv", 4);
+        for (i, role) in roles.into_iter().enumerate() {
+            c.set_role(InstanceId(i as u32), role);
+            c.handle(Timestamp::ZERO, Event::Load(load(i as u32, [30, 0, 20, 10][i], 0))).unwrap();
+        }
+        while c.poll_action().is_some() {}
+        c
+    };
+    let id = RequestId(7);
+    let ended = |from, to, outcome| Event::MigrationEnded { request: id, from, to, outcome };
+    let mut old = cluster();
+    let at = place(&mut old, spec(7, 10));
+    old.decide(Timestamp::ZERO, Event::PrefillDone { request: id, instance: at, kv_blocks: 1 }).unwrap();
+    let retry = old.decide(Timestamp::ZERO, ended(at, InstanceId(3), MoveOutcome::Corrupt)).unwrap();
+    assert_eq!(retry, vec![Action::Migrate { request: id, from: at, to: InstanceId(2), kv_blocks: 1 }]);
+    // The retry is under way when the leader dies; its successor reads what was stored (the
+    // record as it was once the mismatch was handled: moving to 2), settles that move (2 does not
+    // hold it) and hears the held prefill announced again.
+    let stored = serde_json::to_vec(old.ownership(id).unwrap()).unwrap();
+    let mut new = cluster();
+    new.restore([serde_json::from_slice(&stored).unwrap()]);
+    let o = new.ownership(id).unwrap();
+    assert_eq!((o.migrating_to, o.handoff_failures, o.corrupt_handoffs), (Some(InstanceId(2)), 1, 1));
+    new.decide(Timestamp::ZERO, ended(at, InstanceId(2), MoveOutcome::Aborted)).unwrap();
+    let actions = new.decide(Timestamp::ZERO, Event::PrefillDone { request: id, instance: at, kv_blocks: 1 }).unwrap();
+    let [Action::Migrate { to, .. }] = actions.as_slice() else { panic!("{actions:?}") };
+    let actions = new.decide(Timestamp::ZERO, ended(at, *to, MoveOutcome::Corrupt)).unwrap();
+    assert_eq!(
+        actions,
+        vec![
+            Action::Drop { request: id, on: at },
+            Action::Place { request: id, on: InstanceId(0), replaced: 1, fetch: None }
+        ],
+        "the second mismatch, whichever leader saw the first"
+    );
+    let o = new.ownership(id).unwrap();
+    assert_eq!((o.handoff_failures, o.corrupt_handoffs, o.reprefilled), (0, 0, 1), "a new copy counts from zero");
+}
+
 /// A handoff no decode instance has room for waits, held, and goes first come first served to the
 /// first decode instance that reports room.
 #[test]

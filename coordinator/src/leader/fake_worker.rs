@@ -11,15 +11,18 @@ use tonic::{Request, Response, Status};
 /// What the fake answers, and what it was asked.
 #[derive(Default)]
 pub(super) struct Script {
-    /// The error `MigrateOut` fails with (`None`: an aborted move).
+    /// The error `MigrateOut` fails with (`None`: [`Script::migrate_out_reply`]).
     pub migrate_out_error: Option<Status>,
+    /// What `MigrateOut` answers (`None`: an aborted move, unmeasured).
+    pub migrate_out_reply: Option<v1::MigrateOutReply>,
     /// `ResolveMigration` asked as the target: whether it holds the request.
     pub holds: bool,
     /// Every `ResolveMigration` call: (request, committed word, fence term, fence seq).
     pub resolved: Vec<(u64, Option<bool>, u64, u64)>,
     /// `Cancel` answers only once this is notified (`None`: at once).
     pub cancel_gate: Option<Arc<tokio::sync::Notify>>,
-    /// Submits and cancels, in order: "submit N", "cancel N", "cancel N answered".
+    /// Submits, cancels and moves out, in order: "submit N", "cancel N", "cancel N answered",
+    /// "migrate-out N".
     pub calls: Vec<String>,
     /// `ResolveMigration` told as the source: its measurements of its last move out.
     pub last_move: Option<v1::MigrationStats>,
@@ -89,10 +92,13 @@ impl Worker for FakeWorker {
     async fn load(&self, _: Request<v1::LoadRequest>) -> Reply<v1::LoadReport> {
         no("Load")
     }
-    async fn migrate_out(&self, _: Request<v1::MigrateOutRequest>) -> Reply<v1::MigrateOutReply> {
-        match self.0.lock().expect("script lock").migrate_out_error.clone() {
-            Some(e) => Err(e),
-            None => Ok(Response::new(v1::MigrateOutReply {
+    async fn migrate_out(&self, r: Request<v1::MigrateOutRequest>) -> Reply<v1::MigrateOutReply> {
+        self.record(format!("migrate-out {}", r.into_inner().request_id));
+        let script = self.0.lock().expect("script lock");
+        match (script.migrate_out_error.clone(), script.migrate_out_reply.clone()) {
+            (Some(e), _) => Err(e),
+            (None, Some(reply)) => Ok(Response::new(reply)),
+            (None, None) => Ok(Response::new(v1::MigrateOutReply {
                 outcome: v1::MigrationOutcome::MigrationAborted as i32,
                 ..Default::default()
             })),
