@@ -442,6 +442,8 @@ struct Move {
     handoff: bool,
     /// The request's phase once the move ends.
     after: OwnedPhase,
+    /// Handoffs of this request that ended without committing since it was announced held.
+    failed: u32,
 }
 
 /// Which end of a request's open move left the cluster.
@@ -1085,8 +1087,7 @@ impl Controller {
         o.replaced += 1;
         o.phase = initial_phase(spec);
         o.migrating_to = None;
-        // A new copy of its KV: its handoffs count from zero.
-        o.handoff_failures = 0;
+        // A new copy of its KV: its mismatches count from zero.
         o.corrupt_handoffs = 0;
         let replaced = o.replaced;
         self.charge(to, id, charge_kind(spec), spec.prompt_tokens);
@@ -1180,7 +1181,14 @@ impl Controller {
         if self.policy.migrates_at_phase_boundary() {
             self.moves.insert(
                 id,
-                Move { from: instance, kv_blocks, declined: Vec::new(), handoff: false, after: OwnedPhase::Answering },
+                Move {
+                    from: instance,
+                    kv_blocks,
+                    declined: Vec::new(),
+                    handoff: false,
+                    after: OwnedPhase::Answering,
+                    failed: 0,
+                },
             );
             self.decide_move(id);
         }
@@ -1391,7 +1399,7 @@ impl Controller {
             tracing::debug!(request = id.0, instance = instance.0, owner = o.instance.0, what, "stale event; ignored");
             return None;
         }
-        Some(Move { from: instance, kv_blocks, declined: Vec::new(), handoff: true, after: o.phase })
+        Some(Move { from: instance, kv_blocks, declined: Vec::new(), handoff: true, after: o.phase, failed: 0 })
     }
 
     /// Whether a report of `id`'s move from `from` to `to` is about a move superseded meanwhile
@@ -1418,7 +1426,8 @@ impl Controller {
         self.departed.remove(&id);
         let to = o.migrating_to.take();
         let moved_blocks = self.moves.get(&id).map_or(0, |m| m.kv_blocks);
-        let (handoff, after) = self.moves.get(&id).map_or((false, OwnedPhase::Answering), |m| (m.handoff, m.after));
+        let (handoff, after, failed) =
+            self.moves.get(&id).map_or((false, OwnedPhase::Answering, 0), |m| (m.handoff, m.after, m.failed));
         // The decoders that declined it so far (the move's target among them).
         let mut declined = self.moves.get(&id).map(|m| m.declined.clone()).unwrap_or_default();
         // A request can finish on its source while its move is still being settled: it stays
@@ -1474,17 +1483,18 @@ impl Controller {
             // the next decoder is tried after PUSH_RETRY. Not a failure: it waits its turn.
             let from = self.requests.get(&id).map_or(InstanceId(0), |o| o.instance);
             declined.extend(to.filter(|t| !declined.contains(t)));
-            let m = Move { from, kv_blocks: moved_blocks, declined, handoff: true, after };
+            let m = Move { from, kv_blocks: moved_blocks, declined, handoff: true, after, failed };
             self.moves.insert(id, m);
             self.push_retries.push_back((self.now + PUSH_RETRY, id));
         } else if handoff && !retry && unfinished && outcome != MoveOutcome::Committed {
             // No decode instance took it: held, it waits for one with room (each may be asked
             // again), until its handoffs failed too often: then it decodes where it is.
-            // Counted with the request (stored), so that a leader taking over counts on.
+            let failed = failed + 1;
+            // Mismatches are counted with the request (stored), so that a leader taking over
+            // counts on from them.
             let Some(o) = self.requests.get_mut(&id) else { return Ok(()) };
-            o.handoff_failures += 1;
             o.corrupt_handoffs += u32::from(outcome == MoveOutcome::Corrupt);
-            let (from, failed, corrupt) = (o.instance, o.handoff_failures, o.corrupt_handoffs);
+            let (from, corrupt) = (o.instance, o.corrupt_handoffs);
             if corrupt >= MAX_CORRUPT_HANDOFFS {
                 // Its bytes failed their checksum again: compute its KV again elsewhere, once;
                 // after that (or with no other instance live) it decodes where it is.
@@ -1503,7 +1513,7 @@ impl Controller {
                 let kv_blocks = moved_blocks;
                 // Not the one that just failed it, this time.
                 let declined = to.into_iter().collect();
-                let m = Move { from, kv_blocks, declined, handoff: true, after };
+                let m = Move { from, kv_blocks, declined, handoff: true, after, failed };
                 self.moves.insert(id, m);
                 self.decide_move(id);
             }

@@ -35,13 +35,9 @@ pub struct Ownership {
     /// ([`crate::MAX_CORRUPT_HANDOFFS`]); counted in `replaced` too.
     #[serde(default)]
     pub reprefilled: u32,
-    /// Handoffs of its current KV copy that ended without committing
-    /// ([`crate::controller::MAX_HANDOFF_FAILURES`]). Stored with the request, so that a leader
-    /// taking over counts on from it; zero again when the request starts over elsewhere.
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub handoff_failures: u32,
-    /// Of those, the ones whose bytes failed their checksum at the target
-    /// ([`crate::MAX_CORRUPT_HANDOFFS`]).
+    /// Handoffs of its current KV copy whose bytes failed their checksum at the target
+    /// ([`crate::MAX_CORRUPT_HANDOFFS`]). Stored with the request, so that a leader taking over
+    /// counts on from it; zero again when the request starts over elsewhere.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub corrupt_handoffs: u32,
     /// While `phase` is `Migrating`: where to. Persisted before the move starts, so a leader that
@@ -61,7 +57,6 @@ impl Ownership {
             replaced: 0,
             migrations: 0,
             reprefilled: 0,
-            handoff_failures: 0,
             corrupt_handoffs: 0,
             migrating_to: None,
         }

@@ -878,23 +878,32 @@ impl Leader {
 
     /// Re-attach a client to a request (after a leader change). Finished: the record at once.
     pub async fn resume(self: &Arc<Self>, id: RequestId, tx: ClientTx) -> Result<(), Status> {
-        if let Some(kv) = self.store.get(&keys::result(id.0)).await.map_err(|e| Status::unavailable(e.to_string()))? {
-            let rec: RequestRecord =
-                serde_json::from_slice(&kv.value).map_err(|e| Status::internal(format!("stored result: {e}")))?;
+        if let Some(rec) = self.stored_result(id).await? {
             let _ = tx.send(Ok(finished_event(&rec))).await;
             return Ok(());
         }
-        let owned = self.control().ownership(id).cloned();
-        match owned {
-            Some(o) => {
-                let _ = tx
-                    .send(Ok(v1::ClientEvent { event: Some(v1::client_event::Event::AcceptedOn(o.instance.0)) }))
-                    .await;
-                self.subscribers.lock().expect("subscribers lock").insert(id, tx);
-                Ok(())
+        let Some(o) = self.control().ownership(id).cloned() else {
+            return Err(Status::not_found(format!("request {id} is unknown to the cluster")));
+        };
+        let _ = tx.send(Ok(v1::ClientEvent { event: Some(v1::client_event::Event::AcceptedOn(o.instance.0)) })).await;
+        self.subscribers.lock().expect("subscribers lock").insert(id, tx.clone());
+        // Its final record may have been stored between the first look and the subscription
+        // (`finish` found no one to tell then; a worker re-sends its unacknowledged records to a
+        // new leader as its clients come back): looked up again. Whoever takes the subscription,
+        // this or `finish`, sends the record, once.
+        if let Some(rec) = self.stored_result(id).await? {
+            let ours = self.subscribers.lock().expect("subscribers lock").remove(&id);
+            if ours.is_some() {
+                let _ = tx.send(Ok(finished_event(&rec))).await;
             }
-            None => Err(Status::not_found(format!("request {id} is unknown to the cluster"))),
         }
+        Ok(())
+    }
+
+    async fn stored_result(&self, id: RequestId) -> Result<Option<RequestRecord>, Status> {
+        let kv = self.store.get(&keys::result(id.0)).await.map_err(|e| Status::unavailable(e.to_string()))?;
+        kv.map(|kv| serde_json::from_slice(&kv.value).map_err(|e| Status::internal(format!("stored result: {e}"))))
+            .transpose()
     }
 
     /// Hand a placed request to its worker; retried, then re-placed if the worker is unreachable.
@@ -968,8 +977,10 @@ impl Leader {
                 }
                 return Ok(());
             }
-            // Stored already (a worker re-sends what a leader did not acknowledge).
-            Err(_) => return Ok(()),
+            // Stored already (a worker re-sends what a leader did not acknowledge)...
+            Err(_) if !self.finished_unstored(rec.id, from).await? => return Ok(()),
+            // ... or not: the leader that took it for finished died before storing it.
+            Err(_) => tracing::warn!(request = rec.id.0, "a final record the last leader did not store; stored now"),
         }
         self.persist(&keys::result(rec.id.0), &json(&rec)).await?;
         self.stats.finished.fetch_add(1, Ordering::Relaxed);
@@ -979,6 +990,15 @@ impl Leader {
             let _ = tx.send(Ok(finished_event(&rec))).await;
         }
         Ok(())
+    }
+
+    /// Whether `id` is finished as far as the cluster knows, on `from`, but its result is not
+    /// stored: a leader marks a request finished (and may store its ownership so, at a move's
+    /// end) before the result's own write lands; killed in between, it leaves the next leader a
+    /// request it takes for done, whose final record the worker sends again.
+    async fn finished_unstored(&self, id: RequestId, from: InstanceId) -> Result<bool, LeaderError> {
+        let owned_there = self.control().ownership(id).is_some_and(|o| !o.unfinished() && o.instance == from);
+        Ok(owned_there && self.store.get(&keys::result(id.0)).await?.is_none())
     }
 
     /// Follow one worker's event log for as long as it is registered.
@@ -2210,6 +2230,91 @@ mod tests {
             assert!(tokio::time::Instant::now() < deadline, "and stored for the leader after");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        b.stop();
+    }
+
+    /// A request that finished while its move was being settled: the move's end stores its
+    /// ownership as finished. A leader killed after that write but before the result's leaves a
+    /// record the next leader takes for done; the worker's final record, sent again to it, is
+    /// stored then (before, it was dropped as a repeat, and the request never completed). A
+    /// repeat of a stored one is not stored again.
+    #[tokio::test]
+    async fn a_final_record_the_last_leader_did_not_store_is_stored() {
+        let store: Arc<dyn MetaStore> = Arc::new(MemStore::new());
+        let a = leader_on(store.clone(), "least-kv", &PdSetup::default(), 1).await;
+        let (tx, mut rx) = mpsc::channel(16);
+        a.submit(spec(5, 100), tx).await.unwrap();
+        assert!(matches!(rx.recv().await.unwrap().unwrap().event, Some(v1::client_event::Event::AcceptedOn(0))));
+        // Finished in A's controller; A is killed before the result is stored, after a move's end
+        // stored the request's ownership.
+        a.decide(Event::Finished { request: RequestId(5), from: Some(InstanceId(0)) }).unwrap();
+        a.persist_ownership(RequestId(5)).await.unwrap();
+        a.stop();
+        store.resign(&a.fence).await.unwrap();
+        let b = leader_on(store.clone(), "least-kv", &PdSetup::default(), 1).await;
+        assert_eq!(b.control().in_flight(), 0, "B takes it for finished");
+        let (tx, mut rx) = mpsc::channel(16);
+        b.resume(RequestId(5), tx).await.unwrap();
+        // A copy elsewhere is no owner's: not stored.
+        let stale = RequestRecord { id: RequestId(5), answer_tokens: 9, ..Default::default() };
+        b.finish(stale, InstanceId(1)).await.unwrap();
+        assert!(store.get(&keys::result(5)).await.unwrap().is_none());
+        let rec = RequestRecord { id: RequestId(5), answer_tokens: 4, ..Default::default() };
+        b.finish(rec.clone(), InstanceId(0)).await.unwrap();
+        let stored: RequestRecord =
+            serde_json::from_slice(&store.get(&keys::result(5)).await.unwrap().unwrap().value).unwrap();
+        assert_eq!(stored.answer_tokens, 4, "its result is stored");
+        let mut finished = None;
+        while let Ok(Some(Ok(ev))) = rx.try_recv().map(Some) {
+            if let Some(v1::client_event::Event::Finished(f)) = ev.event {
+                finished = Some(f);
+            }
+        }
+        assert!(finished.is_some(), "and its client gets it");
+        // The worker sends it once more: a repeat now.
+        b.finish(RequestRecord { answer_tokens: 7, ..rec }, InstanceId(0)).await.unwrap();
+        let stored: RequestRecord =
+            serde_json::from_slice(&store.get(&keys::result(5)).await.unwrap().unwrap().value).unwrap();
+        assert_eq!(stored.answer_tokens, 4, "stored once");
+        b.stop();
+    }
+
+    /// A client resuming with a new leader while its request's final record is being stored: the
+    /// leader looked for the result (none yet), the worker's record was stored (nobody subscribed
+    /// to be told), then the client subscribed. It still gets the record. Before, it waited for
+    /// ever (seen under load in the Arrow failover run: 59 of 60 requests finished).
+    #[tokio::test]
+    async fn a_client_resuming_as_its_result_is_stored_gets_it() {
+        let mem = MemStore::new();
+        let store: Arc<dyn MetaStore> = Arc::new(mem.clone());
+        let a = leader_on(store.clone(), "least-kv", &PdSetup::default(), 1).await;
+        let (tx, _gone) = mpsc::channel(16);
+        a.submit(spec(5, 100), tx).await.unwrap();
+        a.stop();
+        store.resign(&a.fence).await.unwrap();
+        let b = leader_on(store.clone(), "least-kv", &PdSetup::default(), 1).await;
+        let gate = mem.hold_next_read_under(keys::RESULTS);
+        let (tx, mut rx) = mpsc::channel(16);
+        let resuming = tokio::spawn({
+            let b = b.clone();
+            async move { b.resume(RequestId(5), tx).await }
+        });
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while mem.held_reads() == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "the resume looks for the result");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        b.finish(RequestRecord { id: RequestId(5), answer_tokens: 4, ..Default::default() }, InstanceId(0))
+            .await
+            .unwrap();
+        gate.notify_one();
+        resuming.await.unwrap().unwrap();
+        let mut events = Vec::new();
+        while let Ok(Ok(ev)) = rx.try_recv() {
+            events.push(ev.event);
+        }
+        let finished = events.iter().filter(|e| matches!(e, Some(v1::client_event::Event::Finished(_)))).count();
+        assert_eq!(finished, 1, "told once: {events:?}");
         b.stop();
     }
 

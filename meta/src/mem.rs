@@ -47,6 +47,11 @@ struct Inner {
     hung_prefix: Mutex<Option<String>>,
     /// Writes that hung so far.
     hung_writes: std::sync::atomic::AtomicU32,
+    /// The next `get` of a key under this prefix answers only once the gate is opened
+    /// ([`MemStore::hold_next_read_under`]).
+    held_read: Mutex<Option<(String, Arc<tokio::sync::Notify>)>>,
+    /// Reads held so far.
+    held_reads: std::sync::atomic::AtomicU32,
     /// The current revision, published after every change; campaigners and observers wait on it.
     changed: watch::Sender<i64>,
 }
@@ -108,6 +113,8 @@ impl MemStore {
                 stalled_keep_alive_ms: Default::default(),
                 hung_prefix: Mutex::new(None),
                 hung_writes: Default::default(),
+                held_read: Mutex::new(None),
+                held_reads: Default::default(),
                 changed,
             }),
         }
@@ -137,6 +144,20 @@ impl MemStore {
     /// Writes that hung ([`MemStore::hang_writes_under`]) so far.
     pub fn hung_writes(&self) -> u32 {
         self.inner.hung_writes.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Hold the answer of the next `get` of a key under `prefix`: the value is read at once and
+    /// answered once the returned gate is opened (`notify_one`), as a read whose reply is on its
+    /// way while other writes land. For tests of what a process does with a stale answer.
+    pub fn hold_next_read_under(&self, prefix: &str) -> Arc<tokio::sync::Notify> {
+        let gate = Arc::new(tokio::sync::Notify::new());
+        *self.inner.held_read.lock().expect("mem store lock") = Some((prefix.to_string(), gate.clone()));
+        gate
+    }
+
+    /// Reads held ([`MemStore::hold_next_read_under`]) so far.
+    pub fn held_reads(&self) -> u32 {
+        self.inner.held_reads.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Never returns if a write to `key` is to hang.
@@ -352,7 +373,20 @@ impl MetaStore for MemStore {
     fn get<'a>(&'a self, key: &'a str) -> MetaFuture<'a, Option<KeyValue>> {
         Box::pin(async move {
             self.read_fault()?;
-            Ok(self.inner.with_state(|s| s.kvs.get(key).cloned()))
+            let value = self.inner.with_state(|s| s.kvs.get(key).cloned());
+            let gate = {
+                let mut held = self.inner.held_read.lock().expect("mem store lock");
+                if held.as_ref().is_some_and(|(p, _)| key.starts_with(p.as_str())) {
+                    held.take().map(|(_, gate)| gate)
+                } else {
+                    None
+                }
+            };
+            if let Some(gate) = gate {
+                self.inner.held_reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                gate.notified().await;
+            }
+            Ok(value)
         })
     }
 
