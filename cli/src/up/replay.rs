@@ -144,8 +144,13 @@ impl LeaderFinder {
                             continue;
                         }
                         let mut lc = CoordinatorClient::new(self.channel(&s.leader)?);
-                        if let Ok(ls) = status_within(&mut lc, &s.leader).await {
-                            return Ok((lc, ls));
+                        // Only while the one named still reads itself as the leader: a leader
+                        // resumed from a pause may answer while its lease has lapsed and nobody
+                        // leads yet (chaos then logged a failover to "").
+                        match status_within(&mut lc, &s.leader).await {
+                            Ok(ls) if ls.leader == s.leader => return Ok((lc, ls)),
+                            Ok(_) => last = tonic::Status::unavailable("the leader changed while asked"),
+                            Err(e) => last = e,
                         }
                     }
                     Err(e) => last = e,
