@@ -82,10 +82,14 @@ const STATUS_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A coordinator's `Status`, within [`STATUS_TIMEOUT`]: one that accepts the connection but never
 /// answers counts as down.
-async fn status_within(c: &mut CoordinatorClient<Channel>, addr: &str) -> Result<v1::ClusterStatus, tonic::Status> {
-    match tokio::time::timeout(STATUS_TIMEOUT, c.status(v1::StatusRequest {})).await {
+async fn status_within(
+    c: &mut CoordinatorClient<Channel>,
+    addr: &str,
+    limit: Duration,
+) -> Result<v1::ClusterStatus, tonic::Status> {
+    match tokio::time::timeout(limit, c.status(v1::StatusRequest {})).await {
         Ok(answer) => answer.map(tonic::Response::into_inner),
-        Err(_) => Err(tonic::Status::deadline_exceeded(format!("{addr}: no answer within {STATUS_TIMEOUT:?}"))),
+        Err(_) => Err(tonic::Status::deadline_exceeded(format!("{addr}: no answer within {limit:?}"))),
     }
 }
 
@@ -136,8 +140,12 @@ impl LeaderFinder {
         let mut last = tonic::Status::unavailable("no coordinator answered");
         loop {
             for addr in &self.coordinators {
+                // Each call within what is left of the deadline: a paused coordinator named as
+                // the leader must not hold the search past it (chaos measures failovers so).
+                let limit = STATUS_TIMEOUT.min(until.saturating_duration_since(tokio::time::Instant::now()));
+                let limit = limit.max(Duration::from_millis(100));
                 let mut c = CoordinatorClient::new(self.channel(addr)?);
-                match status_within(&mut c, addr).await {
+                match status_within(&mut c, addr, limit).await {
                     Ok(s) => {
                         if s.leader.is_empty() {
                             last = tonic::Status::unavailable("no leader elected yet");
@@ -147,7 +155,7 @@ impl LeaderFinder {
                         // Only while the one named still reads itself as the leader: a leader
                         // resumed from a pause may answer while its lease has lapsed and nobody
                         // leads yet (chaos then logged a failover to "").
-                        match status_within(&mut lc, &s.leader).await {
+                        match status_within(&mut lc, &s.leader, limit).await {
                             Ok(ls) if ls.leader == s.leader => return Ok((lc, ls)),
                             Ok(_) => last = tonic::Status::unavailable("the leader changed while asked"),
                             Err(e) => last = e,
