@@ -978,7 +978,7 @@ impl Leader {
                 return Ok(());
             }
             // Stored already (a worker re-sends what a leader did not acknowledge)...
-            Err(_) if !self.finished_unstored(rec.id, from).await? => return Ok(()),
+            Err(_) if !self.finished_unstored(rec.id, from).await => return Ok(()),
             // ... or not: the leader that took it for finished died before storing it.
             Err(_) => tracing::warn!(request = rec.id.0, "a final record the last leader did not store; stored now"),
         }
@@ -996,9 +996,22 @@ impl Leader {
     /// stored: a leader marks a request finished (and may store its ownership so, at a move's
     /// end) before the result's own write lands; killed in between, it leaves the next leader a
     /// request it takes for done, whose final record the worker sends again.
-    async fn finished_unstored(&self, id: RequestId, from: InstanceId) -> Result<bool, LeaderError> {
+    /// A store that does not answer leaves it as it was before this check: taken for a repeat.
+    async fn finished_unstored(&self, id: RequestId, from: InstanceId) -> bool {
         let owned_there = self.control().ownership(id).is_some_and(|o| !o.unfinished() && o.instance == from);
-        Ok(owned_there && self.store.get(&keys::result(id.0)).await?.is_none())
+        if !owned_there {
+            return false;
+        }
+        match self.store.get(&keys::result(id.0)).await {
+            Ok(stored) => stored.is_none(),
+            Err(e) => {
+                tracing::warn!(
+                    request = id.0,
+                    "a repeated final record, taken as stored: the store did not answer ({e})"
+                );
+                false
+            }
+        }
     }
 
     /// Follow one worker's event log for as long as it is registered.
