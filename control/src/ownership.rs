@@ -38,7 +38,7 @@ pub struct Ownership {
     /// Handoffs of its current KV copy whose bytes failed their checksum at the target
     /// ([`crate::MAX_CORRUPT_HANDOFFS`]). Stored with the request, so that a leader taking over
     /// counts on from it; zero again when the request starts over elsewhere.
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default)]
     pub corrupt_handoffs: u32,
     /// While `phase` is `Migrating`: where to. Persisted before the move starts, so a leader that
     /// takes over knows to settle a move its predecessor left undecided.
@@ -66,10 +66,6 @@ impl Ownership {
     pub fn unfinished(&self) -> bool {
         self.phase != OwnedPhase::Finished
     }
-}
-
-fn is_zero(n: &u32) -> bool {
-    *n == 0
 }
 
 /// The phase a request starts (or starts over) in.
